@@ -1,0 +1,154 @@
+//! A deterministic stand-in for llama.cpp, for scheduler and HTTP tests.
+//!
+//! Tokens are bytes (0..=255), plus `EOS` and `BOS`. The "model" keeps a KV list per sequence
+//! and checks every batch position against it, so a scheduler that decodes a token at the wrong
+//! position fails loudly. The next token is a hash of the sequence's whole history: the output
+//! depends only on that sequence, never on its neighbours in the batch.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::{Backend, BackendError, BatchToken, Token};
+use crate::sched::params::SamplingParams;
+
+/// End of sequence.
+pub const EOS: Token = 256;
+/// Beginning of sequence.
+pub const BOS: Token = 257;
+
+/// Settings of the fake model.
+#[derive(Clone, Debug)]
+pub struct FakeConfig {
+    /// Cells per slot.
+    pub slot_ctx: usize,
+    /// Tokens per decode.
+    pub batch_capacity: usize,
+    /// Emit EOS once a sequence's history reaches this many tokens.
+    pub eos_at: Option<usize>,
+    /// Sleep this long in every decode (to make cancellation observable in HTTP tests).
+    pub decode_delay: std::time::Duration,
+}
+
+impl Default for FakeConfig {
+    fn default() -> Self {
+        Self {
+            slot_ctx: 256,
+            batch_capacity: 32,
+            eos_at: None,
+            decode_delay: std::time::Duration::ZERO,
+        }
+    }
+}
+
+/// The fake backend; `log` records every batch it decoded.
+#[derive(Debug, Default)]
+pub struct FakeBackend {
+    config: FakeConfig,
+    kv: HashMap<i32, Vec<Token>>,
+    /// (seq, position) of each batch index with logits, from the last decode.
+    outputs: HashMap<usize, (i32, usize)>,
+    /// Every decoded batch, in order.
+    pub log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
+}
+
+/// The fake's sampler: it only remembers the seed, which shifts the output.
+#[derive(Debug)]
+pub struct FakeSampler {
+    offset: u64,
+}
+
+impl FakeBackend {
+    /// A fake with the given settings.
+    pub fn new(config: FakeConfig) -> Self {
+        Self {
+            config,
+            ..Self::default()
+        }
+    }
+
+    /// The token the fake produces after `history`, with a sampler offset.
+    pub fn next_token(history: &[Token], offset: u64) -> Token {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ offset;
+        for &t in history {
+            h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        // Printable ASCII only, so text assertions are readable.
+        b'a' as Token + (h % 26) as Token
+    }
+}
+
+impl Backend for FakeBackend {
+    type Sampler = FakeSampler;
+
+    fn slot_ctx(&self) -> usize {
+        self.config.slot_ctx
+    }
+
+    fn batch_capacity(&self) -> usize {
+        self.config.batch_capacity
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        let mut out = vec![BOS];
+        out.extend(text.bytes().map(Token::from));
+        Ok(out)
+    }
+
+    fn token_bytes(&self, token: Token) -> Vec<u8> {
+        u8::try_from(token).map(|b| vec![b]).unwrap_or_default()
+    }
+
+    fn is_eog(&self, token: Token) -> bool {
+        token == EOS
+    }
+
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        _history: &[Token],
+    ) -> Result<FakeSampler, BackendError> {
+        let offset = if params.greedy() { 0 } else { u64::from(params.effective_seed()) };
+        Ok(FakeSampler { offset })
+    }
+
+    fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
+        if batch.is_empty() {
+            return Err(BackendError::Decode("empty batch".into()));
+        }
+        if !self.config.decode_delay.is_zero() {
+            std::thread::sleep(self.config.decode_delay);
+        }
+        self.outputs.clear();
+        for (i, t) in batch.iter().enumerate() {
+            let kv = self.kv.entry(t.seq).or_default();
+            let pos = t.pos as usize;
+            assert_eq!(pos, kv.len(), "seq {} decoded at {pos} but holds {}", t.seq, kv.len());
+            assert!(pos < self.config.slot_ctx, "seq {} overflows its slot", t.seq);
+            kv.push(t.token);
+            if t.logits {
+                self.outputs.insert(i, (t.seq, pos));
+            }
+        }
+        if let Ok(mut log) = self.log.lock() {
+            log.push(batch.to_vec());
+        }
+        Ok(())
+    }
+
+    fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Token {
+        let (seq, pos) = *self
+            .outputs
+            .get(&index)
+            .expect("sampled a batch index without logits (scheduler bug)");
+        let history = &self.kv[&seq][..=pos];
+        if self.config.eos_at.is_some_and(|n| history.len() >= n) {
+            return EOS;
+        }
+        Self::next_token(history, sampler.offset)
+    }
+
+    fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
+        self.kv.entry(seq).or_default().truncate(from);
+        true
+    }
+}

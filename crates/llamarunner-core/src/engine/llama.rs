@@ -1,0 +1,300 @@
+//! The llama.cpp backend: the only code that touches `llama-cpp-2`. Everything here lives on the
+//! engine thread (the context, batch and samplers are not `Send`).
+
+use std::num::NonZeroU32;
+use std::sync::OnceLock;
+
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::{AddBos, LlamaModel};
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::logit_bias::LlamaLogitBias;
+use llama_cpp_2::token::LlamaToken;
+use llama_cpp_2::{DecodeError, LogOptions, TokenToStringError};
+
+use super::{Backend, BackendError, BatchToken, EngineInbox, Token};
+use crate::config::{FlashAttn, RunnerConfig};
+use crate::sched::params::SamplingParams;
+use crate::sched::Scheduler;
+
+/// llama.cpp's backend may be initialized once per process; every runner shares it.
+fn llama_backend() -> Result<&'static LlamaBackend, String> {
+    static BACKEND: OnceLock<Result<LlamaBackend, String>> = OnceLock::new();
+    BACKEND
+        .get_or_init(|| {
+            // llama.cpp and ggml log through `tracing` (target "llama-cpp-2"); the subscriber
+            // decides what is shown.
+            llama_cpp_2::send_logs_to_tracing(LogOptions::default().with_logs_enabled(true));
+            LlamaBackend::init().map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The engine thread's body: load the model, create the context, run the scheduler.
+pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
+    let health = inbox.health.clone();
+    if let Err(message) = load_and_serve(config, inbox) {
+        tracing::error!("{message}");
+        health.set_error(message);
+    }
+}
+
+fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), String> {
+    let backend = llama_backend()?;
+    let progress_health = inbox.health.clone();
+    let stop = inbox.shutdown.clone();
+    let n_gpu_layers = u32::try_from(config.n_gpu_layers).unwrap_or(u32::MAX);
+    let model_params = LlamaModelParams::default()
+        .with_n_gpu_layers(n_gpu_layers)
+        .with_main_gpu(config.main_gpu)
+        .with_use_mmap(!config.no_mmap && config.lora.is_empty())
+        .with_use_mlock(config.mlock)
+        .with_progress_callback(move |p| {
+            progress_health.set_progress(p * 0.99);
+            // Returning false aborts the load (the runner is being stopped).
+            !stop.load(std::sync::atomic::Ordering::Acquire)
+        });
+    let started = std::time::Instant::now();
+    let model = LlamaModel::load_from_file(backend, &config.model, &model_params).map_err(|e| {
+        format!(
+            "llama.cpp could not load {} ({e}); its log above says why",
+            config.model.display()
+        )
+    })?;
+    tracing::info!(
+        model = %config.model.display(),
+        params = model.n_params(),
+        n_ctx_train = model.n_ctx_train(),
+        seconds = started.elapsed().as_secs_f32(),
+        "model loaded"
+    );
+
+    let parallel = config.parallel;
+    let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
+    let mut kv_type = kv_cache_type(&config.kv_cache_type);
+    if !matches!(kv_type, KvCacheType::F16) && config.flash_attn == FlashAttn::Off {
+        tracing::warn!(
+            "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
+        );
+        kv_type = KvCacheType::F16;
+    }
+    let n_ctx = config
+        .ctx_size
+        .checked_mul(parallel)
+        .ok_or("ctx-size * parallel is too large")?;
+    let ctx_params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_ctx))
+        .with_n_batch(config.batch_size)
+        .with_n_ubatch(config.batch_size)
+        .with_n_seq_max(parallel)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads)
+        .with_flash_attention_policy(match config.flash_attn {
+            FlashAttn::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
+            FlashAttn::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            FlashAttn::Off => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        })
+        .with_type_k(kv_type)
+        .with_type_v(kv_type);
+    let ctx = model
+        .new_context(backend, ctx_params)
+        .map_err(|e| format!("llama.cpp could not create a context of {n_ctx} tokens: {e}"))?;
+
+    let mut lora = match config.lora.first() {
+        Some(path) => Some(
+            model
+                .lora_adapter_init(path)
+                .map_err(|e| format!("cannot load LoRA adapter {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    if let Some(adapter) = lora.as_mut() {
+        ctx.lora_adapter_set(adapter, 1.0)
+            .map_err(|e| format!("cannot apply LoRA adapter: {e}"))?;
+    }
+
+    let slot_ctx = (ctx.n_ctx() / parallel) as usize;
+    let engine = LlamaEngine::new(&model, ctx, slot_ctx, config.batch_size as usize);
+    tracing::info!(
+        slots = parallel,
+        slot_ctx,
+        batch = config.batch_size,
+        threads,
+        "ready"
+    );
+    Scheduler::new(engine, inbox, parallel as usize).run();
+    Ok(())
+}
+
+fn kv_cache_type(name: &str) -> KvCacheType {
+    match name {
+        "q8_0" => KvCacheType::Q8_0,
+        "q4_0" => KvCacheType::Q4_0,
+        _ => KvCacheType::F16,
+    }
+}
+
+/// One model + context + batch, as a `Backend`.
+struct LlamaEngine<'m> {
+    model: &'m LlamaModel,
+    ctx: LlamaContext<'m>,
+    batch: LlamaBatch<'static>,
+    slot_ctx: usize,
+    batch_capacity: usize,
+    /// Biases that forbid every end-of-generation token (for `ignore_eos`).
+    eog_bans: Vec<LlamaLogitBias>,
+}
+
+impl<'m> LlamaEngine<'m> {
+    fn new(model: &'m LlamaModel, ctx: LlamaContext<'m>, slot_ctx: usize, batch: usize) -> Self {
+        let eog_bans = (0..model.n_vocab())
+            .map(LlamaToken)
+            .filter(|&t| model.is_eog_token(t))
+            .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
+            .collect();
+        Self {
+            model,
+            ctx,
+            batch: LlamaBatch::new(batch, 1),
+            slot_ctx,
+            batch_capacity: batch,
+            eog_bans,
+        }
+    }
+}
+
+/// A request's sampler chain (penalties, truncation, temperature, selection).
+pub struct ChainSampler {
+    chain: LlamaSampler,
+}
+
+impl Backend for LlamaEngine<'_> {
+    type Sampler = ChainSampler;
+
+    fn slot_ctx(&self) -> usize {
+        self.slot_ctx
+    }
+
+    fn batch_capacity(&self) -> usize {
+        self.batch_capacity
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        self.model
+            .str_to_token(text, AddBos::Always)
+            .map(|v| v.into_iter().map(|t| t.0).collect())
+            .map_err(|e| BackendError::Tokenize(e.to_string()))
+    }
+
+    fn token_bytes(&self, token: Token) -> Vec<u8> {
+        let token = LlamaToken(token);
+        match self.model.token_to_piece_bytes(token, 32, false, None) {
+            Ok(b) => b,
+            Err(TokenToStringError::InsufficientBufferSpace(n)) => self
+                .model
+                .token_to_piece_bytes(token, n.unsigned_abs() as usize, false, None)
+                .unwrap_or_default(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn is_eog(&self, token: Token) -> bool {
+        self.model.is_eog_token(LlamaToken(token))
+    }
+
+    fn new_sampler(
+        &self,
+        p: &SamplingParams,
+        history: &[Token],
+    ) -> Result<ChainSampler, BackendError> {
+        let n_vocab = self.model.n_vocab();
+        let mut stages = Vec::new();
+        if p.ignore_eos && !self.eog_bans.is_empty() {
+            stages.push(LlamaSampler::logit_bias(n_vocab, &self.eog_bans));
+        }
+        let penalize = p.repeat_last_n != 0
+            && (p.repeat_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0);
+        let last_n = if p.repeat_last_n < 0 {
+            i32::try_from(self.slot_ctx).unwrap_or(i32::MAX)
+        } else {
+            p.repeat_last_n
+        };
+        if penalize {
+            stages.push(LlamaSampler::penalties(
+                last_n,
+                p.repeat_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+            ));
+        }
+        let seed = p.effective_seed();
+        if p.greedy() {
+            stages.push(LlamaSampler::greedy());
+        } else if p.mirostat == 1 {
+            stages.push(LlamaSampler::temp(p.temperature));
+            stages.push(LlamaSampler::mirostat(
+                n_vocab,
+                seed,
+                p.mirostat_tau,
+                p.mirostat_eta,
+                100,
+            ));
+        } else if p.mirostat == 2 {
+            stages.push(LlamaSampler::temp(p.temperature));
+            stages.push(LlamaSampler::mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta));
+        } else {
+            if p.top_k > 0 {
+                stages.push(LlamaSampler::top_k(p.top_k));
+            }
+            if p.typical_p < 1.0 {
+                stages.push(LlamaSampler::typical(p.typical_p, 1));
+            }
+            if p.top_p < 1.0 {
+                stages.push(LlamaSampler::top_p(p.top_p, 1));
+            }
+            if p.min_p > 0.0 {
+                stages.push(LlamaSampler::min_p(p.min_p, 1));
+            }
+            stages.push(LlamaSampler::temp(p.temperature));
+            stages.push(LlamaSampler::dist(seed));
+        }
+        let mut chain = LlamaSampler::chain_simple(stages);
+        if penalize {
+            // The prompt seeds the penalty window, as in llama.cpp's common sampler.
+            let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
+            chain.accept_many(history[history.len() - window..].iter().map(|&t| LlamaToken(t)));
+        }
+        Ok(ChainSampler { chain })
+    }
+
+    fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
+        self.batch.clear();
+        for t in batch {
+            let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
+            self.batch
+                .add(LlamaToken(t.token), pos, &[t.seq], t.logits)
+                .map_err(|e| BackendError::Decode(e.to_string()))?;
+        }
+        self.ctx.decode(&mut self.batch).map_err(|e| match e {
+            DecodeError::NoKvCacheSlot => BackendError::NoKvSlot,
+            other => BackendError::Decode(other.to_string()),
+        })
+    }
+
+    fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Token {
+        // `sample` also accepts the token into the chain (penalty history); no second accept.
+        let index = i32::try_from(index).unwrap_or(i32::MAX);
+        sampler.chain.sample(&self.ctx, index).0
+    }
+
+    fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
+        let Ok(from) = u32::try_from(from) else {
+            return false;
+        };
+        self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_ok()
+    }
+}

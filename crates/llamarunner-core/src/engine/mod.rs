@@ -1,0 +1,344 @@
+//! The engine: the one OS thread that owns llama.cpp, and the handle the HTTP side uses to reach
+//! it. `Backend` is the narrow surface the scheduler needs from llama.cpp, so that `sched/` can
+//! be tested against `fake::FakeBackend`. Only `llama.rs` touches `llama-cpp-2`.
+
+pub mod fake;
+#[cfg(feature = "llama")]
+pub mod llama;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::sched::params::SamplingParams;
+
+/// A vocabulary token id.
+pub type Token = i32;
+
+/// One token placed in a decode batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchToken {
+    /// The token.
+    pub token: Token,
+    /// Its position in its sequence.
+    pub pos: u32,
+    /// The llama.cpp sequence id (= slot id).
+    pub seq: i32,
+    /// Whether logits are needed for this position.
+    pub logits: bool,
+}
+
+/// Failures of the llama.cpp layer.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum BackendError {
+    /// The text could not be tokenized.
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    /// The sampler could not be built from the request's parameters.
+    #[error("invalid sampling parameters: {0}")]
+    Sampler(String),
+    /// llama.cpp found no room in the KV cache for the batch.
+    #[error("no KV cache slot available for the batch")]
+    NoKvSlot,
+    /// Any other decode failure.
+    #[error("llama_decode failed: {0}")]
+    Decode(String),
+}
+
+/// What the scheduler needs from a model + context. Implementations live on the engine thread
+/// only, so nothing here is `Send`.
+pub trait Backend {
+    /// Per-request sampler state.
+    type Sampler;
+
+    /// Cells of KV cache available to each slot.
+    fn slot_ctx(&self) -> usize;
+    /// Most tokens one `decode` call may carry.
+    fn batch_capacity(&self) -> usize;
+    /// Tokenizes a prompt, adding BOS when the model wants it and parsing special tokens.
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    /// The bytes a token renders to (may be a partial UTF-8 character).
+    fn token_bytes(&self, token: Token) -> Vec<u8>;
+    /// Whether the token ends generation (EOS, EOT, ...).
+    fn is_eog(&self, token: Token) -> bool;
+    /// Builds a sampler for a request; `history` seeds the repetition penalties.
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        history: &[Token],
+    ) -> Result<Self::Sampler, BackendError>;
+    /// Decodes one batch.
+    fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
+    /// Samples (and accepts) the next token from the logits of batch position `index`.
+    fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Token;
+    /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
+    /// remove part of a sequence (the caller then clears all of it).
+    fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
+}
+
+/// Model load state, shared between the engine thread and the HTTP side.
+#[derive(Debug, Default)]
+pub struct Health {
+    state: AtomicU8,
+    progress: AtomicU32,
+    error: Mutex<Option<String>>,
+    busy_slots: AtomicU32,
+    total_slots: AtomicU32,
+}
+
+/// The three load states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadState {
+    /// The model is still loading.
+    Loading,
+    /// Requests are served.
+    Ready,
+    /// Loading failed (see `Health::error`) or the engine stopped.
+    Error,
+}
+
+impl LoadState {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadState::Loading => "loading",
+            LoadState::Ready => "ready",
+            LoadState::Error => "error",
+        }
+    }
+}
+
+impl Health {
+    /// Current state.
+    pub fn state(&self) -> LoadState {
+        match self.state.load(Ordering::Acquire) {
+            0 => LoadState::Loading,
+            1 => LoadState::Ready,
+            _ => LoadState::Error,
+        }
+    }
+    /// Load progress in 0..=1.
+    pub fn progress(&self) -> f32 {
+        f32::from_bits(self.progress.load(Ordering::Relaxed))
+    }
+    /// Records load progress.
+    pub fn set_progress(&self, p: f32) {
+        self.progress
+            .store(p.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+    }
+    /// Marks the model ready, with the number of slots.
+    pub fn set_ready(&self, slots: u32) {
+        self.total_slots.store(slots, Ordering::Relaxed);
+        self.set_progress(1.0);
+        self.state.store(1, Ordering::Release);
+    }
+    /// Marks the engine failed, with the reason.
+    pub fn set_error(&self, message: impl Into<String>) {
+        if let Ok(mut e) = self.error.lock() {
+            *e = Some(message.into());
+        }
+        self.state.store(2, Ordering::Release);
+    }
+    /// Why the engine failed, if it did.
+    pub fn error(&self) -> Option<String> {
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+    /// Records how many slots are busy.
+    pub fn set_busy_slots(&self, n: u32) {
+        self.busy_slots.store(n, Ordering::Relaxed);
+    }
+    /// (busy slots, total slots).
+    pub fn slots(&self) -> (u32, u32) {
+        (
+            self.busy_slots.load(Ordering::Relaxed),
+            self.total_slots.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DoneReason {
+    /// End of generation token or a stop string.
+    Stop,
+    /// `num_predict` reached or the slot is full.
+    Length,
+}
+
+impl DoneReason {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DoneReason::Stop => "stop",
+            DoneReason::Length => "length",
+        }
+    }
+}
+
+/// Final statistics of a completion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// Why it ended.
+    pub done_reason: DoneReason,
+    /// Prompt tokens (after truncation), cached ones included.
+    pub prompt_eval_count: usize,
+    /// Prompt tokens reused from the slot's KV cache.
+    pub prompt_cached_count: usize,
+    /// Time from admission to the first sampled token, ns.
+    pub prompt_eval_duration_ns: u64,
+    /// Tokens sampled.
+    pub eval_count: usize,
+    /// Time from the first sampled token to the end, ns.
+    pub eval_duration_ns: u64,
+}
+
+/// The class of an engine-side failure, which decides its HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineErrorKind {
+    /// The request itself is bad (400).
+    InvalidRequest,
+    /// The prompt does not fit in a slot (400).
+    ContextLength,
+    /// The engine is stopping (503).
+    ShuttingDown,
+    /// llama.cpp failed (500).
+    Internal,
+}
+
+/// A failure reported to one request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct EngineError {
+    /// Its class.
+    pub kind: EngineErrorKind,
+    /// A sentence for the user.
+    pub message: String,
+}
+
+impl EngineError {
+    /// Builds an error.
+    pub fn new(kind: EngineErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// What the engine streams back to one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The prompt was admitted into a slot and processing started.
+    Started,
+    /// Generated text (valid UTF-8, never containing a stop string).
+    Text(String),
+    /// The sequence finished.
+    Done(Completion),
+    /// The sequence failed.
+    Error(EngineError),
+}
+
+/// Capacity of each request's event channel. When a client reads slower than the engine
+/// generates, text is coalesced on the engine side rather than blocking the loop.
+pub const EVENT_CHANNEL_CAPACITY: usize = 64;
+
+/// A completion request as the engine receives it.
+#[derive(Debug)]
+pub struct Request {
+    /// Prompt text.
+    pub prompt: String,
+    /// Sampling and stopping parameters.
+    pub params: SamplingParams,
+    /// Where events go; a closed channel means the client left.
+    pub events: tokio::sync::mpsc::Sender<Event>,
+    /// When the HTTP side received it.
+    pub received: Instant,
+}
+
+/// A message to the engine thread.
+#[derive(Debug)]
+pub enum Message {
+    /// Serve this request.
+    Request(Request),
+    /// Wake up (used on shutdown).
+    Wake,
+}
+
+/// Why a request could not be queued.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The waiting queue is full.
+    #[error("the server is busy: too many requests are waiting for a slot")]
+    QueueFull,
+    /// The engine thread is gone.
+    #[error("the engine is not running")]
+    Stopped,
+}
+
+/// The HTTP side's handle on the engine: cheap to clone, never blocks.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: SyncSender<Message>,
+    /// Load state and slot gauges.
+    pub health: Arc<Health>,
+    shutdown: Arc<AtomicBool>,
+}
+
+impl EngineHandle {
+    /// Creates the handle and the engine's end of the channel.
+    pub fn new(queue: usize) -> (Self, EngineInbox) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(queue.max(1));
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let health = Arc::new(Health::default());
+        (
+            Self {
+                tx,
+                health: health.clone(),
+                shutdown: shutdown.clone(),
+            },
+            EngineInbox {
+                rx,
+                shutdown,
+                health,
+            },
+        )
+    }
+
+    /// Queues a request for a slot.
+    pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(SubmitError::Stopped);
+        }
+        match self.tx.try_send(Message::Request(request)) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),
+        }
+    }
+
+    /// Asks the engine thread to finish: running requests get a shutdown error.
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        // A full queue means the engine is awake anyway and will see the flag.
+        let _ = self.tx.try_send(Message::Wake);
+    }
+}
+
+/// The engine thread's end: requests, the shutdown flag and the health to report into.
+#[derive(Debug)]
+pub struct EngineInbox {
+    /// Incoming messages.
+    pub rx: Receiver<Message>,
+    /// Set when the engine must stop.
+    pub shutdown: Arc<AtomicBool>,
+    /// Where load state and gauges are published.
+    pub health: Arc<Health>,
+}
+
+impl EngineInbox {
+    /// Whether shutdown was requested.
+    pub fn stopping(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+}

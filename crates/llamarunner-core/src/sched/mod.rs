@@ -1,0 +1,469 @@
+//! The batching loop. It owns the slots and the sequences in them; it runs on the engine thread
+//! and is generic over `Backend`, so it is unit-tested against the fake backend.
+//!
+//! Each step: take new requests, drop those whose client left, admit waiting requests into free
+//! slots (reusing the longest cached prefix), build one batch (every generating sequence's next
+//! token first, then prompt chunks with the remaining budget, round robin), decode once, sample
+//! for every sequence whose pending tokens are all decoded, and stream the text out.
+
+pub mod params;
+pub mod text;
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::Sender;
+
+use crate::engine::{
+    Backend, BatchToken, Completion, DoneReason, EngineError, EngineErrorKind, EngineInbox, Event,
+    Message, Request, Token,
+};
+use params::SamplingParams;
+use text::TextStream;
+
+/// A request that holds a slot.
+struct Sequence<S> {
+    events: Sender<Event>,
+    params: SamplingParams,
+    sampler: S,
+    /// Tokens not yet decoded: the rest of the prompt, or the last sampled token.
+    pending: Vec<Token>,
+    /// How many of `pending` are in the batch being built.
+    queued: usize,
+    /// Batch index whose logits this sequence samples from after this step.
+    logits_at: Option<usize>,
+    n_prompt: usize,
+    n_cached: usize,
+    n_generated: usize,
+    text: TextStream,
+    /// Text produced but not yet accepted by the client's channel.
+    outbox: String,
+    admitted: Instant,
+    /// Set when the prompt is fully decoded.
+    prompt_done: Option<Instant>,
+}
+
+impl<S> Sequence<S> {
+    fn generating(&self) -> bool {
+        self.prompt_done.is_some()
+    }
+}
+
+/// One llama.cpp sequence id and what its KV cache holds.
+struct Slot<S> {
+    id: i32,
+    /// Tokens whose KV entries are in the cache, by position.
+    cached: Vec<Token>,
+    seq: Option<Sequence<S>>,
+}
+
+/// The engine's loop state.
+pub struct Scheduler<B: Backend> {
+    backend: B,
+    inbox: EngineInbox,
+    slots: Vec<Slot<B::Sampler>>,
+    waiting: VecDeque<Request>,
+    /// Events a full channel could not take yet (a slow client whose sequence already ended).
+    draining: Vec<(Sender<Event>, VecDeque<Event>)>,
+    /// Slot index where prompt chunking starts next step.
+    next_prompt: usize,
+    batch: Vec<BatchToken>,
+}
+
+/// Longest common prefix of two token lists.
+pub fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// A scheduler with `slots` sequences over `backend`.
+    pub fn new(backend: B, inbox: EngineInbox, slots: usize) -> Self {
+        let slots = (0..slots)
+            .map(|i| Slot {
+                id: i32::try_from(i).unwrap_or(i32::MAX),
+                cached: Vec::new(),
+                seq: None,
+            })
+            .collect();
+        Self {
+            backend,
+            inbox,
+            slots,
+            waiting: VecDeque::new(),
+            draining: Vec::new(),
+            next_prompt: 0,
+            batch: Vec::new(),
+        }
+    }
+
+    /// Runs until shutdown is requested or every handle is dropped.
+    pub fn run(mut self) {
+        let total = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+        self.inbox.health.set_ready(total);
+        while self.receive() {
+            if self.inbox.stopping() {
+                break;
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.step();
+            self.flush_draining();
+            let busy = self.slots.iter().filter(|s| s.seq.is_some()).count();
+            self.inbox
+                .health
+                .set_busy_slots(u32::try_from(busy).unwrap_or(u32::MAX));
+        }
+        self.fail_everything();
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.slots.iter().all(|s| s.seq.is_none())
+    }
+
+    /// Moves new messages into `waiting`; blocks when there is nothing to do. False = exit.
+    fn receive(&mut self) -> bool {
+        if self.idle() {
+            let msg = if self.draining.is_empty() {
+                self.inbox.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else {
+                self.inbox.rx.recv_timeout(Duration::from_millis(5))
+            };
+            match msg {
+                Ok(m) => self.handle(m),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        loop {
+            match self.inbox.rx.try_recv() {
+                Ok(m) => self.handle(m),
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return !self.idle(),
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: Message) {
+        match msg {
+            Message::Request(r) => self.waiting.push_back(r),
+            Message::Wake => {}
+        }
+    }
+
+    /// Frees the slots (and queue places) of clients that went away.
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|r| !r.events.is_closed());
+        for slot in &mut self.slots {
+            if slot.seq.as_ref().is_some_and(|s| s.events.is_closed()) {
+                tracing::debug!(slot = slot.id, "client disconnected; slot freed");
+                slot.seq = None;
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.slots.iter().any(|s| s.seq.is_none()) {
+            let Some(request) = self.waiting.pop_front() else {
+                return;
+            };
+            if let Err(e) = self.admit_one(&request) {
+                let _ = request.events.try_send(Event::Error(e));
+            }
+        }
+    }
+
+    fn admit_one(&mut self, request: &Request) -> Result<(), EngineError> {
+        let tokens = self
+            .backend
+            .tokenize(&request.prompt)
+            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
+        if tokens.is_empty() {
+            return Err(EngineError::new(
+                EngineErrorKind::InvalidRequest,
+                "the prompt has no tokens",
+            ));
+        }
+        let ctx = self.backend.slot_ctx();
+        if tokens.len() >= ctx {
+            return Err(EngineError::new(
+                EngineErrorKind::ContextLength,
+                format!(
+                    "the input length exceeds the context length: the prompt has {} tokens, a slot holds {ctx} (raise --ctx-size)",
+                    tokens.len()
+                ),
+            ));
+        }
+        let sampler = self
+            .backend
+            .new_sampler(&request.params, &tokens)
+            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
+        let index = self.choose_slot(&tokens).ok_or_else(|| {
+            EngineError::new(EngineErrorKind::Internal, "no free slot (scheduler bug)")
+        })?;
+        let slot = &mut self.slots[index];
+        // At least one prompt token is decoded so there are logits to sample from.
+        let mut reuse = common_prefix(&slot.cached, &tokens).min(tokens.len() - 1);
+        if !self.backend.kv_truncate(slot.id, reuse) {
+            self.backend.kv_truncate(slot.id, 0);
+            reuse = 0;
+        }
+        slot.cached.truncate(reuse);
+        if request.events.try_send(Event::Started).is_err() {
+            return Ok(()); // the client is gone; the slot stays free
+        }
+        tracing::debug!(
+            slot = slot.id,
+            prompt = tokens.len(),
+            cached = reuse,
+            "sequence admitted"
+        );
+        slot.seq = Some(Sequence {
+            events: request.events.clone(),
+            params: request.params.clone(),
+            sampler,
+            n_prompt: tokens.len(),
+            n_cached: reuse,
+            pending: tokens[reuse..].to_vec(),
+            queued: 0,
+            logits_at: None,
+            n_generated: 0,
+            text: TextStream::new(request.params.stop.clone()),
+            outbox: String::new(),
+            admitted: Instant::now(),
+            prompt_done: None,
+        });
+        Ok(())
+    }
+
+    /// The free slot whose cache shares the longest prefix with `tokens` (ties: lowest id).
+    fn choose_slot(&self, tokens: &[Token]) -> Option<usize> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.seq.is_none())
+            .max_by(|(ia, a), (ib, b)| {
+                common_prefix(&a.cached, tokens)
+                    .cmp(&common_prefix(&b.cached, tokens))
+                    .then(ib.cmp(ia))
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
+    /// robin within the remaining budget.
+    fn build_batch(&mut self) {
+        self.batch.clear();
+        let capacity = self.backend.batch_capacity().max(1);
+        for slot in &mut self.slots {
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            seq.queued = 0;
+            seq.logits_at = None;
+            if seq.generating() && !seq.pending.is_empty() && self.batch.len() < capacity {
+                seq.logits_at = Some(self.batch.len());
+                seq.queued = 1;
+                self.batch.push(BatchToken {
+                    token: seq.pending[0],
+                    pos: pos_of(slot.cached.len()),
+                    seq: slot.id,
+                    logits: true,
+                });
+            }
+        }
+        let n = self.slots.len();
+        let start = self.next_prompt;
+        for k in 0..n {
+            if self.batch.len() >= capacity {
+                break;
+            }
+            let i = (start + k) % n;
+            let slot = &mut self.slots[i];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            if seq.generating() || seq.pending.is_empty() {
+                continue;
+            }
+            let take = (capacity - self.batch.len()).min(seq.pending.len());
+            for (j, &token) in seq.pending[..take].iter().enumerate() {
+                let last = j + 1 == seq.pending.len();
+                if last {
+                    seq.logits_at = Some(self.batch.len());
+                }
+                self.batch.push(BatchToken {
+                    token,
+                    pos: pos_of(slot.cached.len() + j),
+                    seq: slot.id,
+                    logits: last,
+                });
+            }
+            seq.queued = take;
+            self.next_prompt = (i + 1) % n;
+        }
+    }
+
+    fn step(&mut self) {
+        self.build_batch();
+        if self.batch.is_empty() {
+            return;
+        }
+        if let Err(e) = self.backend.decode(&self.batch) {
+            tracing::error!(error = %e, tokens = self.batch.len(), "decode failed");
+            self.fail_batch(&e.to_string());
+            return;
+        }
+        let now = Instant::now();
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            slot.cached.extend(seq.pending.drain(..seq.queued));
+            seq.queued = 0;
+            let Some(at) = seq.logits_at.take() else {
+                continue;
+            };
+            if seq.prompt_done.is_none() {
+                seq.prompt_done = Some(now);
+            }
+            if let Some(reason) = self.sample_one(index, at) {
+                self.finish(index, reason);
+            } else {
+                self.flush_outbox(index);
+            }
+        }
+    }
+
+    /// Samples the next token of the sequence in slot `index`; returns why it ends, if it does.
+    fn sample_one(&mut self, index: usize, at: usize) -> Option<DoneReason> {
+        let ctx = self.backend.slot_ctx();
+        let slot = &mut self.slots[index];
+        let seq = slot.seq.as_mut()?;
+        if seq.params.num_predict == 0 {
+            return Some(DoneReason::Length);
+        }
+        let token = self.backend.sample(&mut seq.sampler, at);
+        seq.n_generated += 1;
+        if self.backend.is_eog(token) && !seq.params.ignore_eos {
+            return Some(DoneReason::Stop);
+        }
+        let pushed = seq.text.push(&self.backend.token_bytes(token));
+        seq.outbox.push_str(&pushed.text);
+        if pushed.stopped {
+            return Some(DoneReason::Stop);
+        }
+        if seq.params.num_predict > 0 && seq.n_generated as i64 >= seq.params.num_predict {
+            return Some(DoneReason::Length);
+        }
+        if slot.cached.len() >= ctx {
+            // No cell left to decode this token into (context shift comes with the kv module).
+            return Some(DoneReason::Length);
+        }
+        seq.pending.push(token);
+        None
+    }
+
+    /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.
+    fn flush_outbox(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        let Some(seq) = slot.seq.as_mut() else {
+            return;
+        };
+        if seq.outbox.is_empty() {
+            return;
+        }
+        let text = std::mem::take(&mut seq.outbox);
+        match seq.events.try_send(Event::Text(text)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(Event::Text(t))) => seq.outbox = t,
+            Err(_) => slot.seq = None,
+        }
+    }
+
+    /// Ends the sequence in slot `index`: flushes held text and sends the final statistics.
+    fn finish(&mut self, index: usize, reason: DoneReason) {
+        let Some(mut seq) = self.slots[index].seq.take() else {
+            return;
+        };
+        let now = Instant::now();
+        let prompt_done = seq.prompt_done.unwrap_or(now);
+        seq.outbox.push_str(&seq.text.finish());
+        let mut events = VecDeque::new();
+        if !seq.outbox.is_empty() {
+            events.push_back(Event::Text(std::mem::take(&mut seq.outbox)));
+        }
+        events.push_back(Event::Done(Completion {
+            done_reason: reason,
+            prompt_eval_count: seq.n_prompt,
+            prompt_cached_count: seq.n_cached,
+            prompt_eval_duration_ns: nanos(prompt_done - seq.admitted),
+            eval_count: seq.n_generated,
+            eval_duration_ns: nanos(now - prompt_done),
+        }));
+        self.send_all(seq.events, events);
+    }
+
+    /// Sends events in order, parking the rest when the channel is full.
+    fn send_all(&mut self, tx: Sender<Event>, mut events: VecDeque<Event>) {
+        while let Some(ev) = events.pop_front() {
+            match tx.try_send(ev) {
+                Ok(()) => {}
+                Err(TrySendError::Full(ev)) => {
+                    events.push_front(ev);
+                    self.draining.push((tx, events));
+                    return;
+                }
+                Err(TrySendError::Closed(_)) => return,
+            }
+        }
+    }
+
+    fn flush_draining(&mut self) {
+        for (tx, events) in std::mem::take(&mut self.draining) {
+            self.send_all(tx, events);
+        }
+    }
+
+    /// A decode failed: every sequence in the batch gets the error and its slot is cleared.
+    fn fail_batch(&mut self, message: &str) {
+        let in_batch: Vec<i32> = self.batch.iter().map(|t| t.seq).collect();
+        for slot in &mut self.slots {
+            if !in_batch.contains(&slot.id) {
+                continue;
+            }
+            if let Some(seq) = slot.seq.take() {
+                let err = EngineError::new(EngineErrorKind::Internal, message);
+                let _ = seq.events.try_send(Event::Error(err));
+            }
+            self.backend.kv_truncate(slot.id, 0);
+            slot.cached.clear();
+        }
+    }
+
+    fn fail_everything(&mut self) {
+        let err = EngineError::new(EngineErrorKind::ShuttingDown, "the server is shutting down");
+        for r in self.waiting.drain(..) {
+            let _ = r.events.try_send(Event::Error(err.clone()));
+        }
+        for slot in &mut self.slots {
+            if let Some(seq) = slot.seq.take() {
+                let _ = seq.events.try_send(Event::Error(err.clone()));
+            }
+        }
+        self.inbox.health.set_busy_slots(0);
+    }
+}
+
+fn pos_of(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+//! The loop against the fake backend.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc::Receiver;
+
+use super::params::SamplingParams;
+use super::Scheduler;
+use crate::engine::fake::{FakeBackend, FakeConfig, BOS};
+use crate::engine::{
+    BatchToken, Completion, DoneReason, EngineErrorKind, EngineHandle, Event, Request, Token,
+};
+
+struct Harness {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+    log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
+}
+
+impl Harness {
+    fn new(config: FakeConfig, slots: usize) -> Self {
+        let (handle, inbox) = EngineHandle::new(64);
+        let backend = FakeBackend::new(config);
+        let log = backend.log.clone();
+        let thread = std::thread::spawn(move || Scheduler::new(backend, inbox, slots).run());
+        Self {
+            handle,
+            thread: Some(thread),
+            log,
+        }
+    }
+
+    fn submit(&self, prompt: &str, params: SamplingParams) -> Receiver<Event> {
+        let (tx, rx) = tokio::sync::mpsc::channel(crate::engine::EVENT_CHANNEL_CAPACITY);
+        self.handle
+            .submit(Request {
+                prompt: prompt.into(),
+                params,
+                events: tx,
+                received: Instant::now(),
+            })
+            .expect("queue has room");
+        rx
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.handle.shutdown();
+        if let Some(t) = self.thread.take() {
+            t.join().expect("engine thread must not panic");
+        }
+    }
+}
+
+/// Reads a sequence to its end: (text, final stats).
+fn collect(rx: &mut Receiver<Event>) -> (String, Completion) {
+    let mut text = String::new();
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    loop {
+        match rx.blocking_recv().expect("engine ended the stream without Done") {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(c) => return (text, c),
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+}
+
+fn greedy(n: i64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        num_predict: n,
+        ..SamplingParams::default()
+    }
+}
+
+/// What the fake generates greedily for `prompt`, computed without the scheduler.
+fn expected(prompt: &str, n: usize) -> String {
+    let mut history: Vec<Token> = vec![BOS];
+    history.extend(prompt.bytes().map(Token::from));
+    let mut out = String::new();
+    for _ in 0..n {
+        let t = FakeBackend::next_token(&history, 0);
+        out.push(char::from(u8::try_from(t).unwrap()));
+        history.push(t);
+    }
+    out
+}
+
+#[test]
+fn num_predict_gives_exactly_n_tokens() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    for n in [1usize, 2, 7, 40] {
+        let (text, done) = collect(&mut h.submit("hello", greedy(n as i64)));
+        assert_eq!(done.eval_count, n);
+        assert_eq!(done.done_reason, DoneReason::Length);
+        assert_eq!(text, expected("hello", n));
+        assert_eq!(done.prompt_eval_count, 6);
+    }
+}
+
+#[test]
+fn eog_ends_with_stop_and_is_not_emitted() {
+    let h = Harness::new(
+        FakeConfig {
+            eos_at: Some(10),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    // prompt = BOS + 5 bytes = 6 tokens; tokens 7..=10 of history are generated, the 5th is EOS.
+    let (text, done) = collect(&mut h.submit("hello", greedy(-1)));
+    assert_eq!(done.done_reason, DoneReason::Stop);
+    assert_eq!(done.eval_count, 5);
+    assert_eq!(text, expected("hello", 4));
+}
+
+#[test]
+fn ignore_eos_keeps_generating() {
+    let h = Harness::new(
+        FakeConfig {
+            eos_at: Some(10),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    let (_, done) = collect(&mut h.submit("hello", params));
+    assert_eq!(done.eval_count, 12);
+    assert_eq!(done.done_reason, DoneReason::Length);
+}
+
+#[test]
+fn a_full_slot_ends_with_length() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 20,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let (text, done) = collect(&mut h.submit("hello", greedy(-1)));
+    assert_eq!(done.done_reason, DoneReason::Length);
+    // 6 prompt tokens + 14 decoded generated tokens fill 20 cells; the 15th is sampled last.
+    assert_eq!(done.eval_count, 15);
+    assert_eq!(text.len(), 15);
+}
+
+#[test]
+fn too_long_prompt_is_a_context_length_error_and_the_slot_survives() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 8,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let mut rx = h.submit("much too long", greedy(3));
+    match rx.blocking_recv() {
+        Some(Event::Error(e)) => {
+            assert_eq!(e.kind, EngineErrorKind::ContextLength);
+            assert!(e.message.contains("exceeds the context length"), "{}", e.message);
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    let (_, done) = collect(&mut h.submit("ok", greedy(3)));
+    assert_eq!(done.eval_count, 3);
+}
+
+#[test]
+fn stop_strings_end_the_sequence() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let full = expected("stop test", 30);
+    let stop = full[10..13].to_string();
+    let cut = full.find(&stop).unwrap();
+    let params = SamplingParams {
+        stop: vec![stop],
+        ..greedy(30)
+    };
+    let (text, done) = collect(&mut h.submit("stop test", params));
+    assert_eq!(done.done_reason, DoneReason::Stop);
+    assert_eq!(text, full[..cut]);
+}
+
+#[test]
+fn parallel_sequences_each_match_their_sequential_output() {
+    let h = Harness::new(
+        FakeConfig {
+            batch_capacity: 16,
+            ..FakeConfig::default()
+        },
+        4,
+    );
+    let prompts: Vec<String> = (0..10)
+        .map(|i| format!("prompt number {i} {}", "x".repeat(i * 7)))
+        .collect();
+    let limits: Vec<usize> = (0..10).map(|i| 5 + i * 3).collect();
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .zip(&limits)
+        .map(|(p, &n)| h.submit(p, greedy(n as i64)))
+        .collect();
+    for ((p, &n), rx) in prompts.iter().zip(&limits).zip(&mut rxs) {
+        let (text, done) = collect(rx);
+        assert_eq!(done.eval_count, n, "{p}");
+        assert_eq!(text, expected(p, n), "{p}");
+    }
+    // Never more than the batch capacity per decode, never two slots with one seq id twice per
+    // position (the fake asserts positions).
+    for batch in h.log.lock().unwrap().iter() {
+        assert!(batch.len() <= 16);
+    }
+}
+
+#[test]
+fn long_prompt_does_not_stall_generating_sequences() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 4096,
+            batch_capacity: 64,
+            decode_delay: std::time::Duration::from_micros(200),
+            ..FakeConfig::default()
+        },
+        4,
+    );
+    let mut gens: Vec<_> = (0..3)
+        .map(|i| h.submit(&format!("g{i}"), greedy(-1)))
+        .collect();
+    // Let the three start generating.
+    for rx in &mut gens {
+        assert_eq!(rx.blocking_recv(), Some(Event::Started));
+        assert!(matches!(rx.blocking_recv(), Some(Event::Text(_))));
+    }
+    let long = "y".repeat(2000);
+    let mut big = h.submit(&long, greedy(1));
+    let (_, done) = collect(&mut big);
+    assert_eq!(done.prompt_eval_count, 2001);
+    drop(gens);
+    // Every decode that carried prompt chunks of the long sequence also carried a token of each
+    // sequence that was generating at that time: no step was spent on the prompt alone while
+    // others waited.
+    let log = h.log.lock().unwrap();
+    let long_seq = log
+        .iter()
+        .flat_map(|b| b.iter())
+        .find(|t| t.pos > 1500)
+        .map(|t| t.seq)
+        .unwrap();
+    let mut chunked_steps = 0;
+    for batch in log.iter() {
+        let long_tokens = batch.iter().filter(|t| t.seq == long_seq).count();
+        if long_tokens > 1 {
+            chunked_steps += 1;
+            let others = batch.iter().filter(|t| t.seq != long_seq).count();
+            assert!(others >= 1, "a prompt chunk stalled the generating sequences");
+            assert!(batch.len() <= 64);
+        }
+    }
+    assert!(chunked_steps >= 2000 / 64, "the long prompt was chunked");
+}
+
+#[test]
+fn second_identical_prompt_reuses_the_cache() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let (a, first) = collect(&mut h.submit("the same prompt", greedy(5)));
+    assert_eq!(first.prompt_cached_count, 0);
+    let (b, second) = collect(&mut h.submit("the same prompt", greedy(5)));
+    assert_eq!(a, b);
+    // All but one prompt token come from the cache.
+    assert_eq!(second.prompt_cached_count, second.prompt_eval_count - 1);
+}
+
+#[test]
+fn cancelled_request_frees_its_slot() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 100_000,
+            decode_delay: std::time::Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let mut rx = h.submit("endless", greedy(-1));
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Text(_))));
+    drop(rx);
+    // With one slot, this can only run once the first one is gone.
+    let (_, done) = collect(&mut h.submit("next", greedy(3)));
+    assert_eq!(done.eval_count, 3);
+}
+
+#[test]
+fn queued_requests_wait_for_a_slot_in_order() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let mut rxs: Vec<_> = (0..5).map(|i| h.submit(&format!("q{i}"), greedy(4))).collect();
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (text, _) = collect(rx);
+        assert_eq!(text, expected(&format!("q{i}"), 4));
+    }
+}
+
+#[test]
+fn shutdown_fails_running_and_waiting_requests() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 100_000,
+            decode_delay: std::time::Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let mut running = h.submit("a", greedy(-1));
+    let mut waiting = h.submit("b", greedy(-1));
+    assert_eq!(running.blocking_recv(), Some(Event::Started));
+    h.handle.shutdown();
+    let last = |rx: &mut Receiver<Event>| {
+        let mut last = None;
+        while let Some(ev) = rx.blocking_recv() {
+            last = Some(ev);
+        }
+        last
+    };
+    for rx in [&mut running, &mut waiting] {
+        match last(rx) {
+            Some(Event::Error(e)) => assert_eq!(e.kind, EngineErrorKind::ShuttingDown),
+            other => panic!("expected a shutdown error, got {other:?}"),
+        }
+    }
+}

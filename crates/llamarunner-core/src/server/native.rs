@@ -1,0 +1,158 @@
+//! The runner's native API, the Ollama runner's wire format: `POST /completion` (NDJSON stream),
+//! `GET /health`.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::engine::{Event, LoadState, Request, EVENT_CHANNEL_CAPACITY};
+use crate::sched::params::SamplingParams;
+
+/// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
+/// runner's capitalized keys are accepted too.
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(default, alias = "Prompt")]
+    prompt: Option<String>,
+    #[serde(default, alias = "Options")]
+    options: Option<SamplingParams>,
+    #[serde(default, alias = "Grammar")]
+    grammar: Option<String>,
+    #[serde(default, alias = "Images")]
+    images: Option<Vec<serde_json::Value>>,
+    #[serde(default, alias = "Shift")]
+    #[allow(dead_code)] // context shift comes with the kv module; accepted now
+    shift: Option<bool>,
+    #[serde(default, alias = "Truncate")]
+    #[allow(dead_code)] // truncation comes with the kv module; accepted now
+    truncate: Option<bool>,
+}
+
+/// Parses a JSON body, naming the offending field in the error.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::InvalidJson(e.into_inner().to_string())
+        } else {
+            ApiError::InvalidJson(format!("{path}: {}", e.into_inner()))
+        }
+    })
+}
+
+/// Fails fast unless the model is ready.
+pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
+    match state.engine.health.state() {
+        LoadState::Ready => Ok(()),
+        LoadState::Loading => Err(ApiError::Loading),
+        LoadState::Error => Err(ApiError::LoadFailed(
+            state.engine.health.error().unwrap_or_default(),
+        )),
+    }
+}
+
+/// `POST /completion`.
+pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    ensure_ready(&state)?;
+    let req: CompletionRequest = parse_json(&body)?;
+    let prompt = req
+        .prompt
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| ApiError::InvalidRequest("prompt is required and must not be empty".into()))?;
+    if req.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
+        return Err(ApiError::InvalidRequest(
+            "grammar is not supported by this version of llamarunner".into(),
+        ));
+    }
+    if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
+        return Err(ApiError::InvalidRequest(
+            "images are not supported: no multimodal projector is loaded".into(),
+        ));
+    }
+    let params = req.options.unwrap_or_default();
+    params.validate().map_err(ApiError::InvalidRequest)?;
+
+    let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
+    state.engine.submit(Request {
+        prompt,
+        params,
+        events: tx,
+        received: Instant::now(),
+    })?;
+    // Errors found before the sequence takes a slot become a proper HTTP status.
+    match rx.recv().await {
+        Some(Event::Started) => {}
+        Some(Event::Error(e)) => return Err(e.into()),
+        Some(other) => {
+            return Err(ApiError::Internal(format!(
+                "unexpected first event {other:?}"
+            )))
+        }
+        None => return Err(ApiError::Unavailable("the engine stopped".into())),
+    }
+    let lines = ReceiverStream::new(rx).map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// One NDJSON line for an engine event.
+fn ndjson(event: &Event) -> String {
+    let value = match event {
+        Event::Text(t) => json!({"content": t, "done": false}),
+        Event::Done(c) => json!({
+            "content": "",
+            "done": true,
+            "done_reason": c.done_reason.as_str(),
+            "prompt_eval_count": c.prompt_eval_count,
+            "prompt_eval_duration": c.prompt_eval_duration_ns,
+            "prompt_cached_count": c.prompt_cached_count,
+            "eval_count": c.eval_count,
+            "eval_duration": c.eval_duration_ns,
+        }),
+        Event::Error(e) => {
+            let err = ApiError::from(e.clone());
+            json!({"done": true, "done_reason": "error", "error": err.body()["error"]})
+        }
+        Event::Started => json!({"content": "", "done": false}),
+    };
+    let mut line = value.to_string();
+    line.push('\n');
+    line
+}
+
+/// `GET /health`: 200 when ready, 503 while loading, 500 when the model failed to load.
+pub async fn health(State(state): State<AppState>) -> Response {
+    let h = &state.engine.health;
+    let load = h.state();
+    let (busy, total) = h.slots();
+    let mut body = json!({
+        "status": load.as_str(),
+        "progress": h.progress(),
+        "slots_idle": total.saturating_sub(busy),
+        "slots_processing": busy,
+    });
+    if let Some(e) = h.error() {
+        body["error"] = json!(e);
+    }
+    let status = match load {
+        LoadState::Ready => StatusCode::OK,
+        LoadState::Loading => StatusCode::SERVICE_UNAVAILABLE,
+        LoadState::Error => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, Json(body)).into_response()
+}

@@ -1,0 +1,114 @@
+//! `llamarunner._core`: the Python face of `llamarunner-core`. It holds a `Runner` (HTTP server
+//! and engine on their own threads); every blocking call releases the GIL.
+
+use std::sync::{Mutex, Once};
+
+use llamarunner_core::{Runner, RunnerConfig, StartError};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+create_exception!(
+    _core,
+    ModelLoadError,
+    PyRuntimeError,
+    "The model could not be loaded."
+);
+
+/// Installs the log subscriber once per process. `LLAMARUNNER_LOG` (an `EnvFilter` string)
+/// overrides the default: our own info logs, llama.cpp's warnings (all of it with verbose).
+fn init_logging(verbose: bool) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let default = if verbose {
+            "info,llamarunner_core=debug,llama_cpp_2=info"
+        } else {
+            "info,llama_cpp_2=warn"
+        };
+        let filter = std::env::var("LLAMARUNNER_LOG").unwrap_or_else(|_| default.to_string());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+    });
+}
+
+fn start_error(e: StartError) -> PyErr {
+    match e {
+        StartError::Config(e) => PyValueError::new_err(e.to_string()),
+        StartError::Model(m) => ModelLoadError::new_err(m),
+        StartError::Bind { .. } | StartError::Io(_) => PyOSError::new_err(e.to_string()),
+    }
+}
+
+/// A running server (HTTP + engine). Created by `start`.
+#[pyclass(module = "llamarunner._core")]
+struct NativeServer {
+    runner: Mutex<Option<Runner>>,
+    url: String,
+}
+
+#[pymethods]
+impl NativeServer {
+    /// Base URL, e.g. `http://127.0.0.1:8080`.
+    #[getter]
+    fn url(&self) -> String {
+        self.url.clone()
+    }
+
+    /// `(status, progress, error, busy_slots, total_slots)`; status is "loading", "ready",
+    /// "error" or "stopped".
+    fn health(&self) -> (String, f32, Option<String>, u32, u32) {
+        let guard = self.runner.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            None => ("stopped".into(), 0.0, None, 0, 0),
+            Some(r) => {
+                let h = r.health();
+                let (busy, total) = h.slots();
+                (h.state().as_str().into(), h.progress(), h.error(), busy, total)
+            }
+        }
+    }
+
+    /// Stops the server and frees the model; idempotent.
+    fn stop(&self, py: Python<'_>) {
+        let runner = self
+            .runner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(mut r) = runner {
+            py.detach(move || r.stop());
+        }
+    }
+}
+
+/// Starts a server from a JSON `RunnerConfig`; returns once the port is bound (the model loads
+/// in the background: poll `health()`).
+#[pyfunction]
+fn start(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
+    let config: RunnerConfig = serde_json::from_str(config_json)
+        .map_err(|e| PyValueError::new_err(format!("invalid configuration: {e}")))?;
+    init_logging(config.verbose);
+    let runner = py.detach(move || Runner::start(config)).map_err(start_error)?;
+    Ok(NativeServer {
+        url: runner.url().to_string(),
+        runner: Mutex::new(Some(runner)),
+    })
+}
+
+/// The version of the native module.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(start, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<NativeServer>()?;
+    m.add("ModelLoadError", m.py().get_type::<ModelLoadError>())?;
+    Ok(())
+}

