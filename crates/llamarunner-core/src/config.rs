@@ -49,6 +49,11 @@ pub struct RunnerConfig {
     pub no_mmap: bool,
     /// Lock the model in RAM.
     pub mlock: bool,
+    /// Keep CPU weights in llama.cpp's plain layout instead of repacking them for its batched
+    /// kernels. Repacked weights use different kernels for one token and for several, so a
+    /// sequence's greedy output can depend on what else is in the batch; without repacking it
+    /// does not.
+    pub no_repack: bool,
     /// Fraction of the model per GPU, comma separated (not supported yet).
     pub tensor_split: Option<String>,
     /// LoRA adapters to apply (one is supported).
@@ -79,6 +84,7 @@ impl Default for RunnerConfig {
             kv_cache_type: "f16".into(),
             no_mmap: false,
             mlock: false,
+            no_repack: false,
             tensor_split: None,
             lora: Vec::new(),
             mmproj: None,
@@ -120,9 +126,21 @@ impl RunnerConfig {
             return Err(ConfigError::NoModel);
         }
         let ranges: [(&'static str, i64, i64, i64, &'static str); 3] = [
-            ("parallel", self.parallel.into(), 1, 256, "between 1 and 256"),
+            (
+                "parallel",
+                self.parallel.into(),
+                1,
+                256,
+                "between 1 and 256",
+            ),
             ("ctx-size", self.ctx_size.into(), 16, 1 << 24, "at least 16"),
-            ("batch-size", self.batch_size.into(), 1, 1 << 20, "at least 1"),
+            (
+                "batch-size",
+                self.batch_size.into(),
+                1,
+                1 << 20,
+                "at least 1",
+            ),
         ];
         for (name, value, lo, hi, rule) in ranges {
             if value < lo || value > hi {
@@ -159,10 +177,15 @@ impl RunnerConfig {
     pub fn unsupported_settings(&self) -> Vec<String> {
         let mut out = Vec::new();
         if self.tensor_split.is_some() {
-            out.push("--tensor-split is not supported yet (llama-cpp-2 has no setter); ignored".into());
+            out.push(
+                "--tensor-split is not supported yet (llama-cpp-2 has no setter); ignored".into(),
+            );
         }
         if self.mmproj.is_some() {
-            out.push("--mmproj: multimodal input is not supported yet; the projector is not loaded".into());
+            out.push(
+                "--mmproj: multimodal input is not supported yet; the projector is not loaded"
+                    .into(),
+            );
         }
         if self.multiuser_cache {
             out.push("--multiuser-cache: prefix forking between slots is not implemented yet; each slot reuses only its own cache".into());
@@ -184,7 +207,10 @@ mod tests {
 
     #[test]
     fn defaults_are_valid_once_a_model_is_set() {
-        assert_eq!(RunnerConfig::default().validate(), Err(ConfigError::NoModel));
+        assert_eq!(
+            RunnerConfig::default().validate(),
+            Err(ConfigError::NoModel)
+        );
         assert_eq!(with_model().validate(), Ok(()));
     }
 

@@ -174,7 +174,9 @@ pub fn check_gguf(path: &std::path::Path) -> Result<(), StartError> {
         _ => StartError::Model(format!("cannot open model file {shown}: {e}")),
     })?;
     if f.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-        return Err(StartError::Model(format!("{shown} is a directory, not a GGUF model file")));
+        return Err(StartError::Model(format!(
+            "{shown} is a directory, not a GGUF model file"
+        )));
     }
     let mut magic = [0u8; 4];
     if f.read_exact(&mut magic).is_err() || &magic != b"GGUF" {

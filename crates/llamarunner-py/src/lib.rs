@@ -21,9 +21,9 @@ fn init_logging(verbose: bool) {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let default = if verbose {
-            "info,llamarunner_core=debug,llama_cpp_2=info"
+            "info,llamarunner_core=debug,llama-cpp-2=info"
         } else {
-            "info,llama_cpp_2=warn"
+            "info,llama-cpp-2=warn"
         };
         let filter = std::env::var("LLAMARUNNER_LOG").unwrap_or_else(|_| default.to_string());
         let _ = tracing_subscriber::fmt()
@@ -66,18 +66,20 @@ impl NativeServer {
             Some(r) => {
                 let h = r.health();
                 let (busy, total) = h.slots();
-                (h.state().as_str().into(), h.progress(), h.error(), busy, total)
+                (
+                    h.state().as_str().into(),
+                    h.progress(),
+                    h.error(),
+                    busy,
+                    total,
+                )
             }
         }
     }
 
     /// Stops the server and frees the model; idempotent.
     fn stop(&self, py: Python<'_>) {
-        let runner = self
-            .runner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let runner = self.runner.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(mut r) = runner {
             py.detach(move || r.stop());
         }
@@ -91,7 +93,9 @@ fn start(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
     let config: RunnerConfig = serde_json::from_str(config_json)
         .map_err(|e| PyValueError::new_err(format!("invalid configuration: {e}")))?;
     init_logging(config.verbose);
-    let runner = py.detach(move || Runner::start(config)).map_err(start_error)?;
+    let runner = py
+        .detach(move || Runner::start(config))
+        .map_err(start_error)?;
     Ok(NativeServer {
         url: runner.url().to_string(),
         runner: Mutex::new(Some(runner)),

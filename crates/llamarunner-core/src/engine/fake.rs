@@ -107,7 +107,11 @@ impl Backend for FakeBackend {
         params: &SamplingParams,
         _history: &[Token],
     ) -> Result<FakeSampler, BackendError> {
-        let offset = if params.greedy() { 0 } else { u64::from(params.effective_seed()) };
+        let offset = if params.greedy() {
+            0
+        } else {
+            u64::from(params.effective_seed())
+        };
         Ok(FakeSampler { offset })
     }
 
@@ -122,8 +126,18 @@ impl Backend for FakeBackend {
         for (i, t) in batch.iter().enumerate() {
             let kv = self.kv.entry(t.seq).or_default();
             let pos = t.pos as usize;
-            assert_eq!(pos, kv.len(), "seq {} decoded at {pos} but holds {}", t.seq, kv.len());
-            assert!(pos < self.config.slot_ctx, "seq {} overflows its slot", t.seq);
+            assert_eq!(
+                pos,
+                kv.len(),
+                "seq {} decoded at {pos} but holds {}",
+                t.seq,
+                kv.len()
+            );
+            assert!(
+                pos < self.config.slot_ctx,
+                "seq {} overflows its slot",
+                t.seq
+            );
             kv.push(t.token);
             if t.logits {
                 self.outputs.insert(i, (t.seq, pos));

@@ -58,13 +58,19 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
             // Returning false aborts the load (the runner is being stopped).
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
+    let mut model_params = std::pin::pin!(model_params);
+    if config.no_repack {
+        // Every tensor in the plain CPU buffer type: no repacked (extra) buffer types.
+        model_params.as_mut().add_cpu_buft_override(c".");
+    }
     let started = std::time::Instant::now();
-    let model = LlamaModel::load_from_file(backend, &config.model, &model_params).map_err(|e| {
-        format!(
-            "llama.cpp could not load {} ({e}); its log above says why",
-            config.model.display()
-        )
-    })?;
+    let model =
+        LlamaModel::load_from_file(backend, &config.model, &*model_params).map_err(|e| {
+            format!(
+                "llama.cpp could not load {} ({e}); its log above says why",
+                config.model.display()
+            )
+        })?;
     tracing::info!(
         model = %config.model.display(),
         params = model.n_params(),
@@ -245,7 +251,11 @@ impl Backend for LlamaEngine<'_> {
             ));
         } else if p.mirostat == 2 {
             stages.push(LlamaSampler::temp(p.temperature));
-            stages.push(LlamaSampler::mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta));
+            stages.push(LlamaSampler::mirostat_v2(
+                seed,
+                p.mirostat_tau,
+                p.mirostat_eta,
+            ));
         } else {
             if p.top_k > 0 {
                 stages.push(LlamaSampler::top_k(p.top_k));
@@ -266,7 +276,11 @@ impl Backend for LlamaEngine<'_> {
         if penalize {
             // The prompt seeds the penalty window, as in llama.cpp's common sampler.
             let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
-            chain.accept_many(history[history.len() - window..].iter().map(|&t| LlamaToken(t)));
+            chain.accept_many(
+                history[history.len() - window..]
+                    .iter()
+                    .map(|&t| LlamaToken(t)),
+            );
         }
         Ok(ChainSampler { chain })
     }

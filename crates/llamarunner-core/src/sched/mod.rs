@@ -126,7 +126,10 @@ impl<B: Backend> Scheduler<B> {
     fn receive(&mut self) -> bool {
         if self.idle() {
             let msg = if self.draining.is_empty() {
-                self.inbox.rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                self.inbox
+                    .rx
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected)
             } else {
                 self.inbox.rx.recv_timeout(Duration::from_millis(5))
             };

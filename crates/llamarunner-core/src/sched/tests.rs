@@ -60,7 +60,10 @@ fn collect(rx: &mut Receiver<Event>) -> (String, Completion) {
     let mut text = String::new();
     assert_eq!(rx.blocking_recv(), Some(Event::Started));
     loop {
-        match rx.blocking_recv().expect("engine ended the stream without Done") {
+        match rx
+            .blocking_recv()
+            .expect("engine ended the stream without Done")
+        {
             Event::Text(t) => text.push_str(&t),
             Event::Done(c) => return (text, c),
             other => panic!("unexpected event {other:?}"),
@@ -164,7 +167,11 @@ fn too_long_prompt_is_a_context_length_error_and_the_slot_survives() {
     match rx.blocking_recv() {
         Some(Event::Error(e)) => {
             assert_eq!(e.kind, EngineErrorKind::ContextLength);
-            assert!(e.message.contains("exceeds the context length"), "{}", e.message);
+            assert!(
+                e.message.contains("exceeds the context length"),
+                "{}",
+                e.message
+            );
         }
         other => panic!("expected an error, got {other:?}"),
     }
@@ -257,7 +264,10 @@ fn long_prompt_does_not_stall_generating_sequences() {
         if long_tokens > 1 {
             chunked_steps += 1;
             let others = batch.iter().filter(|t| t.seq != long_seq).count();
-            assert!(others >= 1, "a prompt chunk stalled the generating sequences");
+            assert!(
+                others >= 1,
+                "a prompt chunk stalled the generating sequences"
+            );
             assert!(batch.len() <= 64);
         }
     }
@@ -297,7 +307,9 @@ fn cancelled_request_frees_its_slot() {
 #[test]
 fn queued_requests_wait_for_a_slot_in_order() {
     let h = Harness::new(FakeConfig::default(), 1);
-    let mut rxs: Vec<_> = (0..5).map(|i| h.submit(&format!("q{i}"), greedy(4))).collect();
+    let mut rxs: Vec<_> = (0..5)
+        .map(|i| h.submit(&format!("q{i}"), greedy(4)))
+        .collect();
     for (i, rx) in rxs.iter_mut().enumerate() {
         let (text, _) = collect(rx);
         assert_eq!(text, expected(&format!("q{i}"), 4));

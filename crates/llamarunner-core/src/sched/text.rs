@@ -97,7 +97,10 @@ impl TextStream {
 
     /// Byte offset in `held` of the earliest stop string, if any.
     fn earliest_stop(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min()
+        self.stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
     }
 
     /// Length of the longest suffix of `held` that is a proper prefix of some stop string.
@@ -172,7 +175,10 @@ mod tests {
     #[test]
     fn split_utf8_is_held_until_complete() {
         // "£" = c2 a3, "€" = e2 82 ac, "💷" = f0 9f 92 b7
-        let (out, _, tail) = run(&[], &[b"hi\xc2", b"\xa3\xe2\x82", b"\xac\xf0\x9f", b"\x92\xb7"]);
+        let (out, _, tail) = run(
+            &[],
+            &[b"hi\xc2", b"\xa3\xe2\x82", b"\xac\xf0\x9f", b"\x92\xb7"],
+        );
         assert_eq!(out, vec!["hi", "£", "€", "💷"]);
         assert_eq!(tail, "");
         for chunk in &out {

@@ -67,10 +67,9 @@ pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    let prompt = req
-        .prompt
-        .filter(|p| !p.is_empty())
-        .ok_or_else(|| ApiError::InvalidRequest("prompt is required and must not be empty".into()))?;
+    let prompt = req.prompt.filter(|p| !p.is_empty()).ok_or_else(|| {
+        ApiError::InvalidRequest("prompt is required and must not be empty".into())
+    })?;
     if req.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
         return Err(ApiError::InvalidRequest(
             "grammar is not supported by this version of llamarunner".into(),
@@ -102,7 +101,8 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
         }
         None => return Err(ApiError::Unavailable("the engine stopped".into())),
     }
-    let lines = ReceiverStream::new(rx).map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
+    let lines =
+        ReceiverStream::new(rx).map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
     Ok((
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(lines),
