@@ -42,7 +42,6 @@ class ServerConfig:
     kv_cache_type: str = "f16"
     no_mmap: bool = False
     mlock: bool = False
-    no_repack: bool = False
     tensor_split: str | None = None
     lora: list[str] = field(default_factory=list)
     mmproj: str | None = None

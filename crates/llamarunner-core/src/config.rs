@@ -49,11 +49,6 @@ pub struct RunnerConfig {
     pub no_mmap: bool,
     /// Lock the model in RAM.
     pub mlock: bool,
-    /// Keep CPU weights in llama.cpp's plain layout instead of repacking them for its batched
-    /// kernels. Repacked weights use different kernels for one token and for several, so a
-    /// sequence's greedy output can depend on what else is in the batch; without repacking it
-    /// does not.
-    pub no_repack: bool,
     /// Fraction of the model per GPU, comma separated (not supported yet).
     pub tensor_split: Option<String>,
     /// LoRA adapters to apply (one is supported).
@@ -84,7 +79,6 @@ impl Default for RunnerConfig {
             kv_cache_type: "f16".into(),
             no_mmap: false,
             mlock: false,
-            no_repack: false,
             tensor_split: None,
             lora: Vec::new(),
             mmproj: None,

@@ -58,14 +58,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
             // Returning false aborts the load (the runner is being stopped).
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
-    let mut model_params = std::pin::pin!(model_params);
-    if config.no_repack {
-        // Every tensor in the plain CPU buffer type: no repacked (extra) buffer types.
-        model_params.as_mut().add_cpu_buft_override(c".");
-    }
     let started = std::time::Instant::now();
     let model =
-        LlamaModel::load_from_file(backend, &config.model, &*model_params).map_err(|e| {
+        LlamaModel::load_from_file(backend, &config.model, &model_params).map_err(|e| {
             format!(
                 "llama.cpp could not load {} ({e}); its log above says why",
                 config.model.display()
