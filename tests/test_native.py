@@ -125,7 +125,9 @@ def test_disconnect_frees_the_slot(tiny_model: Path, start_server: Callable[...,
     # One slot and a context so large that a leaked sequence would hold it for a long time.
     srv = start_server(tiny_model, parallel=1, ctx_size=60000)
     with httpx.stream(
-        "POST", f"{srv.url}/completion", json={"prompt": "hello", "options": {"temperature": 1}}
+        "POST",
+        f"{srv.url}/completion",
+        json={"prompt": "hello", "options": {"temperature": 1, "ignore_eos": True}},
     ) as r:
         assert r.status_code == 200
         next(r.iter_lines())
@@ -169,7 +171,8 @@ def post(url: str, body: bytes | dict[str, Any]) -> httpx.Response:
         ({"prompt": "x", "options": {"num_predict": -2}}, "invalid_request", "num_predict"),
         ({"prompt": "x", "options": {"top_p": 3}}, "invalid_request", "top_p"),
         ({"prompt": 5}, "invalid_json", "prompt"),
-        ({"prompt": "x", "grammar": "root ::= [a]"}, "invalid_request", "grammar"),
+        ({"prompt": "x", "grammar": "root ::= [a"}, "invalid_request", "grammar"),
+        ({"prompt": "x", "format": "yaml"}, "invalid_request", "format"),
     ],
 )
 def test_bad_requests_are_400(

@@ -68,3 +68,12 @@ def test_four_parallel_requests_match_their_sequential_outputs(gemma: Server) ->
         assert s_final["eval_count"] == q_final["eval_count"] == 32
         assert len(s) > 20
         assert s.split()[:1] == q.split()[:1], f"{p!r}: sequential {s!r} vs parallel {q!r}"
+
+
+def test_readme_python_example_runs_as_written(default_model: Path) -> None:
+    import re
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert example is not None
+    exec(compile(example.group(1), "README.md", "exec"), {})

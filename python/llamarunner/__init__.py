@@ -9,6 +9,23 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .client import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AsyncClient,
+    AsyncStream,
+    BadRequestError,
+    Client,
+    Completion,
+    CompletionChunk,
+    HealthStatus,
+    LlamaRunnerError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+    Stream,
+)
 from .config import NoModelError, ServerConfig, default_model_path
 from .server import Health, ModelLoadError, Server
 
@@ -18,11 +35,26 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
+    "BadRequestError",
+    "Client",
+    "Completion",
+    "CompletionChunk",
     "Health",
+    "HealthStatus",
+    "LlamaRunnerError",
     "ModelLoadError",
     "NoModelError",
+    "NotFoundError",
+    "RateLimitError",
     "Server",
     "ServerConfig",
+    "ServiceUnavailableError",
+    "Stream",
     "__version__",
     "default_model_path",
 ]

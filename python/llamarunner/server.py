@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _core
+from .client import Client
 from .config import ServerConfig
 
 ModelLoadError = _core.ModelLoadError
@@ -85,6 +86,10 @@ class Server:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the model did not load within {timeout} s")
             time.sleep(0.02)
+
+    def client(self, **kwargs: Any) -> Client:
+        """A `Client` for this server."""
+        return Client(self.url, **kwargs)
 
     def stop(self) -> None:
         """Stops serving and frees the model and the port."""

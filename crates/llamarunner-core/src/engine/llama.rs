@@ -59,13 +59,12 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
     let started = std::time::Instant::now();
-    let model =
-        LlamaModel::load_from_file(backend, &config.model, &model_params).map_err(|e| {
-            format!(
-                "llama.cpp could not load {} ({e}); its log above says why",
-                config.model.display()
-            )
-        })?;
+    let model = LlamaModel::load_from_file(backend, &config.model, &model_params).map_err(|e| {
+        format!(
+            "llama.cpp could not load {} ({e}); its log above says why",
+            config.model.display()
+        )
+    })?;
     tracing::info!(
         model = %config.model.display(),
         params = model.n_params(),
@@ -168,9 +167,23 @@ impl<'m> LlamaEngine<'m> {
     }
 }
 
-/// A request's sampler chain (penalties, truncation, temperature, selection).
+/// A request's samplers: the chain (penalties, truncation, temperature, selection) and, kept
+/// apart so that prompt tokens seed the penalties without reaching it, the grammar.
 pub struct ChainSampler {
     chain: LlamaSampler,
+    grammar: Option<LlamaSampler>,
+}
+
+impl LlamaEngine<'_> {
+    /// Parses a GBNF grammar (root rule `root`). llama.cpp prints its parser's message to
+    /// stderr only, so the reason given to the client comes from `explain_gbnf_error`.
+    fn grammar_sampler(&self, text: &str) -> Result<LlamaSampler, BackendError> {
+        LlamaSampler::grammar(self.model, text, "root").map_err(|e| {
+            let reason = super::grammar::explain_gbnf_error(text)
+                .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
+            BackendError::Sampler(format!("invalid grammar: {reason}"))
+        })
+    }
 }
 
 impl Backend for LlamaEngine<'_> {
@@ -267,6 +280,10 @@ impl Backend for LlamaEngine<'_> {
             stages.push(LlamaSampler::temp(p.temperature));
             stages.push(LlamaSampler::dist(seed));
         }
+        let grammar = match p.grammar.as_deref() {
+            None => None,
+            Some(text) => Some(self.grammar_sampler(text)?),
+        };
         let mut chain = LlamaSampler::chain_simple(stages);
         if penalize {
             // The prompt seeds the penalty window, as in llama.cpp's common sampler.
@@ -277,7 +294,7 @@ impl Backend for LlamaEngine<'_> {
                     .map(|&t| LlamaToken(t)),
             );
         }
-        Ok(ChainSampler { chain })
+        Ok(ChainSampler { chain, grammar })
     }
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
@@ -295,9 +312,24 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Token {
-        // `sample` also accepts the token into the chain (penalty history); no second accept.
         let index = i32::try_from(index).unwrap_or(i32::MAX);
-        sampler.chain.sample(&self.ctx, index).0
+        let Some(grammar) = sampler.grammar.as_mut() else {
+            // `sample` also accepts the token into the chain (penalty history); no second accept.
+            return sampler.chain.sample(&self.ctx, index).0;
+        };
+        // Grammar first (it masks what may not follow), then the chain picks; each is told the
+        // choice exactly once.
+        let mut candidates = self.ctx.token_data_array_ith(index);
+        candidates.apply_sampler(grammar);
+        candidates.apply_sampler(&sampler.chain);
+        let token = candidates
+            .selected_token()
+            .unwrap_or_else(|| self.model.token_eos());
+        if let Err(e) = grammar.try_accept(token) {
+            tracing::warn!(error = %e, "grammar rejected the sampled token");
+        }
+        sampler.chain.accept(token);
+        token.0
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {

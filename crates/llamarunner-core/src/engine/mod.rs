@@ -3,6 +3,7 @@
 //! be tested against `fake::FakeBackend`. Only `llama.rs` touches `llama-cpp-2`.
 
 pub mod fake;
+pub mod grammar;
 #[cfg(feature = "llama")]
 pub mod llama;
 
@@ -36,7 +37,7 @@ pub enum BackendError {
     #[error("tokenization failed: {0}")]
     Tokenize(String),
     /// The sampler could not be built from the request's parameters.
-    #[error("invalid sampling parameters: {0}")]
+    #[error("{0}")]
     Sampler(String),
     /// llama.cpp found no room in the KV cache for the batch.
     #[error("no KV cache slot available for the batch")]

@@ -139,13 +139,20 @@ impl<B: Backend> Scheduler<B> {
                 Err(RecvTimeoutError::Disconnected) => return false,
             }
         }
-        loop {
+        // Take only as many requests as there are free slots: the rest wait in the bounded
+        // channel, so a full queue is refused (429) by the HTTP side instead of growing here.
+        while self.waiting.len() < self.free_slots() {
             match self.inbox.rx.try_recv() {
                 Ok(m) => self.handle(m),
                 Err(TryRecvError::Empty) => return true,
                 Err(TryRecvError::Disconnected) => return !self.idle(),
             }
         }
+        true
+    }
+
+    fn free_slots(&self) -> usize {
+        self.slots.iter().filter(|s| s.seq.is_none()).count()
     }
 
     fn handle(&mut self, msg: Message) {
@@ -356,6 +363,14 @@ impl<B: Backend> Scheduler<B> {
         let pushed = seq.text.push(&self.backend.token_bytes(token));
         seq.outbox.push_str(&pushed.text);
         if pushed.stopped {
+            // Keep in the cache only what the client really got, so that a follow-up prompt
+            // (this prompt + the returned answer + more) reuses it exactly.
+            let keep = (seq.n_prompt + seq.text.tokens_returned()).min(slot.cached.len());
+            if !self.backend.kv_truncate(slot.id, keep) {
+                self.backend.kv_truncate(slot.id, 0);
+                slot.cached.clear();
+            }
+            slot.cached.truncate(keep);
             return Some(DoneReason::Stop);
         }
         if seq.params.num_predict > 0 && seq.n_generated as i64 >= seq.params.num_predict {
@@ -448,6 +463,9 @@ impl<B: Backend> Scheduler<B> {
 
     fn fail_everything(&mut self) {
         let err = EngineError::new(EngineErrorKind::ShuttingDown, "the server is shutting down");
+        while let Ok(Message::Request(r)) = self.inbox.rx.try_recv() {
+            self.waiting.push_back(r);
+        }
         for r in self.waiting.drain(..) {
             let _ = r.events.try_send(Event::Error(err.clone()));
         }

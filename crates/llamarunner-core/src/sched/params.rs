@@ -41,6 +41,9 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
+    /// GBNF grammar constraining the output (the request's top-level `grammar` or `format`).
+    #[serde(skip)]
+    pub grammar: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -63,6 +66,7 @@ impl Default for SamplingParams {
             seed: -1,
             stop: Vec::new(),
             ignore_eos: false,
+            grammar: None,
         }
     }
 }

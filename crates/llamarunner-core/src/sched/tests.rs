@@ -344,3 +344,85 @@ fn shutdown_fails_running_and_waiting_requests() {
         }
     }
 }
+
+#[test]
+fn after_a_stop_the_cache_holds_only_the_returned_text() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let full = expected("cache trim", 30);
+    let stop = full[10..12].to_string();
+    let cut = full.find(&stop).unwrap();
+    let params = SamplingParams {
+        stop: vec![stop],
+        ..greedy(30)
+    };
+    let (text, done) = collect(&mut h.submit("cache trim", params));
+    assert_eq!(text, full[..cut]);
+    assert_eq!(done.done_reason, DoneReason::Stop);
+    // The follow-up prompt is the old prompt + exactly the returned text: all of it is cached
+    // but the one token that is always decoded again.
+    let follow = format!("cache trim{text}");
+    let (_, second) = collect(&mut h.submit(&follow, greedy(1)));
+    assert_eq!(second.prompt_cached_count, second.prompt_eval_count - 1);
+}
+
+/// Random arrivals, limits and cancellations over thousands of steps: every request ends
+/// (Done, or dropped by its client), nothing panics, and every slot is free at the end.
+#[test]
+fn random_cancellations_never_leak_a_slot() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 512,
+            batch_capacity: 24,
+            eos_at: Some(300),
+            ..FakeConfig::default()
+        },
+        3,
+    );
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut live: Vec<Receiver<Event>> = Vec::new();
+    let mut finished = 0;
+    for round in 0..2000 {
+        if next(3) == 0 || live.is_empty() {
+            let len = next(200) as usize + 1;
+            let limit = next(60) as i64 - 1; // -1..=58
+            live.push(h.submit(&"p".repeat(len), greedy(limit)));
+        }
+        // Cancel a random live request now and then, at whatever step it is in.
+        if !live.is_empty() && next(4) == 0 {
+            let i = next(live.len() as u64) as usize;
+            drop(live.swap_remove(i));
+        }
+        // Drain what is ready.
+        live.retain_mut(|rx| loop {
+            match rx.try_recv() {
+                Ok(Event::Done(_)) => {
+                    finished += 1;
+                    return false;
+                }
+                Ok(Event::Error(e)) => panic!("round {round}: {e}"),
+                Ok(_) => continue,
+                Err(_) => return true,
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    for mut rx in live {
+        while let Some(ev) = rx.blocking_recv() {
+            if matches!(ev, Event::Done(_)) {
+                finished += 1;
+            }
+        }
+    }
+    assert!(finished > 50, "only {finished} finished");
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    while h.handle.health.slots().0 != 0 {
+        assert!(Instant::now() < deadline, "a slot stayed busy");
+        std::thread::yield_now();
+    }
+}

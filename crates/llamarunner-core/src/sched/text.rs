@@ -9,6 +9,12 @@ pub struct TextStream {
     /// Decoded text not yet released (it may be the start of a stop string).
     held: String,
     stops: Vec<String>,
+    /// Bytes of text decoded so far (released or held).
+    decoded: usize,
+    /// Bytes of text released so far.
+    released: usize,
+    /// `decoded` after each pushed token.
+    token_ends: Vec<usize>,
 }
 
 /// What pushing one token's bytes produced.
@@ -32,12 +38,15 @@ impl TextStream {
     /// Adds one token's bytes.
     pub fn push(&mut self, bytes: &[u8]) -> Pushed {
         self.partial.extend_from_slice(bytes);
+        let before = self.held.len();
         self.decode_partial();
+        self.decoded += self.held.len() - before;
+        self.token_ends.push(self.decoded);
         if let Some(at) = self.earliest_stop() {
             self.held.truncate(at);
             self.partial.clear();
             return Pushed {
-                text: std::mem::take(&mut self.held),
+                text: self.release_all(),
                 stopped: true,
             };
         }
@@ -45,10 +54,26 @@ impl TextStream {
         let release = self.held.len() - keep;
         let rest = self.held.split_off(release);
         let text = std::mem::replace(&mut self.held, rest);
+        self.released += text.len();
         Pushed {
             text,
             stopped: false,
         }
+    }
+
+    /// How many of the pushed tokens were returned whole (after a stop, the tokens from the
+    /// one where the stop string starts are not): the slot's cache keeps only those.
+    pub fn tokens_returned(&self) -> usize {
+        self.token_ends
+            .iter()
+            .take_while(|&&end| end <= self.released)
+            .count()
+    }
+
+    fn release_all(&mut self) -> String {
+        let text = std::mem::take(&mut self.held);
+        self.released += text.len();
+        text
     }
 
     /// Releases everything held back (the sequence ended for another reason). An incomplete
@@ -58,7 +83,7 @@ impl TextStream {
             self.held
                 .push_str(&String::from_utf8_lossy(&std::mem::take(&mut self.partial)));
         }
-        std::mem::take(&mut self.held)
+        self.release_all()
     }
 
     /// Moves the complete characters of `partial` into `held`; invalid bytes become U+FFFD,
@@ -138,6 +163,67 @@ mod tests {
         }
         let tail = s.finish();
         (out, false, tail)
+    }
+
+    /// Pushes token pieces until a stop; returns (text returned, stopped, whole tokens returned).
+    fn stop_table(stops: &[&str], pieces: &[&str]) -> (String, bool, usize) {
+        let mut s = TextStream::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for p in pieces {
+            let r = s.push(p.as_bytes());
+            out.push_str(&r.text);
+            if r.stopped {
+                return (out, true, s.tokens_returned());
+            }
+        }
+        out.push_str(&s.finish());
+        (out, false, s.tokens_returned())
+    }
+
+    /// Ollama's `TestTruncateStop` table: `(pieces, stop) -> (kept pieces, truncated)`. Kept
+    /// text is the same here; "whole tokens returned" is kept pieces minus the truncated one.
+    #[test]
+    fn ollama_truncate_stop_table() {
+        let cases: &[(&[&str], &str, &str, usize)] = &[
+            // [hello, world] / world -> [hello], not truncated
+            (&["hello", "world"], "world", "hello", 1),
+            // [hello, wor] / or -> [hello, w], truncated
+            (&["hello", "wor"], "or", "hellow", 1),
+            // [Hello, " the", "re!"] / there! -> [Hello, " "], truncated
+            (&["Hello", " the", "re!"], "there!", "Hello ", 1),
+            // [hello] / hello -> [], not truncated
+            (&["hello"], "hello", "", 0),
+            // [hello, world] / "lo wo" does not appear (no space) -> everything
+            (&["hello", "world"], "lo wo", "helloworld", 2),
+            // [hel, lo, wor, ld] / "low" -> [hel, lo], not truncated
+            (&["hel", "lo", "wor", "ld"], "low", "hel", 1),
+        ];
+        for &(pieces, stop, text, whole) in cases {
+            let (out, _, returned) = stop_table(&[stop], pieces);
+            assert_eq!(out, text, "{pieces:?} / {stop}");
+            assert_eq!(returned, whole, "{pieces:?} / {stop}");
+        }
+    }
+
+    /// Ollama's `TestIncompleteUnicode` table: incomplete characters are held back, complete
+    /// ones released at once.
+    #[test]
+    fn ollama_incomplete_unicode_table() {
+        let cases: &[(&[u8], bool)] = &[
+            (b"hi\xc2", true),
+            (b"hi\xe0\xa0", true),
+            (b"hi\xf0\x92\x8a", true),
+            (b"hi\xc2\xa3", false),
+            (b"hi\xe0\xa0\x80", false),
+            (b"hi\xf0\x92\x8a\xb7", false),
+            (b"hi", false),
+        ];
+        for &(bytes, incomplete) in cases {
+            let mut s = TextStream::new(Vec::new());
+            let released = s.push(bytes).text;
+            assert_eq!(released.len() < bytes.len(), incomplete, "{bytes:x?}");
+            assert!(released.starts_with("hi"));
+        }
     }
 
     #[test]

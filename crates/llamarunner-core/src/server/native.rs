@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::ApiError;
 use super::AppState;
+use crate::engine::grammar::grammar_for_format;
 use crate::engine::{Event, LoadState, Request, EVENT_CHANNEL_CAPACITY};
 use crate::sched::params::SamplingParams;
 
@@ -29,6 +30,8 @@ struct CompletionRequest {
     options: Option<SamplingParams>,
     #[serde(default, alias = "Grammar")]
     grammar: Option<String>,
+    #[serde(default, alias = "Format")]
+    format: Option<serde_json::Value>,
     #[serde(default, alias = "Images")]
     images: Option<Vec<serde_json::Value>>,
     #[serde(default, alias = "Shift")]
@@ -70,18 +73,19 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     let prompt = req.prompt.filter(|p| !p.is_empty()).ok_or_else(|| {
         ApiError::InvalidRequest("prompt is required and must not be empty".into())
     })?;
-    if req.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
-        return Err(ApiError::InvalidRequest(
-            "grammar is not supported by this version of llamarunner".into(),
-        ));
-    }
     if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::InvalidRequest(
             "images are not supported: no multimodal projector is loaded".into(),
         ));
     }
-    let params = req.options.unwrap_or_default();
+    let mut params = req.options.unwrap_or_default();
     params.validate().map_err(ApiError::InvalidRequest)?;
+    params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
+        Some(g) => Some(g),
+        None => {
+            grammar_for_format(&req.format.unwrap_or_default()).map_err(ApiError::InvalidRequest)?
+        }
+    };
 
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {
