@@ -8,12 +8,14 @@ from typing import Any
 import httpx
 
 
-def complete(url: str, prompt: str, **options: Any) -> tuple[str, dict[str, Any]]:
-    """Runs one streaming completion; returns (text, final message)."""
+def complete(
+    url: str, prompt: str, body: dict[str, Any] | None = None, **options: Any
+) -> tuple[str, dict[str, Any]]:
+    """Runs one streaming completion (``body``: extra top-level fields such as ``shift``);
+    returns (text, final message)."""
     text = []
-    with httpx.stream(
-        "POST", f"{url}/completion", json={"prompt": prompt, "options": options}, timeout=300
-    ) as r:
+    request = {"prompt": prompt, "options": options, **(body or {})}
+    with httpx.stream("POST", f"{url}/completion", json=request, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line:

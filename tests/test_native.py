@@ -102,7 +102,7 @@ def test_ignore_eos_generates_to_the_limit(
 
 def test_full_slot_ends_with_length(tiny_model: Path, start_server: Callable[..., Server]) -> None:
     srv = start_server(tiny_model, ctx_size=256)
-    _, final = complete(srv.url, "hello", temperature=0, ignore_eos=True)
+    _, final = complete(srv.url, "hello", {"shift": False}, temperature=0, ignore_eos=True)
     assert final["done_reason"] == "length"
     # Every cell holds a decoded token; the last sampled token is returned but never decoded.
     assert final["prompt_eval_count"] + final["eval_count"] == 256 + 1
@@ -200,8 +200,8 @@ def test_ollama_capitalized_keys(tiny_server: Server) -> None:
     assert json.loads(r.text.splitlines()[-1])["eval_count"] == 3
 
 
-def test_prompt_longer_than_the_slot_is_400(tiny_server: Server) -> None:
-    r = post(tiny_server.url, {"prompt": "the cat " * 600})
+def test_prompt_longer_than_the_slot_is_400_without_truncate(tiny_server: Server) -> None:
+    r = post(tiny_server.url, {"prompt": "the cat " * 600, "truncate": False})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "context_length_exceeded"
@@ -220,10 +220,25 @@ def test_unknown_route_is_404(tiny_server: Server) -> None:
 def test_engine_survives_a_burst_of_bad_and_good_requests(tiny_server: Server) -> None:
     bodies: list[bytes | dict[str, Any]] = [
         b"{",
-        {"prompt": "the cat " * 600},
+        {"prompt": "the cat " * 600, "truncate": False},
         {"prompt": "ok", "options": {"num_predict": 4}},
     ] * 5
     with ThreadPoolExecutor(6) as pool:
         codes = list(pool.map(lambda b: post(tiny_server.url, b).status_code, bodies))
     assert codes == [400, 400, 200] * 5
     assert httpx.get(f"{tiny_server.url}/health").json()["slots_processing"] == 0
+
+
+def test_prompt_longer_than_the_slot_is_truncated_by_default(tiny_server: Server) -> None:
+    _, final = complete(tiny_server.url, "the cat " * 600, num_predict=4)
+    assert final["truncated"] is True
+    assert final["prompt_eval_count"] < 512
+    assert final["eval_count"] == 4
+
+
+def test_slots_lists_every_slot(tiny_server: Server) -> None:
+    complete(tiny_server.url, "hello slots", num_predict=2)
+    slots = httpx.get(f"{tiny_server.url}/slots").json()["slots"]
+    assert [s["id"] for s in slots] == [0, 1]
+    assert all(s["busy"] is False for s in slots)
+    assert any(s["cached_tokens"] > 0 and s["last_used_ms"] > 0 for s in slots)

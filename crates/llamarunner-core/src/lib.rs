@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod kv;
 pub mod runner;
 pub mod sched;
 pub mod server;

@@ -91,7 +91,8 @@ async fn too_long_prompt_is_context_length_exceeded() {
         slot_ctx: 16,
         ..FakeConfig::default()
     });
-    let (status, text) = post(&app, &format!(r#"{{"prompt":"{}"}}"#, "x".repeat(40))).await;
+    let body = format!(r#"{{"prompt":"{}","truncate":false}}"#, "x".repeat(40));
+    let (status, text) = post(&app, &body).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["type"], "context_length_exceeded");

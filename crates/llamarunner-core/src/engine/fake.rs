@@ -27,6 +27,8 @@ pub struct FakeConfig {
     pub eos_at: Option<usize>,
     /// Sleep this long in every decode (to make cancellation observable in HTTP tests).
     pub decode_delay: std::time::Duration,
+    /// Whether the cache supports shifting (recurrent models do not).
+    pub can_shift: bool,
 }
 
 impl Default for FakeConfig {
@@ -36,6 +38,7 @@ impl Default for FakeConfig {
             batch_capacity: 32,
             eos_at: None,
             decode_delay: std::time::Duration::ZERO,
+            can_shift: true,
         }
     }
 }
@@ -164,5 +167,19 @@ impl Backend for FakeBackend {
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
         self.kv.entry(seq).or_default().truncate(from);
         true
+    }
+
+    fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
+        if !self.config.can_shift {
+            return false;
+        }
+        let kv = self.kv.entry(seq).or_default();
+        let end = (keep + discard).min(kv.len());
+        kv.drain(keep.min(end)..end);
+        true
+    }
+
+    fn bos(&self) -> Option<Token> {
+        Some(BOS)
     }
 }

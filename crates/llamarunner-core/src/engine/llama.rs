@@ -9,7 +9,7 @@ use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
-use llama_cpp_2::model::{AddBos, LlamaModel};
+use llama_cpp_2::model::{AddBos, LlamaModel, RopeType};
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
@@ -147,6 +147,10 @@ struct LlamaEngine<'m> {
     batch_capacity: usize,
     /// Biases that forbid every end-of-generation token (for `ignore_eos`).
     eog_bans: Vec<LlamaLogitBias>,
+    /// Whether positions in the cache can be shifted (no for recurrent, hybrid, M-RoPE models).
+    can_shift: bool,
+    /// Whether the tokenizer starts prompts with BOS.
+    add_bos: bool,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -156,6 +160,12 @@ impl<'m> LlamaEngine<'m> {
             .filter(|&t| model.is_eog_token(t))
             .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
             .collect();
+        let can_shift = !(model.is_recurrent()
+            || model.is_hybrid()
+            || matches!(model.rope_type(), Some(RopeType::MRope)));
+        let add_bos = model
+            .str_to_token("", AddBos::Always)
+            .is_ok_and(|t| t.first() == Some(&model.token_bos()));
         Self {
             model,
             ctx,
@@ -163,6 +173,8 @@ impl<'m> LlamaEngine<'m> {
             slot_ctx,
             batch_capacity: batch,
             eog_bans,
+            can_shift,
+            add_bos,
         }
     }
 }
@@ -337,5 +349,27 @@ impl Backend for LlamaEngine<'_> {
             return false;
         };
         self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_ok()
+    }
+
+    fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
+        if !self.can_shift {
+            return false;
+        }
+        let (Ok(keep), Ok(end), Ok(delta)) = (
+            u32::try_from(keep),
+            u32::try_from(keep + discard),
+            i32::try_from(discard),
+        ) else {
+            return false;
+        };
+        self.ctx.kv_cache_seq_rm(seq, Some(keep), Some(end)).is_ok()
+            && self
+                .ctx
+                .kv_cache_seq_add(seq, Some(end), None, -delta)
+                .is_ok()
+    }
+
+    fn bos(&self) -> Option<Token> {
+        self.add_bos.then(|| self.model.token_bos().0)
     }
 }

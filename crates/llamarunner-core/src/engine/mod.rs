@@ -76,6 +76,24 @@ pub trait Backend {
     /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
     /// remove part of a sequence (the caller then clears all of it).
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
+    /// Context shift: removes positions `keep..keep + discard` and moves the rest down by
+    /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
+    fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
+    /// The beginning-of-sequence token, if the tokenizer adds one.
+    fn bos(&self) -> Option<Token>;
+}
+
+/// One slot, as `GET /slots` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SlotInfo {
+    /// Slot id (= llama.cpp sequence id).
+    pub id: i32,
+    /// Whether a request holds it.
+    pub busy: bool,
+    /// Tokens in its KV cache.
+    pub cached_tokens: usize,
+    /// When it was last released or taken, ms since the Unix epoch (0 = never).
+    pub last_used_ms: u64,
 }
 
 /// Model load state, shared between the engine thread and the HTTP side.
@@ -86,6 +104,7 @@ pub struct Health {
     error: Mutex<Option<String>>,
     busy_slots: AtomicU32,
     total_slots: AtomicU32,
+    slots: Mutex<Vec<SlotInfo>>,
 }
 
 /// The three load states.
@@ -149,6 +168,18 @@ impl Health {
     pub fn set_busy_slots(&self, n: u32) {
         self.busy_slots.store(n, Ordering::Relaxed);
     }
+    /// Publishes the slot table.
+    pub fn set_slots(&self, slots: Vec<SlotInfo>) {
+        let busy = slots.iter().filter(|s| s.busy).count();
+        self.set_busy_slots(u32::try_from(busy).unwrap_or(u32::MAX));
+        if let Ok(mut s) = self.slots.lock() {
+            *s = slots;
+        }
+    }
+    /// The slot table as last published.
+    pub fn slot_table(&self) -> Vec<SlotInfo> {
+        self.slots.lock().map(|s| s.clone()).unwrap_or_default()
+    }
     /// (busy slots, total slots).
     pub fn slots(&self) -> (u32, u32) {
         (
@@ -192,6 +223,8 @@ pub struct Completion {
     pub eval_count: usize,
     /// Time from the first sampled token to the end, ns.
     pub eval_duration_ns: u64,
+    /// The prompt was truncated to fit the slot.
+    pub truncated: bool,
 }
 
 /// The class of an engine-side failure, which decides its HTTP status.

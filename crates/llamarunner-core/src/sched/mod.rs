@@ -20,6 +20,7 @@ use crate::engine::{
     Backend, BatchToken, Completion, DoneReason, EngineError, EngineErrorKind, EngineInbox, Event,
     Message, Request, Token,
 };
+use crate::kv;
 use params::SamplingParams;
 use text::TextStream;
 
@@ -37,6 +38,10 @@ struct Sequence<S> {
     n_prompt: usize,
     n_cached: usize,
     n_generated: usize,
+    /// Prompt tokens protected from shifting.
+    keep: usize,
+    /// The prompt was truncated to fit.
+    truncated: bool,
     text: TextStream,
     /// Text produced but not yet accepted by the client's channel.
     outbox: String,
@@ -57,6 +62,8 @@ struct Slot<S> {
     /// Tokens whose KV entries are in the cache, by position.
     cached: Vec<Token>,
     seq: Option<Sequence<S>>,
+    /// When a request last took or released it.
+    last_used: Option<std::time::SystemTime>,
 }
 
 /// The engine's loop state.
@@ -72,11 +79,6 @@ pub struct Scheduler<B: Backend> {
     batch: Vec<BatchToken>,
 }
 
-/// Longest common prefix of two token lists.
-pub fn common_prefix(a: &[Token], b: &[Token]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
 impl<B: Backend> Scheduler<B> {
     /// A scheduler with `slots` sequences over `backend`.
     pub fn new(backend: B, inbox: EngineInbox, slots: usize) -> Self {
@@ -85,6 +87,7 @@ impl<B: Backend> Scheduler<B> {
                 id: i32::try_from(i).unwrap_or(i32::MAX),
                 cached: Vec::new(),
                 seq: None,
+                last_used: None,
             })
             .collect();
         Self {
@@ -110,12 +113,26 @@ impl<B: Backend> Scheduler<B> {
             self.admit();
             self.step();
             self.flush_draining();
-            let busy = self.slots.iter().filter(|s| s.seq.is_some()).count();
-            self.inbox
-                .health
-                .set_busy_slots(u32::try_from(busy).unwrap_or(u32::MAX));
+            self.publish_slots();
         }
         self.fail_everything();
+    }
+
+    fn publish_slots(&self) {
+        let table = self
+            .slots
+            .iter()
+            .map(|s| crate::engine::SlotInfo {
+                id: s.id,
+                busy: s.seq.is_some(),
+                cached_tokens: s.cached.len(),
+                last_used_ms: s
+                    .last_used
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            })
+            .collect();
+        self.inbox.health.set_slots(table);
     }
 
     fn idle(&self) -> bool {
@@ -185,7 +202,7 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn admit_one(&mut self, request: &Request) -> Result<(), EngineError> {
-        let tokens = self
+        let mut tokens = self
             .backend
             .tokenize(&request.prompt)
             .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
@@ -195,31 +212,54 @@ impl<B: Backend> Scheduler<B> {
                 "the prompt has no tokens",
             ));
         }
+        let params = &request.params;
         let ctx = self.backend.slot_ctx();
+        let has_bos = self.backend.bos().is_some() && tokens.first() == self.backend.bos().as_ref();
+        let keep = kv::keep_count(params.num_keep, tokens.len(), has_bos, ctx);
+        let mut truncated = false;
         if tokens.len() >= ctx {
-            return Err(EngineError::new(
-                EngineErrorKind::ContextLength,
-                format!(
-                    "the input length exceeds the context length: the prompt has {} tokens, a slot holds {ctx} (raise --ctx-size)",
-                    tokens.len()
-                ),
-            ));
+            if !params.truncate {
+                return Err(EngineError::new(
+                    EngineErrorKind::ContextLength,
+                    format!(
+                        "the input length exceeds the context length: the prompt has {} tokens, a slot holds {ctx} (raise --ctx-size, or allow truncation)",
+                        tokens.len()
+                    ),
+                ));
+            }
+            let before = tokens.len();
+            truncated = kv::truncate_prompt(&mut tokens, keep, ctx);
+            tracing::warn!(
+                prompt = before,
+                kept = tokens.len(),
+                num_keep = keep,
+                slot_ctx = ctx,
+                "prompt truncated to fit the slot"
+            );
         }
         let sampler = self
             .backend
-            .new_sampler(&request.params, &tokens)
+            .new_sampler(params, &tokens)
             .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
-        let index = self.choose_slot(&tokens).ok_or_else(|| {
+        let (index, common) = kv::choose_slot(
+            self.slots
+                .iter()
+                .map(|s| (s.seq.is_none(), s.cached.as_slice())),
+            &tokens,
+        )
+        .ok_or_else(|| {
             EngineError::new(EngineErrorKind::Internal, "no free slot (scheduler bug)")
         })?;
         let slot = &mut self.slots[index];
         // At least one prompt token is decoded so there are logits to sample from.
-        let mut reuse = common_prefix(&slot.cached, &tokens).min(tokens.len() - 1);
+        let mut reuse = common.min(tokens.len() - 1);
         if !self.backend.kv_truncate(slot.id, reuse) {
+            // Partial removal is impossible (recurrent models): start the slot afresh.
             self.backend.kv_truncate(slot.id, 0);
             reuse = 0;
         }
         slot.cached.truncate(reuse);
+        slot.last_used = Some(std::time::SystemTime::now());
         if request.events.try_send(Event::Started).is_err() {
             return Ok(()); // the client is gone; the slot stays free
         }
@@ -239,26 +279,14 @@ impl<B: Backend> Scheduler<B> {
             queued: 0,
             logits_at: None,
             n_generated: 0,
+            keep,
+            truncated,
             text: TextStream::new(request.params.stop.clone()),
             outbox: String::new(),
             admitted: Instant::now(),
             prompt_done: None,
         });
         Ok(())
-    }
-
-    /// The free slot whose cache shares the longest prefix with `tokens` (ties: lowest id).
-    fn choose_slot(&self, tokens: &[Token]) -> Option<usize> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.seq.is_none())
-            .max_by(|(ia, a), (ib, b)| {
-                common_prefix(&a.cached, tokens)
-                    .cmp(&common_prefix(&b.cached, tokens))
-                    .then(ib.cmp(ia))
-            })
-            .map(|(i, _)| i)
     }
 
     /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
@@ -272,7 +300,7 @@ impl<B: Backend> Scheduler<B> {
             };
             seq.queued = 0;
             seq.logits_at = None;
-            if seq.generating() && !seq.pending.is_empty() && self.batch.len() < capacity {
+            if seq.generating() && seq.pending.len() == 1 && self.batch.len() < capacity {
                 seq.logits_at = Some(self.batch.len());
                 seq.queued = 1;
                 self.batch.push(BatchToken {
@@ -294,7 +322,8 @@ impl<B: Backend> Scheduler<B> {
             let Some(seq) = slot.seq.as_mut() else {
                 continue;
             };
-            if seq.generating() || seq.pending.is_empty() {
+            // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
+            if seq.queued > 0 || seq.pending.is_empty() {
                 continue;
             }
             let take = (capacity - self.batch.len()).min(seq.pending.len());
@@ -373,12 +402,34 @@ impl<B: Backend> Scheduler<B> {
             slot.cached.truncate(keep);
             return Some(DoneReason::Stop);
         }
-        if seq.params.num_predict > 0 && seq.n_generated as i64 >= seq.params.num_predict {
+        // -1 means "until done", bounded (as Ollama's server does) at ten slot contexts so a
+        // model stuck in a loop with context shift cannot run forever.
+        let limit = match seq.params.num_predict {
+            n if n < 0 => 10 * ctx,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        if seq.n_generated >= limit {
             return Some(DoneReason::Length);
         }
         if slot.cached.len() >= ctx {
-            // No cell left to decode this token into (context shift comes with the kv module).
-            return Some(DoneReason::Length);
+            // No cell left to decode this token into.
+            if !seq.params.shift {
+                return Some(DoneReason::Length);
+            }
+            let keep = seq.keep.min(slot.cached.len());
+            let discard =
+                kv::shift_discard(ctx, keep, slot.cached.len()).min(slot.cached.len() - keep);
+            tracing::debug!(slot = slot.id, keep, discard, "context shift");
+            if self.backend.kv_shift(slot.id, keep, discard) {
+                slot.cached.drain(keep..keep + discard);
+            } else {
+                // The cache cannot shift: decode the kept tokens again.
+                let mut kept = slot.cached[..keep].to_vec();
+                kept.extend_from_slice(&slot.cached[keep + discard..]);
+                self.backend.kv_truncate(slot.id, 0);
+                slot.cached.clear();
+                seq.pending = kept;
+            }
         }
         seq.pending.push(token);
         None
@@ -420,7 +471,9 @@ impl<B: Backend> Scheduler<B> {
             prompt_eval_duration_ns: nanos(prompt_done - seq.admitted),
             eval_count: seq.n_generated,
             eval_duration_ns: nanos(now - prompt_done),
+            truncated: seq.truncated,
         }));
+        self.slots[index].last_used = Some(std::time::SystemTime::now());
         self.send_all(seq.events, events);
     }
 
@@ -474,7 +527,7 @@ impl<B: Backend> Scheduler<B> {
                 let _ = seq.events.try_send(Event::Error(err.clone()));
             }
         }
-        self.inbox.health.set_busy_slots(0);
+        self.publish_slots();
     }
 }
 

@@ -44,6 +44,13 @@ pub struct SamplingParams {
     /// GBNF grammar constraining the output (the request's top-level `grammar` or `format`).
     #[serde(skip)]
     pub grammar: Option<String>,
+    /// Shift the context when the slot fills (the request's top-level `shift`); false ends the
+    /// sequence with "length" instead.
+    #[serde(skip)]
+    pub shift: bool,
+    /// Truncate a prompt that does not fit the slot (top-level `truncate`); false rejects it.
+    #[serde(skip)]
+    pub truncate: bool,
 }
 
 impl Default for SamplingParams {
@@ -67,6 +74,8 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             ignore_eos: false,
             grammar: None,
+            shift: true,
+            truncate: true,
         }
     }
 }

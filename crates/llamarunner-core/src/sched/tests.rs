@@ -147,7 +147,8 @@ fn a_full_slot_ends_with_length() {
         },
         1,
     );
-    let (text, done) = collect(&mut h.submit("hello", greedy(-1)));
+    let params = params_with(|p| p.shift = false);
+    let (text, done) = collect(&mut h.submit("hello", params));
     assert_eq!(done.done_reason, DoneReason::Length);
     // 6 prompt tokens + 14 decoded generated tokens fill 20 cells; the 15th is sampled last.
     assert_eq!(done.eval_count, 15);
@@ -163,7 +164,8 @@ fn too_long_prompt_is_a_context_length_error_and_the_slot_survives() {
         },
         1,
     );
-    let mut rx = h.submit("much too long", greedy(3));
+    let params = params_with(|p| p.truncate = false);
+    let mut rx = h.submit("much too long", params);
     match rx.blocking_recv() {
         Some(Event::Error(e)) => {
             assert_eq!(e.kind, EngineErrorKind::ContextLength);
@@ -425,4 +427,136 @@ fn random_cancellations_never_leak_a_slot() {
         assert!(Instant::now() < deadline, "a slot stayed busy");
         std::thread::yield_now();
     }
+}
+
+fn params_with(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+    let mut p = greedy(-1);
+    f(&mut p);
+    p
+}
+
+#[test]
+fn long_prompt_is_truncated_keeping_num_keep_and_the_tail() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 64,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let prompt: String = (0..100)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let params = params_with(|p| {
+        p.num_keep = 4;
+        p.num_predict = 3;
+    });
+    let (_, done) = collect(&mut h.submit(&prompt, params));
+    assert!(done.truncated);
+    assert!(done.prompt_eval_count < 64);
+    assert_eq!(done.eval_count, 3);
+    // The fake's KV holds BOS + the first 4 bytes, then a contiguous tail of the prompt.
+    let log = h.log.lock().unwrap();
+    let decoded: Vec<Token> = log.iter().flatten().map(|t| t.token).collect();
+    assert_eq!(&decoded[..5], &[BOS, 97, 98, 99, 100]);
+    assert_eq!(
+        decoded[done.prompt_eval_count - 1],
+        Token::from(prompt.as_bytes()[99])
+    );
+}
+
+#[test]
+fn long_prompt_without_truncate_is_rejected() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 16,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let params = params_with(|p| p.truncate = false);
+    match h.submit(&"x".repeat(40), params).blocking_recv() {
+        Some(Event::Error(e)) => assert_eq!(e.kind, EngineErrorKind::ContextLength),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn full_slot_shifts_and_keeps_generating() {
+    for can_shift in [true, false] {
+        let h = Harness::new(
+            FakeConfig {
+                slot_ctx: 32,
+                can_shift,
+                ..FakeConfig::default()
+            },
+            1,
+        );
+        let params = params_with(|p| {
+            p.num_predict = 200;
+            p.num_keep = 2;
+        });
+        let (text, done) = collect(&mut h.submit("shifty", params));
+        assert_eq!(done.eval_count, 200, "can_shift={can_shift}");
+        assert_eq!(done.done_reason, DoneReason::Length);
+        assert_eq!(text.len(), 200);
+        // The kept prefix (BOS + "sh") stays at the start of the slot whatever happened.
+        let log = h.log.lock().unwrap();
+        let first = &log[0];
+        assert_eq!(first[0].token, BOS);
+        for batch in log.iter() {
+            assert!(batch.iter().all(|t| (t.pos as usize) < 32));
+        }
+    }
+}
+
+#[test]
+fn full_slot_without_shift_ends_with_length() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 32,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let params = params_with(|p| {
+        p.shift = false;
+        p.num_predict = 200;
+    });
+    let (_, done) = collect(&mut h.submit("shifty", params));
+    assert_eq!(done.done_reason, DoneReason::Length);
+    assert_eq!(done.prompt_eval_count + done.eval_count, 33);
+}
+
+#[test]
+fn slot_table_is_published() {
+    let h = Harness::new(FakeConfig::default(), 2);
+    let (_, _) = collect(&mut h.submit("table", greedy(4)));
+    let deadline = Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let table = h.handle.health.slot_table();
+        if table.len() == 2 && table.iter().any(|s| s.cached_tokens > 0) {
+            assert!(table.iter().all(|s| !s.busy));
+            let used = table.iter().find(|s| s.cached_tokens > 0).unwrap();
+            assert_eq!(used.cached_tokens, 6 + 3); // BOS + "table" + 3 of the 4 generated
+            assert!(used.last_used_ms > 0);
+            break;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn unlimited_generation_stops_at_ten_contexts() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 16,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let (_, done) = collect(&mut h.submit("loop", greedy(-1)));
+    assert_eq!(done.done_reason, DoneReason::Length);
+    assert_eq!(done.eval_count, 160);
 }

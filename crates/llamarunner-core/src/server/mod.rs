@@ -22,6 +22,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/completion", post(native::completion))
         .route("/health", get(native::health))
+        .route("/slots", get(native::slots))
         .fallback(not_found)
         .with_state(state)
 }

@@ -35,10 +35,8 @@ struct CompletionRequest {
     #[serde(default, alias = "Images")]
     images: Option<Vec<serde_json::Value>>,
     #[serde(default, alias = "Shift")]
-    #[allow(dead_code)] // context shift comes with the kv module; accepted now
     shift: Option<bool>,
     #[serde(default, alias = "Truncate")]
-    #[allow(dead_code)] // truncation comes with the kv module; accepted now
     truncate: Option<bool>,
 }
 
@@ -80,6 +78,8 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     }
     let mut params = req.options.unwrap_or_default();
     params.validate().map_err(ApiError::InvalidRequest)?;
+    params.shift = req.shift.unwrap_or(true);
+    params.truncate = req.truncate.unwrap_or(true);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
         Some(g) => Some(g),
         None => {
@@ -127,6 +127,7 @@ fn ndjson(event: &Event) -> String {
             "prompt_cached_count": c.prompt_cached_count,
             "eval_count": c.eval_count,
             "eval_duration": c.eval_duration_ns,
+            "truncated": c.truncated,
         }),
         Event::Error(e) => {
             let err = ApiError::from(e.clone());
@@ -137,6 +138,11 @@ fn ndjson(event: &Event) -> String {
     let mut line = value.to_string();
     line.push('\n');
     line
+}
+
+/// `GET /slots`: each slot's id, busy flag, cached token count and last use (for debugging).
+pub async fn slots(State(state): State<AppState>) -> Response {
+    Json(json!({ "slots": state.engine.health.slot_table() })).into_response()
 }
 
 /// `GET /health`: 200 when ready, 503 while loading, 500 when the model failed to load.

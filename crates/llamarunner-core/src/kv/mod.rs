@@ -1,0 +1,148 @@
+//! KV-cache slot rules, as pure functions over token lists: which slot a prompt takes, how much
+//! of its cache is reused, how a too-long prompt is truncated and how much a full slot discards
+//! when it shifts. The scheduler applies them; nothing here touches llama.cpp.
+
+use crate::engine::Token;
+
+/// Longest common prefix of two token lists.
+pub fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The free slot whose cache shares the longest prefix with `prompt` (ties: lowest index).
+/// `slots` yields `(free, cached tokens)` per slot.
+pub fn choose_slot<'a>(
+    slots: impl IntoIterator<Item = (bool, &'a [Token])>,
+    prompt: &[Token],
+) -> Option<(usize, usize)> {
+    let mut best: Option<(usize, usize)> = None;
+    for (i, (free, cached)) in slots.into_iter().enumerate() {
+        if !free {
+            continue;
+        }
+        let common = common_prefix(cached, prompt);
+        if best.is_none_or(|(_, b)| common > b) {
+            best = Some((i, common));
+        }
+    }
+    best
+}
+
+/// Prompt tokens protected from truncation and shifting: `num_keep` (-1 = all of them), plus
+/// the BOS token when the model adds one, at most `ctx - 1`.
+pub fn keep_count(num_keep: i64, prompt_len: usize, has_bos: bool, ctx: usize) -> usize {
+    let keep = if num_keep < 0 {
+        prompt_len
+    } else {
+        usize::try_from(num_keep).unwrap_or(usize::MAX)
+    };
+    keep.saturating_add(usize::from(has_bos))
+        .min(ctx.saturating_sub(1))
+}
+
+/// Tokens to discard from a sequence of `len` tokens in a slot of `ctx` cells, keeping the
+/// first `keep`, so that half of the unprotected cells are free afterwards (at least one). Zero
+/// when that much is already free. Ollama's `ShiftDiscard`.
+pub fn shift_discard(ctx: usize, keep: usize, len: usize) -> usize {
+    let target_free = (ctx.saturating_sub(keep) / 2).max(1) as i64;
+    let free = ctx as i64 - len as i64;
+    (target_free - free).max(0) as usize
+}
+
+/// Truncates a prompt that does not fit its slot: the first `keep` tokens and the most recent
+/// ones, leaving room to generate. Returns whether anything was cut.
+pub fn truncate_prompt(tokens: &mut Vec<Token>, keep: usize, ctx: usize) -> bool {
+    if tokens.len() < ctx {
+        return false;
+    }
+    let discard = shift_discard(ctx, keep, tokens.len());
+    let keep = keep.min(tokens.len());
+    let end = (keep + discard).min(tokens.len());
+    tokens.drain(keep..end);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ollama's `TestShiftDiscard` table.
+    #[test]
+    fn ollama_shift_discard_table() {
+        for (ctx, keep, len, want) in [
+            (2048, 5, 2048, 1021),
+            (2048, 2047, 2048, 1),
+            (2048, 0, 2048, 1024),
+            (2048, 5, 5000, 3973),
+            (2048, 2047, 5000, 2953),
+            (2048, 5, 512, 0),
+        ] {
+            assert_eq!(
+                shift_discard(ctx, keep, len),
+                want,
+                "({ctx}, {keep}, {len})"
+            );
+        }
+    }
+
+    #[test]
+    fn common_prefix_lengths() {
+        assert_eq!(common_prefix(&[], &[1, 2]), 0);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2]), 2);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 9, 3]), 1);
+        assert_eq!(common_prefix(&[5], &[6]), 0);
+    }
+
+    /// Ollama's single-user slot choice cases: the free slot with the longest prefix, lowest id
+    /// on ties; busy slots are never taken.
+    #[test]
+    fn ollama_single_user_slot_choice() {
+        let empty: &[Token] = &[];
+        // Empty: all slots empty -> slot 0, nothing reused.
+        assert_eq!(
+            choose_slot([(true, empty), (true, empty)], &[1, 2]),
+            Some((0, 0))
+        );
+        // Extend: slot 1 holds a prefix of the prompt.
+        assert_eq!(
+            choose_slot([(true, &[9][..]), (true, &[1, 2][..])], &[1, 2, 3]),
+            Some((1, 2))
+        );
+        // New: slots [1] and [1,2], prompt [2,3] -> no prefix anywhere, lowest id.
+        assert_eq!(
+            choose_slot([(true, &[1][..]), (true, &[1, 2][..])], &[2, 3]),
+            Some((0, 0))
+        );
+        // In use: slot 0 [1,2] busy, slot 1 [1] free, prompt [1,2] -> slot 1, 1 reused.
+        assert_eq!(
+            choose_slot([(false, &[1, 2][..]), (true, &[1][..])], &[1, 2]),
+            Some((1, 1))
+        );
+        // All busy.
+        assert_eq!(choose_slot([(false, empty)], &[1]), None);
+    }
+
+    #[test]
+    fn keep_counts() {
+        assert_eq!(keep_count(4, 100, true, 2048), 5);
+        assert_eq!(keep_count(4, 100, false, 2048), 4);
+        assert_eq!(keep_count(-1, 100, true, 2048), 101);
+        assert_eq!(keep_count(-1, 5000, true, 2048), 2047);
+        assert_eq!(keep_count(0, 10, false, 2048), 0);
+    }
+
+    #[test]
+    fn truncation_keeps_the_head_and_the_tail_and_leaves_room() {
+        let mut t: Vec<Token> = (0..100).collect();
+        assert!(truncate_prompt(&mut t, 5, 64));
+        assert!(t.len() < 64, "room to generate");
+        assert_eq!(&t[..5], &[0, 1, 2, 3, 4]);
+        assert_eq!(*t.last().unwrap(), 99);
+        // Contiguous tail.
+        let tail = &t[5..];
+        assert!(tail.windows(2).all(|w| w[1] == w[0] + 1));
+        let mut short: Vec<Token> = (0..10).collect();
+        assert!(!truncate_prompt(&mut short, 5, 64));
+        assert_eq!(short.len(), 10);
+    }
+}
