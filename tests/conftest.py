@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from llamarunner import Server
+
 from tinymodel import write_tiny_model
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
 from llamarunner import (
     APIConnectionError,
     AsyncClient,

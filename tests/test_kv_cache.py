@@ -6,8 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import complete
+
 from llamarunner import Server
+
+from helpers import complete
 
 pytestmark = pytest.mark.real_model
 

@@ -10,8 +10,10 @@ from typing import Any, Callable
 
 import httpx
 import pytest
-from helpers import complete
+
 from llamarunner import Server
+
+from helpers import complete
 
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 16}
 

@@ -7,8 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import complete
+
 from llamarunner import Server
+
+from helpers import complete
 
 pytestmark = pytest.mark.real_model
 

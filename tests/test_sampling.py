@@ -8,8 +8,10 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import complete
+
 from llamarunner import Server
+
+from helpers import complete
 
 N = 40
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import complete
+
 from llamarunner import ModelLoadError, Server, ServerConfig
+
+from helpers import complete
 
 
 def test_config_precedence() -> None:
