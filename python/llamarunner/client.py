@@ -310,6 +310,11 @@ class Client:
         with s:
             return _completion(list(s))
 
+    def embed(self, text: str, *, truncate: bool = False) -> list[float]:
+        """The embedding of ``text`` (pooled, not normalized)."""
+        r = self._send("POST", "/embedding", json_body={"content": text, "truncate": truncate})
+        return list(r.json()["embedding"])
+
     def health(self) -> HealthStatus:
         """The server's state (does not raise for loading or failed models)."""
         try:
@@ -464,6 +469,13 @@ class AsyncClient:
             return s
         async with s:
             return _completion([c async for c in s])
+
+    async def embed(self, text: str, *, truncate: bool = False) -> list[float]:
+        """The embedding of ``text`` (pooled, not normalized)."""
+        r = await self._send(
+            "POST", "/embedding", json_body={"content": text, "truncate": truncate}
+        )
+        return list(r.json()["embedding"])
 
     async def health(self) -> HealthStatus:
         try:

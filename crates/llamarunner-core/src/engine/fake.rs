@@ -182,4 +182,18 @@ impl Backend for FakeBackend {
     fn bos(&self) -> Option<Token> {
         Some(BOS)
     }
+
+    fn embed_capacity(&self) -> usize {
+        self.config.slot_ctx
+    }
+
+    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+        // A mean-pooled one-hot-ish embedding over 8 dimensions: deterministic, input-only.
+        let mut v = vec![0.0f32; 8];
+        for &t in tokens {
+            v[(t as usize) % 8] += 1.0;
+        }
+        let n = tokens.len().max(1) as f32;
+        Ok(v.into_iter().map(|x| x / n).collect())
+    }
 }

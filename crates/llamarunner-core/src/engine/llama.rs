@@ -4,7 +4,7 @@
 use std::num::NonZeroU32;
 use std::sync::OnceLock;
 
-use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams, LlamaPoolingType};
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
@@ -13,7 +13,7 @@ use llama_cpp_2::model::{AddBos, LlamaModel, RopeType};
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
-use llama_cpp_2::{DecodeError, LogOptions, TokenToStringError};
+use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
 use super::{Backend, BackendError, BatchToken, EngineInbox, Token};
 use crate::config::{FlashAttn, RunnerConfig};
@@ -93,11 +93,7 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         .with_n_seq_max(parallel)
         .with_n_threads(threads)
         .with_n_threads_batch(threads)
-        .with_flash_attention_policy(match config.flash_attn {
-            FlashAttn::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
-            FlashAttn::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            FlashAttn::Off => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        })
+        .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
         .with_type_k(kv_type)
         .with_type_v(kv_type);
     let ctx = model
@@ -118,7 +114,19 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     }
 
     let slot_ctx = (ctx.n_ctx() / parallel) as usize;
-    let engine = LlamaEngine::new(&model, ctx, slot_ctx, config.batch_size as usize);
+    let embed_params = EmbedParams {
+        threads,
+        flash_attn: ctx_flash_attn(config.flash_attn),
+        pooled_by_model: model_has_pooling_type(&model),
+    };
+    let engine = LlamaEngine::new(
+        &model,
+        ctx,
+        slot_ctx,
+        config.batch_size as usize,
+        backend,
+        embed_params,
+    );
     tracing::info!(
         slots = parallel,
         slot_ctx,
@@ -128,6 +136,29 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     );
     Scheduler::new(engine, inbox, parallel as usize).run();
     Ok(())
+}
+
+fn ctx_flash_attn(policy: FlashAttn) -> llama_cpp_sys_2::llama_flash_attn_type {
+    match policy {
+        FlashAttn::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
+        FlashAttn::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        FlashAttn::Off => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }
+}
+
+/// Whether the GGUF names a pooling type (embedding models do; generative ones do not).
+fn model_has_pooling_type(model: &LlamaModel) -> bool {
+    model
+        .meta_val_str("general.architecture")
+        .is_ok_and(|arch| model.meta_val_str(&format!("{arch}.pooling_type")).is_ok())
+}
+
+/// How the embedding context is made.
+struct EmbedParams {
+    threads: i32,
+    flash_attn: llama_cpp_sys_2::llama_flash_attn_type,
+    /// Use the model's own pooling type; otherwise mean pooling.
+    pooled_by_model: bool,
 }
 
 fn kv_cache_type(name: &str) -> KvCacheType {
@@ -151,10 +182,23 @@ struct LlamaEngine<'m> {
     can_shift: bool,
     /// Whether the tokenizer starts prompts with BOS.
     add_bos: bool,
+    backend: &'static LlamaBackend,
+    embed_params: EmbedParams,
+    /// A second context with embeddings on, made at the first embedding request. The main
+    /// context keeps embeddings off: with them on, llama.cpp outputs logits for every token of
+    /// every batch, which would make prompt processing far slower.
+    embed_ctx: Option<LlamaContext<'m>>,
 }
 
 impl<'m> LlamaEngine<'m> {
-    fn new(model: &'m LlamaModel, ctx: LlamaContext<'m>, slot_ctx: usize, batch: usize) -> Self {
+    fn new(
+        model: &'m LlamaModel,
+        ctx: LlamaContext<'m>,
+        slot_ctx: usize,
+        batch: usize,
+        backend: &'static LlamaBackend,
+        embed_params: EmbedParams,
+    ) -> Self {
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
             .filter(|&t| model.is_eog_token(t))
@@ -175,7 +219,40 @@ impl<'m> LlamaEngine<'m> {
             eog_bans,
             can_shift,
             add_bos,
+            backend,
+            embed_params,
+            embed_ctx: None,
         }
+    }
+
+    fn embedding_context(&mut self) -> Result<&mut LlamaContext<'m>, BackendError> {
+        if self.embed_ctx.is_none() {
+            let n = u32::try_from(self.slot_ctx).unwrap_or(u32::MAX);
+            let pooling = if self.embed_params.pooled_by_model {
+                LlamaPoolingType::Unspecified
+            } else {
+                LlamaPoolingType::Mean
+            };
+            // Pooling needs the whole input in one micro-batch: n_ubatch = n_batch = n_ctx.
+            let params = LlamaContextParams::default()
+                .with_n_ctx(NonZeroU32::new(n))
+                .with_n_batch(n)
+                .with_n_ubatch(n)
+                .with_n_seq_max(1)
+                .with_n_threads(self.embed_params.threads)
+                .with_n_threads_batch(self.embed_params.threads)
+                .with_flash_attention_policy(self.embed_params.flash_attn)
+                .with_embeddings(true)
+                .with_pooling_type(pooling);
+            let ctx = self.model.new_context(self.backend, params).map_err(|e| {
+                BackendError::Decode(format!("cannot create the embedding context: {e}"))
+            })?;
+            tracing::info!(n_ctx = n, ?pooling, "embedding context created");
+            self.embed_ctx = Some(ctx);
+        }
+        self.embed_ctx
+            .as_mut()
+            .ok_or_else(|| BackendError::Decode("no embedding context".into()))
     }
 }
 
@@ -371,5 +448,36 @@ impl Backend for LlamaEngine<'_> {
 
     fn bos(&self) -> Option<Token> {
         self.add_bos.then(|| self.model.token_bos().0)
+    }
+
+    fn embed_capacity(&self) -> usize {
+        self.slot_ctx
+    }
+
+    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+        let mut batch = LlamaBatch::new(tokens.len().max(1), 1);
+        for (i, &t) in tokens.iter().enumerate() {
+            let pos = i32::try_from(i).map_err(|e| BackendError::Decode(e.to_string()))?;
+            batch
+                .add(LlamaToken(t), pos, &[0], true)
+                .map_err(|e| BackendError::Decode(e.to_string()))?;
+        }
+        let ctx = self.embedding_context()?;
+        ctx.clear_kv_cache();
+        let result = ctx
+            .decode(&mut batch)
+            .map_err(|e| BackendError::Decode(e.to_string()))
+            .and_then(|()| match ctx.embeddings_seq_ith(0) {
+                Ok(v) => Ok(v.to_vec()),
+                Err(EmbeddingsError::NonePoolType) => {
+                    let last = i32::try_from(tokens.len().saturating_sub(1)).unwrap_or(0);
+                    ctx.embeddings_ith(last)
+                        .map(<[f32]>::to_vec)
+                        .map_err(|e| BackendError::Decode(e.to_string()))
+                }
+                Err(e) => Err(BackendError::Decode(e.to_string())),
+            });
+        ctx.clear_kv_cache();
+        result
     }
 }

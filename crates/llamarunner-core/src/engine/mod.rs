@@ -81,6 +81,11 @@ pub trait Backend {
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
     /// The beginning-of-sequence token, if the tokenizer adds one.
     fn bos(&self) -> Option<Token>;
+    /// Most tokens one embedding input may have.
+    fn embed_capacity(&self) -> usize;
+    /// The embedding of a whole input: pooled by the model's pooling type (mean when it has
+    /// none), or the last token's when the model does not pool. Not normalized.
+    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError>;
 }
 
 /// One slot, as `GET /slots` shows it.
@@ -290,11 +295,35 @@ pub struct Request {
     pub received: Instant,
 }
 
+/// An embedding request as the engine receives it.
+#[derive(Debug)]
+pub struct EmbedRequest {
+    /// Text to embed.
+    pub content: String,
+    /// Cut an input longer than the context instead of failing.
+    pub truncate: bool,
+    /// Where the answer goes; a closed channel means the client left.
+    pub reply: tokio::sync::oneshot::Sender<Result<Embedding, EngineError>>,
+}
+
+/// An embedding result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Embedding {
+    /// The vector (not normalized).
+    pub vector: Vec<f32>,
+    /// Tokens embedded (after truncation).
+    pub prompt_eval_count: usize,
+    /// The input was truncated.
+    pub truncated: bool,
+}
+
 /// A message to the engine thread.
 #[derive(Debug)]
 pub enum Message {
     /// Serve this request.
     Request(Request),
+    /// Embed this text.
+    Embed(EmbedRequest),
     /// Wake up (used on shutdown).
     Wake,
 }
@@ -345,6 +374,18 @@ impl EngineHandle {
             return Err(SubmitError::Stopped);
         }
         match self.tx.try_send(Message::Request(request)) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),
+        }
+    }
+
+    /// Queues an embedding request.
+    pub fn submit_embed(&self, request: EmbedRequest) -> Result<(), SubmitError> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(SubmitError::Stopped);
+        }
+        match self.tx.try_send(Message::Embed(request)) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
             Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),

@@ -17,8 +17,8 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
 use crate::engine::{
-    Backend, BatchToken, Completion, DoneReason, EngineError, EngineErrorKind, EngineInbox, Event,
-    Message, Request, Token,
+    Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
+    EngineErrorKind, EngineInbox, Event, Message, Request, Token,
 };
 use crate::kv;
 use params::SamplingParams;
@@ -72,6 +72,8 @@ pub struct Scheduler<B: Backend> {
     inbox: EngineInbox,
     slots: Vec<Slot<B::Sampler>>,
     waiting: VecDeque<Request>,
+    /// Embedding requests, served one per step between decodes.
+    embeds: VecDeque<EmbedRequest>,
     /// Events a full channel could not take yet (a slow client whose sequence already ended).
     draining: Vec<(Sender<Event>, VecDeque<Event>)>,
     /// Slot index where prompt chunking starts next step.
@@ -95,6 +97,7 @@ impl<B: Backend> Scheduler<B> {
             inbox,
             slots,
             waiting: VecDeque::new(),
+            embeds: VecDeque::new(),
             draining: Vec::new(),
             next_prompt: 0,
             batch: Vec::new(),
@@ -110,6 +113,7 @@ impl<B: Backend> Scheduler<B> {
                 break;
             }
             self.drop_cancelled();
+            self.embed_one();
             self.admit();
             self.step();
             self.flush_draining();
@@ -136,7 +140,9 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn idle(&self) -> bool {
-        self.waiting.is_empty() && self.slots.iter().all(|s| s.seq.is_none())
+        self.waiting.is_empty()
+            && self.embeds.is_empty()
+            && self.slots.iter().all(|s| s.seq.is_none())
     }
 
     /// Moves new messages into `waiting`; blocks when there is nothing to do. False = exit.
@@ -158,7 +164,7 @@ impl<B: Backend> Scheduler<B> {
         }
         // Take only as many requests as there are free slots: the rest wait in the bounded
         // channel, so a full queue is refused (429) by the HTTP side instead of growing here.
-        while self.waiting.len() < self.free_slots() {
+        while self.waiting.len() + self.embeds.len() < self.free_slots() {
             match self.inbox.rx.try_recv() {
                 Ok(m) => self.handle(m),
                 Err(TryRecvError::Empty) => return true,
@@ -175,6 +181,7 @@ impl<B: Backend> Scheduler<B> {
     fn handle(&mut self, msg: Message) {
         match msg {
             Message::Request(r) => self.waiting.push_back(r),
+            Message::Embed(r) => self.embeds.push_back(r),
             Message::Wake => {}
         }
     }
@@ -188,6 +195,54 @@ impl<B: Backend> Scheduler<B> {
                 slot.seq = None;
             }
         }
+    }
+
+    /// Serves the oldest embedding request (one per step, so generating streams keep flowing).
+    fn embed_one(&mut self) {
+        let Some(request) = self.embeds.pop_front() else {
+            return;
+        };
+        if request.reply.is_closed() {
+            return;
+        }
+        let result = self.embed(&request);
+        let _ = request.reply.send(result);
+    }
+
+    fn embed(&mut self, request: &EmbedRequest) -> Result<Embedding, EngineError> {
+        let mut tokens = self
+            .backend
+            .tokenize(&request.content)
+            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
+        if tokens.is_empty() {
+            return Err(EngineError::new(
+                EngineErrorKind::InvalidRequest,
+                "the content has no tokens",
+            ));
+        }
+        let capacity = self.backend.embed_capacity();
+        let truncated = tokens.len() > capacity;
+        if truncated {
+            if !request.truncate {
+                return Err(EngineError::new(
+                    EngineErrorKind::ContextLength,
+                    format!(
+                        "the input length exceeds the context length: the content has {} tokens, at most {capacity} can be embedded (raise --ctx-size, or allow truncation)",
+                        tokens.len()
+                    ),
+                ));
+            }
+            tokens.truncate(capacity);
+        }
+        let vector = self
+            .backend
+            .embed(&tokens)
+            .map_err(|e| EngineError::new(EngineErrorKind::Internal, e.to_string()))?;
+        Ok(Embedding {
+            vector,
+            prompt_eval_count: tokens.len(),
+            truncated,
+        })
     }
 
     fn admit(&mut self) {
@@ -516,8 +571,11 @@ impl<B: Backend> Scheduler<B> {
 
     fn fail_everything(&mut self) {
         let err = EngineError::new(EngineErrorKind::ShuttingDown, "the server is shutting down");
-        while let Ok(Message::Request(r)) = self.inbox.rx.try_recv() {
-            self.waiting.push_back(r);
+        while let Ok(m) = self.inbox.rx.try_recv() {
+            self.handle(m);
+        }
+        for r in self.embeds.drain(..) {
+            let _ = r.reply.send(Err(err.clone()));
         }
         for r in self.waiting.drain(..) {
             let _ = r.events.try_send(Event::Error(err.clone()));

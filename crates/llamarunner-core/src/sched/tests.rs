@@ -560,3 +560,45 @@ fn unlimited_generation_stops_at_ten_contexts() {
     assert_eq!(done.done_reason, DoneReason::Length);
     assert_eq!(done.eval_count, 160);
 }
+
+fn embed(
+    h: &Harness,
+    content: &str,
+    truncate: bool,
+) -> Result<crate::engine::Embedding, crate::engine::EngineError> {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    h.handle
+        .submit_embed(crate::engine::EmbedRequest {
+            content: content.into(),
+            truncate,
+            reply,
+        })
+        .expect("queue has room");
+    rx.blocking_recv().expect("engine answered")
+}
+
+#[test]
+fn embeddings_share_the_loop_and_never_crash_on_long_input() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 32,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    // Beside a running completion.
+    let mut running = h.submit("gen", params_with(|p| p.num_predict = 20));
+    let e = embed(&h, "hello", false).unwrap();
+    assert_eq!(e.prompt_eval_count, 6);
+    assert_eq!(e.vector.len(), 8);
+    assert_eq!(embed(&h, "hello", false).unwrap(), e, "deterministic");
+    let (_, done) = collect(&mut running);
+    assert_eq!(done.eval_count, 20);
+    // Too long: an error, or truncated when asked.
+    let long = "x".repeat(100);
+    let err = embed(&h, &long, false).unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::ContextLength);
+    let cut = embed(&h, &long, true).unwrap();
+    assert!(cut.truncated);
+    assert_eq!(cut.prompt_eval_count, 32);
+}

@@ -21,6 +21,7 @@ pub struct AppState {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/completion", post(native::completion))
+        .route("/embedding", post(native::embedding))
         .route("/health", get(native::health))
         .route("/slots", get(native::slots))
         .fallback(not_found)

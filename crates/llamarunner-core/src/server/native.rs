@@ -17,7 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::error::ApiError;
 use super::AppState;
 use crate::engine::grammar::grammar_for_format;
-use crate::engine::{Event, LoadState, Request, EVENT_CHANNEL_CAPACITY};
+use crate::engine::{EmbedRequest, Event, LoadState, Request, EVENT_CHANNEL_CAPACITY};
 use crate::sched::params::SamplingParams;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
@@ -138,6 +138,39 @@ fn ndjson(event: &Event) -> String {
     let mut line = value.to_string();
     line.push('\n');
     line
+}
+
+/// Body of `POST /embedding`.
+#[derive(Debug, Deserialize)]
+struct EmbeddingRequest {
+    #[serde(default, alias = "Content")]
+    content: Option<String>,
+    #[serde(default, alias = "Truncate")]
+    truncate: Option<bool>,
+}
+
+/// `POST /embedding`: `{"content"}` -> `{"embedding", "prompt_eval_count"}` (not normalized).
+pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    ensure_ready(&state)?;
+    let req: EmbeddingRequest = parse_json(&body)?;
+    let content = req.content.filter(|c| !c.is_empty()).ok_or_else(|| {
+        ApiError::InvalidRequest("content is required and must not be empty".into())
+    })?;
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    state.engine.submit_embed(EmbedRequest {
+        content,
+        truncate: req.truncate.unwrap_or(false),
+        reply,
+    })?;
+    let embedding = answer
+        .await
+        .map_err(|_| ApiError::Unavailable("the engine stopped".into()))??;
+    Ok(Json(json!({
+        "embedding": embedding.vector,
+        "prompt_eval_count": embedding.prompt_eval_count,
+        "truncated": embedding.truncated,
+    }))
+    .into_response())
 }
 
 /// `GET /slots`: each slot's id, busy flag, cached token count and last use (for debugging).
