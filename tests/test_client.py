@@ -8,17 +8,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import pytest
 
 from llamarunner import (
     APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
     AsyncClient,
     BadRequestError,
     Client,
     Completion,
+    LlamaRunnerError,
     NotFoundError,
     RateLimitError,
     Server,
+    ServiceUnavailableError,
 )
 from llamarunner.client import resolve_base_url
 
@@ -135,3 +140,88 @@ def test_wait_ready_and_health(tiny_server: Server) -> None:
     h = client.wait_ready(5)
     assert h.status == "ready"
     assert h.slots_idle == 2
+
+
+def mock_client(handler: Callable[[httpx.Request], httpx.Response], **kw: object) -> Client:
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return Client("http://runner.test", http_client=http, **kw)  # type: ignore[arg-type]
+
+
+def test_503_while_loading_is_retried_then_raised() -> None:
+    calls: list[str] = []
+
+    def loading(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        body = {"error": {"message": "the model is still loading", "type": "model_loading"}}
+        return httpx.Response(503, json=body)
+
+    with pytest.raises(ServiceUnavailableError) as e:
+        mock_client(loading, max_retries=2).complete("x")
+    assert e.value.status_code == 503
+    assert e.value.type == "model_loading"
+    assert len(calls) == 3  # first try + 2 retries
+
+
+def test_503_then_success() -> None:
+    answers = iter([503, 200])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if next(answers) == 503:
+            return httpx.Response(503, json={"error": {"message": "loading", "type": "x"}})
+        lines = '{"content":"hi","done":false}\n{"content":"","done":true,"done_reason":"stop"}\n'
+        return httpx.Response(200, text=lines)
+
+    c = mock_client(handler).complete("x")
+    assert (c.text, c.done_reason) == ("hi", "stop")
+
+
+def test_400_is_never_retried_and_timeouts_are_typed() -> None:
+    calls: list[int] = []
+
+    def bad(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(400, json={"error": {"message": "no", "type": "invalid_request"}})
+
+    with pytest.raises(BadRequestError):
+        mock_client(bad).complete("x")
+    assert len(calls) == 1
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("slow", request=request)
+
+    with pytest.raises(APITimeoutError):
+        mock_client(slow).complete("x")
+
+
+def test_error_inside_a_stream_raises() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        lines = (
+            '{"content":"a","done":false}\n'
+            '{"done":true,"done_reason":"error","error":{"message":"boom","type":"internal_error"}}\n'
+        )
+        return httpx.Response(200, text=lines)
+
+    with pytest.raises(APIStatusError) as e:
+        mock_client(handler).complete("x")
+    assert e.value.type == "internal_error"
+    assert isinstance(e.value, LlamaRunnerError)
+
+
+def test_async_stream_early_exit_frees_the_slot(
+    tiny_model: Path, start_server: Callable[..., Server]
+) -> None:
+    srv = start_server(tiny_model, parallel=1, ctx_size=60000)
+
+    async def main() -> None:
+        async with AsyncClient(srv.url) as client:
+            stream = await client.complete("hello", stream=True, temperature=1, ignore_eos=True)
+            async with stream:
+                async for _ in stream:
+                    break
+            deadline = time.monotonic() + 10
+            while (await client.health()).slots_processing:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert (await client.complete("next", num_predict=2)).eval_count == 2
+
+    asyncio.run(main())

@@ -234,14 +234,15 @@ class Client:
         timeout: float | httpx.Timeout | None = None,
         api_key: str | None = None,
         max_retries: int = 2,
+        http_client: httpx.Client | None = None,
     ) -> None:
         self.base_url = resolve_base_url(base_url)
         self.max_retries = max_retries
-        self._http = httpx.Client(
-            base_url=self.base_url,
+        self._http = http_client or httpx.Client(
             timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-            headers=_headers(api_key),
         )
+        self._http.base_url = httpx.URL(self.base_url)
+        self._http.headers.update(_headers(api_key))
 
     def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
@@ -396,14 +397,15 @@ class AsyncClient:
         timeout: float | httpx.Timeout | None = None,
         api_key: str | None = None,
         max_retries: int = 2,
+        http_client: httpx.AsyncClient | None = None,
     ) -> None:
         self.base_url = resolve_base_url(base_url)
         self.max_retries = max_retries
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
+        self._http = http_client or httpx.AsyncClient(
             timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-            headers=_headers(api_key),
         )
+        self._http.base_url = httpx.URL(self.base_url)
+        self._http.headers.update(_headers(api_key))
 
     async def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
