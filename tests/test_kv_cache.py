@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llamarunner import Server
@@ -66,3 +67,30 @@ def test_without_shift_it_ends_with_length_before_overflowing(small_ctx: Server)
     )
     assert final["done_reason"] == "length"
     assert final["prompt_eval_count"] + final["eval_count"] <= 256 + 1
+
+
+def test_multiuser_cache_forks_a_shared_system_prompt(
+    default_model: Path, start_server: Callable[..., Server]
+) -> None:
+    srv = start_server(default_model, parallel=2, ctx_size=1024, multiuser_cache=True)
+    system = (
+        "You are the assistant of a small public library. You answer questions about opening "
+        "hours, borrowing rules, late fees, events for children and the reading room. Answer "
+        "in one short sentence, politely, and never invent a rule you were not told. "
+    ) * 3
+    # User A holds slot 0 (busy, generating) with the system prompt in its cache.
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/completion",
+        json={
+            "prompt": system + "User: When do you open?\nAssistant:",
+            "options": {"num_predict": 300, "ignore_eos": True},
+        },
+    ) as a:
+        next(a.iter_lines())
+        text, final = complete(
+            srv.url, system + "User: Can I renew a book?\nAssistant:", temperature=0, num_predict=8
+        )
+    # User B's slot got the shared prefix by a fork instead of recomputing it.
+    assert final["prompt_cached_count"] >= final["prompt_eval_count"] - 12, final
+    assert text.strip(), "a real answer after the fork"

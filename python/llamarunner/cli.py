@@ -73,7 +73,8 @@ def _serve_parser(sub: Any) -> None:
         "--multiuser-cache",
         action="store_const",
         const=True,
-        help="share cached prefixes between users (accepted; forking comes later)",
+        help="share cached prefixes between users: a prompt starting like another slot's cache "
+        "gets that prefix copied into its slot (least recently used) instead of recomputing it",
     )
     p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"

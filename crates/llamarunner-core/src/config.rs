@@ -181,9 +181,6 @@ impl RunnerConfig {
                     .into(),
             );
         }
-        if self.multiuser_cache {
-            out.push("--multiuser-cache: prefix forking between slots is not implemented yet; each slot reuses only its own cache".into());
-        }
         out
     }
 }

@@ -103,6 +103,13 @@ impl Runner {
                             return;
                         }
                     };
+                    // Tokens are small writes: without TCP_NODELAY, Nagle's algorithm and the
+                    // client's delayed ACK hold them back by up to 40 ms each.
+                    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                        if let Err(e) = tcp.set_nodelay(true) {
+                            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+                        }
+                    });
                     let (grace_tx, grace_rx) = tokio::sync::oneshot::channel::<()>();
                     let server = axum::serve(listener, app).with_graceful_shutdown(async move {
                         let _ = stop_rx.await;

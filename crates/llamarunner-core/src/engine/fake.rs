@@ -52,6 +52,8 @@ pub struct FakeBackend {
     outputs: HashMap<usize, (i32, usize)>,
     /// Every decoded batch, in order.
     pub log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
+    /// Every fork (src, dst, len), in order.
+    pub forks: Arc<Mutex<Vec<(i32, i32, usize)>>>,
 }
 
 /// The fake's sampler: it only remembers the seed, which shifts the output.
@@ -176,6 +178,22 @@ impl Backend for FakeBackend {
         let kv = self.kv.entry(seq).or_default();
         let end = (keep + discard).min(kv.len());
         kv.drain(keep.min(end)..end);
+        true
+    }
+
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
+        let copied: Vec<Token> = self
+            .kv
+            .get(&src)
+            .map(|kv| kv[..len.min(kv.len())].to_vec())
+            .unwrap_or_default();
+        if copied.len() != len {
+            return false;
+        }
+        if let Ok(mut forks) = self.forks.lock() {
+            forks.push((src, dst, len));
+        }
+        self.kv.insert(dst, copied);
         true
     }
 

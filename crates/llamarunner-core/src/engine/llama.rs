@@ -134,7 +134,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         threads,
         "ready"
     );
-    Scheduler::new(engine, inbox, parallel as usize).run();
+    Scheduler::new(engine, inbox, parallel as usize)
+        .with_multiuser_cache(config.multiuser_cache)
+        .run();
     Ok(())
 }
 
@@ -444,6 +446,18 @@ impl Backend for LlamaEngine<'_> {
                 .ctx
                 .kv_cache_seq_add(seq, Some(end), None, -delta)
                 .is_ok()
+    }
+
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
+        let Ok(len) = u32::try_from(len) else {
+            return false;
+        };
+        // With one KV stream per sequence (kv_unified off), llama.cpp copies only whole
+        // sequences between streams (a partial range aborts the process): copy all of it, then
+        // cut the copy's tail past the shared prefix.
+        self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
+            && self.ctx.kv_cache_seq_cp(src, dst, None, None).is_ok()
+            && self.ctx.kv_cache_seq_rm(dst, Some(len), None).is_ok()
     }
 
     fn bos(&self) -> Option<Token> {

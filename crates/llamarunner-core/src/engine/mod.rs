@@ -79,6 +79,9 @@ pub trait Backend {
     /// Context shift: removes positions `keep..keep + discard` and moves the rest down by
     /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
+    /// Makes sequence `dst` hold the first `len` cached tokens of sequence `src` (a fork for
+    /// multi-user prefix sharing). False when the cache cannot copy.
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool;
     /// The beginning-of-sequence token, if the tokenizer adds one.
     fn bos(&self) -> Option<Token>;
     /// Most tokens one embedding input may have.

@@ -28,6 +28,66 @@ pub fn choose_slot<'a>(
     best
 }
 
+/// One slot as the multi-user choice sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotView<'a> {
+    /// No request holds it.
+    pub free: bool,
+    /// Tokens in its KV cache.
+    pub cached: &'a [Token],
+    /// Last use; smaller is older (0 = never used).
+    pub last_used: u64,
+}
+
+/// Where a prompt goes in multi-user mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// The slot taken.
+    pub slot: usize,
+    /// Tokens of the prompt already in its cache (after any fork).
+    pub reuse: usize,
+    /// Copy this slot's cache (its first `reuse` tokens) into `slot` first.
+    pub fork_from: Option<usize>,
+}
+
+/// Multi-user slot choice (Ollama's `--multiuser-cache`): the slot (busy ones too) sharing the
+/// longest prefix with the prompt is extended when it is free and its whole cache is that
+/// prefix; otherwise the least recently used free slot is taken and, when the longest prefix
+/// lives in another slot, that prefix is forked into it.
+pub fn choose_slot_multiuser(slots: &[SlotView<'_>], prompt: &[Token]) -> Option<Choice> {
+    let (longest_slot, longest) = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i, common_prefix(s.cached, prompt)))
+        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+    let candidate = &slots[longest_slot];
+    if candidate.free && longest == candidate.cached.len() {
+        return Some(Choice {
+            slot: longest_slot,
+            reuse: longest,
+            fork_from: None,
+        });
+    }
+    let (oldest, target) = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.free)
+        .min_by_key(|(i, s)| (s.last_used, *i))?;
+    Some(if longest > 0 && longest_slot != oldest {
+        Choice {
+            slot: oldest,
+            reuse: longest,
+            fork_from: Some(longest_slot),
+        }
+    } else {
+        Choice {
+            slot: oldest,
+            reuse: common_prefix(target.cached, prompt),
+            fork_from: None,
+        }
+    })
+}
+
 /// Prompt tokens protected from truncation and shifting: `num_keep` (-1 = all of them), plus
 /// the BOS token when the model adds one, at most `ctx - 1`.
 pub fn keep_count(num_keep: i64, prompt_len: usize, has_bos: bool, ctx: usize) -> usize {
@@ -120,6 +180,61 @@ mod tests {
         );
         // All busy.
         assert_eq!(choose_slot([(false, empty)], &[1]), None);
+    }
+
+    fn view(free: bool, cached: &[Token], last_used: u64) -> SlotView<'_> {
+        SlotView {
+            free,
+            cached,
+            last_used,
+        }
+    }
+
+    /// Ollama's multi-user cases (Empty, Extend, New, Fork, Evict, In use).
+    #[test]
+    fn ollama_multi_user_slot_choice() {
+        let choice = |slot, reuse, fork_from| {
+            Some(Choice {
+                slot,
+                reuse,
+                fork_from,
+            })
+        };
+        // Empty: every slot empty -> the least recently used (lowest id), nothing reused.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &[], 0), view(true, &[], 0)], &[1, 2]),
+            choice(0, 0, None)
+        );
+        // Extend: a free slot's whole cache is a prefix of the prompt.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &[9], 1), view(true, &[1, 2], 2)], &[1, 2, 3]),
+            choice(1, 2, None)
+        );
+        // New: slots [1] (used at 2) and [1,2] (used at 1), prompt [2,3] -> LRU slot 1, 0 reused.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &[1], 2), view(true, &[1, 2], 1)], &[2, 3]),
+            choice(1, 0, None)
+        );
+        // Fork: [1,2] busy, [1] free, prompt [1,2] -> slot 1 with the busy slot's 2 tokens.
+        assert_eq!(
+            choose_slot_multiuser(&[view(false, &[1, 2], 2), view(true, &[1], 1)], &[1, 2]),
+            choice(1, 2, Some(0))
+        );
+        // Fork from a busy slot into an empty LRU slot.
+        assert_eq!(
+            choose_slot_multiuser(
+                &[view(false, &[1, 2, 3], 2), view(true, &[7], 1)],
+                &[1, 2, 3, 4]
+            ),
+            choice(1, 3, Some(0))
+        );
+        // Evict: the LRU free slot is reused although another free slot is newer.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &[5, 6], 9), view(true, &[7, 8], 3)], &[1]),
+            choice(1, 0, None)
+        );
+        // In use: no free slot.
+        assert_eq!(choose_slot_multiuser(&[view(false, &[1], 0)], &[1]), None);
     }
 
     #[test]

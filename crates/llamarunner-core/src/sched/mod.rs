@@ -64,6 +64,8 @@ struct Slot<S> {
     seq: Option<Sequence<S>>,
     /// When a request last took or released it.
     last_used: Option<std::time::SystemTime>,
+    /// The scheduler's clock at that moment (LRU order; 0 = never used).
+    last_tick: u64,
 }
 
 /// The engine's loop state.
@@ -78,6 +80,10 @@ pub struct Scheduler<B: Backend> {
     draining: Vec<(Sender<Event>, VecDeque<Event>)>,
     /// Slot index where prompt chunking starts next step.
     next_prompt: usize,
+    /// Multi-user cache: fork shared prefixes between slots (`--multiuser-cache`).
+    multiuser: bool,
+    /// Counter standing for "when" a slot was last used (LRU order).
+    clock: u64,
     batch: Vec<BatchToken>,
 }
 
@@ -90,6 +96,7 @@ impl<B: Backend> Scheduler<B> {
                 cached: Vec::new(),
                 seq: None,
                 last_used: None,
+                last_tick: 0,
             })
             .collect();
         Self {
@@ -100,8 +107,16 @@ impl<B: Backend> Scheduler<B> {
             embeds: VecDeque::new(),
             draining: Vec::new(),
             next_prompt: 0,
+            multiuser: false,
+            clock: 0,
             batch: Vec::new(),
         }
+    }
+
+    /// Shares cached prefixes between slots by forking (`--multiuser-cache`).
+    pub fn with_multiuser_cache(mut self, on: bool) -> Self {
+        self.multiuser = on;
+        self
     }
 
     /// Runs until shutdown is requested or every handle is dropped.
@@ -296,15 +311,7 @@ impl<B: Backend> Scheduler<B> {
             .backend
             .new_sampler(params, &tokens)
             .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
-        let (index, common) = kv::choose_slot(
-            self.slots
-                .iter()
-                .map(|s| (s.seq.is_none(), s.cached.as_slice())),
-            &tokens,
-        )
-        .ok_or_else(|| {
-            EngineError::new(EngineErrorKind::Internal, "no free slot (scheduler bug)")
-        })?;
+        let (index, common) = self.pick_slot(&tokens)?;
         let slot = &mut self.slots[index];
         // At least one prompt token is decoded so there are logits to sample from.
         let mut reuse = common.min(tokens.len() - 1);
@@ -315,6 +322,8 @@ impl<B: Backend> Scheduler<B> {
         }
         slot.cached.truncate(reuse);
         slot.last_used = Some(std::time::SystemTime::now());
+        self.clock += 1;
+        slot.last_tick = self.clock;
         if request.events.try_send(Event::Started).is_err() {
             return Ok(()); // the client is gone; the slot stays free
         }
@@ -342,6 +351,50 @@ impl<B: Backend> Scheduler<B> {
             prompt_done: None,
         });
         Ok(())
+    }
+
+    /// Chooses the slot for a prompt; returns it with the number of prompt tokens its cache
+    /// holds (after forking a shared prefix into it, in multi-user mode).
+    fn pick_slot(&mut self, tokens: &[Token]) -> Result<(usize, usize), EngineError> {
+        let no_slot =
+            || EngineError::new(EngineErrorKind::Internal, "no free slot (scheduler bug)");
+        if !self.multiuser {
+            return kv::choose_slot(
+                self.slots
+                    .iter()
+                    .map(|s| (s.seq.is_none(), s.cached.as_slice())),
+                tokens,
+            )
+            .ok_or_else(no_slot);
+        }
+        let views: Vec<kv::SlotView<'_>> = self
+            .slots
+            .iter()
+            .map(|s| kv::SlotView {
+                free: s.seq.is_none(),
+                cached: &s.cached,
+                last_used: s.last_tick,
+            })
+            .collect();
+        let choice = kv::choose_slot_multiuser(&views, tokens).ok_or_else(no_slot)?;
+        let Some(from) = choice.fork_from else {
+            return Ok((choice.slot, choice.reuse));
+        };
+        let (src, dst) = (self.slots[from].id, self.slots[choice.slot].id);
+        let prefix = self.slots[from].cached[..choice.reuse].to_vec();
+        if self.backend.kv_fork(src, dst, choice.reuse) {
+            tracing::debug!(
+                from = src,
+                to = dst,
+                tokens = choice.reuse,
+                "forked a cached prefix"
+            );
+            self.slots[choice.slot].cached = prefix;
+            Ok((choice.slot, choice.reuse))
+        } else {
+            let own = kv::common_prefix(&self.slots[choice.slot].cached, tokens);
+            Ok((choice.slot, own))
+        }
     }
 
     /// Builds the batch: generating sequences' next tokens first, then prompt chunks round

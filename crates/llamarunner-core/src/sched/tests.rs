@@ -602,3 +602,39 @@ fn embeddings_share_the_loop_and_never_crash_on_long_input() {
     assert!(cut.truncated);
     assert_eq!(cut.prompt_eval_count, 32);
 }
+
+#[test]
+fn multiuser_cache_forks_a_shared_prefix_into_another_slot() {
+    let (handle, inbox) = EngineHandle::new(64);
+    let backend = FakeBackend::new(FakeConfig {
+        decode_delay: std::time::Duration::from_micros(300),
+        ..FakeConfig::default()
+    });
+    let forks = backend.forks.clone();
+    let thread = std::thread::spawn(move || {
+        Scheduler::new(backend, inbox, 2)
+            .with_multiuser_cache(true)
+            .run()
+    });
+    let h = Harness {
+        handle,
+        thread: Some(thread),
+        log: Arc::new(Mutex::new(Vec::new())),
+    };
+    let system = "You are a helpful assistant. Answer briefly. ";
+    // User A fills slot 0 with the system prompt and keeps generating (busy).
+    let mut a = h.submit(&format!("{system}user A"), greedy(-1));
+    assert_eq!(a.blocking_recv(), Some(Event::Started));
+    assert!(matches!(a.blocking_recv(), Some(Event::Text(_))));
+    // User B: the shared prefix is forked from A's busy slot into slot 1.
+    let (text, done) = collect(&mut h.submit(&format!("{system}user B"), greedy(5)));
+    let shared = 1 + system.len() + "user ".len();
+    assert_eq!(done.prompt_cached_count, shared);
+    assert_eq!(
+        text,
+        expected(&format!("{system}user B"), 5),
+        "forked KV is exact"
+    );
+    assert_eq!(forks.lock().unwrap().as_slice(), &[(0, 1, shared)]);
+    drop(a);
+}

@@ -1,0 +1,509 @@
+"""Load benchmark: llamarunner against the limit (raw llama.cpp through llama-cpp-python) and a
+peer server (llama-cpp-python's OpenAI server), in one run, one table.
+
+    python -m benches.load                       # default model, every scenario, ours only
+    python -m benches.load --peers               # + llama-cpp-python (raw and server)
+    python -m benches.load --model M.gguf --scenarios single,parallel4 --requests 2
+
+Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
+stream completions back to back (closed loop) with fixed seeds, varied prompts and
+``ignore_eos`` so that every request generates exactly ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WORDS = (
+    "the",
+    "river",
+    "mountain",
+    "quiet",
+    "engine",
+    "lantern",
+    "market",
+    "silver",
+    "window",
+    "garden",
+    "harbor",
+    "signal",
+    "forest",
+    "paper",
+    "winter",
+    "copper",
+    "morning",
+    "letter",
+    "bridge",
+    "orchard",
+    "station",
+    "thunder",
+    "valley",
+    "pocket",
+    "island",
+    "meadow",
+    "candle",
+    "library",
+    "thread",
+    "compass",
+    "voyage",
+    "feather",
+    "mirror",
+    "harvest",
+    "planet",
+    "whisper",
+    "canyon",
+    "ember",
+    "glacier",
+    "meadowlark",
+    "timber",
+    "ribbon",
+    "falcon",
+    "prairie",
+    "lighthouse",
+)
+
+
+def text(rng: random.Random, n_words: int) -> str:
+    """Varied English-looking text (about 1.13 tokens per word on Gemma's tokenizer)."""
+    out = []
+    for i in range(n_words):
+        out.append(rng.choice(WORDS))
+        if i % 12 == 11:
+            out[-1] += "."
+    return " ".join(out)
+
+
+@dataclass
+class Sample:
+    """One request's timings."""
+
+    ttft: float
+    gaps: list[float]
+    tokens: int
+
+
+@dataclass
+class Row:
+    """One table row."""
+
+    server: str
+    scenario: str
+    clients: int
+    requests: int
+    tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    rss_mb: float = 0.0
+    note: str = ""
+
+    def cells(self) -> list[str]:
+        def q(xs: list[float], p: float) -> str:
+            if not xs:
+                return "-"
+            xs = sorted(xs)
+            return f"{xs[min(len(xs) - 1, int(p * len(xs)))] * 1000:.0f}"
+
+        return [
+            self.server,
+            self.scenario,
+            str(self.clients),
+            f"{self.tokens / self.seconds:.1f}" if self.seconds else "-",
+            f"{self.requests / self.seconds:.2f}" if self.seconds else "-",
+            q(self.ttft, 0.5),
+            q(self.ttft, 0.9),
+            q(self.itl, 0.5),
+            q(self.itl, 0.9),
+            f"{self.rss_mb:.0f}" if self.rss_mb else "-",
+            self.note,
+        ]
+
+
+HEADER = [
+    "server",
+    "scenario",
+    "clients",
+    "gen tok/s",
+    "req/s",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "ITL p50 ms",
+    "ITL p90 ms",
+    "peak RSS MB",
+    "note",
+]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    m = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(m.group(1)) / 1024 if m else 0.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Running:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    protocol: str  # "native" or "openai"
+
+
+@contextmanager
+def ours(
+    model: str, parallel: int, ctx: int, threads: int, extra: tuple[str, ...] = ()
+) -> Iterator[Running]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamarunner",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(ctx),
+        "--threads",
+        str(threads),
+        *extra,
+    ]
+    name = f"llamarunner (parallel {parallel}{', multiuser' if extra else ''})"
+    with _process(cmd, name, port, "native") as r:
+        yield r
+
+
+@contextmanager
+def llama_cpp_python_server(model: str, ctx: int, threads: int) -> Iterator[Running]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(ctx),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        # By default a new request interrupts the running stream; queue them instead.
+        "--interrupt_requests",
+        "False",
+    ]
+    with _process(cmd, "llama-cpp-python server", port, "openai") as r:
+        yield r
+
+
+@contextmanager
+def _process(cmd: list[str], name: str, port: int, protocol: str) -> Iterator[Running]:
+    env = {**os.environ, "LLAMARUNNER_LOG": "warn"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        probe = "/health" if protocol == "native" else "/v1/models"
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + probe, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start")
+            time.sleep(0.2)
+        yield Running(name, url, proc, protocol)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# --- clients ---------------------------------------------------------------------------------
+
+
+def stream_once(server: Running, prompt: str, max_tokens: int, seed: int) -> Sample:
+    """One streaming request; times the first content and the gaps between contents."""
+    if server.protocol == "native":
+        path = "/completion"
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "options": {
+                "num_predict": max_tokens,
+                "temperature": 0.8,
+                "seed": seed,
+                "ignore_eos": True,
+            },
+        }
+    else:
+        path = "/v1/completions"
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": seed,
+            "stream": True,
+            "logit_bias": {},
+            "ignore_eos": True,
+        }
+    start = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    with httpx.stream("POST", server.url + path, json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            if server.protocol == "native":
+                msg = json.loads(line)
+                if msg.get("done"):
+                    tokens = int(msg.get("eval_count", tokens))
+                    break
+                if msg.get("content"):
+                    times.append(time.perf_counter())
+            else:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if msg["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                    tokens += 1
+    if not times:
+        return Sample(ttft=time.perf_counter() - start, gaps=[], tokens=tokens)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return Sample(ttft=times[0] - start, gaps=gaps, tokens=tokens)
+
+
+FAILURES: list[str] = []
+
+
+def run_clients(
+    server: Running, prompts: list[list[str]], max_tokens: int
+) -> tuple[list[Sample], float]:
+    """One thread per client; client i sends its prompts back to back."""
+    samples: list[list[Sample]] = [[] for _ in prompts]
+
+    def client(i: int) -> None:
+        for j, p in enumerate(prompts[i]):
+            try:
+                samples[i].append(stream_once(server, p, max_tokens, seed=1000 * i + j))
+            except httpx.HTTPError as e:
+                FAILURES.append(f"{server.name}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [s for per in samples for s in per], time.perf_counter() - start
+
+
+def row(server: Running, scenario: str, samples: list[Sample], seconds: float) -> Row:
+    failed = len(FAILURES)
+    FAILURES.clear()
+    return Row(
+        note=f"{failed} requests failed" if failed else "",
+        server=server.name,
+        scenario=scenario,
+        clients=0,
+        requests=len(samples),
+        tokens=sum(s.tokens for s in samples),
+        seconds=seconds,
+        ttft=[s.ttft for s in samples],
+        itl=[g for s in samples for g in s.gaps],
+        rss_mb=peak_rss_mb(server.proc.pid),
+    )
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    model: str
+    threads: int
+    requests: int
+    rng: random.Random
+
+
+def distinct(plan: Plan, clients: int, words: int) -> list[list[str]]:
+    return [[text(plan.rng, words) for _ in range(plan.requests)] for _ in range(clients)]
+
+
+def scenario_rows(name: str, server: Running, plan: Plan) -> list[Row]:
+    """Runs one scenario against a started server; returns its rows."""
+    rows: list[Row] = []
+    if name == "single":
+        samples, secs = run_clients(server, distinct(plan, 1, 178), 128)
+        rows.append(row(server, "single: prompt ~200, gen 128", samples, secs))
+    elif name.startswith("parallel"):
+        n = int(name.removeprefix("parallel"))
+        samples, secs = run_clients(server, distinct(plan, n, 178), 64)
+        rows.append(row(server, f"parallel {n}: prompt ~200, gen 64", samples, secs))
+    elif name == "shared":
+        prefix = text(plan.rng, 620)  # ~700 tokens
+        shared = [
+            [prefix + " " + text(plan.rng, 8) for _ in range(plan.requests)] for _ in range(4)
+        ]
+        run_clients(server, [[shared[0][0]]], 1)  # the prefix is cached once, as in a chat
+        samples, secs = run_clients(server, shared, 32)
+        rows.append(row(server, "shared prefix: 4 x (~700 common + ~10)", samples, secs))
+        samples, secs = run_clients(server, distinct(plan, 4, 628), 32)
+        rows.append(row(server, "distinct: 4 x ~710 tokens", samples, secs))
+    elif name == "mixed":
+        gen_prompts = distinct(plan, 3, 60)
+        samples, secs = run_clients(server, gen_prompts, 96)
+        base = row(server, "mixed baseline: 3 generating", samples, secs)
+        rows.append(base)
+        long_prompt = text(plan.rng, 1775)  # ~2,000 tokens
+        result: dict[str, Any] = {}
+
+        def long_client() -> None:
+            time.sleep(0.5)
+            result["long"] = stream_once(server, long_prompt, 8, seed=7)
+
+        t = threading.Thread(target=long_client)
+        t.start()
+        samples, secs = run_clients(server, distinct(plan, 3, 60), 96)
+        t.join()
+        mixed = row(server, "mixed: 3 generating + 1 x 2,000-token prompt", samples, secs)
+        mixed.note = f"long prompt TTFT {result['long'].ttft * 1000:.0f} ms"
+        rows.append(mixed)
+    else:
+        raise ValueError(f"unknown scenario {name}")
+    for r in rows:
+        r.clients = {"single": 1, "shared": 4, "mixed": 3}.get(name) or int(
+            name.removeprefix("parallel")
+        )
+    return rows
+
+
+def raw_llama_cpp(plan: Plan) -> list[Row]:
+    """The limit: llama.cpp itself through llama-cpp-python, one stream, same model/threads."""
+    from llama_cpp import Llama  # type: ignore[import-not-found]
+
+    llm = Llama(
+        plan.model, n_ctx=2048, n_threads=plan.threads, n_threads_batch=plan.threads, verbose=False
+    )
+    rng = random.Random(7)
+    rows: list[Row] = []
+    prompt_tps, gen_tps = [], []
+    for _ in range(plan.requests):
+        prompt = text(rng, 150)
+        n_prompt = len(llm.tokenize(prompt.encode()))
+        llm.reset()
+        start = time.perf_counter()
+        first = None
+        times = []
+        for _chunk in llm(prompt, max_tokens=128, temperature=0.8, seed=1, stream=True):
+            now = time.perf_counter()
+            first = first or now
+            times.append(now)
+        assert first is not None
+        prompt_tps.append(n_prompt / (first - start))
+        gen_tps.append((len(times) - 1) / (times[-1] - first))
+    r = Row("llama.cpp raw (llama-cpp-python)", "single: prompt ~200, gen 128", 1, 0, 0, 0.0)
+    r.note = (
+        f"prompt eval {statistics.median(prompt_tps):.0f} tok/s, "
+        f"generation {statistics.median(gen_tps):.1f} tok/s"
+    )
+    rows.append(r)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="GGUF model (default: the default model)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=3, help="requests per client")
+    ap.add_argument(
+        "--scenarios", default="single,parallel4,parallel8,shared,mixed", help="comma separated"
+    )
+    ap.add_argument("--peers", action="store_true", help="also run llama-cpp-python")
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args(argv)
+    model = args.model
+    if not model:
+        from llamarunner import default_model_path
+
+        model = str(default_model_path())
+    plan = Plan(model, args.threads, args.requests, random.Random(1234))
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    rows: list[Row] = []
+    if args.peers and "single" in scenarios:
+        rows += raw_llama_cpp(plan)
+    for name in scenarios:
+        parallel = {"single": 1, "shared": 4, "mixed": 4}.get(name) or int(
+            name.removeprefix("parallel")
+        )
+        ctx = 4096 if name == "mixed" else 2048
+        # Sharing a prefix between concurrent users is what --multiuser-cache is for.
+        extra = ("--multiuser-cache",) if name == "shared" else ()
+        with ours(model, parallel, ctx, args.threads, extra) as srv:
+            rows += scenario_rows(name, srv, plan)
+        if name.startswith("parallel") and name != "parallel1":
+            with ours(model, 1, ctx, args.threads) as srv:
+                rows += [
+                    r
+                    for r in scenario_rows(name, srv, plan)
+                    if not r.scenario.startswith("mixed baseline")
+                ]
+                rows[-1].note = "baseline: --parallel 1"
+        if args.peers:
+            with llama_cpp_python_server(model, ctx, args.threads) as srv:
+                rows += scenario_rows(name, srv, plan)
+        print(table(rows), flush=True)
+        print(flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
