@@ -435,7 +435,7 @@ def raw_llama_cpp(plan: Plan) -> list[Row]:
     rows: list[Row] = []
     prompt_tps, gen_tps = [], []
     for _ in range(plan.requests):
-        prompt = text(rng, 150)
+        prompt = text(rng, 178)
         n_prompt = len(llm.tokenize(prompt.encode()))
         llm.reset()
         start = time.perf_counter()
