@@ -62,7 +62,7 @@ def test_leaving_a_stream_early_frees_the_slot(
     while client.health().slots_processing:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert client.complete("next", num_predict=2).eval_count == 2
+    assert client.complete("next", num_predict=2, ignore_eos=True).eval_count == 2
 
 
 def test_errors_are_typed(tiny_server: Server) -> None:
@@ -90,7 +90,7 @@ def test_429_and_503_are_typed(tiny_model: Path, start_server: Callable[..., Ser
     chunks = iter(running)  # keep a reference: a dropped iterator closes the stream
     next(chunks)
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(client.complete, "b", num_predict=2)
+        waiting = pool.submit(client.complete, "b", num_predict=2, ignore_eos=True)
         time.sleep(0.3)
         with pytest.raises(RateLimitError) as e:
             client.complete("c", num_predict=1)
@@ -128,7 +128,10 @@ def test_async_client(tiny_server: Server) -> None:
             with pytest.raises(BadRequestError):
                 await client.complete("x", mirostat=9)
             results = await asyncio.gather(
-                *(client.complete(f"the {w}", num_predict=3) for w in ("cat", "dog", "world"))
+                *(
+                    client.complete(f"the {w}", num_predict=3, ignore_eos=True)
+                    for w in ("cat", "dog", "world")
+                )
             )
             assert [r.eval_count for r in results] == [3, 3, 3]
 
@@ -222,6 +225,6 @@ def test_async_stream_early_exit_frees_the_slot(
             while (await client.health()).slots_processing:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-            assert (await client.complete("next", num_predict=2)).eval_count == 2
+            assert (await client.complete("next", num_predict=2, ignore_eos=True)).eval_count == 2
 
     asyncio.run(main())

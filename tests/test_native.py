@@ -66,7 +66,9 @@ def test_same_seed_same_text(tiny_server: Server) -> None:
 
 @pytest.mark.parametrize("n", [1, 5, 33])
 def test_num_predict_is_exact(tiny_server: Server, n: int) -> None:
-    _, final = complete(tiny_server.url, "to the world", temperature=0.7, num_predict=n)
+    _, final = complete(
+        tiny_server.url, "to the world", temperature=0.7, num_predict=n, ignore_eos=True
+    )
     assert final["eval_count"] == n
     assert final["done_reason"] == "length"
 
@@ -137,7 +139,7 @@ def test_disconnect_frees_the_slot(tiny_model: Path, start_server: Callable[...,
     while httpx.get(f"{srv.url}/health").json()["slots_processing"] != 0:
         assert time.monotonic() < deadline, "the slot was not freed after the client left"
         time.sleep(0.01)
-    _, final = complete(srv.url, "next", num_predict=3)
+    _, final = complete(srv.url, "next", num_predict=3, ignore_eos=True)
     assert final["eval_count"] == 3
 
 
@@ -190,14 +192,18 @@ def test_bad_requests_are_400(
 def test_unknown_fields_are_ignored(tiny_server: Server) -> None:
     r = post(
         tiny_server.url,
-        {"prompt": "x", "whatever": 1, "options": {"num_predict": 2, "nonsense": True}},
+        {
+            "prompt": "x",
+            "whatever": 1,
+            "options": {"num_predict": 2, "ignore_eos": True, "nonsense": True},
+        },
     )
     assert r.status_code == 200
     assert json.loads(r.text.splitlines()[-1])["eval_count"] == 2
 
 
 def test_ollama_capitalized_keys(tiny_server: Server) -> None:
-    r = post(tiny_server.url, {"Prompt": "x", "Options": {"num_predict": 3}})
+    r = post(tiny_server.url, {"Prompt": "x", "Options": {"num_predict": 3, "ignore_eos": True}})
     assert r.status_code == 200
     assert json.loads(r.text.splitlines()[-1])["eval_count"] == 3
 
@@ -209,7 +215,7 @@ def test_prompt_longer_than_the_slot_is_400_without_truncate(tiny_server: Server
     assert err["type"] == "context_length_exceeded"
     assert "exceeds the context length" in err["message"]
     # The slot is not lost.
-    _, final = complete(tiny_server.url, "ok", num_predict=2)
+    _, final = complete(tiny_server.url, "ok", num_predict=2, ignore_eos=True)
     assert final["eval_count"] == 2
 
 
@@ -232,7 +238,7 @@ def test_engine_survives_a_burst_of_bad_and_good_requests(tiny_server: Server) -
 
 
 def test_prompt_longer_than_the_slot_is_truncated_by_default(tiny_server: Server) -> None:
-    _, final = complete(tiny_server.url, "the cat " * 600, num_predict=4)
+    _, final = complete(tiny_server.url, "the cat " * 600, num_predict=4, ignore_eos=True)
     assert final["truncated"] is True
     assert final["prompt_eval_count"] < 512
     assert final["eval_count"] == 4

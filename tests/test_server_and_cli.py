@@ -48,7 +48,7 @@ def test_two_servers_in_one_process(tiny_model: Path) -> None:
         # Stopping one frees its port; the other keeps serving.
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url_a}/health", timeout=2)
-        _, final = complete(b.url, "hello", num_predict=3)
+        _, final = complete(b.url, "hello", num_predict=3, ignore_eos=True)
         assert final["eval_count"] == 3
 
 
@@ -142,7 +142,7 @@ def test_cli_serves_and_stops_on_ctrl_c(tiny_model: Path) -> None:
         health = httpx.get(f"{url}/health").json()
         assert health["status"] == "ready"
         assert health["slots_idle"] == 2  # from the environment
-        _, final = complete(url, "hello", num_predict=4)
+        _, final = complete(url, "hello", num_predict=4, ignore_eos=True)
         assert final["eval_count"] == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

@@ -373,22 +373,19 @@ impl EngineHandle {
 
     /// Queues a request for a slot.
     pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
-        if self.shutdown.load(Ordering::Acquire) {
-            return Err(SubmitError::Stopped);
-        }
-        match self.tx.try_send(Message::Request(request)) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
-            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),
-        }
+        self.send(Message::Request(request))
     }
 
     /// Queues an embedding request.
     pub fn submit_embed(&self, request: EmbedRequest) -> Result<(), SubmitError> {
+        self.send(Message::Embed(request))
+    }
+
+    fn send(&self, message: Message) -> Result<(), SubmitError> {
         if self.shutdown.load(Ordering::Acquire) {
             return Err(SubmitError::Stopped);
         }
-        match self.tx.try_send(Message::Embed(request)) {
+        match self.tx.try_send(message) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
             Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),

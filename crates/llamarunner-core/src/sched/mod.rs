@@ -224,17 +224,23 @@ impl<B: Backend> Scheduler<B> {
         let _ = request.reply.send(result);
     }
 
-    fn embed(&mut self, request: &EmbedRequest) -> Result<Embedding, EngineError> {
-        let mut tokens = self
+    /// Tokenizes a request's text; `what` names it in the error.
+    fn tokenize(&self, text: &str, what: &str) -> Result<Vec<Token>, EngineError> {
+        let tokens = self
             .backend
-            .tokenize(&request.content)
+            .tokenize(text)
             .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
         if tokens.is_empty() {
             return Err(EngineError::new(
                 EngineErrorKind::InvalidRequest,
-                "the content has no tokens",
+                format!("the {what} has no tokens"),
             ));
         }
+        Ok(tokens)
+    }
+
+    fn embed(&mut self, request: &EmbedRequest) -> Result<Embedding, EngineError> {
+        let mut tokens = self.tokenize(&request.content, "content")?;
         let capacity = self.backend.embed_capacity();
         let truncated = tokens.len() > capacity;
         if truncated {
@@ -272,16 +278,7 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn admit_one(&mut self, request: &Request) -> Result<(), EngineError> {
-        let mut tokens = self
-            .backend
-            .tokenize(&request.prompt)
-            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
-        if tokens.is_empty() {
-            return Err(EngineError::new(
-                EngineErrorKind::InvalidRequest,
-                "the prompt has no tokens",
-            ));
-        }
+        let mut tokens = self.tokenize(&request.prompt, "prompt")?;
         let params = &request.params;
         let ctx = self.backend.slot_ctx();
         let has_bos = self.backend.bos().is_some() && tokens.first() == self.backend.bos().as_ref();

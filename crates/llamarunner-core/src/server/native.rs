@@ -53,6 +53,13 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     })
 }
 
+/// A text field that must be present and non-empty.
+fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
+    value.filter(|v| !v.is_empty()).ok_or_else(|| {
+        ApiError::InvalidRequest(format!("{name} is required and must not be empty"))
+    })
+}
+
 /// Fails fast unless the model is ready.
 pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
     match state.engine.health.state() {
@@ -68,9 +75,7 @@ pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    let prompt = req.prompt.filter(|p| !p.is_empty()).ok_or_else(|| {
-        ApiError::InvalidRequest("prompt is required and must not be empty".into())
-    })?;
+    let prompt = required("prompt", req.prompt)?;
     if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::InvalidRequest(
             "images are not supported: no multimodal projector is loaded".into(),
@@ -153,9 +158,7 @@ struct EmbeddingRequest {
 pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: EmbeddingRequest = parse_json(&body)?;
-    let content = req.content.filter(|c| !c.is_empty()).ok_or_else(|| {
-        ApiError::InvalidRequest("content is required and must not be empty".into())
-    })?;
+    let content = required("content", req.content)?;
     let (reply, answer) = tokio::sync::oneshot::channel();
     state.engine.submit_embed(EmbedRequest {
         content,
