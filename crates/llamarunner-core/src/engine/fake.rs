@@ -29,6 +29,10 @@ pub struct FakeConfig {
     pub decode_delay: std::time::Duration,
     /// Whether the cache supports shifting (recurrent models do not).
     pub can_shift: bool,
+    /// Whether part of a sequence can be removed (recurrent models: only all of it).
+    pub partial_remove: bool,
+    /// Fail this decode call (1-based) with "no KV slot", as llama.cpp does when full.
+    pub fail_decode: Option<usize>,
 }
 
 impl Default for FakeConfig {
@@ -39,6 +43,8 @@ impl Default for FakeConfig {
             eos_at: None,
             decode_delay: std::time::Duration::ZERO,
             can_shift: true,
+            partial_remove: true,
+            fail_decode: None,
         }
     }
 }
@@ -48,6 +54,7 @@ impl Default for FakeConfig {
 pub struct FakeBackend {
     config: FakeConfig,
     kv: HashMap<i32, Vec<Token>>,
+    decodes: usize,
     /// (seq, position) of each batch index with logits, from the last decode.
     outputs: HashMap<usize, (i32, usize)>,
     /// Every decoded batch, in order.
@@ -124,6 +131,10 @@ impl Backend for FakeBackend {
         if batch.is_empty() {
             return Err(BackendError::Decode("empty batch".into()));
         }
+        self.decodes += 1;
+        if self.config.fail_decode == Some(self.decodes) {
+            return Err(BackendError::NoKvSlot);
+        }
         if !self.config.decode_delay.is_zero() {
             std::thread::sleep(self.config.decode_delay);
         }
@@ -167,7 +178,11 @@ impl Backend for FakeBackend {
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
-        self.kv.entry(seq).or_default().truncate(from);
+        let kv = self.kv.entry(seq).or_default();
+        if from > 0 && from < kv.len() && !self.config.partial_remove {
+            return false;
+        }
+        kv.truncate(from);
         true
     }
 

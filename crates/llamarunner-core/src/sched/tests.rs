@@ -638,3 +638,42 @@ fn multiuser_cache_forks_a_shared_prefix_into_another_slot() {
     assert_eq!(forks.lock().unwrap().as_slice(), &[(0, 1, shared)]);
     drop(a);
 }
+
+#[test]
+fn without_partial_removal_the_slot_is_cleared_and_the_prompt_decoded_again() {
+    let h = Harness::new(
+        FakeConfig {
+            partial_remove: false,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let (a, _) = collect(&mut h.submit("recurrent model", greedy(5)));
+    let (b, second) = collect(&mut h.submit("recurrent model", greedy(5)));
+    assert_eq!(a, b);
+    assert_eq!(second.prompt_cached_count, 0);
+}
+
+#[test]
+fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
+    let h = Harness::new(
+        FakeConfig {
+            fail_decode: Some(3),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let mut rx = h.submit("doomed", greedy(10));
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    let last = std::iter::from_fn(|| rx.blocking_recv()).last();
+    match last {
+        Some(Event::Error(e)) => {
+            assert_eq!(e.kind, EngineErrorKind::Internal);
+            assert!(e.message.contains("no KV cache slot"), "{}", e.message);
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    let (text, done) = collect(&mut h.submit("next", greedy(4)));
+    assert_eq!(done.eval_count, 4);
+    assert_eq!(text, expected("next", 4));
+}
