@@ -245,13 +245,7 @@ impl<B: Backend> Scheduler<B> {
         let truncated = tokens.len() > capacity;
         if truncated {
             if !request.truncate {
-                return Err(EngineError::new(
-                    EngineErrorKind::ContextLength,
-                    format!(
-                        "the input length exceeds the context length: the content has {} tokens, at most {capacity} can be embedded (raise --ctx-size, or allow truncation)",
-                        tokens.len()
-                    ),
-                ));
+                return Err(too_long("content", tokens.len(), capacity));
             }
             tokens.truncate(capacity);
         }
@@ -286,13 +280,7 @@ impl<B: Backend> Scheduler<B> {
         let mut truncated = false;
         if tokens.len() >= ctx {
             if !params.truncate {
-                return Err(EngineError::new(
-                    EngineErrorKind::ContextLength,
-                    format!(
-                        "the input length exceeds the context length: the prompt has {} tokens, a slot holds {ctx} (raise --ctx-size, or allow truncation)",
-                        tokens.len()
-                    ),
-                ));
+                return Err(too_long("prompt", tokens.len(), ctx));
             }
             let before = tokens.len();
             truncated = kv::truncate_prompt(&mut tokens, keep, ctx);
@@ -637,6 +625,16 @@ impl<B: Backend> Scheduler<B> {
         }
         self.publish_slots();
     }
+}
+
+/// The 400 for an input that does not fit and may not be truncated.
+fn too_long(what: &str, tokens: usize, capacity: usize) -> EngineError {
+    EngineError::new(
+        EngineErrorKind::ContextLength,
+        format!(
+            "the input length exceeds the context length: the {what} has {tokens} tokens, a slot holds {capacity} (raise --ctx-size, or allow truncation)"
+        ),
+    )
 }
 
 fn pos_of(n: usize) -> u32 {
