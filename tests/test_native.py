@@ -135,10 +135,7 @@ def test_disconnect_frees_the_slot(tiny_model: Path, start_server: Callable[...,
     ) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{srv.url}/health").json()["slots_processing"] != 0:
-        assert time.monotonic() < deadline, "the slot was not freed after the client left"
-        time.sleep(0.01)
+    wait_idle(srv.url)
     _, final = complete(srv.url, "next", num_predict=3, ignore_eos=True)
     assert final["eval_count"] == 3
 
@@ -155,6 +152,14 @@ def test_utf8_chunks_are_always_valid(tiny_server: Server) -> None:
 
 
 # --- bad input -------------------------------------------------------------------------------
+
+
+def wait_idle(url: str, timeout: float = 10) -> None:
+    """Waits until no slot is busy (the slot table is published just after each step)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health").json()["slots_processing"] != 0:
+        assert time.monotonic() < deadline, "a slot stayed busy"
+        time.sleep(0.01)
 
 
 def post(url: str, body: bytes | dict[str, Any]) -> httpx.Response:
@@ -234,7 +239,7 @@ def test_engine_survives_a_burst_of_bad_and_good_requests(tiny_server: Server) -
     with ThreadPoolExecutor(6) as pool:
         codes = list(pool.map(lambda b: post(tiny_server.url, b).status_code, bodies))
     assert codes == [400, 400, 200] * 5
-    assert httpx.get(f"{tiny_server.url}/health").json()["slots_processing"] == 0
+    wait_idle(tiny_server.url)
 
 
 def test_prompt_longer_than_the_slot_is_truncated_by_default(tiny_server: Server) -> None:
@@ -246,6 +251,7 @@ def test_prompt_longer_than_the_slot_is_truncated_by_default(tiny_server: Server
 
 def test_slots_lists_every_slot(tiny_server: Server) -> None:
     complete(tiny_server.url, "hello slots", num_predict=2)
+    wait_idle(tiny_server.url)
     slots = httpx.get(f"{tiny_server.url}/slots").json()["slots"]
     assert [s["id"] for s in slots] == [0, 1]
     assert all(s["busy"] is False for s in slots)
