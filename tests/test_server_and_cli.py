@@ -97,7 +97,15 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_help_lists_the_flags() -> None:
     r = run_cli("serve", "--help")
     assert r.returncode == 0
-    for flag in ("--parallel", "--ctx-size", "--batch-size", "--n-gpu-layers", "--mmproj"):
+    flags = (
+        "--parallel",
+        "--ctx-size",
+        "--batch-size",
+        "--n-gpu-layers",
+        "--mmproj",
+        "--max-queue",
+    )
+    for flag in flags:
         assert flag in r.stdout
 
 

@@ -25,7 +25,6 @@ def _serve_parser(sub: Any) -> None:
             "also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
             "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         argument_default=None,
     )
     p.add_argument(
@@ -75,6 +74,11 @@ def _serve_parser(sub: Any) -> None:
         const=True,
         help="share cached prefixes between users: a prompt starting like another slot's cache "
         "gets that prefix copied into its slot (least recently used) instead of recomputing it",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        help="requests that may wait for a free slot; more are refused with 429 (default 256)",
     )
     p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"
