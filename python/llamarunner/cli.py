@@ -21,8 +21,8 @@ def _serve_parser(sub: Any) -> None:
         "serve",
         help="serve a GGUF model over HTTP",
         description=(
-            "Serve one GGUF model over HTTP (native /completion and /health). Every flag can "
-            "also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
+            "Serve one GGUF model over HTTP (/completion, /embedding, /health, /slots). "
+            "Every flag can also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
             "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
         ),
         argument_default=None,
