@@ -316,6 +316,7 @@ impl<B: Backend> Scheduler<B> {
             slot = slot.id,
             prompt = tokens.len(),
             cached = reuse,
+            waited_ms = request.received.elapsed().as_millis(),
             "sequence admitted"
         );
         slot.seq = Some(Sequence {
