@@ -261,7 +261,7 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn admit(&mut self) {
-        while self.slots.iter().any(|s| s.seq.is_none()) {
+        while self.free_slots() > 0 {
             let Some(request) = self.waiting.pop_front() else {
                 return;
             };
@@ -275,7 +275,10 @@ impl<B: Backend> Scheduler<B> {
         let mut tokens = self.tokenize(&request.prompt, "prompt")?;
         let params = &request.params;
         let ctx = self.backend.slot_ctx();
-        let has_bos = self.backend.bos().is_some() && tokens.first() == self.backend.bos().as_ref();
+        let has_bos = self
+            .backend
+            .bos()
+            .is_some_and(|b| tokens.first() == Some(&b));
         let keep = kv::keep_count(params.num_keep, tokens.len(), has_bos, ctx);
         let mut truncated = false;
         if tokens.len() >= ctx {
