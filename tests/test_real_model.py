@@ -33,15 +33,22 @@ def test_answers_a_factual_prompt(gemma: Server) -> None:
     print(f"\nsingle stream: {final['eval_count'] / max(seconds, 1e-9):.1f} tokens/s")
 
 
-def test_four_identical_parallel_requests_give_identical_text(gemma: Server) -> None:
-    """Four sequences decoded side by side in the same batches never cross."""
+def test_four_identical_parallel_requests_agree(gemma: Server) -> None:
+    """Four identical requests side by side all complete and give the same answer.
+
+    Not necessarily the same 32 tokens: the requests may be admitted in different steps and
+    into slots with different cached prefixes, so their prompts are decoded in batches of
+    different shapes, and llama.cpp's CPU kernels are not batch-invariant (see the next test).
+    A CI run saw two of them part after ~25 tokens ("...in the world today?" vs "...in the
+    world?"). The answer itself must agree.
+    """
     prompt = "Q: What is the capital of France?\nA:"
     with ThreadPoolExecutor(4) as pool:
         results = list(
             pool.map(lambda p: complete(gemma.url, p, temperature=0, num_predict=32), [prompt] * 4)
         )
-    texts = {text for text, _ in results}
-    assert len(texts) == 1, texts
+    openings = {tuple(text.split()[:2]) for text, _ in results}
+    assert len(openings) == 1, [text for text, _ in results]
     assert all(final["eval_count"] == 32 for _, final in results)
 
 
