@@ -21,7 +21,10 @@ def _serve_parser(sub: Any) -> None:
         "serve",
         help="serve a GGUF model over HTTP",
         description=(
-            "Serve one GGUF model over HTTP (/completion, /embedding, /health, /slots). "
+            "Serve one GGUF model over HTTP: the native API (/completion, /embedding, "
+            "/apply-template, /health, /slots), the OpenAI API (/v1/chat/completions, "
+            "/v1/completions, /v1/embeddings, /v1/models) and the Ollama API (/api/generate, "
+            "/api/chat, /api/embed, /api/tags, /api/show, /api/ps, /api/version). "
             "Every flag can also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
             "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
         ),
@@ -79,6 +82,17 @@ def _serve_parser(sub: Any) -> None:
         "--max-queue",
         type=int,
         help="requests that may wait for a free slot; more are refused with 429 (default 256)",
+    )
+    p.add_argument(
+        "--alias",
+        help="the model's name in the OpenAI and Ollama APIs (default: the file name without "
+        ".gguf)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="chat template: a built-in one (gemma, chatml, llama3, phi3, mistral) or a Jinja "
+        "file; default: the model's own (tokenizer.chat_template), else its family's built-in one",
     )
     p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"

@@ -48,6 +48,8 @@ class ServerConfig:
     multiuser_cache: bool = False
     verbose: bool = False
     max_queue: int = 256
+    alias: str | None = None
+    chat_template: str | None = None
 
     @classmethod
     def resolve(

@@ -59,8 +59,14 @@ pub struct RunnerConfig {
     pub multiuser_cache: bool,
     /// Log llama.cpp's own messages too.
     pub verbose: bool,
-    /// Requests that may wait for a slot before new ones are refused with 503.
+    /// Requests that may wait for a slot before new ones are refused with 429.
     pub max_queue: u32,
+    /// The name clients use for the model (`/v1/models`, the `model` field); default: the file
+    /// name without `.gguf`.
+    pub alias: Option<String>,
+    /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral) or a Jinja file;
+    /// default: the GGUF's own, else the family's built-in one.
+    pub chat_template: Option<String>,
 }
 
 impl Default for RunnerConfig {
@@ -85,6 +91,8 @@ impl Default for RunnerConfig {
             multiuser_cache: false,
             verbose: false,
             max_queue: 256,
+            alias: None,
+            chat_template: None,
         }
     }
 }
@@ -111,6 +119,12 @@ pub enum ConfigError {
     /// No model path.
     #[error("no model given")]
     NoModel,
+    /// `--chat-template` is neither a built-in name nor a readable file.
+    #[error("chat-template {0:?} is neither a built-in template (gemma, chatml, llama3, phi3, mistral) nor a file")]
+    ChatTemplate(String),
+    /// `--alias` is empty.
+    #[error("alias must not be empty")]
+    EmptyAlias,
 }
 
 impl RunnerConfig {
@@ -154,7 +168,31 @@ impl RunnerConfig {
         if self.lora.len() > 1 {
             return Err(ConfigError::TooManyLoras(self.lora.len()));
         }
+        if let Some(t) = &self.chat_template {
+            if crate::chat::builtin(t).is_none() && !std::path::Path::new(t).is_file() {
+                return Err(ConfigError::ChatTemplate(t.clone()));
+            }
+        }
+        if self.alias.as_ref().is_some_and(|a| a.trim().is_empty()) {
+            return Err(ConfigError::EmptyAlias);
+        }
         Ok(())
+    }
+
+    /// The model's public name: `alias`, else the file name without its `.gguf` extension.
+    pub fn model_name(&self) -> String {
+        if let Some(alias) = &self.alias {
+            return alias.clone();
+        }
+        let file = self
+            .model
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match file.strip_suffix(".gguf") {
+            Some(stem) if !stem.is_empty() => stem.to_string(),
+            _ => file,
+        }
     }
 
     /// Decoding threads, resolving 0 to the number of available cores.
@@ -218,6 +256,34 @@ mod tests {
             ..with_model()
         };
         assert!(matches!(cfg.validate(), Err(ConfigError::KvCacheType(_))));
+    }
+
+    #[test]
+    fn model_name_is_the_alias_or_the_file_stem() {
+        let cfg = RunnerConfig {
+            model: "/models/gemma-3-270m-q4_k_m.gguf".into(),
+            ..RunnerConfig::default()
+        };
+        assert_eq!(cfg.model_name(), "gemma-3-270m-q4_k_m");
+        let cfg = RunnerConfig {
+            alias: Some("gemma".into()),
+            ..cfg
+        };
+        assert_eq!(cfg.model_name(), "gemma");
+    }
+
+    #[test]
+    fn chat_template_must_be_builtin_or_a_file() {
+        let cfg = RunnerConfig {
+            chat_template: Some("gemma".into()),
+            ..with_model()
+        };
+        assert_eq!(cfg.validate(), Ok(()));
+        let cfg = RunnerConfig {
+            chat_template: Some("/no/such/template.jinja".into()),
+            ..with_model()
+        };
+        assert!(matches!(cfg.validate(), Err(ConfigError::ChatTemplate(_))));
     }
 
     #[test]

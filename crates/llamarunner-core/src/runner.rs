@@ -89,9 +89,7 @@ impl Runner {
             .enable_all()
             .build()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(AppState {
-            engine: handle.clone(),
-        });
+        let app = router(AppState::new(handle.clone(), config.model_name()));
         let http_thread = std::thread::Builder::new()
             .name("llamarunner-http-main".into())
             .spawn(move || {

@@ -16,12 +16,7 @@ fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
     while handle.health.state() != llamarunner_core::engine::LoadState::Ready {
         std::thread::yield_now();
     }
-    (
-        router(AppState {
-            engine: handle.clone(),
-        }),
-        handle,
-    )
+    (router(AppState::new(handle.clone(), "fake")), handle)
 }
 
 async fn post(app: &axum::Router, body: &str) -> (StatusCode, String) {
@@ -102,9 +97,7 @@ async fn too_long_prompt_is_context_length_exceeded() {
 #[tokio::test]
 async fn loading_and_failed_models_are_reported() {
     let (handle, _inbox) = EngineHandle::new(8);
-    let app = router(AppState {
-        engine: handle.clone(),
-    });
+    let app = router(AppState::new(handle.clone(), "fake"));
     let health = |app: axum::Router| async move {
         let resp = app
             .oneshot(Request::get("/health").body(Body::empty()).unwrap())
@@ -137,9 +130,7 @@ async fn a_full_queue_is_429() {
     // No engine thread drains the queue (capacity 1): the second request finds it full.
     let (handle, _inbox) = EngineHandle::new(1);
     handle.health.set_ready(1);
-    let app = router(AppState {
-        engine: handle.clone(),
-    });
+    let app = router(AppState::new(handle.clone(), "fake"));
     let first = tokio::spawn({
         let app = app.clone();
         async move { post(&app, r#"{"prompt":"x"}"#).await }

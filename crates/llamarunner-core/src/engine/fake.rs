@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{Backend, BackendError, BatchToken, Token};
+use super::{Backend, BackendError, BatchToken, Token, TokenLogprob, TopLogprob};
 use crate::sched::params::SamplingParams;
 
 /// End of sequence.
@@ -104,6 +104,27 @@ impl Backend for FakeBackend {
         let mut out = vec![BOS];
         out.extend(text.bytes().map(Token::from));
         Ok(out)
+    }
+
+    fn logprobs(&self, _index: usize, token: Token, top: usize) -> TokenLogprob {
+        // The sampled token is the likeliest (-0.1); then the other letters in order.
+        let entry = |token: Token, logprob: f32| TopLogprob {
+            token,
+            bytes: self.token_bytes(token),
+            logprob,
+        };
+        let mut alternatives = vec![entry(token, -0.1)];
+        alternatives.extend(
+            (b'a' as Token..=b'z' as Token)
+                .filter(|&t| t != token)
+                .enumerate()
+                .map(|(i, t)| entry(t, -1.0 - i as f32)),
+        );
+        alternatives.truncate(top);
+        TokenLogprob {
+            sampled: entry(token, -0.1),
+            top: alternatives,
+        }
     }
 
     fn token_bytes(&self, token: Token) -> Vec<u8> {

@@ -15,7 +15,10 @@ use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
-use super::{Backend, BackendError, BatchToken, EngineInbox, Token};
+use super::{
+    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, Token, TokenLogprob, TopLogprob,
+};
+use crate::chat::{self, ChatTemplate, Vocabulary};
 use crate::config::{FlashAttn, RunnerConfig};
 use crate::sched::params::SamplingParams;
 use crate::sched::Scheduler;
@@ -118,6 +121,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     }
 
     let slot_ctx = (ctx.n_ctx() / parallel) as usize;
+    inbox
+        .health
+        .set_model_info(model_info(&model, config, slot_ctx)?);
     let embed_params = EmbedParams {
         threads,
         flash_attn: ctx_flash_attn(config.flash_attn),
@@ -142,6 +148,107 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         .with_multiuser_cache(config.multiuser_cache)
         .run();
     Ok(())
+}
+
+/// Describes the loaded model and picks its chat template.
+fn model_info(
+    model: &LlamaModel,
+    config: &RunnerConfig,
+    slot_ctx: usize,
+) -> Result<ModelInfo, String> {
+    let file = std::fs::metadata(&config.model).ok();
+    let metadata = (0..model.meta_count())
+        .filter_map(|i| Some((model.meta_key_by_index(i).ok()?, i)))
+        .filter(|(key, _)| {
+            !key.starts_with("tokenizer.ggml.") && key.as_str() != "tokenizer.chat_template"
+        })
+        .filter_map(|(key, i)| Some((key, model.meta_val_str_by_index(i).ok()?)))
+        .collect();
+    let quantization = model
+        .meta_val_str("general.file_type")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map_or("unknown", super::file_type_name)
+        .to_string();
+    Ok(ModelInfo {
+        path: config.model.clone(),
+        file_size: file.as_ref().map_or(0, std::fs::Metadata::len),
+        modified: file.and_then(|m| m.modified().ok()),
+        architecture: model
+            .meta_val_str("general.architecture")
+            .unwrap_or_default(),
+        n_params: model.n_params(),
+        n_ctx_train: model.n_ctx_train(),
+        n_embd: u32::try_from(model.n_embd()).unwrap_or(0),
+        n_vocab: u32::try_from(model.n_vocab()).unwrap_or(0),
+        slot_ctx,
+        quantization,
+        metadata,
+        template: std::sync::Arc::new(chat_template(model, config)?),
+    })
+}
+
+/// The chat template: `--chat-template` (a built-in name or a file), else the GGUF's own, else
+/// the built-in template of the model's family.
+fn chat_template(model: &LlamaModel, config: &RunnerConfig) -> Result<ChatTemplate, String> {
+    let special_text = |token: LlamaToken| {
+        if token.0 < 0 {
+            return String::new();
+        }
+        model
+            .token_to_piece_bytes(token, 64, true, None)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    };
+    let bos = special_text(model.token_bos());
+    let eos = special_text(model.token_eos());
+    if let Some(choice) = &config.chat_template {
+        let source = match chat::builtin(choice) {
+            Some(source) => source.to_string(),
+            None => std::fs::read_to_string(choice)
+                .map_err(|e| format!("cannot read the chat template {choice}: {e}"))?,
+        };
+        let template =
+            ChatTemplate::new(choice.clone(), source, bos, eos).map_err(|e| e.to_string())?;
+        tracing::info!(template = %choice, "chat template from --chat-template");
+        return Ok(template);
+    }
+    if let Some(source) = model
+        .chat_template(None)
+        .ok()
+        .and_then(|t| t.to_string().ok())
+    {
+        match ChatTemplate::new("gguf", source, bos.clone(), eos.clone()) {
+            Ok(template) => {
+                tracing::info!("chat template from the GGUF (tokenizer.chat_template)");
+                return Ok(template);
+            }
+            Err(e) => tracing::warn!("{e}; using the family's built-in template instead"),
+        }
+    }
+    let one_token = |text: &str| {
+        model
+            .str_to_token(text, AddBos::Never)
+            .is_ok_and(|t| t.len() == 1)
+    };
+    let vocab = Vocabulary {
+        architecture: model
+            .meta_val_str("general.architecture")
+            .unwrap_or_default(),
+        start_of_turn: one_token("<start_of_turn>"),
+        start_header_id: one_token("<|start_header_id|>"),
+        im_start: one_token("<|im_start|>"),
+        phi_turns: one_token("<|assistant|>") && one_token("<|end|>"),
+        inst: one_token("[INST]"),
+    };
+    let name = chat::family_template(&vocab);
+    tracing::info!(
+        template = name,
+        architecture = %vocab.architecture,
+        "the model has no chat template; using the built-in one of its family"
+    );
+    let source = chat::builtin(name).unwrap_or_default();
+    ChatTemplate::new(name, source, bos, eos).map_err(|e| e.to_string())
 }
 
 /// Runs `f` and returns, besides its result, the ERROR messages llama.cpp logged meanwhile on
@@ -381,6 +488,38 @@ impl Backend for LlamaEngine<'_> {
             .map_err(|e| BackendError::Tokenize(e.to_string()))
     }
 
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
+        let logits = self
+            .ctx
+            .get_logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let log_norm = max + sum.ln() as f32;
+        let entry = |t: Token| TopLogprob {
+            token: t,
+            bytes: self.token_bytes(t),
+            logprob: usize::try_from(t)
+                .ok()
+                .and_then(|i| logits.get(i))
+                .map_or(f32::NEG_INFINITY, |&l| l - log_norm),
+        };
+        let mut best: Vec<usize> = (0..logits.len()).collect();
+        let top = top.min(best.len());
+        if top > 0 && top < best.len() {
+            best.select_nth_unstable_by(top - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        }
+        best.truncate(top);
+        best.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        TokenLogprob {
+            sampled: entry(token),
+            top: best
+                .into_iter()
+                .filter_map(|i| Token::try_from(i).ok())
+                .map(entry)
+                .collect(),
+        }
+    }
+
     fn token_bytes(&self, token: Token) -> Vec<u8> {
         let token = LlamaToken(token);
         match self.model.token_to_piece_bytes(token, 32, false, None) {
@@ -404,8 +543,21 @@ impl Backend for LlamaEngine<'_> {
     ) -> Result<ChainSampler, BackendError> {
         let n_vocab = self.model.n_vocab();
         let mut stages = Vec::new();
-        if p.ignore_eos && !self.eog_bans.is_empty() {
-            stages.push(LlamaSampler::logit_bias(n_vocab, &self.eog_bans));
+        let mut biases = Vec::with_capacity(p.logit_bias.len());
+        for &(token, bias) in &p.logit_bias {
+            // llama.cpp indexes its logits by token id without a bounds check.
+            if !(0..n_vocab).contains(&token) {
+                return Err(BackendError::Sampler(format!(
+                    "logit_bias: token {token} is not in the vocabulary (0..{n_vocab})"
+                )));
+            }
+            biases.push(LlamaLogitBias::new(LlamaToken(token), bias));
+        }
+        if p.ignore_eos {
+            biases.extend_from_slice(&self.eog_bans);
+        }
+        if !biases.is_empty() {
+            stages.push(LlamaSampler::logit_bias(n_vocab, &biases));
         }
         let penalize = p.repeat_last_n != 0
             && (p.repeat_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0);

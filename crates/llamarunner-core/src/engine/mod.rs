@@ -9,9 +9,10 @@ pub mod llama;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use crate::chat::ChatTemplate;
 use crate::sched::params::SamplingParams;
 
 /// A vocabulary token id.
@@ -59,6 +60,9 @@ pub trait Backend {
     fn batch_capacity(&self) -> usize;
     /// Tokenizes a prompt, adding BOS when the model wants it and parsing special tokens.
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
+    /// sampled `token`'s and the `top` most likely ones.
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;
     /// The bytes a token renders to (may be a partial UTF-8 character).
     fn token_bytes(&self, token: Token) -> Vec<u8>;
     /// Whether the token ends generation (EOS, EOT, ...).
@@ -113,6 +117,60 @@ pub struct Health {
     busy_slots: AtomicU32,
     total_slots: AtomicU32,
     slots: Mutex<Vec<SlotInfo>>,
+    model: OnceLock<Arc<ModelInfo>>,
+}
+
+/// What the loaded model is, for `/v1/models`, `/api/show`, `/api/tags` and chat rendering.
+/// Published by the engine thread once the model is loaded.
+#[derive(Debug)]
+pub struct ModelInfo {
+    /// The GGUF file.
+    pub path: std::path::PathBuf,
+    /// Its size in bytes.
+    pub file_size: u64,
+    /// Its modification time.
+    pub modified: Option<std::time::SystemTime>,
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Parameter count.
+    pub n_params: u64,
+    /// Context length the model was trained with.
+    pub n_ctx_train: u32,
+    /// Embedding width.
+    pub n_embd: u32,
+    /// Vocabulary size (token ids are `0..n_vocab`).
+    pub n_vocab: u32,
+    /// KV cells per slot.
+    pub slot_ctx: usize,
+    /// Quantization of the weights (`general.file_type`), e.g. "Q4_K_M".
+    pub quantization: String,
+    /// The GGUF's scalar metadata (tokenizer arrays left out), in file order.
+    pub metadata: Vec<(String, String)>,
+    /// How conversations become prompts.
+    pub template: Arc<ChatTemplate>,
+}
+
+impl ModelInfo {
+    /// A description for a model without a file (the fake backend), with a ChatML template.
+    pub fn placeholder(slot_ctx: usize) -> Self {
+        let template = crate::chat::builtin("chatml")
+            .and_then(|t| ChatTemplate::new("chatml", t, "", "").ok())
+            .expect("the built-in ChatML template compiles");
+        Self {
+            path: "fake.gguf".into(),
+            file_size: 0,
+            modified: None,
+            architecture: "fake".into(),
+            n_params: 0,
+            n_ctx_train: u32::try_from(slot_ctx).unwrap_or(u32::MAX),
+            n_embd: 8,
+            n_vocab: 258,
+            slot_ctx,
+            quantization: "F32".into(),
+            metadata: Vec::new(),
+            template: Arc::new(template),
+        }
+    }
 }
 
 /// The three load states.
@@ -188,6 +246,14 @@ impl Health {
     pub fn slot_table(&self) -> Vec<SlotInfo> {
         self.slots.lock().map(|s| s.clone()).unwrap_or_default()
     }
+    /// Publishes what the loaded model is (once; later calls are ignored).
+    pub fn set_model_info(&self, info: ModelInfo) {
+        let _ = self.model.set(Arc::new(info));
+    }
+    /// What the loaded model is, once it is loaded.
+    pub fn model_info(&self) -> Option<Arc<ModelInfo>> {
+        self.model.get().cloned()
+    }
     /// (busy slots, total slots).
     pub fn slots(&self) -> (u32, u32) {
         (
@@ -195,6 +261,69 @@ impl Health {
             self.total_slots.load(Ordering::Relaxed),
         )
     }
+}
+
+/// The name of a GGUF `general.file_type` (llama.cpp's `llama_ftype`), e.g. 15 -> "Q4_K_M".
+pub fn file_type_name(file_type: u32) -> &'static str {
+    const NAMES: &[(u32, &str)] = &[
+        (0, "F32"),
+        (1, "F16"),
+        (2, "Q4_0"),
+        (3, "Q4_1"),
+        (7, "Q8_0"),
+        (8, "Q5_0"),
+        (9, "Q5_1"),
+        (10, "Q2_K"),
+        (11, "Q3_K_S"),
+        (12, "Q3_K_M"),
+        (13, "Q3_K_L"),
+        (14, "Q4_K_S"),
+        (15, "Q4_K_M"),
+        (16, "Q5_K_S"),
+        (17, "Q5_K_M"),
+        (18, "Q6_K"),
+        (19, "IQ2_XXS"),
+        (20, "IQ2_XS"),
+        (21, "Q2_K_S"),
+        (22, "IQ3_XS"),
+        (23, "IQ3_XXS"),
+        (24, "IQ1_S"),
+        (25, "IQ4_NL"),
+        (26, "IQ3_S"),
+        (27, "IQ3_M"),
+        (28, "IQ2_S"),
+        (29, "IQ2_M"),
+        (30, "IQ4_XS"),
+        (31, "IQ1_M"),
+        (32, "BF16"),
+        (36, "TQ1_0"),
+        (37, "TQ2_0"),
+        (38, "MXFP4"),
+    ];
+    NAMES
+        .iter()
+        .find(|(n, _)| *n == file_type)
+        .map_or("unknown", |(_, name)| name)
+}
+
+/// A token with its log-probability (log-softmax of the raw logits).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopLogprob {
+    /// The token.
+    pub token: Token,
+    /// The bytes it renders to (maybe part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability.
+    pub logprob: f32,
+}
+
+/// The log-probability of a sampled token and of the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The sampled token.
+    pub sampled: TopLogprob,
+    /// The most likely tokens at that position, best first.
+    pub top: Vec<TopLogprob>,
 }
 
 /// Why a sequence ended.
@@ -269,12 +398,18 @@ impl EngineError {
 }
 
 /// What the engine streams back to one request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// The prompt was admitted into a slot and processing started.
     Started,
-    /// Generated text (valid UTF-8, never containing a stop string).
-    Text(String),
+    /// Generated text (valid UTF-8, never containing a stop string), with the log-probabilities
+    /// of the tokens it completes when the request asked for them.
+    Text {
+        /// The text.
+        text: String,
+        /// One entry per token whose text this chunk completes (empty unless requested).
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The sequence finished.
     Done(Completion),
     /// The sequence failed.

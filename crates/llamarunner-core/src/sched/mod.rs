@@ -18,7 +18,7 @@ use tokio::sync::mpsc::Sender;
 
 use crate::engine::{
     Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
-    EngineErrorKind, EngineInbox, Event, Message, Request, Token,
+    EngineErrorKind, EngineInbox, Event, Message, Request, Token, TokenLogprob,
 };
 use crate::kv;
 use params::SamplingParams;
@@ -45,6 +45,10 @@ struct Sequence<S> {
     text: TextStream,
     /// Text produced but not yet accepted by the client's channel.
     outbox: String,
+    /// Log-probabilities of the tokens whose text is in `outbox` or still held by `text`.
+    outbox_logprobs: Vec<TokenLogprob>,
+    /// Log-probability entries already sent.
+    logprobs_sent: usize,
     admitted: Instant,
     /// Set when the prompt is fully decoded.
     prompt_done: Option<Instant>,
@@ -122,6 +126,14 @@ impl<B: Backend> Scheduler<B> {
     /// Runs until shutdown is requested or every handle is dropped.
     pub fn run(mut self) {
         let total = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+        if self.inbox.health.model_info().is_none() {
+            // A backend without a model file (the fake) still gets a description.
+            self.inbox
+                .health
+                .set_model_info(crate::engine::ModelInfo::placeholder(
+                    self.backend.slot_ctx(),
+                ));
+        }
         self.inbox.health.set_ready(total);
         while self.receive() {
             if self.inbox.stopping() {
@@ -336,6 +348,8 @@ impl<B: Backend> Scheduler<B> {
             truncated,
             text: TextStream::new(request.params.stop.clone()),
             outbox: String::new(),
+            outbox_logprobs: Vec::new(),
+            logprobs_sent: 0,
             admitted: Instant::now(),
             prompt_done: None,
         });
@@ -486,6 +500,10 @@ impl<B: Backend> Scheduler<B> {
         if self.backend.is_eog(token) && !seq.params.ignore_eos {
             return Some(DoneReason::Stop);
         }
+        if let Some(top) = seq.params.logprobs {
+            seq.outbox_logprobs
+                .push(self.backend.logprobs(at, token, top));
+        }
         let pushed = seq.text.push(&self.backend.token_bytes(token));
         seq.outbox.push_str(&pushed.text);
         if pushed.stopped {
@@ -541,10 +559,23 @@ impl<B: Backend> Scheduler<B> {
         if seq.outbox.is_empty() {
             return;
         }
-        let text = std::mem::take(&mut seq.outbox);
-        match seq.events.try_send(Event::Text(text)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(Event::Text(t))) => seq.outbox = t,
+        // Entries go with the text that completes their tokens; a token still held back (a
+        // possible stop string) keeps its entry for later.
+        let complete = seq
+            .text
+            .tokens_returned()
+            .saturating_sub(seq.logprobs_sent)
+            .min(seq.outbox_logprobs.len());
+        let event = Event::Text {
+            text: std::mem::take(&mut seq.outbox),
+            logprobs: seq.outbox_logprobs.drain(..complete).collect(),
+        };
+        match seq.events.try_send(event) {
+            Ok(()) => seq.logprobs_sent += complete,
+            Err(TrySendError::Full(Event::Text { text, logprobs })) => {
+                seq.outbox = text;
+                seq.outbox_logprobs.splice(..0, logprobs);
+            }
             Err(_) => slot.seq = None,
         }
     }
@@ -559,7 +590,13 @@ impl<B: Backend> Scheduler<B> {
         seq.outbox.push_str(&seq.text.finish());
         let mut events = VecDeque::new();
         if !seq.outbox.is_empty() {
-            events.push_back(Event::Text(std::mem::take(&mut seq.outbox)));
+            // Tokens of a stop string were not returned: their entries go too.
+            let returned = seq.text.tokens_returned().saturating_sub(seq.logprobs_sent);
+            seq.outbox_logprobs.truncate(returned);
+            events.push_back(Event::Text {
+                text: std::mem::take(&mut seq.outbox),
+                logprobs: std::mem::take(&mut seq.outbox_logprobs),
+            });
         }
         events.push_back(Event::Done(Completion {
             done_reason: reason,

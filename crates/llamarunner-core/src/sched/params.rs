@@ -51,6 +51,12 @@ pub struct SamplingParams {
     /// Truncate a prompt that does not fit the slot (top-level `truncate`); false rejects it.
     #[serde(skip)]
     pub truncate: bool,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`).
+    #[serde(skip)]
+    pub logit_bias: Vec<(crate::engine::Token, f32)>,
+    /// Report each sampled token's log-probability and this many alternatives (None = off).
+    #[serde(skip)]
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -76,6 +82,8 @@ impl Default for SamplingParams {
             grammar: None,
             shift: true,
             truncate: true,
+            logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }

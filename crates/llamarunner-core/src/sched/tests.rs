@@ -64,7 +64,7 @@ fn collect(rx: &mut Receiver<Event>) -> (String, Completion) {
             .blocking_recv()
             .expect("engine ended the stream without Done")
         {
-            Event::Text(t) => text.push_str(&t),
+            Event::Text { text: t, .. } => text.push_str(&t),
             Event::Done(c) => return (text, c),
             other => panic!("unexpected event {other:?}"),
         }
@@ -243,7 +243,7 @@ fn long_prompt_does_not_stall_generating_sequences() {
     // Let the three start generating.
     for rx in &mut gens {
         assert_eq!(rx.blocking_recv(), Some(Event::Started));
-        assert!(matches!(rx.blocking_recv(), Some(Event::Text(_))));
+        assert!(matches!(rx.blocking_recv(), Some(Event::Text { .. })));
     }
     let long = "y".repeat(2000);
     let mut big = h.submit(&long, greedy(1));
@@ -299,7 +299,7 @@ fn cancelled_request_frees_its_slot() {
     );
     let mut rx = h.submit("endless", greedy(-1));
     assert_eq!(rx.blocking_recv(), Some(Event::Started));
-    assert!(matches!(rx.blocking_recv(), Some(Event::Text(_))));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Text { .. })));
     drop(rx);
     // With one slot, this can only run once the first one is gone.
     let (_, done) = collect(&mut h.submit("next", greedy(3)));
@@ -626,7 +626,7 @@ fn multiuser_cache_forks_a_shared_prefix_into_another_slot() {
     // User A fills slot 0 with the system prompt and keeps generating (busy).
     let mut a = h.submit(&format!("{system}user A"), greedy(-1));
     assert_eq!(a.blocking_recv(), Some(Event::Started));
-    assert!(matches!(a.blocking_recv(), Some(Event::Text(_))));
+    assert!(matches!(a.blocking_recv(), Some(Event::Text { .. })));
     // User B: the shared prefix is forked from A's busy slot into slot 1.
     let (text, done) = collect(&mut h.submit(&format!("{system}user B"), greedy(5)));
     let shared = 1 + system.len() + "user ".len();

@@ -35,6 +35,9 @@ pub enum ApiError {
     /// No such route.
     #[error("{0}")]
     NotFound(String),
+    /// The request names a model this server does not serve.
+    #[error("{0}")]
+    ModelNotFound(String),
     /// A failure inside the engine.
     #[error("{0}")]
     Internal(String),
@@ -49,7 +52,7 @@ impl ApiError {
             }
             ApiError::Loading | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotFound(_) | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::LoadFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -65,6 +68,7 @@ impl ApiError {
             ApiError::Overloaded(_) => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::NotFound(_) => "not_found",
+            ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::Internal(_) => "internal_error",
         }
     }
@@ -77,10 +81,71 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        self.log();
+        (self.status(), Json(self.body())).into_response()
+    }
+}
+
+impl ApiError {
+    fn log(&self) {
         if matches!(self, ApiError::Internal(_)) {
             tracing::error!(error = %self, "request failed");
         }
-        (self.status(), Json(self.body())).into_response()
+    }
+
+    /// OpenAI's error class for this status.
+    pub fn openai_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            400 | 404 => "invalid_request_error",
+            429 => "rate_limit_error",
+            503 => "service_unavailable_error",
+            _ => "server_error",
+        }
+    }
+
+    /// The body in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, with our
+    /// stable kind as `code`.
+    pub fn openai_body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.to_string(),
+            "type": self.openai_type(),
+            "param": null,
+            "code": self.kind(),
+        }})
+    }
+}
+
+/// An error answered in OpenAI's shape (the `/v1` routes).
+#[derive(Debug)]
+pub struct OpenAiError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for OpenAiError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        self.0.log();
+        (self.0.status(), Json(self.0.openai_body())).into_response()
+    }
+}
+
+/// An error answered in Ollama's shape, `{"error": "..."}` (the `/api` routes).
+#[derive(Debug)]
+pub struct OllamaError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for OllamaError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl IntoResponse for OllamaError {
+    fn into_response(self) -> Response {
+        self.0.log();
+        (self.0.status(), Json(json!({"error": self.0.to_string()}))).into_response()
     }
 }
 

@@ -2,7 +2,6 @@
 //! `GET /health`.
 
 use std::convert::Infallible;
-use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -14,10 +13,11 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::common::{ensure_ready, parse_json, parse_messages, render_chat, start_generation};
 use super::error::ApiError;
 use super::AppState;
 use crate::engine::grammar::grammar_for_format;
-use crate::engine::{EmbedRequest, Event, LoadState, Request, EVENT_CHANNEL_CAPACITY};
+use crate::engine::{EmbedRequest, Event, LoadState};
 use crate::sched::params::SamplingParams;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
@@ -40,35 +40,11 @@ struct CompletionRequest {
     truncate: Option<bool>,
 }
 
-/// Parses a JSON body, naming the offending field in the error.
-pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        if path == "." {
-            ApiError::InvalidJson(e.into_inner().to_string())
-        } else {
-            ApiError::InvalidJson(format!("{path}: {}", e.into_inner()))
-        }
-    })
-}
-
 /// A text field that must be present and non-empty.
 fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
     value.filter(|v| !v.is_empty()).ok_or_else(|| {
         ApiError::InvalidRequest(format!("{name} is required and must not be empty"))
     })
-}
-
-/// Fails fast unless the model is ready.
-pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
-    match state.engine.health.state() {
-        LoadState::Ready => Ok(()),
-        LoadState::Loading => Err(ApiError::Loading),
-        LoadState::Error => Err(ApiError::LoadFailed(
-            state.engine.health.error().unwrap_or_default(),
-        )),
-    }
 }
 
 /// `POST /completion`.
@@ -92,24 +68,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
         }
     };
 
-    let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
-    state.engine.submit(Request {
-        prompt,
-        params,
-        events: tx,
-        received: Instant::now(),
-    })?;
-    // Errors found before the sequence takes a slot become a proper HTTP status.
-    match rx.recv().await {
-        Some(Event::Started) => {}
-        Some(Event::Error(e)) => return Err(e.into()),
-        Some(other) => {
-            return Err(ApiError::Internal(format!(
-                "unexpected first event {other:?}"
-            )))
-        }
-        None => return Err(ApiError::Unavailable("the engine stopped".into())),
-    }
+    let rx = start_generation(&state, prompt, params).await?;
     let lines =
         ReceiverStream::new(rx).map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
     Ok((
@@ -122,7 +81,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
 /// One NDJSON line for an engine event.
 fn ndjson(event: &Event) -> String {
     let value = match event {
-        Event::Text(t) => json!({"content": t, "done": false}),
+        Event::Text { text, .. } => json!({"content": text, "done": false}),
         Event::Done(c) => json!({
             "content": "",
             "done": true,
@@ -201,4 +160,26 @@ pub async fn health(State(state): State<AppState>) -> Response {
         LoadState::Error => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, Json(body)).into_response()
+}
+
+/// Body of `POST /apply-template`.
+#[derive(Debug, Deserialize)]
+struct ApplyTemplateRequest {
+    #[serde(default)]
+    messages: Option<Vec<serde_json::Value>>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+/// `POST /apply-template`: `{"messages"}` -> `{"prompt"}`, the text the chat endpoints would
+/// generate from (without the BOS the tokenizer adds), as llama-server's endpoint of that name.
+pub async fn apply_template(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    ensure_ready(&state)?;
+    let req: ApplyTemplateRequest = parse_json(&body)?;
+    let messages = parse_messages(req.messages.unwrap_or_default())?;
+    let prompt = render_chat(&state, &messages, req.add_generation_prompt.unwrap_or(true))?;
+    Ok(Json(json!({ "prompt": prompt })).into_response())
 }

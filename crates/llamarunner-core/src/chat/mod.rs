@@ -1,0 +1,430 @@
+//! Chat templates: turning a conversation into the prompt text a model was trained on.
+//!
+//! A GGUF usually carries its Hugging Face Jinja template in `tokenizer.chat_template`; it is
+//! rendered with minijinja (with Python string methods, `raise_exception` and `strftime_now`, as
+//! Hugging Face's `apply_chat_template` offers). Many GGUFs carry none (the default model is a
+//! base model without one), so a small set of known family templates is built in and picked by
+//! architecture and vocabulary; `--chat-template NAME|FILE` overrides both.
+
+use minijinja::value::Serde;
+use minijinja::{Environment, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+/// Gemma (1, 2, 3): `<start_of_turn>user ... <end_of_turn>`, the system prompt folded into the
+/// first user turn, the assistant called "model".
+const GEMMA: &str = r#"{{- bos_token -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set first_user_prefix = '' -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+  {{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
+
+/// ChatML (Qwen, Hermes, SmolLM, many fine-tunes).
+const CHATML: &str = r#"{%- for message in messages -%}
+  {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"#;
+
+/// Llama 3.x.
+const LLAMA3: &str = r#"{{- bos_token -}}
+{%- for message in messages -%}
+  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"#;
+
+/// Phi-3 / Phi-3.5.
+const PHI3: &str = r#"{%- for message in messages -%}
+  {{- '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"#;
+
+/// Mistral / Mixtral instruct (`[INST] ... [/INST]`), the system prompt folded into the first
+/// user turn.
+const MISTRAL: &str = r#"{{- bos_token -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set system = messages[0]['content'] + '\n\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set system = '' -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+  {%- if message['role'] == 'user' -%}
+    {{- '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' -}}
+  {%- else -%}
+    {{- message['content'] + eos_token -}}
+  {%- endif -%}
+{%- endfor -%}"#;
+
+/// The built-in templates, by the name `--chat-template` accepts.
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("gemma", GEMMA),
+    ("chatml", CHATML),
+    ("llama3", LLAMA3),
+    ("phi3", PHI3),
+    ("mistral", MISTRAL),
+];
+
+/// The source of a built-in template.
+pub fn builtin(name: &str) -> Option<&'static str> {
+    BUILTIN.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+}
+
+/// What the vocabulary tells about the model's family, for picking a built-in template.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Vocabulary {
+    /// `general.architecture`.
+    pub architecture: String,
+    /// The vocabulary has `<start_of_turn>` as one token.
+    pub start_of_turn: bool,
+    /// ... `<|start_header_id|>`.
+    pub start_header_id: bool,
+    /// ... `<|im_start|>`.
+    pub im_start: bool,
+    /// ... `<|assistant|>` and `<|end|>`.
+    pub phi_turns: bool,
+    /// ... `[INST]`.
+    pub inst: bool,
+}
+
+/// The built-in template for a model without its own: by architecture first, then by the
+/// turn markers its vocabulary has; ChatML when nothing matches.
+pub fn family_template(vocab: &Vocabulary) -> &'static str {
+    let arch = vocab.architecture.as_str();
+    if arch.starts_with("gemma") || vocab.start_of_turn {
+        "gemma"
+    } else if vocab.start_header_id {
+        "llama3"
+    } else if vocab.im_start {
+        "chatml"
+    } else if arch == "phi3" || vocab.phi_turns {
+        "phi3"
+    } else if vocab.inst || arch == "mistral" {
+        "mistral"
+    } else {
+        "chatml"
+    }
+}
+
+/// One chat message as the templates see it. `content` is always text (the parts of an OpenAI
+/// content array are joined); other fields (`name`, `tool_calls`, ...) pass through.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant", "tool", ...
+    pub role: String,
+    /// The text.
+    pub content: String,
+    /// Anything else the client sent with the message.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Failures of template compilation or rendering.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum TemplateError {
+    /// The template's source does not compile.
+    #[error("chat template {name} does not compile: {reason}")]
+    Compile {
+        /// Where it came from.
+        name: String,
+        /// minijinja's explanation.
+        reason: String,
+    },
+    /// Rendering failed (the template raised, or the conversation does not fit it).
+    #[error("{0}")]
+    Render(String),
+}
+
+/// A compiled chat template with the model's special tokens.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// Where the template came from ("gguf", a built-in name, or a file path).
+    pub name: String,
+    /// Its source text.
+    pub source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token`/`eos_token` are the texts of the model's special tokens.
+    pub fn new(
+        name: impl Into<String>,
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<Self, TemplateError> {
+        let name = name.into();
+        let source = source.into();
+        let mut env = Environment::new();
+        // Hugging Face renders chat templates with trim_blocks and lstrip_blocks on.
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TemplateError::Compile {
+                name: name.clone(),
+                reason: e.to_string(),
+            })?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| TemplateError::Compile {
+                name: name.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            env,
+            name,
+            source,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// Renders a conversation. The leading BOS the template writes is removed, because the
+    /// tokenizer adds BOS itself (and a doubled BOS degrades the output).
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TemplateError::Render(e.to_string()))?;
+        let ctx = minijinja::context! {
+            messages => Value::from(Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone(),
+            eos_token => self.eos_token.clone(),
+        };
+        let text = template.render(ctx).map_err(|e| {
+            let mut reason = e.to_string();
+            if e.kind() == ErrorKind::InvalidOperation {
+                if let Some(detail) = e.detail() {
+                    reason = detail.to_string();
+                }
+            }
+            TemplateError::Render(format!(
+                "the chat template could not render the messages: {reason}"
+            ))
+        })?;
+        Ok(match text.strip_prefix(self.bos_token.as_str()) {
+            Some(rest) if !self.bos_token.is_empty() => rest.to_string(),
+            _ => text,
+        })
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(format)`, as Hugging Face's renderer offers (Llama 3.1+ templates print the
+/// date). Supports the directives those templates use.
+fn strftime_now(format: String) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (year, month, day) = civil_from_days((now / 86_400) as i64);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('B') => out.push_str(month_name),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// (year, month, day) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
+pub(crate) fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
+    }
+
+    fn conversation() -> Vec<ChatMessage> {
+        vec![
+            msg("system", "Be brief."),
+            msg("user", "Hi"),
+            msg("assistant", "Hello!"),
+            msg("user", "Name a colour."),
+        ]
+    }
+
+    #[test]
+    fn gemma_folds_the_system_prompt_and_strips_bos() {
+        let t = ChatTemplate::new("gemma", GEMMA, "<bos>", "<eos>").unwrap();
+        let text = t.render(&conversation(), true).unwrap();
+        assert_eq!(
+            text,
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello!<end_of_turn>\n\
+             <start_of_turn>user\nName a colour.<end_of_turn>\n\
+             <start_of_turn>model\n"
+        );
+        let no_prompt = t.render(&conversation()[1..2], false).unwrap();
+        assert_eq!(no_prompt, "<start_of_turn>user\nHi<end_of_turn>\n");
+    }
+
+    #[test]
+    fn chatml_and_llama3_render_every_turn() {
+        let t = ChatTemplate::new("chatml", CHATML, "", "").unwrap();
+        assert_eq!(
+            t.render(&conversation()[..2], true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let t = ChatTemplate::new("llama3", LLAMA3, "<|begin_of_text|>", "").unwrap();
+        assert_eq!(
+            t.render(&conversation()[1..2], true).unwrap(),
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+    }
+
+    #[test]
+    fn every_builtin_compiles_and_renders() {
+        for (name, source) in BUILTIN {
+            let t = ChatTemplate::new(*name, *source, "<s>", "</s>").unwrap();
+            let text = t.render(&conversation(), true).unwrap();
+            assert!(text.contains("Name a colour."), "{name}: {text}");
+        }
+    }
+
+    #[test]
+    fn hugging_face_idioms_work() {
+        // A typical HF template: python string methods, raise_exception, namespace, loop
+        // controls, tojson.
+        let source = r#"{% set ns = namespace(n=0) %}
+{% for m in messages %}
+{% if m.role not in ['user', 'assistant', 'system'] %}{{ raise_exception('Unknown role ' + m.role) }}{% endif %}
+{% set ns.n = ns.n + 1 %}
+[{{ m.role.upper() }}] {{ m.content.strip() }}{% if m.content.startswith('Hi') %}!{% endif %}
+{% if loop.index > 10 %}{% break %}{% endif %}
+{% endfor %}
+{{ ns.n }} {{ {'a': 1} | tojson }}"#;
+        let t = ChatTemplate::new("hf", source, "", "").unwrap();
+        let text = t.render(&conversation()[1..2], true).unwrap();
+        // trim_blocks eats the newline after `{% endif %}`; tojson spaces like json.dumps.
+        assert_eq!(text, "[USER] Hi!1 {\"a\": 1}");
+        let err = t.render(&[msg("robot", "x")], true).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the chat template could not render the messages: Unknown role robot"
+        );
+    }
+
+    #[test]
+    fn a_template_that_does_not_compile_says_so() {
+        let err = ChatTemplate::new("x.jinja", "{% for %}", "", "").unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("chat template x.jinja does not compile"));
+    }
+
+    #[test]
+    fn family_is_picked_by_architecture_then_vocabulary() {
+        let v = |arch: &str| Vocabulary {
+            architecture: arch.into(),
+            ..Default::default()
+        };
+        assert_eq!(family_template(&v("gemma3")), "gemma");
+        assert_eq!(family_template(&v("llama")), "chatml");
+        assert_eq!(
+            family_template(&Vocabulary {
+                start_header_id: true,
+                ..v("llama")
+            }),
+            "llama3"
+        );
+        assert_eq!(
+            family_template(&Vocabulary {
+                im_start: true,
+                ..v("qwen2")
+            }),
+            "chatml"
+        );
+        assert_eq!(family_template(&v("phi3")), "phi3");
+        assert_eq!(
+            family_template(&Vocabulary {
+                inst: true,
+                ..v("llama")
+            }),
+            "mistral"
+        );
+    }
+
+    #[test]
+    fn strftime_now_formats_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
+        let s = strftime_now("%d %b %Y %%".into());
+        assert_eq!(s.len(), "29 Nov 2026 %".len());
+    }
+}

@@ -1,0 +1,333 @@
+//! What the three dialects (native, OpenAI, Ollama) share: readiness and model-name checks,
+//! chat rendering, submitting a generation and collecting it, embeddings.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use serde_json::Value;
+use tokio::sync::mpsc::Receiver;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::chat::ChatMessage;
+use crate::engine::{
+    Completion, EmbedRequest, Embedding, Event, LoadState, ModelInfo, Request, TokenLogprob,
+    EVENT_CHANNEL_CAPACITY,
+};
+use crate::sched::params::SamplingParams;
+
+/// Parses a JSON body, naming the offending field in the error.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::InvalidJson(e.into_inner().to_string())
+        } else {
+            ApiError::InvalidJson(format!("{path}: {}", e.into_inner()))
+        }
+    })
+}
+
+/// Fails fast unless the model is ready.
+pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
+    match state.engine.health.state() {
+        LoadState::Ready => Ok(()),
+        LoadState::Loading => Err(ApiError::Loading),
+        LoadState::Error => Err(ApiError::LoadFailed(
+            state.engine.health.error().unwrap_or_default(),
+        )),
+    }
+}
+
+/// The loaded model's description (the model must be ready).
+pub fn model_info(state: &AppState) -> Result<Arc<ModelInfo>, ApiError> {
+    ensure_ready(state)?;
+    state.engine.health.model_info().ok_or(ApiError::Loading)
+}
+
+/// Whether a client's `model` names the served model: its name, the name with Ollama's
+/// `:latest` tag, or the GGUF file name. Absent or empty means "the model".
+pub fn model_matches(state: &AppState, requested: &str) -> bool {
+    let name = state.model_name.as_ref();
+    requested.is_empty()
+        || requested == name
+        || requested.strip_suffix(":latest") == Some(name)
+        || state
+            .engine
+            .health
+            .model_info()
+            .and_then(|m| m.path.file_name().map(|f| f.to_string_lossy() == requested))
+            .unwrap_or(false)
+}
+
+/// Rejects a request for a model this server does not serve.
+pub fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
+    match requested {
+        Some(r) if !model_matches(state, r) => Err(ApiError::ModelNotFound(format!(
+            "model '{r}' not found; this server serves '{}'",
+            state.model_name
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Converts chat messages as clients send them: `content` a string, null, or (OpenAI) an array
+/// of parts whose text parts are joined. Images are refused: no projector is loaded.
+pub fn parse_messages(messages: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::InvalidRequest(
+            "messages must not be empty".into(),
+        ));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let Value::Object(mut fields) = m else {
+                return Err(ApiError::InvalidRequest(format!(
+                    "messages[{i}] must be an object with role and content"
+                )));
+            };
+            let role = match fields.remove("role") {
+                Some(Value::String(r)) if !r.is_empty() => r,
+                _ => {
+                    return Err(ApiError::InvalidRequest(format!(
+                        "messages[{i}].role is required and must be a string"
+                    )))
+                }
+            };
+            let content = match fields.remove("content") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s,
+                Some(Value::Array(parts)) => text_of_parts(i, &parts)?,
+                Some(_) => {
+                    return Err(ApiError::InvalidRequest(format!(
+                        "messages[{i}].content must be a string or an array of parts"
+                    )))
+                }
+            };
+            if fields
+                .get("images")
+                .is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))
+            {
+                return Err(ApiError::InvalidRequest(
+                    "images are not supported: no multimodal projector is loaded".into(),
+                ));
+            }
+            Ok(ChatMessage {
+                role,
+                content,
+                extra: fields,
+            })
+        })
+        .collect()
+}
+
+fn text_of_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
+    let mut text = String::new();
+    for part in parts {
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or("")),
+            Some("image_url" | "input_image" | "image") => {
+                return Err(ApiError::InvalidRequest(
+                    "images are not supported: no multimodal projector is loaded".into(),
+                ))
+            }
+            other => {
+                return Err(ApiError::InvalidRequest(format!(
+                    "messages[{i}].content: unsupported part type {}",
+                    other.unwrap_or("(none)")
+                )))
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// Renders a conversation with the model's chat template.
+pub fn render_chat(
+    state: &AppState,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
+    let info = model_info(state)?;
+    info.template
+        .render(messages, add_generation_prompt)
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))
+}
+
+/// Queues a generation and waits until it has a slot, so that everything found wrong before
+/// that (a prompt too long, a bad grammar, a full queue) is a proper HTTP error. The receiver
+/// then yields text and a final `Done` or `Error`.
+pub async fn start_generation(
+    state: &AppState,
+    prompt: String,
+    params: SamplingParams,
+) -> Result<Receiver<Event>, ApiError> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
+    state.engine.submit(Request {
+        prompt,
+        params,
+        events: tx,
+        received: Instant::now(),
+    })?;
+    match rx.recv().await {
+        Some(Event::Started) => Ok(rx),
+        Some(Event::Error(e)) => Err(e.into()),
+        Some(other) => Err(ApiError::Internal(format!(
+            "unexpected first event {other:?}"
+        ))),
+        None => Err(ApiError::Unavailable("the engine stopped".into())),
+    }
+}
+
+/// A whole generation.
+#[derive(Debug)]
+pub struct Collected {
+    /// All the text.
+    pub text: String,
+    /// Per-token log-probabilities, when requested.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Final statistics.
+    pub done: Completion,
+}
+
+/// Reads a generation to its end.
+pub async fn collect(mut rx: Receiver<Event>) -> Result<Collected, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Started => {}
+            Event::Text {
+                text: t,
+                logprobs: l,
+            } => {
+                text.push_str(&t);
+                logprobs.extend(l);
+            }
+            Event::Done(done) => {
+                return Ok(Collected {
+                    text,
+                    logprobs,
+                    done,
+                })
+            }
+            Event::Error(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::Unavailable(
+        "the engine stopped before the generation ended".into(),
+    ))
+}
+
+/// Embeds each input (in the engine's queue, one after another).
+pub async fn embed_all(
+    state: &AppState,
+    inputs: Vec<String>,
+    truncate: bool,
+) -> Result<Vec<Embedding>, ApiError> {
+    let mut answers = Vec::with_capacity(inputs.len());
+    for content in inputs {
+        if content.is_empty() {
+            return Err(ApiError::InvalidRequest(
+                "an input to embed must not be empty".into(),
+            ));
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        state.engine.submit_embed(EmbedRequest {
+            content,
+            truncate,
+            reply,
+        })?;
+        answers.push(answer);
+    }
+    let mut out = Vec::with_capacity(answers.len());
+    for answer in answers {
+        out.push(
+            answer
+                .await
+                .map_err(|_| ApiError::Unavailable("the engine stopped".into()))??,
+        );
+    }
+    Ok(out)
+}
+
+/// Scales a vector to unit length (a zero vector stays zero).
+pub fn l2_normalize(mut v: Vec<f32>) -> Vec<f32> {
+    let norm = v
+        .iter()
+        .map(|x| f64::from(*x) * f64::from(*x))
+        .sum::<f64>()
+        .sqrt();
+    if norm > 0.0 {
+        for x in &mut v {
+            *x = (f64::from(*x) / norm) as f32;
+        }
+    }
+    v
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// RFC 3339 UTC timestamp with nanoseconds, as Ollama writes `created_at`.
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (y, m, day) = crate::chat::civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    format!(
+        "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60,
+        d.subsec_nanos()
+    )
+}
+
+/// A short random id for responses (`chatcmpl-...`).
+pub fn random_id(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", rand::random::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize_gives_unit_length() {
+        let v = l2_normalize(vec![3.0, 4.0]);
+        assert_eq!(v, vec![0.6, 0.8]);
+        assert_eq!(l2_normalize(vec![0.0, 0.0]), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn timestamps() {
+        let t = SystemTime::UNIX_EPOCH + std::time::Duration::new(1_795_980_200, 5);
+        assert_eq!(rfc3339(t), "2026-11-29T19:23:20.000000005Z");
+    }
+
+    #[test]
+    fn messages_accept_strings_and_text_parts_and_refuse_images() {
+        let m = parse_messages(vec![
+            serde_json::json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+            serde_json::json!({"role": "assistant", "content": null, "name": "x"}),
+        ])
+        .unwrap();
+        assert_eq!(m[0].content, "ab");
+        assert_eq!(m[1].content, "");
+        assert_eq!(m[1].extra["name"], "x");
+        assert!(parse_messages(vec![
+            serde_json::json!({"role": "user", "content": [{"type": "image_url"}]})
+        ])
+        .is_err());
+        assert!(parse_messages(vec![serde_json::json!({"content": "x"})]).is_err());
+        assert!(parse_messages(vec![]).is_err());
+    }
+}

@@ -1,0 +1,466 @@
+//! The Ollama dialect (`/api`): generate and chat as NDJSON streams (or one object with
+//! `"stream": false`), embeddings, and the model listing endpoints, with errors as
+//! `{"error": "..."}`. One model is served; it is always loaded, so `keep_alive` is accepted and
+//! has nothing to do.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::common::{
+    check_model, collect, embed_all, l2_normalize, model_info, parse_json, parse_messages,
+    render_chat, rfc3339, start_generation,
+};
+use super::error::{ApiError, OllamaError};
+use super::AppState;
+use crate::chat::ChatMessage;
+use crate::engine::grammar::grammar_for_format;
+use crate::engine::{Completion, Event, ModelInfo};
+use crate::sched::params::SamplingParams;
+
+/// The Ollama API version this dialect follows (what `/api/version` answers).
+pub const OLLAMA_API_VERSION: &str = "0.12.0";
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::InvalidRequest(message.into())
+}
+
+/// Fields `/api/generate` and `/api/chat` share.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct OllamaRequest {
+    model: Option<String>,
+    // generate
+    prompt: Option<String>,
+    suffix: Option<String>,
+    system: Option<String>,
+    template: Option<String>,
+    raw: Option<bool>,
+    images: Option<Vec<Value>>,
+    // chat
+    messages: Option<Vec<Value>>,
+    tools: Option<Vec<Value>>,
+    // both
+    stream: Option<bool>,
+    format: Option<Value>,
+    options: Option<SamplingParams>,
+    think: Option<Value>,
+}
+
+impl OllamaRequest {
+    fn check(&self, state: &AppState) -> Result<(), ApiError> {
+        match self.model.as_deref() {
+            None | Some("") => return Err(invalid("model is required")),
+            Some(m) => check_model(state, Some(m))?,
+        }
+        if matches!(self.think, Some(Value::Bool(true)) | Some(Value::String(_))) {
+            return Err(invalid(format!(
+                "\"{}\" does not support thinking",
+                state.model_name
+            )));
+        }
+        if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
+            return Err(invalid(
+                "images are not supported: no multimodal projector is loaded",
+            ));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(invalid(format!(
+                "\"{}\" does not support tools",
+                state.model_name
+            )));
+        }
+        if self.template.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(invalid(
+                "template overrides are not supported (Ollama's Go templates); start the server with --chat-template",
+            ));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(invalid("suffix (fill-in-the-middle) is not supported"));
+        }
+        Ok(())
+    }
+
+    fn params(&self) -> Result<SamplingParams, ApiError> {
+        let mut params = self.options.clone().unwrap_or_default();
+        params.validate().map_err(invalid)?;
+        params.grammar =
+            grammar_for_format(self.format.as_ref().unwrap_or(&Value::Null)).map_err(invalid)?;
+        Ok(params)
+    }
+}
+
+/// What a streamed line or the final object needs.
+struct Meta {
+    model: String,
+    chat: bool,
+    started: Instant,
+}
+
+impl Meta {
+    fn line(&self, text: &str) -> Value {
+        let mut v = json!({"model": self.model, "created_at": rfc3339(SystemTime::now())});
+        if self.chat {
+            v["message"] = json!({"role": "assistant", "content": text});
+        } else {
+            v["response"] = json!(text);
+        }
+        v["done"] = json!(false);
+        v
+    }
+
+    fn done(&self, text: &str, c: &Completion) -> Value {
+        let mut v = self.line(text);
+        v["done"] = json!(true);
+        v["done_reason"] = json!(c.done_reason.as_str());
+        v["total_duration"] = json!(nanos(self.started.elapsed()));
+        v["load_duration"] = json!(0);
+        v["prompt_eval_count"] = json!(c.prompt_eval_count);
+        v["prompt_eval_duration"] = json!(c.prompt_eval_duration_ns);
+        v["eval_count"] = json!(c.eval_count);
+        v["eval_duration"] = json!(c.eval_duration_ns);
+        v
+    }
+
+    /// What Ollama answers to a request with nothing to generate: it "loads" the model.
+    fn loaded(&self) -> Value {
+        let mut v = self.line("");
+        v["done"] = json!(true);
+        v["done_reason"] = json!("load");
+        v
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `POST /api/generate`.
+pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let started = Instant::now();
+    model_info(&state)?;
+    let req: OllamaRequest = parse_json(&body)?;
+    req.check(&state)?;
+    let params = req.params()?;
+    let meta = Meta {
+        model: req.model.clone().unwrap_or_default(),
+        chat: false,
+        started,
+    };
+    let prompt = req.prompt.clone().unwrap_or_default();
+    let system = req.system.clone().unwrap_or_default();
+    if prompt.is_empty() && system.is_empty() {
+        return Ok(Json(meta.loaded()).into_response());
+    }
+    let text = if req.raw == Some(true) {
+        prompt
+    } else {
+        let mut messages = Vec::new();
+        if !system.is_empty() {
+            messages.push(message("system", system));
+        }
+        messages.push(message("user", prompt));
+        render_chat(&state, &messages, true)?
+    };
+    respond(state, text, params, meta, req.stream.unwrap_or(true)).await
+}
+
+fn message(role: &str, content: String) -> ChatMessage {
+    ChatMessage {
+        role: role.into(),
+        content,
+        extra: serde_json::Map::new(),
+    }
+}
+
+/// `POST /api/chat`.
+pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let started = Instant::now();
+    model_info(&state)?;
+    let req: OllamaRequest = parse_json(&body)?;
+    req.check(&state)?;
+    let params = req.params()?;
+    let meta = Meta {
+        model: req.model.clone().unwrap_or_default(),
+        chat: true,
+        started,
+    };
+    let raw_messages = req.messages.clone().unwrap_or_default();
+    if raw_messages.is_empty() {
+        return Ok(Json(meta.loaded()).into_response());
+    }
+    let messages = parse_messages(raw_messages)?;
+    let text = render_chat(&state, &messages, true)?;
+    respond(state, text, params, meta, req.stream.unwrap_or(true)).await
+}
+
+async fn respond(
+    state: AppState,
+    prompt: String,
+    params: SamplingParams,
+    meta: Meta,
+    streaming: bool,
+) -> Result<Response, OllamaError> {
+    let rx = start_generation(&state, prompt, params).await?;
+    if !streaming {
+        let all = collect(rx).await?;
+        return Ok(Json(meta.done(&all.text, &all.done)).into_response());
+    }
+    let meta = Arc::new(meta);
+    let lines = ReceiverStream::new(rx).filter_map(move |event| {
+        let line = match event {
+            Event::Started => None,
+            Event::Text { text, .. } => Some(meta.line(&text)),
+            Event::Done(c) => Some(meta.done("", &c)),
+            Event::Error(e) => Some(json!({"error": ApiError::from(e).to_string()})),
+        };
+        futures_util::future::ready(line.map(|v| {
+            let mut s = v.to_string();
+            s.push('\n');
+            Ok::<_, Infallible>(Bytes::from(s))
+        }))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// Body of `POST /api/embed` and the older `POST /api/embeddings`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct EmbedRequest {
+    model: Option<String>,
+    input: Option<Value>,
+    prompt: Option<String>,
+    truncate: Option<bool>,
+    dimensions: Option<u32>,
+}
+
+/// `POST /api/embed`: `input` a string or a list; normalized `embeddings`.
+pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let started = Instant::now();
+    let info = model_info(&state)?;
+    let req: EmbedRequest = parse_json(&body)?;
+    let model = required_model(&state, req.model.as_deref())?;
+    let inputs = match req.input {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(invalid("input must be a string or a list of strings")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(invalid("input must be a string or a list of strings").into()),
+    };
+    if req.dimensions.is_some_and(|d| d != info.n_embd) {
+        return Err(invalid(format!(
+            "dimensions: this model's embeddings have {} dimensions",
+            info.n_embd
+        ))
+        .into());
+    }
+    let embeddings = embed_all(&state, inputs, req.truncate.unwrap_or(true)).await?;
+    let count: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();
+    let vectors: Vec<Vec<f32>> = embeddings
+        .into_iter()
+        .map(|e| l2_normalize(e.vector))
+        .collect();
+    Ok(Json(json!({
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": nanos(started.elapsed()),
+        "load_duration": 0,
+        "prompt_eval_count": count,
+    }))
+    .into_response())
+}
+
+/// `POST /api/embeddings` (Ollama's older endpoint): `prompt` -> `embedding`, not normalized.
+pub async fn embeddings(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OllamaError> {
+    model_info(&state)?;
+    let req: EmbedRequest = parse_json(&body)?;
+    required_model(&state, req.model.as_deref())?;
+    let prompt = req.prompt.unwrap_or_default();
+    if prompt.is_empty() {
+        return Ok(Json(json!({"embedding": []})).into_response());
+    }
+    let mut embeddings = embed_all(&state, vec![prompt], true).await?;
+    let vector = embeddings.pop().map(|e| e.vector).unwrap_or_default();
+    Ok(Json(json!({ "embedding": vector })).into_response())
+}
+
+fn required_model(state: &AppState, model: Option<&str>) -> Result<String, ApiError> {
+    match model {
+        None | Some("") => Err(invalid("model is required")),
+        Some(m) => {
+            check_model(state, Some(m))?;
+            Ok(m.to_string())
+        }
+    }
+}
+
+/// "268.10M", "8.0B": Ollama's way of writing a parameter count.
+fn parameter_size(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.1}B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else {
+        format!("{:.2}K", n / 1e3)
+    }
+}
+
+fn details(info: &ModelInfo) -> Value {
+    json!({
+        "parent_model": "",
+        "format": "gguf",
+        "family": info.architecture,
+        "families": [info.architecture],
+        "parameter_size": parameter_size(info.n_params),
+        "quantization_level": info.quantization,
+    })
+}
+
+/// An identifier for the model file in Ollama's `sha256:` digest form. It is derived from the
+/// path, size and modification time, not the file's contents (hashing gigabytes at every
+/// start would be too slow), so it changes when the file does.
+fn digest(info: &ModelInfo) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut words = [0u64; 4];
+    for (i, word) in words.iter_mut().enumerate() {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (i, &info.path, info.file_size, info.modified).hash(&mut h);
+        *word = h.finish();
+    }
+    words.iter().map(|w| format!("{w:016x}")).collect()
+}
+
+fn modified_at(info: &ModelInfo) -> String {
+    rfc3339(info.modified.unwrap_or(SystemTime::UNIX_EPOCH))
+}
+
+/// `GET /api/tags`: the served model.
+pub async fn tags(State(state): State<AppState>) -> Result<Response, OllamaError> {
+    let info = model_info(&state)?;
+    Ok(Json(json!({"models": [{
+        "name": state.model_name.as_ref(),
+        "model": state.model_name.as_ref(),
+        "modified_at": modified_at(&info),
+        "size": info.file_size,
+        "digest": digest(&info),
+        "details": details(&info),
+    }]}))
+    .into_response())
+}
+
+/// `GET /api/ps`: the served model, always loaded.
+pub async fn ps(State(state): State<AppState>) -> Result<Response, OllamaError> {
+    let info = model_info(&state)?;
+    // Loaded until the server stops: report an expiry far in the future, as Ollama does for
+    // keep_alive -1.
+    let expires = SystemTime::now() + Duration::from_secs(100 * 365 * 86_400);
+    Ok(Json(json!({"models": [{
+        "name": state.model_name.as_ref(),
+        "model": state.model_name.as_ref(),
+        "size": info.file_size,
+        "digest": digest(&info),
+        "details": details(&info),
+        "expires_at": rfc3339(expires),
+        "size_vram": 0,
+        "context_length": info.slot_ctx,
+    }]}))
+    .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ShowRequest {
+    model: Option<String>,
+    name: Option<String>,
+}
+
+/// A GGUF metadata value as JSON: numbers as numbers, the rest as text.
+fn metadata_value(text: &str) -> Value {
+    if let Ok(i) = text.parse::<i64>() {
+        return json!(i);
+    }
+    if let Ok(f) = text.parse::<f64>() {
+        if f.is_finite() {
+            return json!(f);
+        }
+    }
+    match text {
+        "true" => json!(true),
+        "false" => json!(false),
+        _ => json!(text),
+    }
+}
+
+/// `POST /api/show`: details, metadata and the chat template of the served model.
+pub async fn show(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let info = model_info(&state)?;
+    let req: ShowRequest = parse_json(&body)?;
+    required_model(&state, req.model.as_deref().or(req.name.as_deref()))?;
+    let mut model_info: serde_json::Map<String, Value> = info
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), metadata_value(v)))
+        .collect();
+    model_info.insert("general.parameter_count".into(), json!(info.n_params));
+    Ok(Json(json!({
+        "modelfile": format!("# served by llamarunner\nFROM {}\n", info.path.display()),
+        "parameters": "",
+        "template": info.template.source,
+        "details": details(&info),
+        "model_info": model_info,
+        "capabilities": ["completion"],
+        "modified_at": modified_at(&info),
+    }))
+    .into_response())
+}
+
+/// `GET /api/version`.
+pub async fn version() -> Response {
+    Json(json!({"version": OLLAMA_API_VERSION})).into_response()
+}
+
+/// `GET /` and `HEAD /`: the liveness line Ollama answers.
+pub async fn root() -> &'static str {
+    "llamarunner is running"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_sizes_read_like_ollama() {
+        assert_eq!(parameter_size(268_098_176), "268.10M");
+        assert_eq!(parameter_size(8_030_261_248), "8.0B");
+    }
+
+    #[test]
+    fn metadata_values_keep_their_type() {
+        assert_eq!(metadata_value("32768"), json!(32768));
+        assert_eq!(metadata_value("1e-06"), json!(1e-6));
+        assert_eq!(metadata_value("gemma3"), json!("gemma3"));
+    }
+}

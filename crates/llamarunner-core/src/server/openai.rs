@@ -1,0 +1,657 @@
+//! The OpenAI dialect (`/v1`): chat and text completions (JSON or server-sent events ending in
+//! `data: [DONE]`), embeddings and the model list, with errors in OpenAI's shape. What OpenAI
+//! has and a local runner cannot honour (`n` > 1, tools, echo, ...) is refused with a 400
+//! naming the parameter, never silently ignored.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::common::{
+    check_model, collect, embed_all, l2_normalize, model_info, parse_json, parse_messages,
+    random_id, render_chat, start_generation, unix_seconds,
+};
+use super::error::{ApiError, OpenAiError};
+use super::AppState;
+use crate::engine::grammar::grammar_for_format;
+use crate::engine::{Completion, Event, TokenLogprob};
+use crate::sched::params::SamplingParams;
+
+/// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// Body of `/v1/chat/completions` and `/v1/completions` (the fields of both; each handler
+/// checks which apply). Unknown fields are ignored, as OpenAI-compatible servers do.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct OpenAiRequest {
+    model: Option<String>,
+    messages: Option<Vec<Value>>,
+    prompt: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    stop: Option<Value>,
+    seed: Option<i64>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<HashMap<String, f32>>,
+    n: Option<u32>,
+    response_format: Option<Value>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<u32>,
+    tools: Option<Vec<Value>>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+    // llama.cpp-style extras.
+    top_k: Option<i32>,
+    min_p: Option<f32>,
+    typical_p: Option<f32>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<i32>,
+    mirostat: Option<i32>,
+    mirostat_tau: Option<f32>,
+    mirostat_eta: Option<f32>,
+    ignore_eos: Option<bool>,
+    grammar: Option<String>,
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::InvalidRequest(message.into())
+}
+
+impl OpenAiRequest {
+    /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1, no repetition
+    /// penalty; Ollama's top_k 40 unless given).
+    fn params(&self, chat: bool) -> Result<SamplingParams, ApiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(invalid("n: only 1 choice per request is supported"));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(invalid("best_of: only 1 is supported"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(invalid(
+                "tools: tool calling is not supported by this server",
+            ));
+        }
+        let max = self.max_completion_tokens.or(self.max_tokens);
+        if max.is_some_and(|m| m < 0) {
+            return Err(invalid("max_tokens must be >= 0"));
+        }
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(invalid(format!(
+                    "temperature must be between 0 and 2, got {t}"
+                )));
+            }
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+                return Err(invalid(format!("{name} must be between -2 and 2")));
+            }
+        }
+        let defaults = SamplingParams::default();
+        let mut p = SamplingParams {
+            num_predict: max.unwrap_or(-1),
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            min_p: self.min_p.unwrap_or(0.0),
+            typical_p: self.typical_p.unwrap_or(1.0),
+            repeat_penalty: self.repeat_penalty.unwrap_or(1.0),
+            repeat_last_n: self.repeat_last_n.unwrap_or(defaults.repeat_last_n),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            mirostat: self.mirostat.unwrap_or(0),
+            mirostat_tau: self.mirostat_tau.unwrap_or(defaults.mirostat_tau),
+            mirostat_eta: self.mirostat_eta.unwrap_or(defaults.mirostat_eta),
+            seed: self.seed.unwrap_or(-1),
+            stop: stop_list(self.stop.as_ref())?,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            ..defaults
+        };
+        p.validate()
+            .map_err(|e| invalid(e.replace("options.", "")))?;
+        p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
+        p.logprobs = self.logprobs(chat)?;
+        p.grammar = match self.grammar.as_deref().filter(|g| !g.trim().is_empty()) {
+            Some(g) => Some(g.to_string()),
+            None => response_format_grammar(self.response_format.as_ref())?,
+        };
+        Ok(p)
+    }
+
+    /// Alternatives to report per token: chat has `logprobs: bool` + `top_logprobs`, text
+    /// completions `logprobs: int`.
+    fn logprobs(&self, chat: bool) -> Result<Option<usize>, ApiError> {
+        let top = if chat {
+            match &self.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => {
+                    if self.top_logprobs.is_some_and(|n| n > 0) {
+                        return Err(invalid("top_logprobs needs logprobs: true"));
+                    }
+                    return Ok(None);
+                }
+                Some(Value::Bool(true)) => self.top_logprobs.unwrap_or(0),
+                Some(_) => return Err(invalid("logprobs must be true or false")),
+            }
+        } else {
+            match &self.logprobs {
+                None | Some(Value::Null) => return Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| invalid("logprobs must be an integer from 0 to 20"))?,
+            }
+        };
+        if top > MAX_TOP_LOGPROBS {
+            return Err(invalid(format!(
+                "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+            )));
+        }
+        Ok(Some(top as usize))
+    }
+
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+fn stop_list(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| invalid("stop must be a string or an array of strings"))?,
+        Some(_) => return Err(invalid("stop must be a string or an array of strings")),
+    };
+    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+fn logit_bias(bias: Option<&HashMap<String, f32>>) -> Result<Vec<(i32, f32)>, ApiError> {
+    let Some(bias) = bias else {
+        return Ok(Vec::new());
+    };
+    bias.iter()
+        .map(|(token, &value)| {
+            let id = token.parse::<i32>().map_err(|_| {
+                invalid(format!("logit_bias: keys must be token ids, got {token:?}"))
+            })?;
+            if !(-100.0..=100.0).contains(&value) {
+                return Err(invalid(format!(
+                    "logit_bias: values must be between -100 and 100, got {value}"
+                )));
+            }
+            Ok((id, value))
+        })
+        .collect()
+}
+
+/// `response_format`: text, `json_object`, or `json_schema` with its schema, through the
+/// grammar path.
+fn response_format_grammar(format: Option<&Value>) -> Result<Option<String>, ApiError> {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => grammar_for_format(&json!("json")).map_err(invalid),
+        Some("json_schema") => {
+            let schema = format
+                .get("json_schema")
+                .and_then(|s| s.get("schema"))
+                .filter(|s| s.is_object())
+                .ok_or_else(|| invalid("response_format.json_schema.schema must be an object"))?;
+            grammar_for_format(schema).map_err(invalid)
+        }
+        _ => Err(invalid(
+            "response_format.type must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// What every response of one request repeats.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+}
+
+impl Meta {
+    fn new(state: &AppState, chat: bool, include_usage: bool) -> Self {
+        Self {
+            id: random_id(if chat { "chatcmpl" } else { "cmpl" }),
+            created: unix_seconds(SystemTime::now()),
+            model: state.model_name.to_string(),
+            chat,
+            include_usage,
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, true) => "chat.completion.chunk",
+            (true, false) => "chat.completion",
+            (false, _) => "text_completion",
+        }
+    }
+
+    /// One `choices[0]` entry: text (or a delta), logprobs, finish reason.
+    fn choice(
+        &self,
+        text: Option<&str>,
+        logprobs: &[TokenLogprob],
+        want_logprobs: bool,
+        finish: Option<&str>,
+        chunk: bool,
+    ) -> Value {
+        let logprobs = if want_logprobs {
+            if self.chat {
+                json!({"content": logprobs.iter().map(chat_logprob).collect::<Vec<_>>()})
+            } else {
+                completion_logprobs(logprobs)
+            }
+        } else {
+            Value::Null
+        };
+        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
+        match (self.chat, chunk) {
+            (true, true) => {
+                choice["delta"] = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                }
+            }
+            (true, false) => {
+                choice["message"] = json!({"role": "assistant", "content": text.unwrap_or("")})
+            }
+            (false, _) => choice["text"] = json!(text.unwrap_or("")),
+        }
+        choice
+    }
+
+    fn body(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": concat!("llamarunner-", env!("CARGO_PKG_VERSION")),
+            "choices": choices,
+        })
+    }
+}
+
+fn usage(done: &Completion) -> Value {
+    json!({
+        "prompt_tokens": done.prompt_eval_count,
+        "completion_tokens": done.eval_count,
+        "total_tokens": done.prompt_eval_count + done.eval_count,
+        "prompt_tokens_details": {"cached_tokens": done.prompt_cached_count},
+    })
+}
+
+fn token_text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn chat_logprob(l: &TokenLogprob) -> Value {
+    json!({
+        "token": token_text(&l.sampled.bytes),
+        "logprob": l.sampled.logprob,
+        "bytes": l.sampled.bytes,
+        "top_logprobs": l.top.iter().map(|t| json!({
+            "token": token_text(&t.bytes),
+            "logprob": t.logprob,
+            "bytes": t.bytes,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn completion_logprobs(entries: &[TokenLogprob]) -> Value {
+    let mut offset = 0;
+    let mut offsets = Vec::with_capacity(entries.len());
+    for l in entries {
+        offsets.push(offset);
+        offset += token_text(&l.sampled.bytes).len();
+    }
+    json!({
+        "tokens": entries.iter().map(|l| token_text(&l.sampled.bytes)).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|l| l.sampled.logprob).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|l| {
+            l.top.iter().map(|t| (token_text(&t.bytes), json!(t.logprob))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    let req: OpenAiRequest = parse_json(&body)?;
+    check_model(&state, req.model.as_deref())?;
+    let messages = parse_messages(
+        req.messages
+            .clone()
+            .ok_or_else(|| invalid("messages is required"))?,
+    )?;
+    let params = req.params(true)?;
+    let prompt = render_chat(&state, &messages, true)?;
+    respond(state, &req, prompt, params, true).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    let req: OpenAiRequest = parse_json(&body)?;
+    check_model(&state, req.model.as_deref())?;
+    if req.echo == Some(true) {
+        return Err(invalid("echo is not supported").into());
+    }
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(invalid("suffix (fill-in-the-middle) is not supported").into());
+    }
+    let prompt = match &req.prompt {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
+        Some(Value::Array(_)) => {
+            return Err(invalid(
+                "prompt: only one text prompt per request is supported (token arrays and batches are not)",
+            )
+            .into())
+        }
+        _ => return Err(invalid("prompt is required and must be a string").into()),
+    };
+    if prompt.is_empty() {
+        return Err(invalid("prompt must not be empty").into());
+    }
+    let params = req.params(false)?;
+    respond(state, &req, prompt, params, false).await
+}
+
+async fn respond(
+    state: AppState,
+    req: &OpenAiRequest,
+    prompt: String,
+    params: SamplingParams,
+    chat: bool,
+) -> Result<Response, OpenAiError> {
+    let want_logprobs = params.logprobs.is_some();
+    let meta = Arc::new(Meta::new(&state, chat, req.include_usage()));
+    let rx = start_generation(&state, prompt, params).await?;
+    if req.stream != Some(true) {
+        let all = collect(rx).await?;
+        let choice = meta.choice(
+            Some(&all.text),
+            &all.logprobs,
+            want_logprobs,
+            Some(all.done.done_reason.as_str()),
+            false,
+        );
+        let mut body = meta.body(false, vec![choice]);
+        body["usage"] = usage(&all.done);
+        return Ok(Json(body).into_response());
+    }
+    // The first chat chunk names the role, as OpenAI's does.
+    let first = chat.then(|| {
+        let mut choice = meta.choice(None, &[], false, None, true);
+        choice["delta"] = json!({"role": "assistant", "content": ""});
+        sse(with_usage_null(&meta, meta.body(true, vec![choice])))
+    });
+    let events = ReceiverStream::new(rx)
+        .flat_map(move |event| stream::iter(chunks_for(&meta, event, want_logprobs)));
+    let body = stream::iter(first).chain(events).map(Ok::<_, Infallible>);
+    Ok(Sse::new(body).into_response())
+}
+
+fn sse(value: Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
+/// With `include_usage`, every chunk carries `"usage": null` until the last, as OpenAI's do.
+fn with_usage_null(meta: &Meta, mut body: Value) -> Value {
+    if meta.include_usage {
+        body["usage"] = Value::Null;
+    }
+    body
+}
+
+/// The SSE events for one engine event.
+fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<SseEvent> {
+    match event {
+        Event::Started => Vec::new(),
+        Event::Text { text, logprobs } => {
+            let choice = meta.choice(Some(&text), &logprobs, want_logprobs, None, true);
+            vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))]
+        }
+        Event::Done(done) => {
+            let text = if meta.chat { None } else { Some("") };
+            let choice = meta.choice(text, &[], false, Some(done.done_reason.as_str()), true);
+            let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
+            if meta.include_usage {
+                let mut last = meta.body(true, Vec::new());
+                last["usage"] = usage(&done);
+                out.push(sse(last));
+            }
+            out.push(SseEvent::default().data("[DONE]"));
+            out
+        }
+        Event::Error(e) => vec![sse(ApiError::from(e).openai_body())],
+    }
+}
+
+/// Body of `POST /v1/embeddings`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct EmbeddingsRequest {
+    model: Option<String>,
+    input: Option<Value>,
+    encoding_format: Option<String>,
+    dimensions: Option<u32>,
+}
+
+/// `POST /v1/embeddings`: L2-normalized vectors, as floats or base64 (the `openai` client asks
+/// for base64 by default).
+pub async fn embeddings(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    let info = model_info(&state)?;
+    let req: EmbeddingsRequest = parse_json(&body)?;
+    check_model(&state, req.model.as_deref())?;
+    let inputs = match req.input {
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_string) => {
+            items
+                .into_iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        }
+        Some(Value::Array(items)) if !items.is_empty() => {
+            return Err(invalid("input: token arrays are not supported; send text").into())
+        }
+        _ => return Err(invalid("input is required: a string or an array of strings").into()),
+    };
+    if req.dimensions.is_some_and(|d| d != info.n_embd) {
+        return Err(invalid(format!(
+            "dimensions: this model's embeddings have {} dimensions",
+            info.n_embd
+        ))
+        .into());
+    }
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(invalid(format!(
+                "encoding_format must be float or base64, got {other:?}"
+            ))
+            .into())
+        }
+    };
+    let embeddings = embed_all(&state, inputs, false).await?;
+    let tokens: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();
+    let data: Vec<Value> = embeddings
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let v = l2_normalize(e.vector);
+            let embedding = if base64 {
+                json!(base64_f32(&v))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": state.model_name.as_ref(),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response())
+}
+
+/// Little-endian f32s, base64-encoded (standard alphabet, padded).
+fn base64_f32(v: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> shift) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn model_entry(state: &AppState) -> Value {
+    let created = state
+        .engine
+        .health
+        .model_info()
+        .and_then(|m| m.modified)
+        .map_or(0, unix_seconds);
+    json!({
+        "id": state.model_name.as_ref(),
+        "object": "model",
+        "created": created,
+        "owned_by": "llamarunner",
+    })
+}
+
+/// `GET /v1/models`: the one model served, under its alias.
+pub async fn models(State(state): State<AppState>) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    Ok(Json(json!({"object": "list", "data": [model_entry(&state)]})).into_response())
+}
+
+/// `GET /v1/models/{model}`.
+pub async fn model(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    check_model(&state, Some(&name))?;
+    Ok(Json(model_entry(&state)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_the_standard_encoding() {
+        // 1.0f32 = 00 00 80 3f; 2.0f32 = 00 00 00 40.
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(base64_f32(&[1.0, 2.0]), "AACAPwAAAEA=");
+        assert_eq!(base64_f32(&[]), "");
+    }
+
+    #[test]
+    fn openai_defaults_and_refusals() {
+        let req: OpenAiRequest = serde_json::from_str("{}").unwrap();
+        let p = req.params(true).unwrap();
+        assert_eq!((p.temperature, p.top_p, p.repeat_penalty), (1.0, 1.0, 1.0));
+        assert_eq!(p.num_predict, -1);
+        for body in [
+            r#"{"n":2}"#,
+            r#"{"temperature":3}"#,
+            r#"{"logit_bias":{"x":1}}"#,
+            r#"{"logit_bias":{"5":200}}"#,
+            r#"{"top_logprobs":3}"#,
+            r#"{"logprobs":true,"top_logprobs":21}"#,
+            r#"{"response_format":{"type":"xml"}}"#,
+            r#"{"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#,
+            r#"{"tools":[{"type":"function"}]}"#,
+            r#"{"max_tokens":-1}"#,
+            r#"{"stop":[1]}"#,
+        ] {
+            let req: OpenAiRequest = serde_json::from_str(body).unwrap();
+            assert!(req.params(true).is_err(), "{body} was accepted");
+        }
+        let req: OpenAiRequest = serde_json::from_str(
+            r#"{"max_tokens":5,"max_completion_tokens":7,"stop":"x","logit_bias":{"3":-100},"logprobs":true,"top_logprobs":2,"seed":4}"#,
+        )
+        .unwrap();
+        let p = req.params(true).unwrap();
+        assert_eq!(p.num_predict, 7);
+        assert_eq!(p.stop, vec!["x"]);
+        assert_eq!(p.logit_bias, vec![(3, -100.0)]);
+        assert_eq!(p.logprobs, Some(2));
+        assert_eq!(p.seed, 4);
+        let req: OpenAiRequest = serde_json::from_str(r#"{"logprobs":3}"#).unwrap();
+        assert_eq!(req.params(false).unwrap().logprobs, Some(3));
+    }
+}
