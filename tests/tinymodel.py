@@ -39,7 +39,12 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_tiny_model(
-    path: Path, *, seed: int = 0, always_eos: bool = False, context_length: int = 65536
+    path: Path,
+    *,
+    seed: int = 0,
+    always_eos: bool = False,
+    context_length: int = 65536,
+    chat_template: str | None = None,
 ) -> Path:
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
@@ -69,6 +74,8 @@ def write_tiny_model(
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     if always_eos:
         embd = np.abs(rand(n_vocab, N_EMBD)[:1]).repeat(n_vocab, axis=0) + 0.1

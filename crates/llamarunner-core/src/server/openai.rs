@@ -137,6 +137,8 @@ impl OpenAiRequest {
         };
         p.validate()
             .map_err(|e| invalid(e.replace("options.", "")))?;
+        // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
+        p.truncate = false;
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
         p.logprobs = self.logprobs(chat)?;
         p.grammar = match self.grammar.as_deref().filter(|g| !g.trim().is_empty()) {

@@ -1,0 +1,142 @@
+"""The Ollama dialect (/api) driven by the official ``ollama`` client, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import ollama
+import pytest
+
+from llamarunner import Server
+
+from tinymodel import write_tiny_model
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = write_tiny_model(tmp_path_factory.mktemp("ollama") / "tiny-model.gguf")
+    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2, alias=MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def test_chat_stream_and_not(client: ollama.Client) -> None:
+    r = client.chat(model=MODEL, messages=MESSAGES, options=GREEDY)
+    assert r.done and r.done_reason == "length"
+    assert r.message.role == "assistant" and r.message.content
+    assert r.eval_count == 8 and r.prompt_eval_count and r.prompt_eval_count > 5
+    assert r.total_duration and r.eval_duration and r.prompt_eval_duration
+    parts = list(client.chat(model=MODEL, messages=MESSAGES, options=GREEDY, stream=True))
+    assert parts[-1].done and parts[-1].done_reason == "length"
+    assert all(not p.done for p in parts[:-1])
+    assert "".join(p.message.content or "" for p in parts) == r.message.content
+    # The ":latest" tag Ollama users type is accepted.
+    again = client.chat(model=f"{MODEL}:latest", messages=MESSAGES, options=GREEDY)
+    assert again.message.content == r.message.content
+
+
+def test_generate_templated_raw_and_system(client: ollama.Client, server: Server) -> None:
+    r = client.generate(model=MODEL, prompt="hello there", options=GREEDY)
+    assert r.done_reason == "length" and r.eval_count == 8
+    chat = client.chat(model=MODEL, messages=MESSAGES, options=GREEDY)
+    assert r.response == chat.message.content  # the same rendered prompt
+    # raw: the prompt as is, equal to the native API's answer to the same text.
+    raw = client.generate(model=MODEL, prompt="hello there", raw=True, options=GREEDY)
+    native = server.client().complete("hello there", **GREEDY)
+    assert raw.response == native.text
+    with_system = client.generate(model=MODEL, prompt="hello", system="Be brief.", options=GREEDY)
+    assert with_system.prompt_eval_count and with_system.prompt_eval_count > (
+        r.prompt_eval_count or 0
+    )
+    streamed = list(client.generate(model=MODEL, prompt="hello there", options=GREEDY, stream=True))
+    assert "".join(p.response for p in streamed) == r.response
+    # Nothing to generate: Ollama answers "load".
+    assert client.generate(model=MODEL).done_reason == "load"
+
+
+def test_format_schema_output_validates(client: ollama.Client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    r = client.chat(
+        model=MODEL, messages=MESSAGES, format=schema, options={"temperature": 0, "num_predict": 60}
+    )
+    jsonschema.validate(json.loads(r.message.content or ""), schema)
+    assert r.done_reason == "stop"
+
+
+def test_embed_is_normalized(client: ollama.Client) -> None:
+    r = client.embed(model=MODEL, input=["the cat", "a dog"])
+    assert len(r.embeddings) == 2
+    for v in r.embeddings:
+        assert len(v) == 64
+        assert math.isclose(math.sqrt(sum(x * x for x in v)), 1.0, rel_tol=1e-4)
+    one = client.embed(model=MODEL, input="the cat")
+    assert one.embeddings[0] == pytest.approx(r.embeddings[0], rel=1e-5)
+    legacy = client.embeddings(model=MODEL, prompt="the cat")
+    assert len(legacy.embedding) == 64
+
+
+def test_list_show_ps_version(client: ollama.Client, server: Server) -> None:
+    models = client.list().models
+    assert [m.model for m in models] == [MODEL]
+    assert models[0].size and models[0].size > 0
+    assert models[0].details and models[0].details.family == "llama"
+    assert models[0].details.quantization_level == "F32"
+    shown = client.show(MODEL)
+    assert shown.details and shown.details.format == "gguf"
+    assert shown.modelinfo and shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 65536
+    assert shown.template and "im_start" in shown.template  # the ChatML fallback
+    running = client.ps().models
+    assert [m.model for m in running] == [MODEL]
+    assert running[0].context_length == 512
+    version = httpx.get(f"{server.url}/api/version", timeout=10).json()
+    assert isinstance(version["version"], str)
+    assert httpx.get(server.url, timeout=10).text == "llamarunner is running"
+
+
+def test_errors_are_ollama_shaped(client: ollama.Client, server: Server) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="llama3:8b", messages=MESSAGES)
+    assert info.value.status_code == 404
+    assert "llama3:8b" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.show("llama3:8b")
+    assert info.value.status_code == 404
+    for options in ({"temperature": -1}, {"top_p": 3}):
+        with pytest.raises(ollama.ResponseError) as info:
+            client.generate(model=MODEL, prompt="x", options=options)
+        assert info.value.status_code == 400, options
+    r = httpx.post(
+        f"{server.url}/api/chat",
+        json={"model": MODEL, "messages": MESSAGES, "format": "yaml"},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "format" in r.json()["error"]
+    r = httpx.post(f"{server.url}/api/chat", json={"messages": MESSAGES}, timeout=10)
+    assert r.status_code == 400 and r.json() == {"error": "model is required"}
+    r = httpx.post(f"{server.url}/api/generate", content=b"{", timeout=10)
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    r = httpx.post(
+        f"{server.url}/api/chat",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["AAAA"]}]},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "images" in r.json()["error"]

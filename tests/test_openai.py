@@ -1,0 +1,287 @@
+"""The OpenAI dialect (/v1) driven by the official ``openai`` client, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from llamarunner import Server
+
+from tinymodel import write_tiny_model
+
+MODEL = "tiny"
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hello there"},
+]
+# The tiny model is random: ignore_eos makes token counts exact.
+EXACT = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = write_tiny_model(tmp_path_factory.mktemp("openai") / "tiny-model.gguf")
+    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2, alias=MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def chat(client: openai.OpenAI, **kwargs: Any) -> Any:
+    kwargs.setdefault("model", MODEL)
+    kwargs.setdefault("messages", CHAT)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(**kwargs)
+
+
+def test_models_list_the_alias(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_chat_completion_with_usage(client: openai.OpenAI) -> None:
+    r = chat(client, max_tokens=8, extra_body=EXACT)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert r.object == "chat.completion"
+    assert r.model == MODEL
+    assert r.id.startswith("chatcmpl-")
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_chat_stream_equals_the_whole_answer_and_reports_cached_tokens(
+    client: openai.OpenAI,
+) -> None:
+    whole = chat(client, max_tokens=12, extra_body=EXACT)
+    chunks = list(
+        chat(
+            client,
+            max_tokens=12,
+            extra_body=EXACT,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == 12
+    # The same conversation again: all but the last prompt token come from the cache.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_text_completions_stream_and_not(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="once upon", max_tokens=6, temperature=0, extra_body=EXACT
+    )
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 6
+    streamed = client.completions.create(
+        model=MODEL, prompt="once upon", max_tokens=6, temperature=0, extra_body=EXACT, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_stop_ends_before_the_stop_string(client: openai.OpenAI) -> None:
+    full = chat(client, max_tokens=16, extra_body=EXACT).choices[0].message.content
+    stop = full[5:7]
+    r = chat(client, max_tokens=16, extra_body=EXACT, stop=[stop, "never-seen"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        r = chat(client, max_tokens=12, temperature=1.0, seed=seed, extra_body=EXACT)
+        return str(r.choices[0].message.content)
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(5)}) > 1
+
+
+def test_penalties_and_extras_are_accepted(client: openai.OpenAI) -> None:
+    r = chat(
+        client,
+        max_tokens=4,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        top_p=0.9,
+        extra_body={"top_k": 5, "min_p": 0.1, "repeat_penalty": 1.3, "ignore_eos": True},
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI) -> None:
+    # The tiny vocabulary: <unk> <s> </s>, then the 256 byte tokens <0x00>.. (id 3 + byte).
+    q = 3 + ord("Q")
+    r = chat(client, max_tokens=3, logit_bias={str(q): 100}, extra_body=EXACT)
+    assert r.choices[0].message.content == "QQQ"
+
+
+def test_logprobs_in_chat_and_completions(client: openai.OpenAI) -> None:
+    r = chat(client, max_tokens=6, logprobs=True, top_logprobs=3, extra_body=EXACT)
+    assert r.choices[0].logprobs is not None
+    content = r.choices[0].logprobs.content
+    assert content is not None and len(content) == 6
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0
+        assert len(t.top_logprobs) == 3
+        values = [a.logprob for a in t.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert t.top_logprobs[0].token == t.token
+        assert math.isclose(t.top_logprobs[0].logprob, t.logprob, rel_tol=1e-5)
+        # A byte token that is part of a character reads as U+FFFD; its bytes are exact.
+        assert bytes(t.bytes or []).decode("utf-8", "replace") == t.token
+
+    c = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=4, temperature=0, logprobs=2, extra_body=EXACT
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert len(lp.token_logprobs) == 4 and lp.top_logprobs is not None
+    assert all(len(alternatives) == 2 for alternatives in lp.top_logprobs)
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+
+
+def test_json_schema_output_validates(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "colour": {"enum": ["red", "green", "blue"]},
+        },
+        "required": ["ok", "colour"],
+        "additionalProperties": False,
+    }
+    r = chat(
+        client,
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object_output_starts_an_object(client: openai.OpenAI) -> None:
+    r = chat(client, max_tokens=8, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_embeddings_are_normalized_floats_or_base64(client: openai.OpenAI) -> None:
+    # The client asks for base64 by default and decodes it.
+    r = client.embeddings.create(model=MODEL, input=["the cat", "a dog"])
+    assert [d.index for d in r.data] == [0, 1]
+    for d in r.data:
+        assert len(d.embedding) == 64
+        assert math.isclose(math.sqrt(sum(x * x for x in d.embedding)), 1.0, rel_tol=1e-4)
+    floats = client.embeddings.create(model=MODEL, input="the cat", encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(r.data[0].embedding, rel=1e-6)
+    assert r.usage.prompt_tokens > 0
+
+
+def error_of(call: Any) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+def test_errors_have_openai_shape_and_status(client: openai.OpenAI, server: Server) -> None:
+    e = error_of(lambda: chat(client, model="gpt-4o", max_tokens=2))
+    assert isinstance(e, openai.NotFoundError)
+    assert e.body["code"] == "model_not_found" and "tiny" in e.body["message"]
+    assert e.body["type"] == "invalid_request_error"
+    for kwargs, code in [
+        ({"n": 2}, "invalid_request"),
+        ({"temperature": 5}, "invalid_request"),
+        ({"messages": []}, "invalid_request"),
+        ({"logprobs": False, "top_logprobs": 2}, "invalid_request"),
+        ({"extra_body": {"grammar": "root ::= ("}}, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "x " * 600}]}, "context_length_exceeded"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                    }
+                ]
+            },
+            "invalid_request",
+        ),
+    ]:
+        kwargs.setdefault("max_tokens", 2)
+        e = error_of(lambda kwargs=kwargs: chat(client, **kwargs))
+        assert isinstance(e, openai.BadRequestError), kwargs
+        assert e.body["code"] == code, (kwargs, e.body)
+    # Truncation is for the native API; a chat too long for a slot is an error, as OpenAI's.
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_chat_template_from_gguf_and_override(tmp_path: Path, start_server: Any) -> None:
+    template = (
+        "{% for m in messages %}<<{{ m.role | upper }}>>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<<BOT>>{% endif %}"
+    )
+    model = write_tiny_model(tmp_path / "templated.gguf", chat_template=template)
+    msgs = [{"role": "user", "content": "hi"}]
+    srv = start_server(model)
+    r = httpx.post(f"{srv.url}/apply-template", json={"messages": msgs}, timeout=10)
+    assert r.json() == {"prompt": "<<USER>>hi<<BOT>>"}
+    names = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in names] == ["templated"]  # the file stem
+    srv = start_server(model, chat_template="chatml")
+    r = httpx.post(f"{srv.url}/apply-template", json={"messages": msgs}, timeout=10)
+    assert r.json()["prompt"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    jinja = tmp_path / "mine.jinja"
+    jinja.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    srv = start_server(model, chat_template=str(jinja))
+    r = httpx.post(f"{srv.url}/apply-template", json={"messages": msgs}, timeout=10)
+    assert r.json()["prompt"] == "[hi]"
+
+
+def test_a_template_error_is_a_400(tmp_path: Path, start_server: Any) -> None:
+    template = "{{ raise_exception('roles must alternate') }}"
+    srv = start_server(write_tiny_model(tmp_path / "strict.gguf", chat_template=template))
+    r = httpx.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}]},
+        timeout=10,
+    )
+    assert r.status_code == 400
+    assert "roles must alternate" in r.json()["error"]["message"]
