@@ -104,6 +104,8 @@ def test_cli_help_lists_the_flags() -> None:
         "--n-gpu-layers",
         "--mmproj",
         "--max-queue",
+        "--alias",
+        "--chat-template",
     )
     for flag in flags:
         assert flag in r.stdout
@@ -130,6 +132,17 @@ def test_cli_bad_flag_value_is_exit_2(tiny_model: Path) -> None:
     r = run_cli("serve", str(tiny_model), "--parallel", "0", "--port", "0")
     assert r.returncode == 2
     assert "parallel" in r.stderr
+
+
+def test_cli_bad_chat_template_is_exit_2(tiny_model: Path, tmp_path: Path) -> None:
+    r = run_cli("serve", str(tiny_model), "--chat-template", "nosuch", "--port", "0")
+    assert r.returncode == 2
+    assert "chat-template" in r.stderr and "nosuch" in r.stderr
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for %}")
+    r = run_cli("serve", str(tiny_model), "--chat-template", str(broken), "--port", "0")
+    assert r.returncode != 0
+    assert "does not compile" in r.stderr
 
 
 def test_cli_serves_and_stops_on_ctrl_c(tiny_model: Path) -> None:

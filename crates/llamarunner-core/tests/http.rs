@@ -20,7 +20,11 @@ fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
 }
 
 async fn post(app: &axum::Router, body: &str) -> (StatusCode, String) {
-    let req = Request::post("/completion")
+    post_to(app, "/completion", body).await
+}
+
+async fn post_to(app: &axum::Router, path: &str, body: &str) -> (StatusCode, String) {
+    let req = Request::post(path)
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
         .unwrap();
@@ -140,4 +144,181 @@ async fn a_full_queue_is_429() {
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert!(text.contains("overloaded"));
     first.abort();
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test]
+async fn openai_chat_streams_sse_ending_with_done() {
+    let (app, handle) = app(FakeConfig::default());
+    let (status, body) = post_to(
+        &app,
+        "/v1/chat/completions",
+        r#"{"model":"fake","messages":[{"role":"user","content":"hi"}],"max_tokens":4,
+            "temperature":0,"stream":true,"stream_options":{"include_usage":true}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text.len(), 4);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 4);
+    // ChatML fallback: the fake tokenizes bytes, so the prompt is the rendered text + BOS.
+    let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(usage["prompt_tokens"], rendered.len() + 1);
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    handle.shutdown();
+}
+
+#[tokio::test]
+async fn openai_errors_have_openai_shape() {
+    let (app, handle) = app(FakeConfig {
+        slot_ctx: 64,
+        ..FakeConfig::default()
+    });
+    let long = "x".repeat(100);
+    let cases = [
+        (r#"{"model":"other","prompt":"x"}"#, 404, "model_not_found"),
+        (r#"{"prompt":"x","n":3}"#, 400, "invalid_request"),
+        (r#"{"prompt":"x","echo":true}"#, 400, "invalid_request"),
+        (r#"{"prompt":"x","suffix":"y"}"#, 400, "invalid_request"),
+        (r#"{"prompt":[1,2,3]}"#, 400, "invalid_request"),
+        (r#"{"prompt":"x","logprobs":50}"#, 400, "invalid_request"),
+        (
+            r#"{"prompt":"x","logit_bias":{"99999":5}}"#,
+            400,
+            "invalid_request",
+        ),
+        (r#"{"prompt":"x","top_p":"high"}"#, 400, "invalid_json"),
+        (r#"{"max_tokens":3}"#, 400, "invalid_request"),
+    ];
+    for (body, status, code) in cases {
+        let (s, text) = post_to(&app, "/v1/completions", body).await;
+        assert_eq!(s.as_u16(), status, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], code, "{body}: {text}");
+        assert!(v["error"]["type"].is_string() && v["error"]["message"].is_string());
+    }
+    let body = format!(r#"{{"prompt":"{long}"}}"#);
+    let (s, text) = post_to(&app, "/v1/completions", &body).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(text.contains("context_length_exceeded"), "{text}");
+    let (s, text) = post_to(
+        &app,
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(text.contains("tools"), "{text}");
+    handle.shutdown();
+}
+
+#[tokio::test]
+async fn a_decode_failure_mid_stream_is_an_error_event_in_each_dialect() {
+    for (path, body, marker) in [
+        (
+            "/v1/completions",
+            r#"{"prompt":"hello","max_tokens":20,"stream":true}"#,
+            "data: {\"error\"",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"hello","raw":true,"options":{"num_predict":20}}"#,
+            "{\"error\":\"",
+        ),
+    ] {
+        // The prompt decodes in the first call; the third call fails.
+        let (app, handle) = app(FakeConfig {
+            fail_decode: Some(3),
+            ..FakeConfig::default()
+        });
+        let (status, text) = post_to(&app, path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert!(text.contains(marker), "{path}: {text}");
+        assert!(!text.contains("[DONE]"), "{path}: {text}");
+        handle.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn ollama_answers_ndjson_and_plain_errors() {
+    let (app, handle) = app(FakeConfig::default());
+    let (status, body) = post_to(
+        &app,
+        "/api/chat",
+        r#"{"model":"fake:latest","messages":[{"role":"user","content":"hi"}],
+            "options":{"num_predict":3,"temperature":0}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let lines: Vec<Value> = body
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true);
+    assert_eq!(last["done_reason"], "length");
+    assert_eq!(last["eval_count"], 3);
+    assert!(last["created_at"].as_str().unwrap().ends_with('Z'));
+    for (path, body, status) in [
+        ("/api/chat", r#"{"model":"nope","messages":[]}"#, 404),
+        ("/api/generate", r#"{"prompt":"x"}"#, 400),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","think":true}"#,
+            400,
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","template":"{{ .Prompt }}"}"#,
+            400,
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","suffix":"y"}"#,
+            400,
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","images":["AAAA"]}"#,
+            400,
+        ),
+        (
+            "/api/chat",
+            r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"tools":[{}]}"#,
+            400,
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","options":{"top_k":-3}}"#,
+            400,
+        ),
+        ("/api/embed", r#"{"model":"fake","input":[1]}"#, 400),
+        ("/api/show", r#"{"model":"nope"}"#, 404),
+    ] {
+        let (s, text) = post_to(&app, path, body).await;
+        assert_eq!(s.as_u16(), status, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert!(v["error"].is_string(), "{text}");
+    }
+    handle.shutdown();
 }

@@ -140,6 +140,16 @@ impl Backend for FakeBackend {
         params: &SamplingParams,
         _history: &[Token],
     ) -> Result<FakeSampler, BackendError> {
+        if let Some((token, _)) = params
+            .logit_bias
+            .iter()
+            .find(|(t, _)| !(0..=BOS).contains(t))
+        {
+            return Err(BackendError::Sampler(format!(
+                "logit_bias: token {token} is not in the vocabulary (0..{})",
+                BOS + 1
+            )));
+        }
         let offset = if params.greedy() {
             0
         } else {
