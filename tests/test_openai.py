@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from llamarunner import Server
+from llamarunner import AsyncClient, Server
 
 from tinymodel import write_tiny_model
 
@@ -285,3 +286,28 @@ def test_a_template_error_is_a_400(tmp_path: Path, start_server: Any) -> None:
     )
     assert r.status_code == 400
     assert "roles must alternate" in r.json()["error"]["message"]
+
+
+def test_native_chat_matches_the_openai_dialect(client: openai.OpenAI, server: Server) -> None:
+    greedy = {"temperature": 0, "repeat_penalty": 1.0, "ignore_eos": True}
+    via_openai = chat(client, max_tokens=10, extra_body=EXACT).choices[0].message.content
+    native = server.client().chat(CHAT, num_predict=10, **greedy)
+    assert native.text == via_openai
+    assert native.done_reason == "length"
+    with server.client().chat(CHAT, stream=True, num_predict=10, **greedy) as stream:
+        assert "".join(c.content for c in stream) == via_openai
+    r = httpx.post(
+        f"{server.url}/completion",
+        json={"prompt": "x", "messages": CHAT},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "not both" in r.json()["error"]["message"]
+
+
+def test_async_client_chat(server: Server) -> None:
+    async def main() -> int:
+        async with AsyncClient(server.url) as c:
+            answer = await c.chat(CHAT, num_predict=4, temperature=0, ignore_eos=True)
+        return answer.eval_count
+
+    assert asyncio.run(main()) == 4

@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -153,8 +153,17 @@ def _completion(chunks: list[CompletionChunk]) -> Completion:
     return Completion(text="".join(c.content for c in chunks), **stats)
 
 
-def _body(prompt: str, grammar: str | None, format: Any, options: dict[str, Any]) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt": prompt, "options": options}
+def _body(
+    prompt: str | Sequence[Mapping[str, Any]],
+    grammar: str | None,
+    format: Any,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"options": options}
+    if isinstance(prompt, str):
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [dict(m) for m in prompt]
     if grammar is not None:
         body["grammar"] = grammar
     if format is not None:
@@ -304,6 +313,48 @@ class Client:
         ``top_k``, ``stop``, ``seed``, ...); ``format`` is ``"json"`` or a JSON schema."""
         response = self._send(
             "POST", "/completion", json_body=_body(prompt, grammar, format, options), stream=True
+        )
+        s = Stream(response)
+        if stream:
+            return s
+        with s:
+            return _completion(list(s))
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[False] = False,
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> Completion: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[True],
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> Stream: ...
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool = False,
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> Completion | Stream:
+        """Answers a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the
+        model's chat template; otherwise as `complete`."""
+        response = self._send(
+            "POST", "/completion", json_body=_body(messages, grammar, format, options), stream=True
         )
         s = Stream(response)
         if stream:
@@ -465,6 +516,47 @@ class AsyncClient:
         """Completes ``prompt``; see `Client.complete`."""
         response = await self._send(
             "POST", "/completion", json_body=_body(prompt, grammar, format, options), stream=True
+        )
+        s = AsyncStream(response)
+        if stream:
+            return s
+        async with s:
+            return _completion([c async for c in s])
+
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[False] = False,
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> Completion: ...
+
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[True],
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> AsyncStream: ...
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool = False,
+        grammar: str | None = None,
+        format: Any = None,
+        **options: Any,
+    ) -> Completion | AsyncStream:
+        """Answers a conversation; see `Client.chat`."""
+        response = await self._send(
+            "POST", "/completion", json_body=_body(messages, grammar, format, options), stream=True
         )
         s = AsyncStream(response)
         if stream:

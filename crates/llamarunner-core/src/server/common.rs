@@ -222,29 +222,26 @@ pub async fn collect(mut rx: Receiver<Event>) -> Result<Collected, ApiError> {
     ))
 }
 
-/// Embeds each input (in the engine's queue, one after another).
+/// Embeds each input, one after another: the engine embeds one input per step anyway, and
+/// queueing a long list at once could fill the request queue (429) for everyone.
 pub async fn embed_all(
     state: &AppState,
     inputs: Vec<String>,
     truncate: bool,
 ) -> Result<Vec<Embedding>, ApiError> {
-    let mut answers = Vec::with_capacity(inputs.len());
+    if inputs.iter().any(String::is_empty) {
+        return Err(ApiError::InvalidRequest(
+            "an input to embed must not be empty".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(inputs.len());
     for content in inputs {
-        if content.is_empty() {
-            return Err(ApiError::InvalidRequest(
-                "an input to embed must not be empty".into(),
-            ));
-        }
         let (reply, answer) = tokio::sync::oneshot::channel();
         state.engine.submit_embed(EmbedRequest {
             content,
             truncate,
             reply,
         })?;
-        answers.push(answer);
-    }
-    let mut out = Vec::with_capacity(answers.len());
-    for answer in answers {
         out.push(
             answer
                 .await

@@ -26,6 +26,9 @@ use crate::sched::params::SamplingParams;
 struct CompletionRequest {
     #[serde(default, alias = "Prompt")]
     prompt: Option<String>,
+    /// A conversation, rendered with the model's chat template, instead of `prompt`.
+    #[serde(default)]
+    messages: Option<Vec<serde_json::Value>>,
     #[serde(default, alias = "Options")]
     options: Option<SamplingParams>,
     #[serde(default, alias = "Grammar")]
@@ -51,7 +54,15 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    let prompt = required("prompt", req.prompt)?;
+    let prompt = match req.messages {
+        Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
+            return Err(ApiError::InvalidRequest(
+                "give either prompt or messages, not both".into(),
+            ))
+        }
+        Some(messages) => render_chat(&state, &parse_messages(messages)?, true)?,
+        None => required("prompt", req.prompt)?,
+    };
     if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::InvalidRequest(
             "images are not supported: no multimodal projector is loaded".into(),
