@@ -4,6 +4,7 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
     python -m benches.load                       # default model, every scenario, ours only
     python -m benches.load --peers               # + llama-cpp-python (raw and server)
     python -m benches.load --model M.gguf --scenarios single,parallel4 --requests 2
+    python -m benches.load --dialect openai --peers  # ours through /v1/completions too
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -187,7 +188,12 @@ class Running:
 
 @contextmanager
 def ours(
-    model: str, parallel: int, ctx: int, threads: int, extra: tuple[str, ...] = ()
+    model: str,
+    parallel: int,
+    ctx: int,
+    threads: int,
+    extra: tuple[str, ...] = (),
+    dialect: str = "native",
 ) -> Iterator[Running]:
     port = free_port()
     cmd = [
@@ -206,8 +212,9 @@ def ours(
         str(threads),
         *extra,
     ]
-    name = f"llamarunner (parallel {parallel}{', multiuser' if extra else ''})"
-    with _process(cmd, name, port, "native") as r:
+    via = " /v1" if dialect == "openai" else ""
+    name = f"llamarunner{via} (parallel {parallel}{', multiuser' if extra else ''})"
+    with _process(cmd, name, port, dialect) as r:
         yield r
 
 
@@ -243,7 +250,7 @@ def _process(cmd: list[str], name: str, port: int, protocol: str) -> Iterator[Ru
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        probe = "/health" if protocol == "native" else "/v1/models"
+        probe = "/v1/models"  # both servers answer it, 200 once the model is loaded
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}")
@@ -466,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios", default="single,parallel4,parallel8,shared,mixed", help="comma separated"
     )
     ap.add_argument("--peers", action="store_true", help="also run llama-cpp-python")
+    ap.add_argument(
+        "--dialect",
+        choices=("native", "openai"),
+        default="native",
+        help="drive llamarunner through its native /completion (default) or /v1/completions, "
+        "the peer server's wire format",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -485,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx = 4096 if name == "mixed" else 2048
         # Sharing a prefix between concurrent users is what --multiuser-cache is for.
         extra = ("--multiuser-cache",) if name == "shared" else ()
-        with ours(model, parallel, ctx, args.threads, extra) as srv:
+        with ours(model, parallel, ctx, args.threads, extra, args.dialect) as srv:
             rows += scenario_rows(name, srv, plan)
         if name.startswith("parallel") and name != "parallel1":
-            with ours(model, 1, ctx, args.threads) as srv:
+            with ours(model, 1, ctx, args.threads, dialect=args.dialect) as srv:
                 rows += [
                     r
                     for r in scenario_rows(name, srv, plan)

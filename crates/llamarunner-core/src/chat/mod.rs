@@ -381,6 +381,32 @@ mod tests {
     }
 
     #[test]
+    fn idioms_of_real_gguf_templates_work() {
+        // What Mistral, DeepSeek, Phi and Qwen templates lean on: `is string`, selectattr,
+        // dict.get/items, slicing, split, `in`, iterating an absent field, tojson, length.
+        let source = r#"{%- set users = messages | selectattr("role", "equalto", "user") | list -%}
+{%- for m in messages -%}
+{%- if m.content is string and not m.get("tool_calls") -%}
+{%- set c = m.content.split('</think>')[-1] if '</think>' in m.content else m.content -%}
+{{ m.role[:1] }}:{{ c }}{% if m == users[-1] %}*{% endif %}|
+{%- endif -%}
+{%- for call in m.tool_calls %}{{ call }}{% endfor -%}
+{%- endfor -%}
+{%- for k, v in {'n': users | length}.items() %}{{ k }}={{ v | tojson }}{% endfor -%}
+{%- if tools is not defined or tools is none %};no tools{% endif -%}"#;
+        let t = ChatTemplate::new("real", source, "", "").unwrap();
+        let messages = vec![
+            msg("user", "a"),
+            msg("assistant", "<think>hmm</think>b"),
+            msg("user", "c"),
+        ];
+        assert_eq!(
+            t.render(&messages, true).unwrap(),
+            "u:a|a:b|u:c*|n=2;no tools"
+        );
+    }
+
+    #[test]
     fn a_template_that_does_not_compile_says_so() {
         let err = ChatTemplate::new("x.jinja", "{% for %}", "", "").unwrap_err();
         assert!(err

@@ -115,6 +115,9 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError
                     "images are not supported: no multimodal projector is loaded".into(),
                 ));
             }
+            // Clients send absent fields as null (`"tool_calls": null`); to a template, absent
+            // is what they mean (iterating a null fails, iterating an undefined does not).
+            fields.retain(|_, v| !v.is_null());
             Ok(ChatMessage {
                 role,
                 content,
@@ -320,6 +323,11 @@ mod tests {
         assert_eq!(m[0].content, "ab");
         assert_eq!(m[1].content, "");
         assert_eq!(m[1].extra["name"], "x");
+        let m = parse_messages(vec![
+            serde_json::json!({"role": "user", "content": "x", "tool_calls": null, "images": null}),
+        ])
+        .unwrap();
+        assert!(m[0].extra.is_empty());
         assert!(parse_messages(vec![
             serde_json::json!({"role": "user", "content": [{"type": "image_url"}]})
         ])
