@@ -322,3 +322,24 @@ async fn ollama_answers_ndjson_and_plain_errors() {
     }
     handle.shutdown();
 }
+
+#[tokio::test]
+async fn unknown_routes_are_404_in_their_dialect() {
+    let (app, handle) = app(FakeConfig::default());
+    let (s, text) = post_to(&app, "/api/pull", r#"{"model":"llama3"}"#).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        v["error"].as_str().unwrap().contains("cannot pull"),
+        "{text}"
+    );
+    let (s, text) = post_to(&app, "/v1/responses", "{}").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "not_found");
+    let (s, text) = post_to(&app, "/nothing", "{}").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["type"], "not_found");
+    handle.shutdown();
+}

@@ -63,6 +63,19 @@ const MISTRAL: &str = r#"{{- bos_token -}}
   {%- endif -%}
 {%- endfor -%}"#;
 
+/// End-of-turn markers of the common template families. A chat request stops at the ones its
+/// template writes: llama.cpp already ends generation at such a marker when the vocabulary has
+/// it as an end-of-generation token, but a model without that token (a fallback template on a
+/// base model) would otherwise write the marker as text and carry on with the next turn.
+const TURN_ENDS: &[&str] = &[
+    "<end_of_turn>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<|endoftext|>",
+    "<｜end▁of▁sentence｜>",
+];
+
 /// The built-in templates, by the name `--chat-template` accepts.
 pub const BUILTIN: &[(&str, &str)] = &[
     ("gemma", GEMMA),
@@ -152,6 +165,8 @@ pub struct ChatTemplate {
     pub source: String,
     bos_token: String,
     eos_token: String,
+    /// Stop strings for chat requests: the end-of-turn markers the template writes.
+    pub stop: Vec<String>,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -186,8 +201,14 @@ impl ChatTemplate {
                 name: name.clone(),
                 reason: e.to_string(),
             })?;
+        let stop = TURN_ENDS
+            .iter()
+            .filter(|m| source.contains(*m))
+            .map(|m| (*m).to_string())
+            .collect();
         Ok(Self {
             env,
+            stop,
             name,
             source,
             bos_token: bos_token.into(),
@@ -346,6 +367,20 @@ mod tests {
             "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
              <|start_header_id|>assistant<|end_header_id|>\n\n"
         );
+    }
+
+    #[test]
+    fn templates_stop_at_their_turn_markers() {
+        let stop = |name: &str| {
+            ChatTemplate::new(name, builtin(name).unwrap(), "", "")
+                .unwrap()
+                .stop
+        };
+        assert_eq!(stop("gemma"), vec!["<end_of_turn>"]);
+        assert_eq!(stop("chatml"), vec!["<|im_end|>"]);
+        assert_eq!(stop("llama3"), vec!["<|eot_id|>"]);
+        assert_eq!(stop("phi3"), vec!["<|end|>"]);
+        assert!(stop("mistral").is_empty());
     }
 
     #[test]

@@ -160,6 +160,23 @@ pub fn render_chat(
         .map_err(|e| ApiError::InvalidRequest(e.to_string()))
 }
 
+/// The prompt for a chat request: the rendered conversation, with the template's end-of-turn
+/// markers added to the request's stop strings.
+pub fn chat_prompt(
+    state: &AppState,
+    messages: &[ChatMessage],
+    params: &mut SamplingParams,
+) -> Result<String, ApiError> {
+    let prompt = render_chat(state, messages, true)?;
+    let info = model_info(state)?;
+    for marker in &info.template.stop {
+        if !params.stop.contains(marker) {
+            params.stop.push(marker.clone());
+        }
+    }
+    Ok(prompt)
+}
+
 /// Queues a generation and waits until it has a slot, so that everything found wrong before
 /// that (a prompt too long, a bad grammar, a full queue) is a proper HTTP error. The receiver
 /// then yields text and a final `Done` or `Error`.

@@ -60,6 +60,29 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError::NotFound(format!("no route for {uri}"))
+/// Unknown routes: a 404 in the shape of the dialect the path belongs to.
+async fn not_found(method: axum::http::Method, uri: axum::http::Uri) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let path = uri.path();
+    if path.starts_with("/api/") {
+        let why = if matches!(
+            path,
+            "/api/pull" | "/api/push" | "/api/create" | "/api/copy" | "/api/delete"
+        ) {
+            "; llamarunner serves the one model it was started with and cannot pull, push, \
+             create, copy or delete models"
+        } else {
+            ""
+        };
+        return error::OllamaError(ApiError::NotFound(format!(
+            "no route for {method} {path}{why}"
+        )))
+        .into_response();
+    }
+    let err = ApiError::NotFound(format!("no route for {method} {path}"));
+    if path.starts_with("/v1/") {
+        error::OpenAiError(err).into_response()
+    } else {
+        err.into_response()
+    }
 }

@@ -13,7 +13,9 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::common::{ensure_ready, parse_json, parse_messages, render_chat, start_generation};
+use super::common::{
+    chat_prompt, ensure_ready, parse_json, parse_messages, render_chat, start_generation,
+};
 use super::error::ApiError;
 use super::AppState;
 use crate::engine::grammar::grammar_for_format;
@@ -54,15 +56,6 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    let prompt = match req.messages {
-        Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
-            return Err(ApiError::InvalidRequest(
-                "give either prompt or messages, not both".into(),
-            ))
-        }
-        Some(messages) => render_chat(&state, &parse_messages(messages)?, true)?,
-        None => required("prompt", req.prompt)?,
-    };
     if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::InvalidRequest(
             "images are not supported: no multimodal projector is loaded".into(),
@@ -77,6 +70,15 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
         None => {
             grammar_for_format(&req.format.unwrap_or_default()).map_err(ApiError::InvalidRequest)?
         }
+    };
+    let prompt = match req.messages {
+        Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
+            return Err(ApiError::InvalidRequest(
+                "give either prompt or messages, not both".into(),
+            ))
+        }
+        Some(messages) => chat_prompt(&state, &parse_messages(messages)?, &mut params)?,
+        None => required("prompt", req.prompt)?,
     };
 
     let rx = start_generation(&state, prompt, params).await?;

@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
-    check_model, collect, embed_all, l2_normalize, model_info, parse_json, parse_messages,
-    render_chat, rfc3339, start_generation,
+    chat_prompt, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
+    parse_messages, rfc3339, start_generation,
 };
 use super::error::{ApiError, OllamaError};
 use super::AppState;
@@ -151,7 +151,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     model_info(&state)?;
     let req: OllamaRequest = parse_json(&body)?;
     req.check(&state)?;
-    let params = req.params()?;
+    let mut params = req.params()?;
     let meta = Meta {
         model: req.model.clone().unwrap_or_default(),
         chat: false,
@@ -170,7 +170,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
             messages.push(message("system", system));
         }
         messages.push(message("user", prompt));
-        render_chat(&state, &messages, true)?
+        chat_prompt(&state, &messages, &mut params)?
     };
     respond(state, text, params, meta, req.stream.unwrap_or(true)).await
 }
@@ -189,7 +189,7 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     model_info(&state)?;
     let req: OllamaRequest = parse_json(&body)?;
     req.check(&state)?;
-    let params = req.params()?;
+    let mut params = req.params()?;
     let meta = Meta {
         model: req.model.clone().unwrap_or_default(),
         chat: true,
@@ -200,7 +200,7 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
         return Ok(Json(meta.loaded()).into_response());
     }
     let messages = parse_messages(raw_messages)?;
-    let text = render_chat(&state, &messages, true)?;
+    let text = chat_prompt(&state, &messages, &mut params)?;
     respond(state, text, params, meta, req.stream.unwrap_or(true)).await
 }
 

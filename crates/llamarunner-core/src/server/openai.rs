@@ -19,8 +19,8 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
-    check_model, collect, embed_all, l2_normalize, model_info, parse_json, parse_messages,
-    random_id, render_chat, start_generation, unix_seconds,
+    chat_prompt, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
+    parse_messages, random_id, start_generation, unix_seconds,
 };
 use super::error::{ApiError, OpenAiError};
 use super::AppState;
@@ -372,8 +372,8 @@ pub async fn chat_completions(
             .clone()
             .ok_or_else(|| invalid("messages is required"))?,
     )?;
-    let params = req.params(true)?;
-    let prompt = render_chat(&state, &messages, true)?;
+    let mut params = req.params(true)?;
+    let prompt = chat_prompt(&state, &messages, &mut params)?;
     respond(state, &req, prompt, params, true).await
 }
 
