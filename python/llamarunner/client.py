@@ -311,10 +311,10 @@ class Client:
     ) -> Completion | Stream:
         """Completes ``prompt``. ``options`` are Ollama's (``num_predict``, ``temperature``,
         ``top_k``, ``stop``, ``seed``, ...); ``format`` is ``"json"`` or a JSON schema."""
-        response = self._send(
-            "POST", "/completion", json_body=_body(prompt, grammar, format, options), stream=True
-        )
-        s = Stream(response)
+        return self._generate(_body(prompt, grammar, format, options), stream)
+
+    def _generate(self, body: dict[str, Any], stream: bool) -> Completion | Stream:
+        s = Stream(self._send("POST", "/completion", json_body=body, stream=True))
         if stream:
             return s
         with s:
@@ -353,14 +353,7 @@ class Client:
     ) -> Completion | Stream:
         """Answers a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the
         model's chat template; otherwise as `complete`."""
-        response = self._send(
-            "POST", "/completion", json_body=_body(messages, grammar, format, options), stream=True
-        )
-        s = Stream(response)
-        if stream:
-            return s
-        with s:
-            return _completion(list(s))
+        return self._generate(_body(messages, grammar, format, options), stream)
 
     def embed(self, text: str, *, truncate: bool = False) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
@@ -514,10 +507,10 @@ class AsyncClient:
         **options: Any,
     ) -> Completion | AsyncStream:
         """Completes ``prompt``; see `Client.complete`."""
-        response = await self._send(
-            "POST", "/completion", json_body=_body(prompt, grammar, format, options), stream=True
-        )
-        s = AsyncStream(response)
+        return await self._generate(_body(prompt, grammar, format, options), stream)
+
+    async def _generate(self, body: dict[str, Any], stream: bool) -> Completion | AsyncStream:
+        s = AsyncStream(await self._send("POST", "/completion", json_body=body, stream=True))
         if stream:
             return s
         async with s:
@@ -555,14 +548,7 @@ class AsyncClient:
         **options: Any,
     ) -> Completion | AsyncStream:
         """Answers a conversation; see `Client.chat`."""
-        response = await self._send(
-            "POST", "/completion", json_body=_body(messages, grammar, format, options), stream=True
-        )
-        s = AsyncStream(response)
-        if stream:
-            return s
-        async with s:
-            return _completion([c async for c in s])
+        return await self._generate(_body(messages, grammar, format, options), stream)
 
     async def embed(self, text: str, *, truncate: bool = False) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""

@@ -145,18 +145,28 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// `POST /api/generate`.
-pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+/// Parses and checks a generate or chat request.
+fn prepare(
+    state: &AppState,
+    body: &[u8],
+    chat: bool,
+) -> Result<(OllamaRequest, SamplingParams, Meta), ApiError> {
     let started = Instant::now();
-    model_info(&state)?;
-    let req: OllamaRequest = parse_json(&body)?;
-    req.check(&state)?;
-    let mut params = req.params()?;
+    model_info(state)?;
+    let req: OllamaRequest = parse_json(body)?;
+    req.check(state)?;
+    let params = req.params()?;
     let meta = Meta {
         model: req.model.clone().unwrap_or_default(),
-        chat: false,
+        chat,
         started,
     };
+    Ok((req, params, meta))
+}
+
+/// `POST /api/generate`.
+pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let (req, mut params, meta) = prepare(&state, &body, false)?;
     let prompt = req.prompt.clone().unwrap_or_default();
     let system = req.system.clone().unwrap_or_default();
     if prompt.is_empty() && system.is_empty() {
@@ -185,16 +195,7 @@ fn message(role: &str, content: String) -> ChatMessage {
 
 /// `POST /api/chat`.
 pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
-    let started = Instant::now();
-    model_info(&state)?;
-    let req: OllamaRequest = parse_json(&body)?;
-    req.check(&state)?;
-    let mut params = req.params()?;
-    let meta = Meta {
-        model: req.model.clone().unwrap_or_default(),
-        chat: true,
-        started,
-    };
+    let (req, mut params, meta) = prepare(&state, &body, true)?;
     let raw_messages = req.messages.clone().unwrap_or_default();
     if raw_messages.is_empty() {
         return Ok(Json(meta.loaded()).into_response());

@@ -359,14 +359,20 @@ fn completion_logprobs(entries: &[TokenLogprob]) -> Value {
     })
 }
 
+/// Parses a completion request for the served model.
+fn parse_request(state: &AppState, body: &[u8]) -> Result<OpenAiRequest, ApiError> {
+    model_info(state)?;
+    let req: OpenAiRequest = parse_json(body)?;
+    check_model(state, req.model.as_deref())?;
+    Ok(req)
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<AppState>,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
-    model_info(&state)?;
-    let req: OpenAiRequest = parse_json(&body)?;
-    check_model(&state, req.model.as_deref())?;
+    let req = parse_request(&state, &body)?;
     let messages = parse_messages(
         req.messages
             .clone()
@@ -382,9 +388,7 @@ pub async fn completions(
     State(state): State<AppState>,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
-    model_info(&state)?;
-    let req: OpenAiRequest = parse_json(&body)?;
-    check_model(&state, req.model.as_deref())?;
+    let req = parse_request(&state, &body)?;
     if req.echo == Some(true) {
         return Err(invalid("echo is not supported").into());
     }
