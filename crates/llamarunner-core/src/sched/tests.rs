@@ -678,3 +678,53 @@ fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
     assert_eq!(done.eval_count, 4);
     assert_eq!(text, expected("next", 4));
 }
+
+/// Reads a sequence to its end, keeping each text chunk with its log-probability entries.
+fn collect_logprobs(rx: &mut Receiver<Event>) -> Vec<(String, Vec<crate::engine::TokenLogprob>)> {
+    let mut chunks = Vec::new();
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    loop {
+        match rx.blocking_recv().expect("stream ended without Done") {
+            Event::Text { text, logprobs } => chunks.push((text, logprobs)),
+            Event::Done(_) => return chunks,
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn logprobs_travel_with_their_text_and_stop_strings_drop_theirs() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let full = expected("hello", 20);
+    let params = SamplingParams {
+        logprobs: Some(3),
+        ..greedy(20)
+    };
+    // Every chunk carries one entry per byte-token of its text, with the alternatives asked.
+    for (text, entries) in collect_logprobs(&mut h.submit("hello", params.clone())) {
+        let bytes: Vec<u8> = entries
+            .iter()
+            .flat_map(|e| e.sampled.bytes.clone())
+            .collect();
+        assert_eq!(bytes, text.as_bytes());
+        assert!(entries.iter().all(|e| e.top.len() == 3));
+    }
+    // A stop string in the middle: the held-back tokens of its first characters are not
+    // reported, and what is reported spells exactly the returned text.
+    let stop = full[8..11].to_string();
+    let cut = full.find(&stop).unwrap();
+    let chunks = collect_logprobs(&mut h.submit(
+        "hello",
+        SamplingParams {
+            stop: vec![stop],
+            ..params
+        },
+    ));
+    let text: String = chunks.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(text, full[..cut]);
+    let reported: Vec<u8> = chunks
+        .iter()
+        .flat_map(|(_, e)| e.iter().flat_map(|e| e.sampled.bytes.clone()))
+        .collect();
+    assert_eq!(reported, full[..cut].as_bytes());
+}
