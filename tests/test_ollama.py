@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,20 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: Server) -> None
         timeout=10,
     )
     assert r.status_code == 400 and "images" in r.json()["error"]
+
+
+def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, server: Server) -> None:
+    options = {"num_predict": 100_000, "ignore_eos": True}
+    with httpx.stream(
+        "POST",
+        f"{server.url}/api/chat",
+        json={"model": MODEL, "messages": MESSAGES, "options": options},
+        timeout=10,
+    ) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health", timeout=10).json()["slots_processing"] != 0:
+        assert time.monotonic() < deadline, "the slot stayed busy after the client left"
+        time.sleep(0.01)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,15 @@ def test_async_client_chat(server: Server) -> None:
         return answer.eval_count
 
     assert asyncio.run(main()) == 4
+
+
+def test_leaving_a_stream_early_frees_the_slot(client: openai.OpenAI, server: Server) -> None:
+    stream = chat(client, max_tokens=100_000, extra_body=EXACT, stream=True)
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health", timeout=10).json()["slots_processing"] != 0:
+        assert time.monotonic() < deadline, "the slot stayed busy after the client left"
+        time.sleep(0.01)
