@@ -131,6 +131,14 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: Server) -> None
         timeout=10,
     )
     assert r.status_code == 400 and "format" in r.json()["error"]
+    bad_schema = {"type": "object", "properties": {"age": {"type": "banana"}}}
+    r = httpx.post(
+        f"{server.url}/api/chat",
+        json={"model": MODEL, "messages": MESSAGES, "format": bad_schema},
+        timeout=10,
+    )
+    assert r.status_code == 400
+    assert "schema.properties.age.type" in r.json()["error"], r.json()
     r = httpx.post(f"{server.url}/api/chat", json={"messages": MESSAGES}, timeout=10)
     assert r.status_code == 400 and r.json() == {"error": "model is required"}
     r = httpx.post(f"{server.url}/api/generate", content=b"{", timeout=10)

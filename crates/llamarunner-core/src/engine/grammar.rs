@@ -26,8 +26,51 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<String>, 
 
 #[cfg(feature = "llama")]
 fn schema_to_grammar(schema: &str) -> Result<String, String> {
-    llama_cpp_2::json_schema_to_grammar(schema)
-        .map_err(|e| format!("invalid JSON schema in format: {e}"))
+    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
+        // llama-cpp-2 drops llama.cpp's reason ("ffi error -3"); say what we can find.
+        let reason = serde_json::from_str(schema)
+            .ok()
+            .and_then(|v: serde_json::Value| explain_schema_error(&v, "schema"))
+            .unwrap_or_else(|| format!("llama.cpp could not convert it to a grammar ({e})"));
+        format!("invalid JSON schema in format: {reason}")
+    })
+}
+
+/// The JSON Schema types llama.cpp's converter knows.
+const SCHEMA_TYPES: &[&str] = &[
+    "object", "array", "string", "number", "integer", "boolean", "null",
+];
+
+/// Finds the first `type` that is not a JSON Schema type, with its path; consulted only after
+/// llama.cpp refused a schema.
+pub fn explain_schema_error(schema: &serde_json::Value, path: &str) -> Option<String> {
+    use serde_json::Value;
+    let Value::Object(map) = schema else {
+        if let Value::Array(items) = schema {
+            return items
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| explain_schema_error(v, &format!("{path}[{i}]")));
+        }
+        return None;
+    };
+    if let Some(t) = map.get("type") {
+        let names: Vec<&Value> = match t {
+            Value::Array(v) => v.iter().collect(),
+            other => vec![other],
+        };
+        for name in names {
+            if !name.as_str().is_some_and(|n| SCHEMA_TYPES.contains(&n)) {
+                return Some(format!(
+                    "{path}.type: {name} is not a JSON Schema type (one of {})",
+                    SCHEMA_TYPES.join(", ")
+                ));
+            }
+        }
+    }
+    map.iter()
+        .filter(|(k, _)| k.as_str() != "enum" && k.as_str() != "const" && k.as_str() != "default")
+        .find_map(|(k, v)| explain_schema_error(v, &format!("{path}.{k}")))
 }
 
 #[cfg(not(feature = "llama"))]
@@ -52,6 +95,18 @@ mod tests {
             .unwrap_err()
             .contains("invalid format"));
         assert!(grammar_for_format(&json!(5)).is_err());
+    }
+
+    #[test]
+    fn a_bad_schema_type_is_named_with_its_path() {
+        let schema = json!({"type": "object", "properties": {"age": {"type": "banana"}}});
+        assert_eq!(
+            explain_schema_error(&schema, "schema").unwrap(),
+            "schema.properties.age.type: \"banana\" is not a JSON Schema type (one of object, \
+             array, string, number, integer, boolean, null)"
+        );
+        let fine = json!({"type": ["string", "null"], "enum": [{"type": "x"}]});
+        assert_eq!(explain_schema_error(&fine, "schema"), None);
     }
 }
 
