@@ -726,5 +726,5 @@ fn logprobs_travel_with_their_text_and_stop_strings_drop_theirs() {
         .iter()
         .flat_map(|(_, e)| e.iter().flat_map(|e| e.sampled.bytes.clone()))
         .collect();
-    assert_eq!(reported, full[..cut].as_bytes());
+    assert_eq!(reported, &full.as_bytes()[..cut]);
 }
