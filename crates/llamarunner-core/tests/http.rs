@@ -133,6 +133,9 @@ async fn loading_and_failed_models_are_reported() {
 async fn a_full_queue_is_429() {
     // No engine thread drains the queue (capacity 1): the second request finds it full.
     let (handle, _inbox) = EngineHandle::new(1);
+    handle
+        .health
+        .set_model_info(llamarunner_core::engine::ModelInfo::placeholder(64));
     handle.health.set_ready(1);
     let app = router(AppState::new(handle.clone(), "fake"));
     let first = tokio::spawn({

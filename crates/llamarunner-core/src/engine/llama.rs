@@ -16,7 +16,8 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
 use super::{
-    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, Token, TokenLogprob, TopLogprob,
+    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, Token, TokenLogprob, Tokenizer,
+    TopLogprob,
 };
 use crate::chat::{self, ChatTemplate, Vocabulary};
 use crate::config::{FlashAttn, RunnerConfig};
@@ -72,6 +73,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         };
         format!("llama.cpp could not load {}: {why}", config.model.display())
     })?;
+    // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
+    // batch and samplers stay on this thread).
+    let model = std::sync::Arc::new(model);
     tracing::info!(
         model = %config.model.display(),
         params = model.n_params(),
@@ -124,13 +128,14 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     inbox
         .health
         .set_model_info(model_info(&model, config, slot_ctx)?);
+    let model: &LlamaModel = &model;
     let embed_params = EmbedParams {
         threads,
         flash_attn: ctx_flash_attn(config.flash_attn),
-        pooled_by_model: model_has_pooling_type(&model),
+        pooled_by_model: model_has_pooling_type(model),
     };
     let engine = LlamaEngine::new(
-        &model,
+        model,
         ctx,
         slot_ctx,
         config.batch_size as usize,
@@ -150,9 +155,17 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     Ok(())
 }
 
+/// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
+fn tokenize(model: &LlamaModel, text: &str) -> Result<Vec<Token>, BackendError> {
+    model
+        .str_to_token(text, AddBos::Always)
+        .map(|v| v.into_iter().map(|t| t.0).collect())
+        .map_err(|e| BackendError::Tokenize(e.to_string()))
+}
+
 /// Describes the loaded model and picks its chat template.
 fn model_info(
-    model: &LlamaModel,
+    model: &std::sync::Arc<LlamaModel>,
     config: &RunnerConfig,
     slot_ctx: usize,
 ) -> Result<ModelInfo, String> {
@@ -185,6 +198,10 @@ fn model_info(
         quantization,
         metadata,
         template: std::sync::Arc::new(chat_template(model, config)?),
+        tokenizer: Some(Tokenizer(std::sync::Arc::new({
+            let model = model.clone();
+            move |text: &str| tokenize(&model, text)
+        }))),
     })
 }
 
@@ -482,10 +499,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        self.model
-            .str_to_token(text, AddBos::Always)
-            .map(|v| v.into_iter().map(|t| t.0).collect())
-            .map_err(|e| BackendError::Tokenize(e.to_string()))
+        tokenize(self.model, text)
     }
 
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {

@@ -148,6 +148,8 @@ pub struct ModelInfo {
     pub metadata: Vec<(String, String)>,
     /// How conversations become prompts.
     pub template: Arc<ChatTemplate>,
+    /// Tokenizes off the engine thread; `None` leaves tokenizing to the engine (the fake).
+    pub tokenizer: Option<Tokenizer>,
 }
 
 impl ModelInfo {
@@ -169,6 +171,7 @@ impl ModelInfo {
             quantization: "F32".into(),
             metadata: Vec::new(),
             template: Arc::new(template),
+            tokenizer: None,
         }
     }
 }
@@ -420,11 +423,40 @@ pub enum Event {
 /// generates, text is coalesced on the engine side rather than blocking the loop.
 pub const EVENT_CHANNEL_CAPACITY: usize = 64;
 
+/// What a request asks the engine to process: text, or its tokens when the HTTP side has
+/// tokenized it already (off the engine thread, so a long prompt never stalls a decode step).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Text, tokenized by the engine (BOS added when the model wants it, specials parsed).
+    Text(String),
+    /// Tokens, as `Backend::tokenize` would make them.
+    Tokens(Vec<Token>),
+}
+
+impl From<&str> for Input {
+    fn from(text: &str) -> Self {
+        Input::Text(text.to_string())
+    }
+}
+
+/// The function behind a `Tokenizer`.
+pub type TokenizeFn = dyn Fn(&str) -> Result<Vec<Token>, BackendError> + Send + Sync;
+
+/// Tokenizes text on any thread (llama.cpp's vocabulary is read-only once loaded).
+#[derive(Clone)]
+pub struct Tokenizer(pub Arc<TokenizeFn>);
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokenizer")
+    }
+}
+
 /// A completion request as the engine receives it.
 #[derive(Debug)]
 pub struct Request {
-    /// Prompt text.
-    pub prompt: String,
+    /// The prompt.
+    pub prompt: Input,
     /// Sampling and stopping parameters.
     pub params: SamplingParams,
     /// Where events go; a closed channel means the client left.
@@ -436,8 +468,8 @@ pub struct Request {
 /// An embedding request as the engine receives it.
 #[derive(Debug)]
 pub struct EmbedRequest {
-    /// Text to embed.
-    pub content: String,
+    /// What to embed.
+    pub content: Input,
     /// Cut an input longer than the context instead of failing.
     pub truncate: bool,
     /// Where the answer goes; a closed channel means the client left.

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::Sender;
 
 use crate::engine::{
     Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
-    EngineErrorKind, EngineInbox, Event, Message, Request, Token, TokenLogprob,
+    EngineErrorKind, EngineInbox, Event, Input, Message, Request, Token, TokenLogprob,
 };
 use crate::kv;
 use params::SamplingParams;
@@ -236,12 +236,16 @@ impl<B: Backend> Scheduler<B> {
         let _ = request.reply.send(result);
     }
 
-    /// Tokenizes a request's text; `what` names it in the error.
-    fn tokenize(&self, text: &str, what: &str) -> Result<Vec<Token>, EngineError> {
-        let tokens = self
-            .backend
-            .tokenize(text)
-            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
+    /// A request's tokens (tokenizing its text if the HTTP side did not); `what` names it in
+    /// the error.
+    fn tokenize(&self, input: &Input, what: &str) -> Result<Vec<Token>, EngineError> {
+        let tokens = match input {
+            Input::Tokens(tokens) => tokens.clone(),
+            Input::Text(text) => self
+                .backend
+                .tokenize(text)
+                .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?,
+        };
         if tokens.is_empty() {
             return Err(EngineError::new(
                 EngineErrorKind::InvalidRequest,

@@ -11,7 +11,7 @@ use super::error::ApiError;
 use super::AppState;
 use crate::chat::ChatMessage;
 use crate::engine::{
-    Completion, EmbedRequest, Embedding, Event, LoadState, ModelInfo, Request, TokenLogprob,
+    Completion, EmbedRequest, Embedding, Event, Input, LoadState, ModelInfo, Request, TokenLogprob,
     EVENT_CHANNEL_CAPACITY,
 };
 use crate::sched::params::SamplingParams;
@@ -148,26 +148,28 @@ fn text_of_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
     Ok(text)
 }
 
-/// Renders a conversation with the model's chat template.
-pub fn render_chat(
+/// Renders a conversation with the model's chat template, on a blocking thread (a template
+/// is a small program, and a conversation can be long).
+pub async fn render_chat(
     state: &AppState,
-    messages: &[ChatMessage],
+    messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
 ) -> Result<String, ApiError> {
     let info = model_info(state)?;
-    info.template
-        .render(messages, add_generation_prompt)
+    tokio::task::spawn_blocking(move || info.template.render(&messages, add_generation_prompt))
+        .await
+        .map_err(|e| ApiError::Internal(format!("template task failed: {e}")))?
         .map_err(|e| ApiError::InvalidRequest(e.to_string()))
 }
 
 /// The prompt for a chat request: the rendered conversation, with the template's end-of-turn
 /// markers added to the request's stop strings.
-pub fn chat_prompt(
+pub async fn chat_prompt(
     state: &AppState,
-    messages: &[ChatMessage],
+    messages: Vec<ChatMessage>,
     params: &mut SamplingParams,
 ) -> Result<String, ApiError> {
-    let prompt = render_chat(state, messages, true)?;
+    let prompt = render_chat(state, messages, true).await?;
     let info = model_info(state)?;
     for marker in &info.template.stop {
         if !params.stop.contains(marker) {
@@ -175,6 +177,24 @@ pub fn chat_prompt(
         }
     }
     Ok(prompt)
+}
+
+/// Tokenizes text on a blocking thread when the model offers a tokenizer (so that a long
+/// prompt never holds up the engine's decode steps); otherwise the engine tokenizes it.
+pub async fn input(state: &AppState, text: String, what: &str) -> Result<Input, ApiError> {
+    let Some(tokenizer) = model_info(state)?.tokenizer.clone() else {
+        return Ok(Input::Text(text));
+    };
+    let tokens = tokio::task::spawn_blocking(move || (tokenizer.0)(&text))
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    if tokens.is_empty() {
+        return Err(ApiError::InvalidRequest(format!(
+            "the {what} has no tokens"
+        )));
+    }
+    Ok(Input::Tokens(tokens))
 }
 
 /// Queues a generation and waits until it has a slot, so that everything found wrong before
@@ -185,6 +205,7 @@ pub async fn start_generation(
     prompt: String,
     params: SamplingParams,
 ) -> Result<Receiver<Event>, ApiError> {
+    let prompt = input(state, prompt, "prompt").await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {
         prompt,
@@ -256,6 +277,7 @@ pub async fn embed_all(
     }
     let mut out = Vec::with_capacity(inputs.len());
     for content in inputs {
+        let content = input(state, content, "input").await?;
         let (reply, answer) = tokio::sync::oneshot::channel();
         state.engine.submit_embed(EmbedRequest {
             content,

@@ -14,12 +14,12 @@ use serde_json::json;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
-    chat_prompt, ensure_ready, parse_json, parse_messages, render_chat, start_generation,
+    chat_prompt, embed_all, ensure_ready, parse_json, parse_messages, render_chat, start_generation,
 };
 use super::error::ApiError;
 use super::AppState;
 use crate::engine::grammar::grammar_for_format;
-use crate::engine::{EmbedRequest, Event, LoadState};
+use crate::engine::{Event, LoadState};
 use crate::sched::params::SamplingParams;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
@@ -77,7 +77,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
                 "give either prompt or messages, not both".into(),
             ))
         }
-        Some(messages) => chat_prompt(&state, &parse_messages(messages)?, &mut params)?,
+        Some(messages) => chat_prompt(&state, parse_messages(messages)?, &mut params).await?,
         None => required("prompt", req.prompt)?,
     };
 
@@ -131,15 +131,10 @@ pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Res
     ensure_ready(&state)?;
     let req: EmbeddingRequest = parse_json(&body)?;
     let content = required("content", req.content)?;
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    state.engine.submit_embed(EmbedRequest {
-        content,
-        truncate: req.truncate.unwrap_or(false),
-        reply,
-    })?;
-    let embedding = answer
-        .await
-        .map_err(|_| ApiError::Unavailable("the engine stopped".into()))??;
+    let embedding = embed_all(&state, vec![content], req.truncate.unwrap_or(false))
+        .await?
+        .pop()
+        .ok_or_else(|| ApiError::Internal("no embedding returned".into()))?;
     Ok(Json(json!({
         "embedding": embedding.vector,
         "prompt_eval_count": embedding.prompt_eval_count,
@@ -193,6 +188,6 @@ pub async fn apply_template(
     ensure_ready(&state)?;
     let req: ApplyTemplateRequest = parse_json(&body)?;
     let messages = parse_messages(req.messages.unwrap_or_default())?;
-    let prompt = render_chat(&state, &messages, req.add_generation_prompt.unwrap_or(true))?;
+    let prompt = render_chat(&state, messages, req.add_generation_prompt.unwrap_or(true)).await?;
     Ok(Json(json!({ "prompt": prompt })).into_response())
 }

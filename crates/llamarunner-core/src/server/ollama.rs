@@ -180,7 +180,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
             messages.push(message("system", system));
         }
         messages.push(message("user", prompt));
-        chat_prompt(&state, &messages, &mut params)?
+        chat_prompt(&state, messages, &mut params).await?
     };
     respond(state, text, params, meta, req.stream.unwrap_or(true)).await
 }
@@ -201,7 +201,7 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
         return Ok(Json(meta.loaded()).into_response());
     }
     let messages = parse_messages(raw_messages)?;
-    let text = chat_prompt(&state, &messages, &mut params)?;
+    let text = chat_prompt(&state, messages, &mut params).await?;
     respond(state, text, params, meta, req.stream.unwrap_or(true)).await
 }
 

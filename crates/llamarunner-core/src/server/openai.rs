@@ -379,7 +379,7 @@ pub async fn chat_completions(
             .ok_or_else(|| invalid("messages is required"))?,
     )?;
     let mut params = req.params(true)?;
-    let prompt = chat_prompt(&state, &messages, &mut params)?;
+    let prompt = chat_prompt(&state, messages, &mut params).await?;
     respond(state, &req, prompt, params, true).await
 }
 
