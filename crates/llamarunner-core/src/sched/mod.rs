@@ -686,7 +686,8 @@ fn pos_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-fn nanos(d: Duration) -> u64 {
+/// A duration in nanoseconds (saturating), as the wire formats report durations.
+pub(crate) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 

@@ -155,7 +155,14 @@ pub async fn render_chat(
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
 ) -> Result<String, ApiError> {
-    let info = model_info(state)?;
+    render(model_info(state)?, messages, add_generation_prompt).await
+}
+
+async fn render(
+    info: Arc<ModelInfo>,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
     tokio::task::spawn_blocking(move || info.template.render(&messages, add_generation_prompt))
         .await
         .map_err(|e| ApiError::Internal(format!("template task failed: {e}")))?
@@ -169,14 +176,13 @@ pub async fn chat_prompt(
     messages: Vec<ChatMessage>,
     params: &mut SamplingParams,
 ) -> Result<String, ApiError> {
-    let prompt = render_chat(state, messages, true).await?;
     let info = model_info(state)?;
     for marker in &info.template.stop {
         if !params.stop.contains(marker) {
             params.stop.push(marker.clone());
         }
     }
-    Ok(prompt)
+    render(info, messages, true).await
 }
 
 /// Tokenizes text on a blocking thread when the model offers a tokenizer (so that a long
@@ -291,6 +297,17 @@ pub async fn embed_all(
         );
     }
     Ok(out)
+}
+
+/// Embedding `dimensions` can only be the model's own (no truncation of vectors here).
+pub fn check_dimensions(info: &ModelInfo, dimensions: Option<u32>) -> Result<(), ApiError> {
+    match dimensions {
+        Some(d) if d != info.n_embd => Err(ApiError::invalid(format!(
+            "dimensions: this model's embeddings have {} dimensions",
+            info.n_embd
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Scales a vector to unit length (a zero vector stays zero).

@@ -44,6 +44,11 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// A 400 `invalid_request` with this message.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest(message.into())
+    }
+
     /// HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {

@@ -18,22 +18,19 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
-    chat_prompt, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
-    parse_messages, rfc3339, start_generation,
+    chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
+    parse_json, parse_messages, rfc3339, start_generation,
 };
 use super::error::{ApiError, OllamaError};
 use super::AppState;
 use crate::chat::ChatMessage;
 use crate::engine::grammar::grammar_for_format;
 use crate::engine::{Completion, Event, ModelInfo};
+use crate::sched::nanos;
 use crate::sched::params::SamplingParams;
 
 /// The Ollama API version this dialect follows (what `/api/version` answers).
 pub const OLLAMA_API_VERSION: &str = "0.12.0";
-
-fn invalid(message: impl Into<String>) -> ApiError {
-    ApiError::InvalidRequest(message.into())
-}
 
 /// Fields `/api/generate` and `/api/chat` share.
 #[derive(Debug, Default, Deserialize)]
@@ -59,43 +56,42 @@ struct OllamaRequest {
 
 impl OllamaRequest {
     fn check(&self, state: &AppState) -> Result<(), ApiError> {
-        match self.model.as_deref() {
-            None | Some("") => return Err(invalid("model is required")),
-            Some(m) => check_model(state, Some(m))?,
-        }
+        required_model(state, self.model.as_deref())?;
         if matches!(self.think, Some(Value::Bool(true)) | Some(Value::String(_))) {
-            return Err(invalid(format!(
+            return Err(ApiError::invalid(format!(
                 "\"{}\" does not support thinking",
                 state.model_name
             )));
         }
         if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "images are not supported: no multimodal projector is loaded",
             ));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(invalid(format!(
+            return Err(ApiError::invalid(format!(
                 "\"{}\" does not support tools",
                 state.model_name
             )));
         }
         if self.template.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "template overrides are not supported (Ollama's Go templates); start the server with --chat-template",
             ));
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(invalid("suffix (fill-in-the-middle) is not supported"));
+            return Err(ApiError::invalid(
+                "suffix (fill-in-the-middle) is not supported",
+            ));
         }
         Ok(())
     }
 
     fn params(&self) -> Result<SamplingParams, ApiError> {
         let mut params = self.options.clone().unwrap_or_default();
-        params.validate().map_err(invalid)?;
-        params.grammar =
-            grammar_for_format(self.format.as_ref().unwrap_or(&Value::Null)).map_err(invalid)?;
+        params.validate().map_err(ApiError::invalid)?;
+        params.grammar = grammar_for_format(self.format.as_ref().unwrap_or(&Value::Null))
+            .map_err(ApiError::invalid)?;
         Ok(params)
     }
 }
@@ -139,10 +135,6 @@ impl Meta {
         v["done_reason"] = json!("load");
         v
     }
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Parses and checks a generate or chat request.
@@ -262,18 +254,16 @@ pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Respons
             .into_iter()
             .map(|v| match v {
                 Value::String(s) => Ok(s),
-                _ => Err(invalid("input must be a string or a list of strings")),
+                _ => Err(ApiError::invalid(
+                    "input must be a string or a list of strings",
+                )),
             })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(invalid("input must be a string or a list of strings").into()),
+        Some(_) => {
+            return Err(ApiError::invalid("input must be a string or a list of strings").into())
+        }
     };
-    if req.dimensions.is_some_and(|d| d != info.n_embd) {
-        return Err(invalid(format!(
-            "dimensions: this model's embeddings have {} dimensions",
-            info.n_embd
-        ))
-        .into());
-    }
+    check_dimensions(&info, req.dimensions)?;
     let embeddings = embed_all(&state, inputs, req.truncate.unwrap_or(true)).await?;
     let count: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();
     let vectors: Vec<Vec<f32>> = embeddings
@@ -309,7 +299,7 @@ pub async fn embeddings(
 
 fn required_model(state: &AppState, model: Option<&str>) -> Result<String, ApiError> {
     match model {
-        None | Some("") => Err(invalid("model is required")),
+        None | Some("") => Err(ApiError::invalid("model is required")),
         Some(m) => {
             check_model(state, Some(m))?;
             Ok(m.to_string())
@@ -358,18 +348,23 @@ fn modified_at(info: &ModelInfo) -> String {
     rfc3339(info.modified.unwrap_or(SystemTime::UNIX_EPOCH))
 }
 
+/// What `/api/tags` and `/api/ps` both say of the served model.
+fn model_entry(state: &AppState, info: &ModelInfo) -> Value {
+    json!({
+        "name": state.model_name.as_ref(),
+        "model": state.model_name.as_ref(),
+        "size": info.file_size,
+        "digest": digest(info),
+        "details": details(info),
+    })
+}
+
 /// `GET /api/tags`: the served model.
 pub async fn tags(State(state): State<AppState>) -> Result<Response, OllamaError> {
     let info = model_info(&state)?;
-    Ok(Json(json!({"models": [{
-        "name": state.model_name.as_ref(),
-        "model": state.model_name.as_ref(),
-        "modified_at": modified_at(&info),
-        "size": info.file_size,
-        "digest": digest(&info),
-        "details": details(&info),
-    }]}))
-    .into_response())
+    let mut entry = model_entry(&state, &info);
+    entry["modified_at"] = json!(modified_at(&info));
+    Ok(Json(json!({ "models": [entry] })).into_response())
 }
 
 /// `GET /api/ps`: the served model, always loaded.
@@ -378,17 +373,11 @@ pub async fn ps(State(state): State<AppState>) -> Result<Response, OllamaError> 
     // Loaded until the server stops: report an expiry far in the future, as Ollama does for
     // keep_alive -1.
     let expires = SystemTime::now() + Duration::from_secs(100 * 365 * 86_400);
-    Ok(Json(json!({"models": [{
-        "name": state.model_name.as_ref(),
-        "model": state.model_name.as_ref(),
-        "size": info.file_size,
-        "digest": digest(&info),
-        "details": details(&info),
-        "expires_at": rfc3339(expires),
-        "size_vram": 0,
-        "context_length": info.slot_ctx,
-    }]}))
-    .into_response())
+    let mut entry = model_entry(&state, &info);
+    entry["expires_at"] = json!(rfc3339(expires));
+    entry["size_vram"] = json!(0);
+    entry["context_length"] = json!(info.slot_ctx);
+    Ok(Json(json!({ "models": [entry] })).into_response())
 }
 
 #[derive(Debug, Default, Deserialize)]

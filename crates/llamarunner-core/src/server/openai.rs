@@ -19,8 +19,8 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
-    chat_prompt, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
-    parse_messages, random_id, start_generation, unix_seconds,
+    chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
+    parse_json, parse_messages, random_id, start_generation, unix_seconds,
 };
 use super::error::{ApiError, OpenAiError};
 use super::AppState;
@@ -77,32 +77,30 @@ struct OpenAiRequest {
     grammar: Option<String>,
 }
 
-fn invalid(message: impl Into<String>) -> ApiError {
-    ApiError::InvalidRequest(message.into())
-}
-
 impl OpenAiRequest {
     /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1, no repetition
     /// penalty; Ollama's top_k 40 unless given).
     fn params(&self, chat: bool) -> Result<SamplingParams, ApiError> {
         if self.n.is_some_and(|n| n != 1) {
-            return Err(invalid("n: only 1 choice per request is supported"));
+            return Err(ApiError::invalid(
+                "n: only 1 choice per request is supported",
+            ));
         }
         if self.best_of.is_some_and(|n| n != 1) {
-            return Err(invalid("best_of: only 1 is supported"));
+            return Err(ApiError::invalid("best_of: only 1 is supported"));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "tools: tool calling is not supported by this server",
             ));
         }
         let max = self.max_completion_tokens.or(self.max_tokens);
         if max.is_some_and(|m| m < 0) {
-            return Err(invalid("max_tokens must be >= 0"));
+            return Err(ApiError::invalid("max_tokens must be >= 0"));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {
-                return Err(invalid(format!(
+                return Err(ApiError::invalid(format!(
                     "temperature must be between 0 and 2, got {t}"
                 )));
             }
@@ -112,7 +110,9 @@ impl OpenAiRequest {
             ("frequency_penalty", self.frequency_penalty),
         ] {
             if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
-                return Err(invalid(format!("{name} must be between -2 and 2")));
+                return Err(ApiError::invalid(format!(
+                    "{name} must be between -2 and 2"
+                )));
             }
         }
         let defaults = SamplingParams::default();
@@ -136,7 +136,7 @@ impl OpenAiRequest {
             ..defaults
         };
         p.validate()
-            .map_err(|e| invalid(e.replace("options.", "")))?;
+            .map_err(|e| ApiError::invalid(e.replace("options.", "")))?;
         // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
@@ -155,12 +155,12 @@ impl OpenAiRequest {
             match &self.logprobs {
                 None | Some(Value::Null) | Some(Value::Bool(false)) => {
                     if self.top_logprobs.is_some_and(|n| n > 0) {
-                        return Err(invalid("top_logprobs needs logprobs: true"));
+                        return Err(ApiError::invalid("top_logprobs needs logprobs: true"));
                     }
                     return Ok(None);
                 }
                 Some(Value::Bool(true)) => self.top_logprobs.unwrap_or(0),
-                Some(_) => return Err(invalid("logprobs must be true or false")),
+                Some(_) => return Err(ApiError::invalid("logprobs must be true or false")),
             }
         } else {
             match &self.logprobs {
@@ -168,11 +168,11 @@ impl OpenAiRequest {
                 Some(v) => v
                     .as_u64()
                     .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| invalid("logprobs must be an integer from 0 to 20"))?,
+                    .ok_or_else(|| ApiError::invalid("logprobs must be an integer from 0 to 20"))?,
             }
         };
         if top > MAX_TOP_LOGPROBS {
-            return Err(invalid(format!(
+            return Err(ApiError::invalid(format!(
                 "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
             )));
         }
@@ -194,8 +194,12 @@ fn stop_list(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
             .iter()
             .map(|v| v.as_str().map(str::to_string))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| invalid("stop must be a string or an array of strings"))?,
-        Some(_) => return Err(invalid("stop must be a string or an array of strings")),
+            .ok_or_else(|| ApiError::invalid("stop must be a string or an array of strings"))?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop must be a string or an array of strings",
+            ))
+        }
     };
     Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
 }
@@ -207,10 +211,10 @@ fn logit_bias(bias: Option<&HashMap<String, f32>>) -> Result<Vec<(i32, f32)>, Ap
     bias.iter()
         .map(|(token, &value)| {
             let id = token.parse::<i32>().map_err(|_| {
-                invalid(format!("logit_bias: keys must be token ids, got {token:?}"))
+                ApiError::invalid(format!("logit_bias: keys must be token ids, got {token:?}"))
             })?;
             if !(-100.0..=100.0).contains(&value) {
-                return Err(invalid(format!(
+                return Err(ApiError::invalid(format!(
                     "logit_bias: values must be between -100 and 100, got {value}"
                 )));
             }
@@ -227,16 +231,18 @@ fn response_format_grammar(format: Option<&Value>) -> Result<Option<String>, Api
     };
     match format.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => grammar_for_format(&json!("json")).map_err(invalid),
+        Some("json_object") => grammar_for_format(&json!("json")).map_err(ApiError::invalid),
         Some("json_schema") => {
             let schema = format
                 .get("json_schema")
                 .and_then(|s| s.get("schema"))
                 .filter(|s| s.is_object())
-                .ok_or_else(|| invalid("response_format.json_schema.schema must be an object"))?;
-            grammar_for_format(schema).map_err(invalid)
+                .ok_or_else(|| {
+                    ApiError::invalid("response_format.json_schema.schema must be an object")
+                })?;
+            grammar_for_format(schema).map_err(ApiError::invalid)
         }
-        _ => Err(invalid(
+        _ => Err(ApiError::invalid(
             "response_format.type must be text, json_object or json_schema",
         )),
     }
@@ -376,7 +382,7 @@ pub async fn chat_completions(
     let messages = parse_messages(
         req.messages
             .clone()
-            .ok_or_else(|| invalid("messages is required"))?,
+            .ok_or_else(|| ApiError::invalid("messages is required"))?,
     )?;
     let mut params = req.params(true)?;
     let prompt = chat_prompt(&state, messages, &mut params).await?;
@@ -390,10 +396,10 @@ pub async fn completions(
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
     if req.echo == Some(true) {
-        return Err(invalid("echo is not supported").into());
+        return Err(ApiError::invalid("echo is not supported").into());
     }
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(invalid("suffix (fill-in-the-middle) is not supported").into());
+        return Err(ApiError::invalid("suffix (fill-in-the-middle) is not supported").into());
     }
     let prompt = match &req.prompt {
         Some(Value::String(s)) => s.clone(),
@@ -401,15 +407,15 @@ pub async fn completions(
             items[0].as_str().unwrap_or_default().to_string()
         }
         Some(Value::Array(_)) => {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "prompt: only one text prompt per request is supported (token arrays and batches are not)",
             )
             .into())
         }
-        _ => return Err(invalid("prompt is required and must be a string").into()),
+        _ => return Err(ApiError::invalid("prompt is required and must be a string").into()),
     };
     if prompt.is_empty() {
-        return Err(invalid("prompt must not be empty").into());
+        return Err(ApiError::invalid("prompt must not be empty").into());
     }
     let params = req.params(false)?;
     respond(state, &req, prompt, params, false).await
@@ -514,22 +520,22 @@ pub async fn embeddings(
                 .collect()
         }
         Some(Value::Array(items)) if !items.is_empty() => {
-            return Err(invalid("input: token arrays are not supported; send text").into())
+            return Err(
+                ApiError::invalid("input: token arrays are not supported; send text").into(),
+            )
         }
-        _ => return Err(invalid("input is required: a string or an array of strings").into()),
+        _ => {
+            return Err(
+                ApiError::invalid("input is required: a string or an array of strings").into(),
+            )
+        }
     };
-    if req.dimensions.is_some_and(|d| d != info.n_embd) {
-        return Err(invalid(format!(
-            "dimensions: this model's embeddings have {} dimensions",
-            info.n_embd
-        ))
-        .into());
-    }
+    check_dimensions(&info, req.dimensions)?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(invalid(format!(
+            return Err(ApiError::invalid(format!(
                 "encoding_format must be float or base64, got {other:?}"
             ))
             .into())
