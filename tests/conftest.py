@@ -44,8 +44,10 @@ def start_server() -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2) as srv:
+    """The tiny model, 2 slots of 512 tokens, served under the alias "tiny" (its file is
+    tiny-model.gguf, so the name the OpenAI and Ollama APIs see proves --alias applies)."""
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model.gguf")
+    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2, alias="tiny") as srv:
         yield srv
 
 

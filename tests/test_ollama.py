@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,23 +14,14 @@ import pytest
 
 from llamarunner import Server
 
-from tinymodel import write_tiny_model
-
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = write_tiny_model(tmp_path_factory.mktemp("ollama") / "tiny-model.gguf")
-    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2, alias=MODEL) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> ollama.Client:
-    return ollama.Client(host=server.url)
+def client(tiny_server: Server) -> ollama.Client:
+    return ollama.Client(host=tiny_server.url)
 
 
 def test_chat_stream_and_not(client: ollama.Client) -> None:
@@ -49,14 +39,14 @@ def test_chat_stream_and_not(client: ollama.Client) -> None:
     assert again.message.content == r.message.content
 
 
-def test_generate_templated_raw_and_system(client: ollama.Client, server: Server) -> None:
+def test_generate_templated_raw_and_system(client: ollama.Client, tiny_server: Server) -> None:
     r = client.generate(model=MODEL, prompt="hello there", options=GREEDY)
     assert r.done_reason == "length" and r.eval_count == 8
     chat = client.chat(model=MODEL, messages=MESSAGES, options=GREEDY)
     assert r.response == chat.message.content  # the same rendered prompt
     # raw: the prompt as is, equal to the native API's answer to the same text.
     raw = client.generate(model=MODEL, prompt="hello there", raw=True, options=GREEDY)
-    native = server.client().complete("hello there", **GREEDY)
+    native = tiny_server.client().complete("hello there", **GREEDY)
     assert raw.response == native.text
     with_system = client.generate(model=MODEL, prompt="hello", system="Be brief.", options=GREEDY)
     assert with_system.prompt_eval_count and with_system.prompt_eval_count > (
@@ -94,7 +84,7 @@ def test_embed_is_normalized(client: ollama.Client) -> None:
     assert len(legacy.embedding) == 64
 
 
-def test_list_show_ps_version(client: ollama.Client, server: Server) -> None:
+def test_list_show_ps_version(client: ollama.Client, tiny_server: Server) -> None:
     models = client.list().models
     assert [m.model for m in models] == [MODEL]
     assert models[0].size and models[0].size > 0
@@ -108,12 +98,12 @@ def test_list_show_ps_version(client: ollama.Client, server: Server) -> None:
     running = client.ps().models
     assert [m.model for m in running] == [MODEL]
     assert running[0].context_length == 512
-    version = httpx.get(f"{server.url}/api/version", timeout=10).json()
+    version = httpx.get(f"{tiny_server.url}/api/version", timeout=10).json()
     assert isinstance(version["version"], str)
-    assert httpx.get(server.url, timeout=10).text == "llamarunner is running"
+    assert httpx.get(tiny_server.url, timeout=10).text == "llamarunner is running"
 
 
-def test_errors_are_ollama_shaped(client: ollama.Client, server: Server) -> None:
+def test_errors_are_ollama_shaped(client: ollama.Client, tiny_server: Server) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="llama3:8b", messages=MESSAGES)
     assert info.value.status_code == 404
@@ -126,36 +116,36 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: Server) -> None
             client.generate(model=MODEL, prompt="x", options=options)
         assert info.value.status_code == 400, options
     r = httpx.post(
-        f"{server.url}/api/chat",
+        f"{tiny_server.url}/api/chat",
         json={"model": MODEL, "messages": MESSAGES, "format": "yaml"},
         timeout=10,
     )
     assert r.status_code == 400 and "format" in r.json()["error"]
     bad_schema = {"type": "object", "properties": {"age": {"type": "banana"}}}
     r = httpx.post(
-        f"{server.url}/api/chat",
+        f"{tiny_server.url}/api/chat",
         json={"model": MODEL, "messages": MESSAGES, "format": bad_schema},
         timeout=10,
     )
     assert r.status_code == 400
     assert "schema.properties.age.type" in r.json()["error"], r.json()
-    r = httpx.post(f"{server.url}/api/chat", json={"messages": MESSAGES}, timeout=10)
+    r = httpx.post(f"{tiny_server.url}/api/chat", json={"messages": MESSAGES}, timeout=10)
     assert r.status_code == 400 and r.json() == {"error": "model is required"}
-    r = httpx.post(f"{server.url}/api/generate", content=b"{", timeout=10)
+    r = httpx.post(f"{tiny_server.url}/api/generate", content=b"{", timeout=10)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
     r = httpx.post(
-        f"{server.url}/api/chat",
+        f"{tiny_server.url}/api/chat",
         json={"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["AAAA"]}]},
         timeout=10,
     )
     assert r.status_code == 400 and "images" in r.json()["error"]
 
 
-def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, server: Server) -> None:
+def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, tiny_server: Server) -> None:
     options = {"num_predict": 100_000, "ignore_eos": True}
     with httpx.stream(
         "POST",
-        f"{server.url}/api/chat",
+        f"{tiny_server.url}/api/chat",
         json={"model": MODEL, "messages": MESSAGES, "options": options},
         timeout=10,
     ) as r:
@@ -163,6 +153,6 @@ def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, server: Se
         for _ in range(3):
             next(lines)
     deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/health", timeout=10).json()["slots_processing"] != 0:
+    while httpx.get(f"{tiny_server.url}/health", timeout=10).json()["slots_processing"] != 0:
         assert time.monotonic() < deadline, "the slot stayed busy after the client left"
         time.sleep(0.01)

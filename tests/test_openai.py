@@ -29,15 +29,8 @@ EXACT = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = write_tiny_model(tmp_path_factory.mktemp("openai") / "tiny-model.gguf")
-    with Server(str(model), port=0, parallel=2, ctx_size=512, threads=2, alias=MODEL) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+def client(tiny_server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
 
@@ -221,7 +214,7 @@ def error_of(call: Any) -> openai.APIStatusError:
     return info.value
 
 
-def test_errors_have_openai_shape_and_status(client: openai.OpenAI, server: Server) -> None:
+def test_errors_have_openai_shape_and_status(client: openai.OpenAI, tiny_server: Server) -> None:
     e = error_of(lambda: chat(client, model="gpt-4o", max_tokens=2))
     assert isinstance(e, openai.NotFoundError)
     assert e.body["code"] == "model_not_found" and "tiny" in e.body["message"]
@@ -250,7 +243,7 @@ def test_errors_have_openai_shape_and_status(client: openai.OpenAI, server: Serv
         assert isinstance(e, openai.BadRequestError), kwargs
         assert e.body["code"] == code, (kwargs, e.body)
     # Truncation is for the native API; a chat too long for a slot is an error, as OpenAI's.
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=10)
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=b"{", timeout=10)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_json"
 
@@ -289,38 +282,38 @@ def test_a_template_error_is_a_400(tmp_path: Path, start_server: Any) -> None:
     assert "roles must alternate" in r.json()["error"]["message"]
 
 
-def test_native_chat_matches_the_openai_dialect(client: openai.OpenAI, server: Server) -> None:
+def test_native_chat_matches_the_openai_dialect(client: openai.OpenAI, tiny_server: Server) -> None:
     greedy = {"temperature": 0, "repeat_penalty": 1.0, "ignore_eos": True}
     via_openai = chat(client, max_tokens=10, extra_body=EXACT).choices[0].message.content
-    native = server.client().chat(CHAT, num_predict=10, **greedy)
+    native = tiny_server.client().chat(CHAT, num_predict=10, **greedy)
     assert native.text == via_openai
     assert native.done_reason == "length"
-    with server.client().chat(CHAT, stream=True, num_predict=10, **greedy) as stream:
+    with tiny_server.client().chat(CHAT, stream=True, num_predict=10, **greedy) as stream:
         assert "".join(c.content for c in stream) == via_openai
     r = httpx.post(
-        f"{server.url}/completion",
+        f"{tiny_server.url}/completion",
         json={"prompt": "x", "messages": CHAT},
         timeout=10,
     )
     assert r.status_code == 400 and "not both" in r.json()["error"]["message"]
 
 
-def test_async_client_chat(server: Server) -> None:
+def test_async_client_chat(tiny_server: Server) -> None:
     async def main() -> int:
-        async with AsyncClient(server.url) as c:
+        async with AsyncClient(tiny_server.url) as c:
             answer = await c.chat(CHAT, num_predict=4, temperature=0, ignore_eos=True)
         return answer.eval_count
 
     assert asyncio.run(main()) == 4
 
 
-def test_leaving_a_stream_early_frees_the_slot(client: openai.OpenAI, server: Server) -> None:
+def test_leaving_a_stream_early_frees_the_slot(client: openai.OpenAI, tiny_server: Server) -> None:
     stream = chat(client, max_tokens=100_000, extra_body=EXACT, stream=True)
     for i, _chunk in enumerate(stream):
         if i == 3:
             break
     stream.close()
     deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/health", timeout=10).json()["slots_processing"] != 0:
+    while httpx.get(f"{tiny_server.url}/health", timeout=10).json()["slots_processing"] != 0:
         assert time.monotonic() < deadline, "the slot stayed busy after the client left"
         time.sleep(0.01)

@@ -43,10 +43,7 @@ async fn completion_streams_ndjson_with_a_final_message() {
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    let lines: Vec<Value> = body
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = ndjson_lines(&body);
     let last = lines.last().unwrap();
     assert_eq!(last["done"], true);
     assert_eq!(last["done_reason"], "length");
@@ -147,6 +144,13 @@ async fn a_full_queue_is_429() {
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert!(text.contains("overloaded"));
     first.abort();
+}
+
+/// The objects of a JSON-lines stream.
+fn ndjson_lines(body: &str) -> Vec<Value> {
+    body.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// The `data:` payloads of a server-sent event stream.
@@ -273,10 +277,7 @@ async fn ollama_answers_ndjson_and_plain_errors() {
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    let lines: Vec<Value> = body
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = ndjson_lines(&body);
     let last = lines.last().unwrap();
     assert_eq!(last["done"], true);
     assert_eq!(last["done_reason"], "length");
