@@ -177,6 +177,9 @@ fn model_info(
         })
         .filter_map(|(key, i)| Some((key, model.meta_val_str_by_index(i).ok()?)))
         .collect();
+    let architecture = model
+        .meta_val_str("general.architecture")
+        .unwrap_or_default();
     let quantization = model
         .meta_val_str("general.file_type")
         .ok()
@@ -187,9 +190,8 @@ fn model_info(
         path: config.model.clone(),
         file_size: file.as_ref().map_or(0, std::fs::Metadata::len),
         modified: file.and_then(|m| m.modified().ok()),
-        architecture: model
-            .meta_val_str("general.architecture")
-            .unwrap_or_default(),
+        template: std::sync::Arc::new(chat_template(model, config, &architecture)?),
+        architecture,
         n_params: model.n_params(),
         n_ctx_train: model.n_ctx_train(),
         n_embd: u32::try_from(model.n_embd()).unwrap_or(0),
@@ -197,7 +199,6 @@ fn model_info(
         slot_ctx,
         quantization,
         metadata,
-        template: std::sync::Arc::new(chat_template(model, config)?),
         tokenizer: Some(Tokenizer(std::sync::Arc::new({
             let model = model.clone();
             move |text: &str| tokenize(&model, text)
@@ -207,7 +208,11 @@ fn model_info(
 
 /// The chat template: `--chat-template` (a built-in name or a file), else the GGUF's own, else
 /// the built-in template of the model's family.
-fn chat_template(model: &LlamaModel, config: &RunnerConfig) -> Result<ChatTemplate, String> {
+fn chat_template(
+    model: &LlamaModel,
+    config: &RunnerConfig,
+    architecture: &str,
+) -> Result<ChatTemplate, String> {
     let special_text = |token: LlamaToken| {
         if token.0 < 0 {
             return String::new();
@@ -249,9 +254,7 @@ fn chat_template(model: &LlamaModel, config: &RunnerConfig) -> Result<ChatTempla
             .is_ok_and(|t| t.len() == 1)
     };
     let vocab = Vocabulary {
-        architecture: model
-            .meta_val_str("general.architecture")
-            .unwrap_or_default(),
+        architecture: architecture.to_string(),
         start_of_turn: one_token("<start_of_turn>"),
         start_header_id: one_token("<|start_header_id|>"),
         im_start: one_token("<|im_start|>"),
@@ -517,7 +520,13 @@ impl Backend for LlamaEngine<'_> {
                 .and_then(|i| logits.get(i))
                 .map_or(f32::NEG_INFINITY, |&l| l - log_norm),
         };
-        let mut best: Vec<usize> = (0..logits.len()).collect();
+        // The index list over the whole vocabulary is only made when alternatives are asked
+        // for (`logprobs: true` alone needs just the sampled token's).
+        let mut best: Vec<usize> = if top == 0 {
+            Vec::new()
+        } else {
+            (0..logits.len()).collect()
+        };
         let top = top.min(best.len());
         if top > 0 && top < best.len() {
             best.select_nth_unstable_by(top - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
