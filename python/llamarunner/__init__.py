@@ -15,6 +15,7 @@ from .client import (
     APITimeoutError,
     AsyncClient,
     AsyncStream,
+    AuthenticationError,
     BadRequestError,
     Client,
     Completion,
@@ -22,12 +23,14 @@ from .client import (
     HealthStatus,
     LlamaRunnerError,
     NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
     RateLimitError,
     ServiceUnavailableError,
     Stream,
 )
 from .config import NoModelError, ServerConfig, default_model_path
-from .server import Health, ModelLoadError, Server
+from .server import EngineStoppedError, Health, ModelLoadError, Server
 
 try:
     __version__ = version("llamarunner")
@@ -40,16 +43,20 @@ __all__ = [
     "APITimeoutError",
     "AsyncClient",
     "AsyncStream",
+    "AuthenticationError",
     "BadRequestError",
     "Client",
     "Completion",
     "CompletionChunk",
+    "EngineStoppedError",
     "Health",
     "HealthStatus",
     "LlamaRunnerError",
     "ModelLoadError",
     "NoModelError",
     "NotFoundError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
     "RateLimitError",
     "Server",
     "ServerConfig",

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .config import DEFAULT_HOST, DEFAULT_PORT, NoModelError, ServerConfig
+from .config import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_PORT, NoModelError, ServerConfig
 from .server import ModelLoadError, Server
 
 USAGE_ERROR = 2
+ENGINE_STOPPED = 1
 
 
 def _serve_parser(sub: Any) -> None:
@@ -95,7 +96,70 @@ def _serve_parser(sub: Any) -> None:
         "file; default: the model's own (tokenizer.chat_template), else its family's built-in one",
     )
     p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="most tokens one request may generate; 0 = no server cap (default 0)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="wall-time limit of one request, queueing included; 0 = none (default 0)",
+    )
+    p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"
+    )
+    sec = p.add_argument_group("security and limits")
+    sec.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY or X-Api-Key: KEY) on every route "
+        "but GET /health; repeat for several; LLAMARUNNER_API_KEY may hold several, comma "
+        "separated",
+    )
+    sec.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="read keys from FILE, one per line (blank lines and # comments ignored)",
+    )
+    sec.add_argument(
+        "--allow-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="also allow browser pages from ORIGIN (e.g. https://app.example.com; * matches "
+        "any characters, * alone any origin); pages on localhost are always allowed",
+    )
+    sec.add_argument(
+        "--max-body",
+        type=int,
+        metavar="BYTES",
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY}, 8 MiB)",
+    )
+    sec.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="most connections served at once; more wait to be accepted (default 1024)",
+    )
+    sec.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="time a client has to send a request's headers (default 10)",
+    )
+    sec.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="time an idle keep-alive connection stays open (default 60)",
+    )
+    sec.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, time running requests get to finish before they are "
+        "cancelled (default 10)",
     )
 
 
@@ -140,7 +204,10 @@ def serve(args: argparse.Namespace) -> int:
             h = server.health()
             if h.status == "error":
                 server.stop()
-                _fail(f"model failed to load: {h.error}", 1)
+                if ready:  # it served, then the engine died (a panic, say)
+                    _fail(h.error or "the engine stopped", ENGINE_STOPPED)
+                # The model file (or --chat-template) is bad: as bad as a wrong flag.
+                _fail(f"model failed to load: {h.error}")
             if h.status == "ready" and not ready:
                 ready = True
                 print(f"llamarunner: ready on {server.url}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from typing import Any, Literal, overload
 
 import httpx
 
-from .config import DEFAULT_HOST, DEFAULT_PORT, _split_host
+from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, _split_host
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
 _RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -53,8 +53,20 @@ class BadRequestError(APIStatusError):
     """400: the request is invalid."""
 
 
+class AuthenticationError(APIStatusError):
+    """401: the server requires an API key and none, or a wrong one, was sent."""
+
+
+class PermissionDeniedError(APIStatusError):
+    """403: refused whatever the key (a foreign ``Host`` or ``Origin`` header)."""
+
+
 class NotFoundError(APIStatusError):
     """404: no such endpoint."""
+
+
+class PayloadTooLargeError(APIStatusError):
+    """413: the request body is larger than the server's ``--max-body``."""
 
 
 class RateLimitError(APIStatusError):
@@ -67,7 +79,10 @@ class ServiceUnavailableError(APIStatusError):
 
 _STATUS_ERRORS: dict[int, type[APIStatusError]] = {
     400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
     404: NotFoundError,
+    413: PayloadTooLargeError,
     429: RateLimitError,
     503: ServiceUnavailableError,
 }
@@ -153,13 +168,20 @@ def _completion(chunks: list[CompletionChunk]) -> Completion:
     return Completion(text="".join(c.content for c in chunks), **stats)
 
 
+# Keyword arguments of `complete` and `chat` that are top-level fields of the native request,
+# not sampling options.
+_TOP_LEVEL = ("truncate", "shift")
+
+
 def _body(
     prompt: str | Sequence[Mapping[str, Any]],
     grammar: str | None,
     format: Any,
     options: dict[str, Any],
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"options": options}
+    options = dict(options)
+    body: dict[str, Any] = {name: options.pop(name) for name in _TOP_LEVEL if name in options}
+    body["options"] = options
     if isinstance(prompt, str):
         body["prompt"] = prompt
     else:
@@ -187,8 +209,55 @@ def resolve_base_url(base_url: str | None = None) -> str:
     return f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
+def resolve_api_key(api_key: str | None = None) -> str | None:
+    """The argument (``""``: none), else the first key in ``LLAMARUNNER_API_KEY``."""
+    if api_key is not None:
+        return api_key or None
+    keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",")]
+    return next((k for k in keys if k), None)
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    key = resolve_api_key(api_key)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _health_error(h: HealthStatus) -> APIStatusError:
+    """The error a failed /health stands for: the model did not load, or the engine stopped."""
+    message = h.error or "the model failed to load"
+    kind = "engine_stopped" if message.startswith("the engine stopped") else "model_load_failed"
+    return APIStatusError(message, status_code=500, type=kind)
+
+
+def _ndjson_lines(chunks: Iterator[bytes]) -> Iterator[str]:
+    """NDJSON lines, split at "\n" only: JSON strings may hold U+2028, U+2029 or U+0085
+    unescaped, where httpx's `iter_lines` (as `str.splitlines`) would split too."""
+    pending = b""
+    for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if pending:
+        yield pending.decode("utf-8")
+
+
+async def _ndjson_lines_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """`_ndjson_lines` for an async body."""
+    pending = b""
+    async for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if pending:
+        yield pending.decode("utf-8")
+
+
+def _broken_stream(e: httpx.TransportError) -> APIConnectionError:
+    """A connection lost once the answer has started (never retried: the text would be
+    generated twice)."""
+    if isinstance(e, httpx.TimeoutException):
+        return APITimeoutError(f"the stream timed out: {e}")
+    return APIConnectionError(f"the connection broke during the stream: {e}")
 
 
 def _should_retry(response: httpx.Response | None, attempt: int, max_retries: int) -> bool:
@@ -206,7 +275,7 @@ class Stream:
 
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
-        self._lines = response.iter_lines()
+        self._lines = _ndjson_lines(response.iter_bytes())
 
     def __iter__(self) -> Iterator[CompletionChunk]:
         try:
@@ -216,6 +285,8 @@ class Stream:
                     yield chunk
                     if chunk.done:
                         return
+        except httpx.TransportError as e:
+            raise _broken_stream(e) from e
         finally:
             self.close()
 
@@ -230,7 +301,8 @@ class Stream:
 
 
 class Client:
-    """A synchronous client.
+    """A synchronous client. ``api_key`` is sent as ``Authorization: Bearer``; by default the
+    first key in ``LLAMARUNNER_API_KEY`` (``api_key=""``: none).
 
     >>> client = Client()  # LLAMARUNNER_HOST or http://127.0.0.1:8080
     >>> client.complete("Hello", num_predict=8).text  # doctest: +SKIP
@@ -369,7 +441,8 @@ class Client:
         return _build(HealthStatus, r.json())  # type: ignore[no-any-return]
 
     def wait_ready(self, timeout: float = 120.0) -> HealthStatus:
-        """Blocks until the model is loaded."""
+        """Blocks until the model is loaded; raises `APIStatusError` (type
+        ``model_load_failed`` or ``engine_stopped``) when /health says "error"."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -377,9 +450,7 @@ class Client:
                 if h.status == "ready":
                     return h
                 if h.status == "error":
-                    raise APIStatusError(
-                        h.error or "load failed", status_code=500, type="model_load_failed"
-                    )
+                    raise _health_error(h)
             except APIConnectionError:
                 pass
             if time.monotonic() > deadline:
@@ -412,12 +483,14 @@ class AsyncStream:
 
     async def __aiter__(self) -> AsyncIterator[CompletionChunk]:
         try:
-            async for line in self._response.aiter_lines():
+            async for line in _ndjson_lines_async(self._response.aiter_bytes()):
                 if line:
                     chunk = _chunk(line)
                     yield chunk
                     if chunk.done:
                         return
+        except httpx.TransportError as e:
+            raise _broken_stream(e) from e
         finally:
             await self.aclose()
 
@@ -572,9 +645,7 @@ class AsyncClient:
                 if h.status == "ready":
                     return h
                 if h.status == "error":
-                    raise APIStatusError(
-                        h.error or "load failed", status_code=500, type="model_load_failed"
-                    )
+                    raise _health_error(h)
             except APIConnectionError:
                 pass
             if time.monotonic() > deadline:

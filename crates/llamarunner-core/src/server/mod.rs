@@ -3,9 +3,13 @@
 
 pub mod common;
 pub mod error;
+pub mod format;
+pub mod middleware;
 pub mod native;
 pub mod ollama;
 pub mod openai;
+pub mod options;
+pub mod validate;
 
 use std::sync::Arc;
 
@@ -13,7 +17,8 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use crate::engine::EngineHandle;
-use error::ApiError;
+use error::{ApiError, Dialect};
+use middleware::HttpPolicy;
 
 /// What every handler can reach.
 #[derive(Clone, Debug)]
@@ -22,6 +27,10 @@ pub struct AppState {
     pub engine: EngineHandle,
     /// The model's public name (`--alias`, default the file stem).
     pub model_name: Arc<str>,
+    /// Per-request limits (`--max-tokens`, `--timeout`).
+    pub limits: validate::Limits,
+    /// API keys, allowed hosts and origins, the body limit (`middleware.rs`).
+    pub policy: Arc<HttpPolicy>,
 }
 
 impl AppState {
@@ -30,13 +39,29 @@ impl AppState {
         Self {
             engine,
             model_name: model_name.into(),
+            limits: validate::Limits::default(),
+            policy: Arc::new(HttpPolicy::default()),
         }
+    }
+
+    /// The same state under this request policy (the default: no API key, loopback hosts and
+    /// origins only, 8 MiB bodies).
+    pub fn with_policy(mut self, policy: HttpPolicy) -> Self {
+        self.policy = Arc::new(policy);
+        self
+    }
+
+    /// The same state with these per-request limits.
+    pub fn with_limits(mut self, limits: validate::Limits) -> Self {
+        self.limits = limits;
+        self
     }
 }
 
-/// All routes.
+/// All routes, behind the request policy's layers (`middleware.rs`).
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let policy = state.policy.clone();
+    let routes = Router::new()
         .route("/completion", post(native::completion))
         .route("/embedding", post(native::embedding))
         .route("/health", get(native::health))
@@ -56,8 +81,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/ps", get(ollama::ps))
         .route("/api/version", get(ollama::version))
         .route("/", get(ollama::root))
+        // Keep this after the last route: it applies to the routes registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
-        .with_state(state)
+        .with_state(state);
+    middleware::apply(routes, policy)
 }
 
 /// Unknown routes: a 404 in the shape of the dialect the path belongs to.
@@ -79,10 +107,17 @@ async fn not_found(method: axum::http::Method, uri: axum::http::Uri) -> axum::re
         )))
         .into_response();
     }
-    let err = ApiError::NotFound(format!("no route for {method} {path}"));
-    if path.starts_with("/v1/") {
-        error::OpenAiError(err).into_response()
-    } else {
-        err.into_response()
-    }
+    Dialect::of_path(path).respond(ApiError::NotFound(format!("no route for {method} {path}")))
+}
+
+/// A route asked with a method it does not serve: a 405 in the dialect's shape (axum adds the
+/// `Allow` header).
+async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> axum::response::Response {
+    let path = uri.path();
+    Dialect::of_path(path).respond(ApiError::MethodNotAllowed(format!(
+        "{path} does not accept {method}"
+    )))
 }
