@@ -27,10 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let tokenizer = info
-        .tokenizer
-        .clone()
-        .ok_or("the backend has no tokenizer")?;
+    let model = info.text.clone();
     let words = [
         "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again",
     ];
@@ -41,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect::<Vec<_>>()
             .join(" ");
         let start = Instant::now();
-        let tokens = (tokenizer.0)(&text)?;
+        let tokens = model.tokenize(&text)?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         println!("| {n} | {} | {ms:.1} |", tokens.len());
     }

@@ -139,7 +139,14 @@ async fn a_full_queue_is_429() {
         let app = app.clone();
         async move { post(&app, r#"{"prompt":"x"}"#).await }
     });
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while handle.queue.waiting() < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first request never queued"
+        );
+        tokio::task::yield_now().await;
+    }
     let (status, text) = post(&app, r#"{"prompt":"y"}"#).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert!(text.contains("overloaded"));
@@ -345,5 +352,65 @@ async fn unknown_routes_are_404_in_their_dialect() {
     assert_eq!(s, StatusCode::NOT_FOUND);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["type"], "not_found");
+    handle.shutdown();
+}
+
+/// Starts a request and returns its response once the headers arrive (the slot is taken), with
+/// the body left unread.
+async fn open_stream(app: &axum::Router, body: &str) -> axum::response::Response {
+    let req = Request::post("/completion")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap()
+}
+
+#[tokio::test]
+async fn bad_requests_get_their_400_at_once_while_every_slot_is_busy() {
+    let (app, handle) = app(FakeConfig {
+        decode_delay: std::time::Duration::from_millis(5),
+        ..FakeConfig::default()
+    });
+    let endless = r#"{"prompt":"busy","options":{"num_predict":-1}}"#;
+    let busy = [
+        open_stream(&app, endless).await,
+        open_stream(&app, endless).await,
+    ];
+    assert!(busy.iter().all(|r| r.status() == StatusCode::OK));
+    let long = format!(r#"{{"prompt":"{}","truncate":false}}"#, "x".repeat(300));
+    let deep = format!(
+        r#"{{"prompt":"x","grammar":"root ::= {}\"a\"{}"}}"#,
+        "(".repeat(50_000),
+        ")".repeat(50_000)
+    );
+    for (path, body, status, kind) in [
+        ("/completion", long.as_str(), 400, "context_length_exceeded"),
+        (
+            "/completion",
+            r#"{"prompt":"x","grammar":"root ::= foo"}"#,
+            400,
+            "invalid_request",
+        ),
+        ("/completion", deep.as_str(), 400, "invalid_request"),
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","logit_bias":{"99999999":1}}"#,
+            400,
+            "invalid_request",
+        ),
+        ("/embedding", r#"{"content":"hello"}"#, 200, ""),
+    ] {
+        let answer =
+            tokio::time::timeout(std::time::Duration::from_secs(2), post_to(&app, path, body))
+                .await;
+        let (got, text) = answer.unwrap_or_else(|_| panic!("{path} waited for a slot"));
+        assert_eq!(got.as_u16(), status, "{path} {text}");
+        if !kind.is_empty() {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let found = v["error"]["code"].as_str().or(v["error"]["type"].as_str());
+            assert_eq!(found, Some(kind), "{text}");
+        }
+    }
+    drop(busy);
     handle.shutdown();
 }

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{Backend, BackendError, BatchToken, Token, TokenLogprob, TopLogprob};
+use super::{Backend, BackendError, BatchToken, TextModel, Token, TokenLogprob, TopLogprob};
 use crate::sched::params::SamplingParams;
 
 /// End of sequence.
@@ -45,6 +45,26 @@ impl Default for FakeConfig {
             can_shift: true,
             partial_remove: true,
             fail_decode: None,
+        }
+    }
+}
+
+/// The fake's tokenizer for the HTTP side (BOS, then one token per byte) and its grammar check
+/// (the GBNF bounds and our own parser's complaints; there is no llama.cpp to compile with).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FakeText;
+
+impl TextModel for FakeText {
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        let mut out = vec![BOS];
+        out.extend(text.bytes().map(Token::from));
+        Ok(out)
+    }
+
+    fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
+        match super::grammar::explain_gbnf_error(gbnf) {
+            Some(why) => Err(format!("invalid grammar: {why}")),
+            None => Ok(()),
         }
     }
 }
@@ -101,9 +121,7 @@ impl Backend for FakeBackend {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        let mut out = vec![BOS];
-        out.extend(text.bytes().map(Token::from));
-        Ok(out)
+        FakeText.tokenize(text)
     }
 
     fn logprobs(&self, _index: usize, token: Token, top: usize) -> TokenLogprob {

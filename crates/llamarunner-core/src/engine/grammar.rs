@@ -1,119 +1,113 @@
-//! Output constraints: GBNF grammars, and the request `format` field turned into one.
+//! GBNF grammars: the bounds a grammar must keep before llama.cpp's parser sees it (the parser
+//! recurses once per nesting level on whatever thread compiles it), and an explanation of why
+//! llama.cpp refused one (its parser prints the reason to stderr only).
 
-/// GBNF for any JSON value whose top level is an object (what `format: "json"` asks for).
-pub const JSON_OBJECT_GBNF: &str = r#"root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt/] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws     ::= | " " | "\n" [ \t]{0,20}
-"#;
+/// Most bytes a grammar may have.
+pub const MAX_GRAMMAR_BYTES: usize = 128 * 1024;
+/// Deepest nesting of parentheses a grammar may have.
+pub const MAX_GRAMMAR_DEPTH: usize = 64;
 
-/// Turns a request's `format` into a grammar: `null`/`""` = none, `"json"` = any JSON object,
-/// an object = that JSON schema. Anything else is an error naming the field.
-pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<String>, String> {
-    match format {
-        serde_json::Value::Null => Ok(None),
-        serde_json::Value::String(s) if s.is_empty() => Ok(None),
-        serde_json::Value::String(s) if s == "json" => Ok(Some(JSON_OBJECT_GBNF.to_string())),
-        serde_json::Value::Object(_) => schema_to_grammar(&format.to_string()).map(Some),
-        other => Err(format!(
-            "invalid format: {other}; expected \"json\" or a JSON schema object"
-        )),
+/// Checks a grammar's size and nesting depth without recursing (so it cannot itself overflow
+/// a stack): parentheses inside strings, character classes and comments do not count.
+pub fn check_bounds(text: &str) -> Result<(), String> {
+    if text.len() > MAX_GRAMMAR_BYTES {
+        return Err(format!(
+            "invalid grammar: it has {} bytes, more than the {MAX_GRAMMAR_BYTES} allowed",
+            text.len()
+        ));
     }
-}
-
-#[cfg(feature = "llama")]
-fn schema_to_grammar(schema: &str) -> Result<String, String> {
-    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
-        // llama-cpp-2 drops llama.cpp's reason ("ffi error -3"); say what we can find.
-        let reason = serde_json::from_str(schema)
-            .ok()
-            .and_then(|v: serde_json::Value| explain_schema_error(&v, "schema"))
-            .unwrap_or_else(|| format!("llama.cpp could not convert it to a grammar ({e})"));
-        format!("invalid JSON schema in format: {reason}")
-    })
-}
-
-/// The JSON Schema types llama.cpp's converter knows.
-const SCHEMA_TYPES: &[&str] = &[
-    "object", "array", "string", "number", "integer", "boolean", "null",
-];
-
-/// Finds the first `type` that is not a JSON Schema type, with its path; consulted only after
-/// llama.cpp refused a schema.
-pub fn explain_schema_error(schema: &serde_json::Value, path: &str) -> Option<String> {
-    use serde_json::Value;
-    let Value::Object(map) = schema else {
-        if let Value::Array(items) = schema {
-            return items
-                .iter()
-                .enumerate()
-                .find_map(|(i, v)| explain_schema_error(v, &format!("{path}[{i}]")));
-        }
-        return None;
-    };
-    if let Some(t) = map.get("type") {
-        let names: Vec<&Value> = match t {
-            Value::Array(v) => v.iter().collect(),
-            other => vec![other],
-        };
-        for name in names {
-            if !name.as_str().is_some_and(|n| SCHEMA_TYPES.contains(&n)) {
-                return Some(format!(
-                    "{path}.type: {name} is not a JSON Schema type (one of {})",
-                    SCHEMA_TYPES.join(", ")
-                ));
+    let s = text.as_bytes();
+    let (mut i, mut depth) = (0, 0usize);
+    while i < s.len() {
+        match s[i] {
+            q @ (b'"' | b'[') => {
+                let close = if q == b'"' { b'"' } else { b']' };
+                i += 1;
+                while i < s.len() && s[i] != close {
+                    i += if s[i] == b'\\' { 2 } else { 1 };
+                }
             }
+            b'#' => {
+                while i < s.len() && s[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'(' => {
+                depth += 1;
+                if depth > MAX_GRAMMAR_DEPTH {
+                    return Err(format!(
+                        "invalid grammar: parentheses nest deeper than {MAX_GRAMMAR_DEPTH} levels"
+                    ));
+                }
+            }
+            b')' => depth = depth.saturating_sub(1),
+            b'{' => {
+                let end = s[i..]
+                    .iter()
+                    .position(|&c| c == b'}')
+                    .map_or(s.len(), |p| i + p);
+                check_repetition(&text[i + 1..end])?;
+                i = end;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Most repetitions `{m,n}` may ask for (llama.cpp's own threshold).
+pub const MAX_GRAMMAR_REPETITION: usize = 2000;
+
+/// Checks the inside of a `{m}`, `{m,}`, `{,n}` or `{m,n}` repetition: llama.cpp expands
+/// `{m,n}` with `n < m` into an endless loop that allocates until the process dies.
+fn check_repetition(inside: &str) -> Result<(), String> {
+    let mut parts = inside.splitn(2, ',').map(str::trim);
+    let bound = |p: Option<&str>| -> Result<Option<usize>, String> {
+        match p {
+            None | Some("") => Ok(None),
+            Some(n) => n
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| format!("invalid grammar: repetition {{{inside}}} is not {{m,n}}")),
+        }
+    };
+    let min = bound(parts.next())?;
+    let max = bound(parts.next())?;
+    if let (Some(lo), Some(hi)) = (min, max) {
+        if hi < lo {
+            return Err(format!(
+                "invalid grammar: repetition {{{inside}}} has its maximum below its minimum"
+            ));
         }
     }
-    map.iter()
-        .filter(|(k, _)| k.as_str() != "enum" && k.as_str() != "const" && k.as_str() != "default")
-        .find_map(|(k, v)| explain_schema_error(v, &format!("{path}.{k}")))
+    if min.max(max).is_some_and(|n| n > MAX_GRAMMAR_REPETITION) {
+        return Err(format!(
+            "invalid grammar: repetition {{{inside}}} exceeds {MAX_GRAMMAR_REPETITION}"
+        ));
+    }
+    Ok(())
 }
 
+/// Converts a JSON schema to GBNF with llama.cpp's converter.
+#[cfg(feature = "llama")]
+pub fn schema_to_gbnf(schema: &str) -> Result<String, String> {
+    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| e.to_string())
+}
+
+/// Without llama.cpp there is no converter.
 #[cfg(not(feature = "llama"))]
-fn schema_to_grammar(_schema: &str) -> Result<String, String> {
+pub fn schema_to_gbnf(_schema: &str) -> Result<String, String> {
     Err("JSON schema formats need the llama feature".into())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn format_values() {
-        assert_eq!(grammar_for_format(&json!(null)), Ok(None));
-        assert_eq!(grammar_for_format(&json!("")), Ok(None));
-        assert!(grammar_for_format(&json!("json"))
-            .unwrap()
-            .unwrap()
-            .starts_with("root"));
-        assert!(grammar_for_format(&json!("xml"))
-            .unwrap_err()
-            .contains("invalid format"));
-        assert!(grammar_for_format(&json!(5)).is_err());
-    }
-
-    #[test]
-    fn a_bad_schema_type_is_named_with_its_path() {
-        let schema = json!({"type": "object", "properties": {"age": {"type": "banana"}}});
-        assert_eq!(
-            explain_schema_error(&schema, "schema").unwrap(),
-            "schema.properties.age.type: \"banana\" is not a JSON Schema type (one of object, \
-             array, string, number, integer, boolean, null)"
-        );
-        let fine = json!({"type": ["string", "null"], "enum": [{"type": "x"}]});
-        assert_eq!(explain_schema_error(&fine, "schema"), None);
-    }
 }
 
 /// Says what is wrong with a GBNF grammar that llama.cpp refused (its parser prints the reason
 /// to stderr only). Consulted only after llama.cpp failed, so it can never reject a grammar
 /// llama.cpp accepts; `None` when it finds nothing.
 pub fn explain_gbnf_error(text: &str) -> Option<String> {
+    if let Err(e) = check_bounds(text) {
+        return Some(e);
+    }
     let mut p = Gbnf {
         s: text.as_bytes(),
         i: 0,
@@ -291,8 +285,45 @@ mod gbnf_tests {
     }
 
     #[test]
+    fn bounds_refuse_deep_nesting_and_size_but_not_quoted_parentheses() {
+        let deep = format!("root ::= {}\"a\"{}", "(".repeat(50_000), ")".repeat(50_000));
+        assert!(check_bounds(&deep).unwrap_err().contains("nest deeper"));
+        assert!(explain_gbnf_error(&deep).unwrap().contains("nest deeper"));
+        let ok = format!("root ::= {}\"a\"{}", "(".repeat(64), ")".repeat(64));
+        assert_eq!(check_bounds(&ok), Ok(()));
+        let too_deep = format!("root ::= {}\"a\"{}", "(".repeat(65), ")".repeat(65));
+        assert!(check_bounds(&too_deep).is_err());
+        let quoted = format!(
+            "root ::= \"{}\" [(((] # {}\n",
+            "(".repeat(100),
+            "(".repeat(100)
+        );
+        assert_eq!(check_bounds(&quoted), Ok(()));
+        for bad in [
+            "root ::= \"a\"{2,1}",
+            "root ::= \"a\"{x}",
+            "root ::= \"a\"{1,2001}",
+        ] {
+            assert!(check_bounds(bad).is_err(), "{bad}");
+        }
+        for good in [
+            "root ::= \"a\"{2,3}",
+            "root ::= \"a\"{2}",
+            "root ::= \"a\"{2,}",
+            "root ::= \"{2,1}\" [{]",
+        ] {
+            assert_eq!(check_bounds(good), Ok(()), "{good}");
+        }
+        let big = format!("root ::= \"{}\"", "a".repeat(MAX_GRAMMAR_BYTES));
+        assert!(check_bounds(&big).unwrap_err().contains("bytes"));
+    }
+
+    #[test]
     fn finds_nothing_in_valid_grammars() {
-        assert_eq!(explain_gbnf_error(JSON_OBJECT_GBNF), None);
+        assert_eq!(
+            explain_gbnf_error(crate::server::format::JSON_OBJECT_GBNF),
+            None
+        );
         assert_eq!(explain_gbnf_error("root ::= \"yes\" | \"no\""), None);
         let multi = "# comment\nroot ::= item+ ( \",\" item )*\nitem ::= [a-z\\]]{1,3} .\n";
         assert_eq!(explain_gbnf_error(multi), None);

@@ -16,7 +16,7 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
 use super::{
-    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, Token, TokenLogprob, Tokenizer,
+    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, TextModel, Token, TokenLogprob,
     TopLogprob,
 };
 use crate::chat::{self, ChatTemplate, Vocabulary};
@@ -42,9 +42,19 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
 pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
     let health = inbox.health.clone();
     if let Err(message) = load_and_serve(config, inbox) {
-        tracing::error!("{message}");
+        // The log names the file in full; `/health`, which anyone may read, names only the
+        // file (an absolute path tells a client about the server's file system).
+        tracing::error!(model = %config.model.display(), "{message}");
         health.set_error(message);
     }
+}
+
+/// The model file's name without its directories, for messages clients may read.
+fn file_name(path: &std::path::Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |f| f.to_string_lossy().into_owned(),
+    )
 }
 
 fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), String> {
@@ -62,6 +72,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
             // Returning false aborts the load (the runner is being stopped).
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
+    // Which CPU kernels this build of llama.cpp runs (AVX2, AVX512, VNNI, ...): the first
+    // thing to check when comparing speed with another build.
+    tracing::info!(features = %system_info(), "llama.cpp CPU backend");
     let started = std::time::Instant::now();
     let (loaded, llama_errors) =
         with_llama_errors(|| LlamaModel::load_from_file(backend, &config.model, &model_params));
@@ -71,7 +84,10 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         } else {
             llama_errors.join("; ")
         };
-        format!("llama.cpp could not load {}: {why}", config.model.display())
+        format!(
+            "llama.cpp could not load {}: {why}",
+            file_name(&config.model)
+        )
     })?;
     // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
     // batch and samplers stay on this thread).
@@ -107,15 +123,22 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
         .with_type_k(kv_type)
         .with_type_v(kv_type);
-    let ctx = model
-        .new_context(backend, ctx_params)
-        .map_err(|e| format!("llama.cpp could not create a context of {n_ctx} tokens: {e}"))?;
+    let (ctx, llama_errors) = with_llama_errors(|| model.new_context(backend, ctx_params));
+    let ctx = ctx.map_err(|e| {
+        // llama-cpp-2 says only "null reference"; llama.cpp logged why.
+        let why = if llama_errors.is_empty() {
+            e.to_string()
+        } else {
+            llama_errors.join("; ")
+        };
+        format!("llama.cpp could not create a context of {n_ctx} tokens: {why}")
+    })?;
 
     let mut lora = match config.lora.first() {
         Some(path) => Some(
             model
                 .lora_adapter_init(path)
-                .map_err(|e| format!("cannot load LoRA adapter {}: {e}", path.display()))?,
+                .map_err(|e| format!("cannot load LoRA adapter {}: {e}", file_name(path)))?,
         ),
         None => None,
     };
@@ -125,6 +148,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     }
 
     let slot_ctx = (ctx.n_ctx() / parallel) as usize;
+    // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
+    // n_ctx is padded): a batch is never larger than what the context really takes.
+    let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
     inbox
         .health
         .set_model_info(model_info(&model, config, slot_ctx)?);
@@ -134,25 +160,29 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         flash_attn: ctx_flash_attn(config.flash_attn),
         pooled_by_model: model_has_pooling_type(model),
     };
-    let engine = LlamaEngine::new(
-        model,
-        ctx,
-        slot_ctx,
-        config.batch_size as usize,
-        backend,
-        embed_params,
-    );
-    tracing::info!(
-        slots = parallel,
-        slot_ctx,
-        batch = config.batch_size,
-        threads,
-        "ready"
-    );
+    let engine = LlamaEngine::new(model, ctx, slot_ctx, batch, backend, embed_params);
+    tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
         .run();
     Ok(())
+}
+
+/// llama.cpp's description of its compute backends and the CPU features its kernels use.
+fn system_info() -> String {
+    // SAFETY: llama_print_system_info takes no arguments and returns a pointer to a
+    // NUL-terminated string in a static buffer of llama.cpp's (or null).
+    let p = unsafe { llama_cpp_sys_2::llama_print_system_info() };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null, NUL-terminated, and not freed while we copy it.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .trim()
+        .trim_end_matches('|')
+        .trim()
+        .to_string()
 }
 
 /// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
@@ -199,10 +229,45 @@ fn model_info(
         slot_ctx,
         quantization,
         metadata,
-        tokenizer: Some(Tokenizer(std::sync::Arc::new({
-            let model = model.clone();
-            move |text: &str| tokenize(&model, text)
-        }))),
+        bos: model
+            .str_to_token("", AddBos::Always)
+            .ok()
+            .and_then(|t| t.first().copied())
+            .filter(|&t| t == model.token_bos())
+            .map(|t| t.0),
+        text: std::sync::Arc::new(LlamaText(model.clone())),
+    })
+}
+
+/// The model's vocabulary for the HTTP side: tokenizing and grammar checks off the engine
+/// thread (both only read the vocabulary).
+struct LlamaText(std::sync::Arc<LlamaModel>);
+
+impl std::fmt::Debug for LlamaText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LlamaText")
+    }
+}
+
+impl TextModel for LlamaText {
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        tokenize(&self.0, text)
+    }
+
+    fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
+        compile_grammar(&self.0, gbnf).map(drop)
+    }
+}
+
+/// Compiles a GBNF grammar (root rule `root`) after checking its bounds (llama.cpp's parser
+/// recurses once per nesting level). llama.cpp prints its parser's message to stderr only, so
+/// the reason given to the client comes from `explain_gbnf_error`.
+fn compile_grammar(model: &LlamaModel, text: &str) -> Result<LlamaSampler, String> {
+    super::grammar::check_bounds(text)?;
+    LlamaSampler::grammar(model, text, "root").map_err(|e| {
+        let reason = super::grammar::explain_gbnf_error(text)
+            .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
+        format!("invalid grammar: {reason}")
     })
 }
 
@@ -440,19 +505,31 @@ impl<'m> LlamaEngine<'m> {
         }
     }
 
+    /// Tokens per decode call when a generative model's embedding is computed in pieces:
+    /// llama.cpp outputs logits for every token of an embedding batch, so the piece is sized
+    /// to keep that buffer under `EMBED_LOGITS_BYTES`.
+    fn embed_chunk(&self) -> usize {
+        let per_token = usize::try_from(self.model.n_vocab()).unwrap_or(1).max(1) * 4;
+        (EMBED_LOGITS_BYTES / per_token).clamp(1, self.slot_ctx.max(1))
+    }
+
     fn embedding_context(&mut self) -> Result<&mut LlamaContext<'m>, BackendError> {
         if self.embed_ctx.is_none() {
             let n = u32::try_from(self.slot_ctx).unwrap_or(u32::MAX);
-            let pooling = if self.embed_params.pooled_by_model {
-                LlamaPoolingType::Unspecified
+            // A model that names its pooling (an embedding model, often non-causal) needs the
+            // whole input in one micro-batch: n_ubatch = n_batch = n_ctx. A generative model
+            // is mean-pooled here, piece by piece through its causal KV cache, from per-token
+            // embeddings (pooling none), so only a piece's logits are ever allocated.
+            let (pooling, batch) = if self.embed_params.pooled_by_model {
+                (LlamaPoolingType::Unspecified, n)
             } else {
-                LlamaPoolingType::Mean
+                let chunk = u32::try_from(self.embed_chunk()).unwrap_or(n);
+                (LlamaPoolingType::None, chunk)
             };
-            // Pooling needs the whole input in one micro-batch: n_ubatch = n_batch = n_ctx.
             let params = LlamaContextParams::default()
                 .with_n_ctx(NonZeroU32::new(n))
-                .with_n_batch(n)
-                .with_n_ubatch(n)
+                .with_n_batch(batch)
+                .with_n_ubatch(batch)
                 .with_n_seq_max(1)
                 .with_n_threads(self.embed_params.threads)
                 .with_n_threads_batch(self.embed_params.threads)
@@ -462,7 +539,12 @@ impl<'m> LlamaEngine<'m> {
             let ctx = self.model.new_context(self.backend, params).map_err(|e| {
                 BackendError::Decode(format!("cannot create the embedding context: {e}"))
             })?;
-            tracing::info!(n_ctx = n, ?pooling, "embedding context created");
+            tracing::info!(
+                n_ctx = n,
+                n_batch = batch,
+                ?pooling,
+                "embedding context created"
+            );
             self.embed_ctx = Some(ctx);
         }
         self.embed_ctx
@@ -476,18 +558,10 @@ impl<'m> LlamaEngine<'m> {
 pub struct ChainSampler {
     chain: LlamaSampler,
     grammar: Option<LlamaSampler>,
-}
-
-impl LlamaEngine<'_> {
-    /// Parses a GBNF grammar (root rule `root`). llama.cpp prints its parser's message to
-    /// stderr only, so the reason given to the client comes from `explain_gbnf_error`.
-    fn grammar_sampler(&self, text: &str) -> Result<LlamaSampler, BackendError> {
-        LlamaSampler::grammar(self.model, text, "root").map_err(|e| {
-            let reason = super::grammar::explain_gbnf_error(text)
-                .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
-            BackendError::Sampler(format!("invalid grammar: {reason}"))
-        })
-    }
+    /// The grammar allows nothing more (complete, or at a dead end): every further sample is
+    /// EOS. llama.cpp aborts the process when a grammar with no live stack is used again, so
+    /// it never is.
+    grammar_ended: bool,
 }
 
 impl Backend for LlamaEngine<'_> {
@@ -634,7 +708,7 @@ impl Backend for LlamaEngine<'_> {
         }
         let grammar = match p.grammar.as_deref() {
             None => None,
-            Some(text) => Some(self.grammar_sampler(text)?),
+            Some(text) => Some(compile_grammar(self.model, text).map_err(BackendError::Sampler)?),
         };
         let mut chain = LlamaSampler::chain_simple(stages);
         if penalize {
@@ -646,7 +720,11 @@ impl Backend for LlamaEngine<'_> {
                     .map(|&t| LlamaToken(t)),
             );
         }
-        Ok(ChainSampler { chain, grammar })
+        Ok(ChainSampler {
+            chain,
+            grammar,
+            grammar_ended: false,
+        })
     }
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
@@ -669,16 +747,37 @@ impl Backend for LlamaEngine<'_> {
             // `sample` also accepts the token into the chain (penalty history); no second accept.
             return sampler.chain.sample(&self.ctx, index).0;
         };
+        let eos = self.model.token_eos().0;
+        if sampler.grammar_ended {
+            return eos;
+        }
         // Grammar first (it masks what may not follow), then the chain picks; each is told the
-        // choice exactly once.
+        // choice exactly once. A token the grammar did not allow is never accepted into it
+        // (llama.cpp aborts on an end-of-generation token the grammar does not expect, and a
+        // grammar left without a live stack aborts at its next use): the sequence ends instead,
+        // with EOS, which the scheduler treats as the end whenever a grammar is set.
         let mut candidates = self.ctx.token_data_array_ith(index);
         candidates.apply_sampler(grammar);
+        if !candidates.data.iter().any(|d| d.logit().is_finite()) {
+            sampler.grammar_ended = true;
+            return eos;
+        }
         candidates.apply_sampler(&sampler.chain);
-        let token = candidates
-            .selected_token()
-            .unwrap_or_else(|| self.model.token_eos());
+        // All allowed tokens banned by the chain too (the grammar is complete and only an
+        // end-of-generation token may follow, but `ignore_eos` bans those): done.
+        let Some(token) = candidates
+            .selected
+            .and_then(|i| candidates.data.get(i))
+            .filter(|d| d.logit().is_finite())
+            .map(|d| d.id())
+        else {
+            sampler.grammar_ended = true;
+            return eos;
+        };
         if let Err(e) = grammar.try_accept(token) {
-            tracing::warn!(error = %e, "grammar rejected the sampled token");
+            tracing::warn!(error = %e, "grammar rejected the sampled token; the sequence ends");
+            sampler.grammar_ended = true;
+            return eos;
         }
         sampler.chain.accept(token);
         token.0
@@ -730,29 +829,93 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
-        let mut batch = LlamaBatch::new(tokens.len().max(1), 1);
-        for (i, &t) in tokens.iter().enumerate() {
-            let pos = i32::try_from(i).map_err(|e| BackendError::Decode(e.to_string()))?;
-            batch
-                .add(LlamaToken(t), pos, &[0], true)
-                .map_err(|e| BackendError::Decode(e.to_string()))?;
+        if self.embed_params.pooled_by_model {
+            return self.embed_pooled(tokens);
         }
+        self.embed_mean_in_pieces(tokens)
+    }
+}
+
+impl LlamaEngine<'_> {
+    /// A generative model's embedding: the mean of its per-token output embeddings, decoded
+    /// `embed_chunk` tokens at a time (the same values llama.cpp's mean pooling gives over one
+    /// batch, without its n_tokens × n_vocab logits buffer).
+    fn embed_mean_in_pieces(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+        let chunk = self.embed_chunk();
         let ctx = self.embedding_context()?;
         ctx.clear_kv_cache();
-        let result = ctx
-            .decode(&mut batch)
-            .map_err(|e| BackendError::Decode(e.to_string()))
-            .and_then(|()| match ctx.embeddings_seq_ith(0) {
-                Ok(v) => Ok(v.to_vec()),
-                Err(EmbeddingsError::NonePoolType) => {
-                    let last = i32::try_from(tokens.len().saturating_sub(1)).unwrap_or(0);
-                    ctx.embeddings_ith(last)
-                        .map(<[f32]>::to_vec)
-                        .map_err(|e| BackendError::Decode(e.to_string()))
+        let mut sum: Vec<f64> = Vec::new();
+        let mut result = Ok(());
+        for (c, piece) in tokens.chunks(chunk).enumerate() {
+            result = decode_piece(ctx, piece, c * chunk).and_then(|()| {
+                for j in 0..piece.len() {
+                    let row = ctx
+                        .embeddings_ith(i32::try_from(j).unwrap_or(i32::MAX))
+                        .map_err(|e| BackendError::Decode(e.to_string()))?;
+                    if sum.is_empty() {
+                        sum = vec![0.0; row.len()];
+                    }
+                    for (s, &x) in sum.iter_mut().zip(row) {
+                        *s += f64::from(x);
+                    }
                 }
-                Err(e) => Err(BackendError::Decode(e.to_string())),
+                Ok(())
             });
+            if result.is_err() {
+                break;
+            }
+        }
         ctx.clear_kv_cache();
+        result?;
+        let n = tokens.len().max(1) as f64;
+        Ok(sum.into_iter().map(|s| (s / n) as f32).collect())
+    }
+
+    /// An embedding model's own pooling over the whole input in one batch. Its logits buffer
+    /// (n_tokens × n_vocab floats) stays allocated with the context, so a context that needed
+    /// more than `EMBED_LOGITS_BYTES` is freed after the request.
+    fn embed_pooled(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+        let n_vocab = usize::try_from(self.model.n_vocab()).unwrap_or(0);
+        let ctx = self.embedding_context()?;
+        ctx.clear_kv_cache();
+        let result = decode_piece(ctx, tokens, 0).and_then(|()| match ctx.embeddings_seq_ith(0) {
+            Ok(v) => Ok(v.to_vec()),
+            Err(EmbeddingsError::NonePoolType) => {
+                let last = i32::try_from(tokens.len().saturating_sub(1)).unwrap_or(0);
+                ctx.embeddings_ith(last)
+                    .map(<[f32]>::to_vec)
+                    .map_err(|e| BackendError::Decode(e.to_string()))
+            }
+            Err(e) => Err(BackendError::Decode(e.to_string())),
+        });
+        ctx.clear_kv_cache();
+        if tokens.len().saturating_mul(n_vocab).saturating_mul(4) > EMBED_LOGITS_BYTES {
+            tracing::debug!(
+                tokens = tokens.len(),
+                "embedding context freed (large logits buffer)"
+            );
+            self.embed_ctx = None;
+        }
         result
     }
+}
+
+/// Most bytes of logits an embedding context may keep between requests.
+const EMBED_LOGITS_BYTES: usize = 64 << 20;
+
+/// Decodes `tokens` as positions `start..` of sequence 0, every token an output.
+fn decode_piece(
+    ctx: &mut LlamaContext<'_>,
+    tokens: &[Token],
+    start: usize,
+) -> Result<(), BackendError> {
+    let mut batch = LlamaBatch::new(tokens.len().max(1), 1);
+    for (i, &t) in tokens.iter().enumerate() {
+        let pos = i32::try_from(start + i).map_err(|e| BackendError::Decode(e.to_string()))?;
+        batch
+            .add(LlamaToken(t), pos, &[0], true)
+            .map_err(|e| BackendError::Decode(e.to_string()))?;
+    }
+    ctx.decode(&mut batch)
+        .map_err(|e| BackendError::Decode(e.to_string()))
 }

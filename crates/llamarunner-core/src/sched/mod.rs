@@ -24,8 +24,27 @@ use crate::kv;
 use params::SamplingParams;
 use text::TextStream;
 
+/// Text a sequence may hold for a client that does not read (its event channel is full) before
+/// it stops generating until the client catches up.
+pub const OUTBOX_CAP_BYTES: usize = 16 * 1024;
+/// Log-probability entries a sequence may hold likewise.
+pub const OUTBOX_CAP_LOGPROBS: usize = 1024;
+
+/// What a sequence's pending tokens are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// The prompt (or what is left of it after the cached prefix), decoded in chunks.
+    Prefill,
+    /// The last sampled token, decoded with the other generating sequences first.
+    Decode,
+    /// After a context shift the cache could not do in place: the kept tokens and the last
+    /// sampled one, decoded again in chunks like a prompt.
+    Redecode,
+}
+
 /// A request that holds a slot.
 struct Sequence<S> {
+    phase: Phase,
     events: Sender<Event>,
     params: SamplingParams,
     sampler: S,
@@ -52,11 +71,14 @@ struct Sequence<S> {
     admitted: Instant,
     /// Set when the prompt is fully decoded.
     prompt_done: Option<Instant>,
+    /// When it must end (`--timeout`).
+    deadline: Option<Instant>,
 }
 
 impl<S> Sequence<S> {
-    fn generating(&self) -> bool {
-        self.prompt_done.is_some()
+    /// Its client is not reading and it holds as much unsent output as it may: it waits.
+    fn paused(&self) -> bool {
+        self.outbox.len() >= OUTBOX_CAP_BYTES || self.outbox_logprobs.len() >= OUTBOX_CAP_LOGPROBS
     }
 }
 
@@ -84,10 +106,16 @@ pub struct Scheduler<B: Backend> {
     draining: Vec<(Sender<Event>, VecDeque<Event>)>,
     /// Slot index where prompt chunking starts next step.
     next_prompt: usize,
+    /// Slot index where decode tokens start next step (so that with fewer batch places than
+    /// generating sequences, none starves).
+    next_decode: usize,
     /// Multi-user cache: fork shared prefixes between slots (`--multiuser-cache`).
     multiuser: bool,
     /// Counter standing for "when" a slot was last used (LRU order).
     clock: u64,
+    /// The last step decoded nothing although sequences are running (all paused for their
+    /// clients): the next receive waits a moment instead of spinning.
+    stalled: bool,
     batch: Vec<BatchToken>,
 }
 
@@ -111,8 +139,10 @@ impl<B: Backend> Scheduler<B> {
             embeds: VecDeque::new(),
             draining: Vec::new(),
             next_prompt: 0,
+            next_decode: 0,
             multiuser: false,
             clock: 0,
+            stalled: false,
             batch: Vec::new(),
         }
     }
@@ -172,9 +202,17 @@ impl<B: Backend> Scheduler<B> {
             && self.slots.iter().all(|s| s.seq.is_none())
     }
 
-    /// Moves new messages into `waiting`; blocks when there is nothing to do. False = exit.
+    /// Moves every new message into `waiting` (the queue's length is bounded by the handle's
+    /// gauge) and new embedding requests into `embeds`; blocks when there is nothing to do.
+    /// False = exit.
     fn receive(&mut self) -> bool {
-        if self.idle() {
+        if self.stalled {
+            match self.inbox.rx.recv_timeout(Duration::from_millis(2)) {
+                Ok(m) => self.handle(m),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return false,
+            }
+        } else if self.idle() {
             let msg = if self.draining.is_empty() {
                 self.inbox
                     .rx
@@ -189,16 +227,16 @@ impl<B: Backend> Scheduler<B> {
                 Err(RecvTimeoutError::Disconnected) => return false,
             }
         }
-        // Take only as many requests as there are free slots: the rest wait in the bounded
-        // channel, so a full queue is refused (429) by the HTTP side instead of growing here.
-        while self.waiting.len() + self.embeds.len() < self.free_slots() {
+        while let Ok(e) = self.inbox.embed_rx.try_recv() {
+            self.embeds.push_back(e);
+        }
+        loop {
             match self.inbox.rx.try_recv() {
                 Ok(m) => self.handle(m),
                 Err(TryRecvError::Empty) => return true,
                 Err(TryRecvError::Disconnected) => return !self.idle(),
             }
         }
-        true
     }
 
     fn free_slots(&self) -> usize {
@@ -207,20 +245,57 @@ impl<B: Backend> Scheduler<B> {
 
     fn handle(&mut self, msg: Message) {
         match msg {
-            Message::Request(r) => self.waiting.push_back(r),
-            Message::Embed(r) => self.embeds.push_back(r),
+            Message::Request(r) => self.waiting.push_back(*r),
             Message::Wake => {}
         }
     }
 
-    /// Frees the slots (and queue places) of clients that went away.
+    /// A request left the waiting queue: its place is free for the next one.
+    fn left_queue(&self) {
+        self.inbox.queue.release();
+    }
+
+    /// Frees the slots and queue places of clients that went away, refuses queued requests
+    /// whose time ran out and ends running ones ("timeout").
     fn drop_cancelled(&mut self) {
-        self.waiting.retain(|r| !r.events.is_closed());
-        for slot in &mut self.slots {
-            if slot.seq.as_ref().is_some_and(|s| s.events.is_closed()) {
+        let now = Instant::now();
+        let before = self.waiting.len();
+        let mut expired = Vec::new();
+        self.waiting.retain(|r| {
+            if r.events.is_closed() {
+                return false;
+            }
+            if r.deadline.is_some_and(|d| d <= now) {
+                expired.push(r.events.clone());
+                return false;
+            }
+            true
+        });
+        for _ in self.waiting.len()..before {
+            self.left_queue();
+        }
+        for events in expired {
+            let err = EngineError::new(
+                EngineErrorKind::Timeout,
+                "the request waited for a slot longer than the server's time limit (--timeout)",
+            );
+            let _ = events.try_send(Event::Error(err));
+        }
+        let mut timed_out = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(seq) = slot.seq.as_ref() else {
+                continue;
+            };
+            if seq.events.is_closed() {
                 tracing::debug!(slot = slot.id, "client disconnected; slot freed");
                 slot.seq = None;
+            } else if seq.deadline.is_some_and(|d| d <= now) {
+                timed_out.push(i);
             }
+        }
+        for i in timed_out {
+            tracing::info!(slot = self.slots[i].id, "request reached the time limit");
+            self.finish(i, DoneReason::Timeout);
         }
     }
 
@@ -281,6 +356,7 @@ impl<B: Backend> Scheduler<B> {
             let Some(request) = self.waiting.pop_front() else {
                 return;
             };
+            self.left_queue();
             if let Err(e) = self.admit_one(&request) {
                 let _ = request.events.try_send(Event::Error(e));
             }
@@ -296,7 +372,7 @@ impl<B: Backend> Scheduler<B> {
             .bos()
             .is_some_and(|b| tokens.first() == Some(&b));
         let keep = kv::keep_count(params.num_keep, tokens.len(), has_bos, ctx);
-        let mut truncated = false;
+        let mut truncated = request.truncated;
         if tokens.len() >= ctx {
             if !params.truncate {
                 return Err(too_long("prompt", tokens.len(), ctx));
@@ -339,6 +415,8 @@ impl<B: Backend> Scheduler<B> {
             "sequence admitted"
         );
         slot.seq = Some(Sequence {
+            phase: Phase::Prefill,
+            deadline: request.deadline,
             events: request.events.clone(),
             params: request.params.clone(),
             sampler,
@@ -409,13 +487,31 @@ impl<B: Backend> Scheduler<B> {
     fn build_batch(&mut self) {
         self.batch.clear();
         let capacity = self.backend.batch_capacity().max(1);
-        for slot in &mut self.slots {
+        let n = self.slots.len();
+        // When generating sequences outnumber the batch places, one place stays for prompt
+        // chunks, so that a waiting prompt is never starved by decode tokens.
+        let prompt_waiting = self.slots.iter().any(|s| {
+            s.seq
+                .as_ref()
+                .is_some_and(|q| q.phase != Phase::Decode && !q.pending.is_empty())
+        });
+        let decode_places = if prompt_waiting {
+            capacity - 1
+        } else {
+            capacity
+        };
+        let first = self.next_decode;
+        for k in 0..n {
+            let i = (first + k) % n;
+            let slot = &mut self.slots[i];
             let Some(seq) = slot.seq.as_mut() else {
                 continue;
             };
             seq.queued = 0;
             seq.logits_at = None;
-            if seq.generating() && seq.pending.len() == 1 && self.batch.len() < capacity {
+            if seq.phase == Phase::Decode && !seq.paused() && self.batch.len() < decode_places {
+                // Next step starts after the last sequence that got a place.
+                self.next_decode = (i + 1) % n;
                 seq.logits_at = Some(self.batch.len());
                 seq.queued = 1;
                 self.batch.push(BatchToken {
@@ -426,7 +522,6 @@ impl<B: Backend> Scheduler<B> {
                 });
             }
         }
-        let n = self.slots.len();
         let start = self.next_prompt;
         for k in 0..n {
             if self.batch.len() >= capacity {
@@ -438,7 +533,7 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             };
             // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
-            if seq.queued > 0 || seq.pending.is_empty() {
+            if seq.phase == Phase::Decode || seq.pending.is_empty() {
                 continue;
             }
             let take = (capacity - self.batch.len()).min(seq.pending.len());
@@ -460,7 +555,12 @@ impl<B: Backend> Scheduler<B> {
     }
 
     fn step(&mut self) {
+        // Output held for slow clients goes first; a client that left frees its slot here.
+        for index in 0..self.slots.len() {
+            self.flush_outbox(index);
+        }
         self.build_batch();
+        self.stalled = self.batch.is_empty() && self.slots.iter().any(|s| s.seq.is_some());
         if self.batch.is_empty() {
             return;
         }
@@ -501,7 +601,9 @@ impl<B: Backend> Scheduler<B> {
         }
         let token = self.backend.sample(&mut seq.sampler, at);
         seq.n_generated += 1;
-        if self.backend.is_eog(token) && !seq.params.ignore_eos {
+        // With a grammar, EOG also means the grammar allows nothing more (the backend's signal),
+        // so it ends the sequence even under `ignore_eos`.
+        if self.backend.is_eog(token) && (!seq.params.ignore_eos || seq.params.grammar.is_some()) {
             return Some(DoneReason::Stop);
         }
         if let Some(top) = seq.params.logprobs {
@@ -512,8 +614,11 @@ impl<B: Backend> Scheduler<B> {
         seq.outbox.push_str(&pushed.text);
         if pushed.stopped {
             // Keep in the cache only what the client really got, so that a follow-up prompt
-            // (this prompt + the returned answer + more) reuses it exactly.
-            let keep = (seq.n_prompt + seq.text.tokens_returned()).min(slot.cached.len());
+            // (this prompt + the returned answer + more) reuses it exactly. The cache ends with
+            // every generated token but this last one; those past the returned ones go. (Counted
+            // from the end: after a context shift, positions no longer start at the prompt.)
+            let unreturned = (seq.n_generated - 1).saturating_sub(seq.text.tokens_returned());
+            let keep = slot.cached.len().saturating_sub(unreturned);
             if !self.backend.kv_truncate(slot.id, keep) {
                 self.backend.kv_truncate(slot.id, 0);
                 slot.cached.clear();
@@ -548,8 +653,12 @@ impl<B: Backend> Scheduler<B> {
                 self.backend.kv_truncate(slot.id, 0);
                 slot.cached.clear();
                 seq.pending = kept;
+                seq.phase = Phase::Redecode;
+                seq.pending.push(token);
+                return None;
             }
         }
+        seq.phase = Phase::Decode;
         seq.pending.push(token);
         None
     }
@@ -660,8 +769,12 @@ impl<B: Backend> Scheduler<B> {
         for r in self.embeds.drain(..) {
             let _ = r.reply.send(Err(err.clone()));
         }
-        for r in self.waiting.drain(..) {
+        for r in std::mem::take(&mut self.waiting) {
+            self.left_queue();
             let _ = r.events.try_send(Event::Error(err.clone()));
+        }
+        while let Ok(r) = self.inbox.embed_rx.try_recv() {
+            let _ = r.reply.send(Err(err.clone()));
         }
         for slot in &mut self.slots {
             if let Some(seq) = slot.seq.take() {

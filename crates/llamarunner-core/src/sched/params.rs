@@ -1,10 +1,10 @@
-//! Generation controls of one request, with the Ollama runner's option names and defaults.
+//! Generation controls of one request, with the Ollama runner's names and defaults. A plain
+//! struct: the wire forms live in `server/` and `server::validate` checks every value before a
+//! request reaches the engine.
 
-use serde::{Deserialize, Deserializer};
-
-/// Sampling and stopping parameters (`options` of a completion request).
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(default)]
+/// Sampling and stopping parameters of one request, as the engine receives them: validated
+/// and clamped by `server::validate` (the wire form is `server::options::Options`).
+#[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// Tokens to generate; -1 = until EOG or the slot is full.
     pub num_predict: i64,
@@ -37,25 +37,19 @@ pub struct SamplingParams {
     /// RNG seed; -1 = random.
     pub seed: i64,
     /// Strings that end generation; never part of the output.
-    #[serde(deserialize_with = "one_or_many")]
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
     /// GBNF grammar constraining the output (the request's top-level `grammar` or `format`).
-    #[serde(skip)]
     pub grammar: Option<String>,
     /// Shift the context when the slot fills (the request's top-level `shift`); false ends the
     /// sequence with "length" instead.
-    #[serde(skip)]
     pub shift: bool,
     /// Truncate a prompt that does not fit the slot (top-level `truncate`); false rejects it.
-    #[serde(skip)]
     pub truncate: bool,
     /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`).
-    #[serde(skip)]
     pub logit_bias: Vec<(crate::engine::Token, f32)>,
     /// Report each sampled token's log-probability and this many alternatives (None = off).
-    #[serde(skip)]
     pub logprobs: Option<usize>,
 }
 
@@ -88,73 +82,7 @@ impl Default for SamplingParams {
     }
 }
 
-fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum OneOrMany {
-        One(String),
-        Many(Vec<String>),
-        Null(()),
-    }
-    Ok(match OneOrMany::deserialize(d)? {
-        OneOrMany::One(s) => vec![s],
-        OneOrMany::Many(v) => v,
-        OneOrMany::Null(()) => Vec::new(),
-    })
-}
-
 impl SamplingParams {
-    /// Checks the values that have no meaning; returns a sentence naming the option.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.num_predict < -1 {
-            return Err(format!(
-                "options.num_predict must be -1 (unlimited) or >= 0, got {}",
-                self.num_predict
-            ));
-        }
-        let finite = [
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
-            ("min_p", self.min_p),
-            ("typical_p", self.typical_p),
-            ("repeat_penalty", self.repeat_penalty),
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-            ("mirostat_tau", self.mirostat_tau),
-            ("mirostat_eta", self.mirostat_eta),
-        ];
-        for (name, v) in finite {
-            if !v.is_finite() {
-                return Err(format!("options.{name} must be a finite number"));
-            }
-        }
-        if self.temperature < 0.0 {
-            return Err("options.temperature must be >= 0".into());
-        }
-        for (name, v) in [
-            ("top_p", self.top_p),
-            ("min_p", self.min_p),
-            ("typical_p", self.typical_p),
-        ] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(format!("options.{name} must be between 0 and 1, got {v}"));
-            }
-        }
-        if self.top_k < 0 {
-            return Err("options.top_k must be >= 0".into());
-        }
-        if !(0..=2).contains(&self.mirostat) {
-            return Err("options.mirostat must be 0, 1 or 2".into());
-        }
-        if self.repeat_last_n < -1 {
-            return Err("options.repeat_last_n must be -1 or >= 0".into());
-        }
-        if self.stop.iter().any(String::is_empty) {
-            return Err("options.stop must not contain empty strings".into());
-        }
-        Ok(())
-    }
-
     /// Whether sampling is deterministic argmax.
     pub fn greedy(&self) -> bool {
         self.temperature <= 0.0
@@ -165,8 +93,13 @@ impl SamplingParams {
         if self.seed < 0 {
             rand::random()
         } else {
-            // Seeds above u32::MAX wrap, as in Ollama (which passes uint32(seed)).
-            (self.seed as u64 & 0xFFFF_FFFF) as u32
+            // Seeds above u32::MAX wrap, as in Ollama (which passes uint32(seed)). The one
+            // value llama.cpp reads as "random" (LLAMA_DEFAULT_SEED, 0xFFFFFFFF) becomes its
+            // neighbour, so every explicit seed is repeatable.
+            match (self.seed as u64 & 0xFFFF_FFFF) as u32 {
+                u32::MAX => u32::MAX - 1,
+                s => s,
+            }
         }
     }
 }
@@ -176,34 +109,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_match_ollama() {
-        let p: SamplingParams = serde_json::from_str("{}").unwrap();
-        assert_eq!(p, SamplingParams::default());
-        assert_eq!(p.temperature, 0.8);
-        assert_eq!(p.top_k, 40);
-        assert_eq!(p.num_predict, -1);
-    }
-
-    #[test]
-    fn stop_accepts_a_string_or_a_list() {
-        let p: SamplingParams = serde_json::from_str(r#"{"stop":"x"}"#).unwrap();
-        assert_eq!(p.stop, vec!["x"]);
-        let p: SamplingParams = serde_json::from_str(r#"{"stop":["a","b"]}"#).unwrap();
-        assert_eq!(p.stop, vec!["a", "b"]);
-    }
-
-    #[test]
-    fn bad_values_name_the_option() {
-        let p = SamplingParams {
-            num_predict: -2,
+    fn seeds_wrap_like_ollama_and_minus_one_is_random() {
+        let p = |seed| SamplingParams {
+            seed,
             ..Default::default()
         };
-        assert!(p.validate().unwrap_err().contains("num_predict"));
-        let p = SamplingParams {
-            top_p: 1.5,
-            ..Default::default()
-        };
-        assert!(p.validate().unwrap_err().contains("top_p"));
-        assert!(serde_json::from_str::<SamplingParams>(r#"{"top_k":"x"}"#).is_err());
+        assert_eq!(p(7).effective_seed(), 7);
+        assert_eq!(p((1 << 32) + 5).effective_seed(), 5);
+        // llama.cpp's "random" seed is never passed for an explicit one.
+        assert_eq!(p(u32::MAX as i64).effective_seed(), u32::MAX - 1);
+        assert_eq!(p(i64::MAX).effective_seed(), u32::MAX - 1);
+        assert_eq!(p(u32::MAX as i64 - 1).effective_seed(), u32::MAX - 1);
+        // Two random seeds differing is overwhelmingly likely; equal would be a constant.
+        let a: Vec<u32> = (0..4).map(|_| p(-1).effective_seed()).collect();
+        assert!(a.windows(2).any(|w| w[0] != w[1]), "{a:?}");
     }
 }

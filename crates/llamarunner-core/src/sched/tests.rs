@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::Receiver;
 
@@ -21,7 +21,11 @@ struct Harness {
 
 impl Harness {
     fn new(config: FakeConfig, slots: usize) -> Self {
-        let (handle, inbox) = EngineHandle::new(64);
+        Self::with_queue(config, slots, 64)
+    }
+
+    fn with_queue(config: FakeConfig, slots: usize, max_queue: usize) -> Self {
+        let (handle, inbox) = EngineHandle::new(max_queue);
         let backend = FakeBackend::new(config);
         let log = backend.log.clone();
         let thread = std::thread::spawn(move || Scheduler::new(backend, inbox, slots).run());
@@ -33,16 +37,39 @@ impl Harness {
     }
 
     fn submit(&self, prompt: &str, params: SamplingParams) -> Receiver<Event> {
+        self.try_submit(prompt, params, None)
+            .expect("queue has room")
+    }
+
+    fn try_submit(
+        &self,
+        prompt: &str,
+        params: SamplingParams,
+        deadline: Option<Instant>,
+    ) -> Result<Receiver<Event>, crate::engine::SubmitError> {
         let (tx, rx) = tokio::sync::mpsc::channel(crate::engine::EVENT_CHANNEL_CAPACITY);
-        self.handle
-            .submit(Request {
-                prompt: prompt.into(),
-                params,
-                events: tx,
-                received: Instant::now(),
-            })
-            .expect("queue has room");
-        rx
+        self.handle.submit(Request {
+            prompt: prompt.into(),
+            params,
+            truncated: false,
+            events: tx,
+            received: Instant::now(),
+            deadline,
+        })?;
+        Ok(rx)
+    }
+
+    /// Waits until the slot table shows every slot free; returns it.
+    fn settled(&self) -> Vec<crate::engine::SlotInfo> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let table = self.handle.health.slot_table();
+            if !table.is_empty() && table.iter().all(|s| !s.busy) {
+                return table;
+            }
+            assert!(Instant::now() < deadline, "slots never settled: {table:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -727,4 +754,238 @@ fn logprobs_travel_with_their_text_and_stop_strings_drop_theirs() {
         .flat_map(|(_, e)| e.iter().flat_map(|e| e.sampled.bytes.clone()))
         .collect();
     assert_eq!(reported, &full.as_bytes()[..cut]);
+}
+
+/// Waits for an event, failing instead of hanging.
+fn recv_within(rx: &mut Receiver<Event>, limit: Duration) -> Event {
+    let deadline = Instant::now() + limit;
+    loop {
+        match rx.try_recv() {
+            Ok(e) => return e,
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "no event within {limit:?}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("stream ended: {e}"),
+        }
+    }
+}
+
+#[test]
+fn cancelled_queued_requests_give_their_places_back_at_once() {
+    let slow = FakeConfig {
+        decode_delay: Duration::from_millis(2),
+        ..FakeConfig::default()
+    };
+    let h = Harness::with_queue(slow, 1, 2);
+    let mut running = h.submit("busy", greedy(-1));
+    assert_eq!(
+        recv_within(&mut running, Duration::from_secs(5)),
+        Event::Started
+    );
+    let a = h.submit("a", greedy(1));
+    let b = h.submit("b", greedy(1));
+    assert_eq!(
+        h.try_submit("c", greedy(1), None).unwrap_err(),
+        crate::engine::SubmitError::QueueFull
+    );
+    drop((a, b));
+    // The engine drains the queue every step: both places come back while the slot is busy.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while h.handle.queue.waiting() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "cancelled requests kept their places"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let c = h.submit("c", greedy(1));
+    let d = h.submit("d", greedy(1));
+    drop(running);
+    for mut rx in [c, d] {
+        let (_, done) = collect(&mut rx);
+        assert_eq!(done.eval_count, 1);
+    }
+}
+
+#[test]
+fn embeddings_never_wait_for_a_generation_slot() {
+    let slow = FakeConfig {
+        decode_delay: Duration::from_millis(2),
+        ..FakeConfig::default()
+    };
+    let h = Harness::new(slow, 1);
+    let mut running = h.submit("busy", greedy(-1));
+    assert_eq!(
+        recv_within(&mut running, Duration::from_secs(5)),
+        Event::Started
+    );
+    // A queued completion too: the embedding must not wait behind it either.
+    let _queued = h.submit("waiting", greedy(1));
+    let started = Instant::now();
+    let e = embed(&h, "hello", false).unwrap();
+    assert_eq!(e.prompt_eval_count, 6);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the embedding waited {:?}",
+        started.elapsed()
+    );
+    assert!(matches!(running.try_recv(), Ok(_) | Err(_)));
+}
+
+#[test]
+fn the_time_limit_ends_running_requests_and_refuses_queued_ones() {
+    let slow = FakeConfig {
+        decode_delay: Duration::from_millis(2),
+        ..FakeConfig::default()
+    };
+    let h = Harness::new(slow, 1);
+    let limit = Instant::now() + Duration::from_millis(100);
+    let mut running = h.try_submit("busy", greedy(-1), Some(limit)).unwrap();
+    let mut queued = h.try_submit("next", greedy(1), Some(limit)).unwrap();
+    let (text, done) = collect(&mut running);
+    assert_eq!(done.done_reason, DoneReason::Timeout);
+    assert!(!text.is_empty() && Instant::now() >= limit);
+    match recv_within(&mut queued, Duration::from_secs(5)) {
+        Event::Error(e) => assert_eq!(e.kind, EngineErrorKind::Timeout),
+        // Admitted in the same step the running one ended: it then ends by the limit at once.
+        Event::Started => {
+            let mut text = String::new();
+            loop {
+                match recv_within(&mut queued, Duration::from_secs(5)) {
+                    Event::Done(c) => {
+                        assert_eq!(c.done_reason, DoneReason::Timeout, "{text}");
+                        break;
+                    }
+                    Event::Text { text: t, .. } => text.push_str(&t),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(h.handle.queue.waiting(), 0);
+    h.settled();
+}
+
+#[test]
+fn with_fewer_batch_places_than_sequences_none_starves() {
+    let h = Harness::new(
+        FakeConfig {
+            batch_capacity: 2,
+            ..FakeConfig::default()
+        },
+        4,
+    );
+    let rxs: Vec<_> = (0..4)
+        .map(|i| h.submit(&format!("s{i}"), greedy(12)))
+        .collect();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let (text, done) = collect(&mut rx);
+        assert_eq!(done.eval_count, 12, "slot {i}");
+        assert_eq!(text, expected(&format!("s{i}"), 12), "slot {i}");
+    }
+    // Places rotated between the four: they finished together, not two after the other two.
+    let log = h.log.lock().unwrap();
+    assert!(log.iter().all(|b| b.len() <= 2));
+    let last: Vec<usize> = (0..4)
+        .map(|seq| {
+            log.iter()
+                .rposition(|b| b.iter().any(|t| t.seq == seq))
+                .unwrap()
+        })
+        .collect();
+    let spread = last.iter().max().unwrap() - last.iter().min().unwrap();
+    assert!(spread <= 4, "last batches per slot {last:?}");
+}
+
+#[test]
+fn after_a_context_shift_a_stop_string_leaves_the_cache_at_the_returned_text() {
+    // Generate past two shifts, then stop at a string found later in the output. The cache
+    // must then hold one token more than a twin run that ended (by num_predict) right before
+    // the stop string: the returned tokens, with the stop string's tokens trimmed.
+    let config = FakeConfig {
+        slot_ctx: 16,
+        ..FakeConfig::default()
+    };
+    let keep2 = |n| {
+        params_with(|p| {
+            p.temperature = 0.0;
+            p.num_predict = n;
+            p.num_keep = 2;
+        })
+    };
+    let h = Harness::new(config.clone(), 1);
+    let (full, _) = collect(&mut h.submit("shift", keep2(40)));
+    drop(h);
+    let at = 30;
+    let stop = full[at..at + 3].to_string();
+    let cut = full.find(&stop).unwrap();
+    assert!(
+        cut > 20,
+        "the stop string must come after a shift: {full} {stop}"
+    );
+    let h = Harness::new(config.clone(), 1);
+    let params = SamplingParams {
+        stop: vec![stop],
+        ..keep2(40)
+    };
+    let (text, done) = collect(&mut h.submit("shift", params));
+    assert_eq!(
+        (text.as_str(), done.done_reason),
+        (&full[..cut], DoneReason::Stop)
+    );
+    let with_stop = h.settled()[0].cached_tokens;
+    drop(h);
+    let twin = Harness::new(config, 1);
+    let (_, d) = collect(&mut twin.submit("shift", keep2(i64::try_from(cut).unwrap())));
+    assert_eq!(d.done_reason, DoneReason::Length);
+    let without = twin.settled()[0].cached_tokens;
+    assert_eq!(with_stop, without + 1);
+}
+
+#[test]
+fn a_client_that_does_not_read_pauses_its_sequence_instead_of_growing_buffers() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 4096,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let n = 40_000usize;
+    let mut rx = h.submit("unread", params_with(|p| p.num_predict = n as i64));
+    // Nobody reads: the channel fills (64 events), then the outbox up to its cap, then the
+    // sequence waits. Count its decode steps until they stop growing.
+    let steps = || h.log.lock().unwrap().len();
+    let mut last = steps();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = steps();
+        if now == last {
+            break;
+        }
+        last = now;
+        assert!(Instant::now() < deadline, "the sequence never paused");
+    }
+    let bound = crate::engine::EVENT_CHANNEL_CAPACITY + super::OUTBOX_CAP_BYTES + 8;
+    assert!(
+        last < bound,
+        "{last} decode steps for an unread stream (bound {bound})"
+    );
+    // Reading resumes it, and nothing was lost.
+    let mut text = String::new();
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    loop {
+        match rx.blocking_recv().expect("stream ended without Done") {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Done(c) => {
+                assert_eq!(c.eval_count, n);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(text.len(), n);
 }

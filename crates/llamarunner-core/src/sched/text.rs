@@ -15,6 +15,9 @@ pub struct TextStream {
     released: usize,
     /// `decoded` after each pushed token.
     token_ends: Vec<usize>,
+    /// How many of `token_ends` are at or before `released` (advanced as text is released, so
+    /// counting returned tokens stays linear over a whole generation).
+    returned: usize,
 }
 
 /// What pushing one token's bytes produced.
@@ -54,7 +57,7 @@ impl TextStream {
         let release = self.held.len() - keep;
         let rest = self.held.split_off(release);
         let text = std::mem::replace(&mut self.held, rest);
-        self.released += text.len();
+        self.release(text.len());
         Pushed {
             text,
             stopped: false,
@@ -64,15 +67,23 @@ impl TextStream {
     /// How many of the pushed tokens were returned whole (after a stop, the tokens from the
     /// one where the stop string starts are not): the slot's cache keeps only those.
     pub fn tokens_returned(&self) -> usize {
-        self.token_ends
-            .iter()
-            .take_while(|&&end| end <= self.released)
-            .count()
+        self.returned
+    }
+
+    fn release(&mut self, bytes: usize) {
+        self.released += bytes;
+        while self
+            .token_ends
+            .get(self.returned)
+            .is_some_and(|&end| end <= self.released)
+        {
+            self.returned += 1;
+        }
     }
 
     fn release_all(&mut self) -> String {
         let text = std::mem::take(&mut self.held);
-        self.released += text.len();
+        self.release(text.len());
         text
     }
 

@@ -8,7 +8,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::Receiver;
 
 use super::error::ApiError;
-use super::AppState;
+use super::{validate, AppState};
 use crate::chat::ChatMessage;
 use crate::engine::{
     Completion, EmbedRequest, Embedding, Event, Input, LoadState, ModelInfo, Request, TokenLogprob,
@@ -34,9 +34,15 @@ pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
     match state.engine.health.state() {
         LoadState::Ready => Ok(()),
         LoadState::Loading => Err(ApiError::Loading),
-        LoadState::Error => Err(ApiError::LoadFailed(
-            state.engine.health.error().unwrap_or_default(),
-        )),
+        LoadState::Error => {
+            let why = state.engine.health.error().unwrap_or_default();
+            if why.starts_with("the engine stopped") {
+                // It was serving, then stopped: not a load failure.
+                Err(ApiError::Unavailable(why))
+            } else {
+                Err(ApiError::LoadFailed(why))
+            }
+        }
     }
 }
 
@@ -163,9 +169,8 @@ async fn render(
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
 ) -> Result<String, ApiError> {
-    tokio::task::spawn_blocking(move || info.template.render(&messages, add_generation_prompt))
-        .await
-        .map_err(|e| ApiError::Internal(format!("template task failed: {e}")))?
+    validate::blocking(move || info.template.render(&messages, add_generation_prompt))
+        .await?
         .map_err(|e| ApiError::InvalidRequest(e.to_string()))
 }
 
@@ -185,39 +190,25 @@ pub async fn chat_prompt(
     render(info, messages, true).await
 }
 
-/// Tokenizes text on a blocking thread when the model offers a tokenizer (so that a long
-/// prompt never holds up the engine's decode steps); otherwise the engine tokenizes it.
-pub async fn input(state: &AppState, text: String, what: &str) -> Result<Input, ApiError> {
-    let Some(tokenizer) = model_info(state)?.tokenizer.clone() else {
-        return Ok(Input::Text(text));
-    };
-    let tokens = tokio::task::spawn_blocking(move || (tokenizer.0)(&text))
-        .await
-        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
-        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
-    if tokens.is_empty() {
-        return Err(ApiError::InvalidRequest(format!(
-            "the {what} has no tokens"
-        )));
-    }
-    Ok(Input::Tokens(tokens))
-}
-
-/// Queues a generation and waits until it has a slot, so that everything found wrong before
-/// that (a prompt too long, a bad grammar, a full queue) is a proper HTTP error. The receiver
-/// then yields text and a final `Done` or `Error`.
+/// Validates a generation (`validate::generation`), queues it and waits until it has a slot,
+/// so that everything found wrong before that (a prompt too long, a bad grammar, a full queue)
+/// is a proper HTTP error. The receiver then yields text and a final `Done` or `Error`.
 pub async fn start_generation(
     state: &AppState,
     prompt: String,
     params: SamplingParams,
 ) -> Result<Receiver<Event>, ApiError> {
-    let prompt = input(state, prompt, "prompt").await?;
+    let received = Instant::now();
+    let info = model_info(state)?;
+    let valid = validate::generation(&info, &state.limits, prompt, params).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {
-        prompt,
-        params,
+        prompt: Input::Tokens(valid.tokens),
+        params: valid.params,
+        truncated: valid.truncated,
         events: tx,
-        received: Instant::now(),
+        received,
+        deadline: state.limits.timeout.map(|t| received + t),
     })?;
     match rx.recv().await {
         Some(Event::Started) => Ok(rx),
@@ -270,31 +261,38 @@ pub async fn collect(mut rx: Receiver<Event>) -> Result<Collected, ApiError> {
 }
 
 /// Embeds each input, one after another: the engine embeds one input per step anyway, and
-/// queueing a long list at once could fill the request queue (429) for everyone.
+/// queueing a long list at once could fill the embedding queue (429) for everyone. Every input
+/// is validated (tokenized, fitted) before the first is queued.
 pub async fn embed_all(
     state: &AppState,
     inputs: Vec<String>,
     truncate: bool,
 ) -> Result<Vec<Embedding>, ApiError> {
-    if inputs.iter().any(String::is_empty) {
-        return Err(ApiError::InvalidRequest(
-            "an input to embed must not be empty".into(),
-        ));
+    let info = model_info(state)?;
+    if inputs.len() > validate::MAX_EMBED_INPUTS {
+        return Err(ApiError::invalid(format!(
+            "at most {} inputs per request, got {}",
+            validate::MAX_EMBED_INPUTS,
+            inputs.len()
+        )));
     }
-    let mut out = Vec::with_capacity(inputs.len());
-    for content in inputs {
-        let content = input(state, content, "input").await?;
+    let mut valid = Vec::with_capacity(inputs.len());
+    for text in inputs {
+        valid.push(validate::embedding_input(&info, text, truncate).await?);
+    }
+    let mut out = Vec::with_capacity(valid.len());
+    for (tokens, truncated) in valid {
         let (reply, answer) = tokio::sync::oneshot::channel();
         state.engine.submit_embed(EmbedRequest {
-            content,
+            content: Input::Tokens(tokens),
             truncate,
             reply,
         })?;
-        out.push(
-            answer
-                .await
-                .map_err(|_| ApiError::Unavailable("the engine stopped".into()))??,
-        );
+        let mut embedding = answer
+            .await
+            .map_err(|_| ApiError::Unavailable("the engine stopped".into()))??;
+        embedding.truncated |= truncated;
+        out.push(embedding);
     }
     Ok(out)
 }

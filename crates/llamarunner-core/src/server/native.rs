@@ -17,10 +17,10 @@ use super::common::{
     chat_prompt, embed_all, ensure_ready, parse_json, parse_messages, render_chat, start_generation,
 };
 use super::error::ApiError;
+use super::format::grammar_for_format;
+use super::options::Options;
 use super::AppState;
-use crate::engine::grammar::grammar_for_format;
 use crate::engine::{Event, LoadState};
-use crate::sched::params::SamplingParams;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
 /// runner's capitalized keys are accepted too.
@@ -32,7 +32,7 @@ struct CompletionRequest {
     #[serde(default)]
     messages: Option<Vec<serde_json::Value>>,
     #[serde(default, alias = "Options")]
-    options: Option<SamplingParams>,
+    options: Option<Options>,
     #[serde(default, alias = "Grammar")]
     grammar: Option<String>,
     #[serde(default, alias = "Format")]
@@ -61,8 +61,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             "images are not supported: no multimodal projector is loaded".into(),
         ));
     }
-    let mut params = req.options.unwrap_or_default();
-    params.validate().map_err(ApiError::InvalidRequest)?;
+    let mut params = req.options.unwrap_or_default().into_params();
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {

@@ -22,9 +22,10 @@ use super::common::{
     parse_json, parse_messages, rfc3339, start_generation,
 };
 use super::error::{ApiError, OllamaError};
+use super::format::grammar_for_format;
+use super::options::Options;
 use super::AppState;
 use crate::chat::ChatMessage;
-use crate::engine::grammar::grammar_for_format;
 use crate::engine::{Completion, Event, ModelInfo};
 use crate::sched::nanos;
 use crate::sched::params::SamplingParams;
@@ -50,7 +51,7 @@ struct OllamaRequest {
     // both
     stream: Option<bool>,
     format: Option<Value>,
-    options: Option<SamplingParams>,
+    options: Option<Options>,
     think: Option<Value>,
 }
 
@@ -88,8 +89,7 @@ impl OllamaRequest {
     }
 
     fn params(&self) -> Result<SamplingParams, ApiError> {
-        let mut params = self.options.clone().unwrap_or_default();
-        params.validate().map_err(ApiError::invalid)?;
+        let mut params = self.options.clone().unwrap_or_default().into_params();
         params.grammar = grammar_for_format(self.format.as_ref().unwrap_or(&Value::Null))
             .map_err(ApiError::invalid)?;
         Ok(params)
@@ -416,7 +416,13 @@ pub async fn show(State(state): State<AppState>, body: Bytes) -> Result<Response
         .collect();
     model_info.insert("general.parameter_count".into(), json!(info.n_params));
     Ok(Json(json!({
-        "modelfile": format!("# served by llamarunner\nFROM {}\n", info.path.display()),
+        // The file name only: an absolute path tells a client about the server's file system.
+        "modelfile": format!(
+            "# served by llamarunner\nFROM {}\n",
+            info.path
+                .file_name()
+                .map_or_else(|| state.model_name.to_string(), |f| f.to_string_lossy().into_owned())
+        ),
         "parameters": "",
         "template": info.template.source,
         "details": details(&info),

@@ -23,9 +23,9 @@ use super::common::{
     parse_json, parse_messages, random_id, start_generation, unix_seconds,
 };
 use super::error::{ApiError, OpenAiError};
+use super::format::grammar_for_format;
 use super::AppState;
-use crate::engine::grammar::grammar_for_format;
-use crate::engine::{Completion, Event, TokenLogprob};
+use crate::engine::{Completion, DoneReason, Event, TokenLogprob};
 use crate::sched::params::SamplingParams;
 
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
@@ -135,7 +135,7 @@ impl OpenAiRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             ..defaults
         };
-        p.validate()
+        super::validate::check_options(&p)
             .map_err(|e| ApiError::invalid(e.replace("options.", "")))?;
         // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
@@ -437,7 +437,7 @@ async fn respond(
             Some(&all.text),
             &all.logprobs,
             want_logprobs,
-            Some(all.done.done_reason.as_str()),
+            Some(finish_reason(all.done.done_reason)),
             false,
         );
         let mut body = meta.body(false, vec![choice]);
@@ -454,6 +454,15 @@ async fn respond(
         .flat_map(move |event| stream::iter(chunks_for(&meta, event, want_logprobs)));
     let body = stream::iter(first).chain(events).map(Ok::<_, Infallible>);
     Ok(Sse::new(body).into_response())
+}
+
+/// OpenAI's `finish_reason`: its clients know "stop" and "length"; a request cut by the
+/// server's time limit (`--timeout`) reads as "length" (it was cut, not finished).
+fn finish_reason(reason: DoneReason) -> &'static str {
+    match reason {
+        DoneReason::Timeout => "length",
+        other => other.as_str(),
+    }
 }
 
 fn sse(value: Value) -> SseEvent {
@@ -478,7 +487,13 @@ fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<SseEvent> {
         }
         Event::Done(done) => {
             let text = if meta.chat { None } else { Some("") };
-            let choice = meta.choice(text, &[], false, Some(done.done_reason.as_str()), true);
+            let choice = meta.choice(
+                text,
+                &[],
+                false,
+                Some(finish_reason(done.done_reason)),
+                true,
+            );
             let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
             if meta.include_usage {
                 let mut last = meta.body(true, Vec::new());
@@ -612,9 +627,11 @@ pub async fn models(State(state): State<AppState>) -> Result<Response, OpenAiErr
 /// `GET /v1/models/{model}`.
 pub async fn model(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    name: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Response, OpenAiError> {
     model_info(&state)?;
+    // A name that is not valid UTF-8 once decoded (`%ff`) is an error in OpenAI's shape too.
+    let Path(name) = name.map_err(|e| ApiError::invalid(format!("model name: {e}")))?;
     check_model(&state, Some(&name))?;
     Ok(Json(model_entry(&state)).into_response())
 }

@@ -1,0 +1,85 @@
+//! `Backend`: the narrow surface the scheduler needs from llama.cpp (a model plus a context),
+//! implemented by `llama.rs` and by the deterministic `fake.rs`. Lives on the engine thread only.
+
+use super::protocol::TokenLogprob;
+use crate::sched::params::SamplingParams;
+
+/// A vocabulary token id.
+pub type Token = i32;
+
+/// One token placed in a decode batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchToken {
+    /// The token.
+    pub token: Token,
+    /// Its position in its sequence.
+    pub pos: u32,
+    /// The llama.cpp sequence id (= slot id).
+    pub seq: i32,
+    /// Whether logits are needed for this position.
+    pub logits: bool,
+}
+
+/// Failures of the llama.cpp layer.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum BackendError {
+    /// The text could not be tokenized.
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    /// The sampler could not be built from the request's parameters.
+    #[error("{0}")]
+    Sampler(String),
+    /// llama.cpp found no room in the KV cache for the batch.
+    #[error("no KV cache slot available for the batch")]
+    NoKvSlot,
+    /// Any other decode failure.
+    #[error("llama_decode failed: {0}")]
+    Decode(String),
+}
+
+/// What the scheduler needs from a model + context. Implementations live on the engine thread
+/// only, so nothing here is `Send`.
+pub trait Backend {
+    /// Per-request sampler state.
+    type Sampler;
+
+    /// Cells of KV cache available to each slot.
+    fn slot_ctx(&self) -> usize;
+    /// Most tokens one `decode` call may carry.
+    fn batch_capacity(&self) -> usize;
+    /// Tokenizes a prompt, adding BOS when the model wants it and parsing special tokens.
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
+    /// sampled `token`'s and the `top` most likely ones.
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;
+    /// The bytes a token renders to (may be a partial UTF-8 character).
+    fn token_bytes(&self, token: Token) -> Vec<u8>;
+    /// Whether the token ends generation (EOS, EOT, ...).
+    fn is_eog(&self, token: Token) -> bool;
+    /// Builds a sampler for a request; `history` seeds the repetition penalties.
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        history: &[Token],
+    ) -> Result<Self::Sampler, BackendError>;
+    /// Decodes one batch.
+    fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
+    /// Samples (and accepts) the next token from the logits of batch position `index`.
+    fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Token;
+    /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
+    /// remove part of a sequence (the caller then clears all of it).
+    fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
+    /// Context shift: removes positions `keep..keep + discard` and moves the rest down by
+    /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
+    fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
+    /// Makes sequence `dst` hold the first `len` cached tokens of sequence `src` (a fork for
+    /// multi-user prefix sharing). False when the cache cannot copy.
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool;
+    /// The beginning-of-sequence token, if the tokenizer adds one.
+    fn bos(&self) -> Option<Token>;
+    /// Most tokens one embedding input may have.
+    fn embed_capacity(&self) -> usize;
+    /// The embedding of a whole input: pooled by the model's pooling type (mean when it has
+    /// none), or the last token's when the model does not pool. Not normalized.
+    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError>;
+}

@@ -1,0 +1,237 @@
+//! What the HTTP side knows of the engine: the loaded model's description, its load state and
+//! the slot table, published by the engine thread.
+
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::backend::{BackendError, Token};
+use crate::chat::ChatTemplate;
+
+/// What the HTTP side may do with the loaded model off the engine thread (llama.cpp's
+/// vocabulary is read-only once loaded, so these are safe from any thread): tokenize, and
+/// compile a grammar to check it before a request is queued.
+pub trait TextModel: Send + Sync + std::fmt::Debug {
+    /// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    /// Compiles a GBNF grammar (root rule `root`) against the vocabulary; the error says why
+    /// it was refused.
+    fn check_grammar(&self, gbnf: &str) -> Result<(), String>;
+}
+
+/// One slot, as `GET /slots` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SlotInfo {
+    /// Slot id (= llama.cpp sequence id).
+    pub id: i32,
+    /// Whether a request holds it.
+    pub busy: bool,
+    /// Tokens in its KV cache.
+    pub cached_tokens: usize,
+    /// When it was last released or taken, ms since the Unix epoch (0 = never).
+    pub last_used_ms: u64,
+}
+
+/// Model load state, shared between the engine thread and the HTTP side.
+#[derive(Debug, Default)]
+pub struct Health {
+    state: AtomicU8,
+    progress: AtomicU32,
+    error: Mutex<Option<String>>,
+    busy_slots: AtomicU32,
+    total_slots: AtomicU32,
+    slots: Mutex<Vec<SlotInfo>>,
+    model: OnceLock<Arc<ModelInfo>>,
+}
+
+/// What the loaded model is, for `/v1/models`, `/api/show`, `/api/tags` and chat rendering.
+/// Published by the engine thread once the model is loaded.
+#[derive(Debug)]
+pub struct ModelInfo {
+    /// The GGUF file.
+    pub path: std::path::PathBuf,
+    /// Its size in bytes.
+    pub file_size: u64,
+    /// Its modification time.
+    pub modified: Option<std::time::SystemTime>,
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Parameter count.
+    pub n_params: u64,
+    /// Context length the model was trained with.
+    pub n_ctx_train: u32,
+    /// Embedding width.
+    pub n_embd: u32,
+    /// Vocabulary size (token ids are `0..n_vocab`).
+    pub n_vocab: u32,
+    /// KV cells per slot.
+    pub slot_ctx: usize,
+    /// Quantization of the weights (`general.file_type`), e.g. "Q4_K_M".
+    pub quantization: String,
+    /// The GGUF's scalar metadata (tokenizer arrays left out), in file order.
+    pub metadata: Vec<(String, String)>,
+    /// How conversations become prompts.
+    pub template: Arc<ChatTemplate>,
+    /// The beginning-of-sequence token, when the tokenizer adds one.
+    pub bos: Option<Token>,
+    /// Tokenizes and checks grammars off the engine thread.
+    pub text: Arc<dyn TextModel>,
+}
+
+impl ModelInfo {
+    /// A description for a model without a file (the fake backend), with a ChatML template and
+    /// the fake's byte tokenizer.
+    pub fn placeholder(slot_ctx: usize) -> Self {
+        let template = crate::chat::builtin("chatml")
+            .and_then(|t| ChatTemplate::new("chatml", t, "", "").ok())
+            .expect("the built-in ChatML template compiles");
+        Self {
+            path: "fake.gguf".into(),
+            file_size: 0,
+            modified: None,
+            architecture: "fake".into(),
+            n_params: 0,
+            n_ctx_train: u32::try_from(slot_ctx).unwrap_or(u32::MAX),
+            n_embd: 8,
+            n_vocab: 258,
+            slot_ctx,
+            quantization: "F32".into(),
+            metadata: Vec::new(),
+            template: Arc::new(template),
+            bos: Some(super::fake::BOS),
+            text: Arc::new(super::fake::FakeText),
+        }
+    }
+}
+
+/// The three load states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadState {
+    /// The model is still loading.
+    Loading,
+    /// Requests are served.
+    Ready,
+    /// Loading failed (see `Health::error`) or the engine stopped.
+    Error,
+}
+
+impl LoadState {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadState::Loading => "loading",
+            LoadState::Ready => "ready",
+            LoadState::Error => "error",
+        }
+    }
+}
+
+impl Health {
+    /// Current state.
+    pub fn state(&self) -> LoadState {
+        match self.state.load(Ordering::Acquire) {
+            0 => LoadState::Loading,
+            1 => LoadState::Ready,
+            _ => LoadState::Error,
+        }
+    }
+    /// Load progress in 0..=1.
+    pub fn progress(&self) -> f32 {
+        f32::from_bits(self.progress.load(Ordering::Relaxed))
+    }
+    /// Records load progress.
+    pub fn set_progress(&self, p: f32) {
+        self.progress
+            .store(p.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+    }
+    /// Marks the model ready, with the number of slots.
+    pub fn set_ready(&self, slots: u32) {
+        self.total_slots.store(slots, Ordering::Relaxed);
+        self.set_progress(1.0);
+        self.state.store(1, Ordering::Release);
+    }
+    /// Marks the engine failed, with the reason.
+    pub fn set_error(&self, message: impl Into<String>) {
+        if let Ok(mut e) = self.error.lock() {
+            *e = Some(message.into());
+        }
+        self.state.store(2, Ordering::Release);
+    }
+    /// Why the engine failed, if it did.
+    pub fn error(&self) -> Option<String> {
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+    /// Records how many slots are busy.
+    pub fn set_busy_slots(&self, n: u32) {
+        self.busy_slots.store(n, Ordering::Relaxed);
+    }
+    /// Publishes the slot table.
+    pub fn set_slots(&self, slots: Vec<SlotInfo>) {
+        let busy = slots.iter().filter(|s| s.busy).count();
+        self.set_busy_slots(u32::try_from(busy).unwrap_or(u32::MAX));
+        if let Ok(mut s) = self.slots.lock() {
+            *s = slots;
+        }
+    }
+    /// The slot table as last published.
+    pub fn slot_table(&self) -> Vec<SlotInfo> {
+        self.slots.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+    /// Publishes what the loaded model is (once; later calls are ignored).
+    pub fn set_model_info(&self, info: ModelInfo) {
+        let _ = self.model.set(Arc::new(info));
+    }
+    /// What the loaded model is, once it is loaded.
+    pub fn model_info(&self) -> Option<Arc<ModelInfo>> {
+        self.model.get().cloned()
+    }
+    /// (busy slots, total slots).
+    pub fn slots(&self) -> (u32, u32) {
+        (
+            self.busy_slots.load(Ordering::Relaxed),
+            self.total_slots.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The name of a GGUF `general.file_type` (llama.cpp's `llama_ftype`), e.g. 15 -> "Q4_K_M".
+pub fn file_type_name(file_type: u32) -> &'static str {
+    const NAMES: &[(u32, &str)] = &[
+        (0, "F32"),
+        (1, "F16"),
+        (2, "Q4_0"),
+        (3, "Q4_1"),
+        (7, "Q8_0"),
+        (8, "Q5_0"),
+        (9, "Q5_1"),
+        (10, "Q2_K"),
+        (11, "Q3_K_S"),
+        (12, "Q3_K_M"),
+        (13, "Q3_K_L"),
+        (14, "Q4_K_S"),
+        (15, "Q4_K_M"),
+        (16, "Q5_K_S"),
+        (17, "Q5_K_M"),
+        (18, "Q6_K"),
+        (19, "IQ2_XXS"),
+        (20, "IQ2_XS"),
+        (21, "Q2_K_S"),
+        (22, "IQ3_XS"),
+        (23, "IQ3_XXS"),
+        (24, "IQ1_S"),
+        (25, "IQ4_NL"),
+        (26, "IQ3_S"),
+        (27, "IQ3_M"),
+        (28, "IQ2_S"),
+        (29, "IQ2_M"),
+        (30, "IQ4_XS"),
+        (31, "IQ1_M"),
+        (32, "BF16"),
+        (36, "TQ1_0"),
+        (37, "TQ2_0"),
+        (38, "MXFP4"),
+    ];
+    NAMES
+        .iter()
+        .find(|(n, _)| *n == file_type)
+        .map_or("unknown", |(_, name)| name)
+}

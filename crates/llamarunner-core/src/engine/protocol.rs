@@ -1,0 +1,191 @@
+//! What travels between the HTTP side and the engine thread: requests, the events streamed back,
+//! final statistics and errors. Wire-neutral: each dialect in `server/` renders these its own way.
+
+use std::time::Instant;
+
+use super::backend::Token;
+use crate::sched::params::SamplingParams;
+
+/// A token with its log-probability (log-softmax of the raw logits).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopLogprob {
+    /// The token.
+    pub token: Token,
+    /// The bytes it renders to (maybe part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    /// Natural log of its probability.
+    pub logprob: f32,
+}
+
+/// The log-probability of a sampled token and of the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The sampled token.
+    pub sampled: TopLogprob,
+    /// The most likely tokens at that position, best first.
+    pub top: Vec<TopLogprob>,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DoneReason {
+    /// End of generation token or a stop string.
+    Stop,
+    /// `num_predict` reached or the slot is full.
+    Length,
+    /// The server's per-request time limit (`--timeout`) ran out.
+    Timeout,
+}
+
+impl DoneReason {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DoneReason::Stop => "stop",
+            DoneReason::Length => "length",
+            DoneReason::Timeout => "timeout",
+        }
+    }
+}
+
+/// Final statistics of a completion.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// Why it ended.
+    pub done_reason: DoneReason,
+    /// Prompt tokens (after truncation), cached ones included.
+    pub prompt_eval_count: usize,
+    /// Prompt tokens reused from the slot's KV cache.
+    pub prompt_cached_count: usize,
+    /// Time from admission to the first sampled token, ns.
+    pub prompt_eval_duration_ns: u64,
+    /// Tokens sampled.
+    pub eval_count: usize,
+    /// Time from the first sampled token to the end, ns.
+    pub eval_duration_ns: u64,
+    /// The prompt was truncated to fit the slot.
+    pub truncated: bool,
+}
+
+/// The class of an engine-side failure, which decides its HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineErrorKind {
+    /// The request itself is bad (400).
+    InvalidRequest,
+    /// The prompt does not fit in a slot (400).
+    ContextLength,
+    /// The engine is stopping (503).
+    ShuttingDown,
+    /// The request waited longer than the server's time limit (503).
+    Timeout,
+    /// llama.cpp failed (500).
+    Internal,
+}
+
+/// A failure reported to one request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct EngineError {
+    /// Its class.
+    pub kind: EngineErrorKind,
+    /// A sentence for the user.
+    pub message: String,
+}
+
+impl EngineError {
+    /// Builds an error.
+    pub fn new(kind: EngineErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// What the engine streams back to one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The prompt was admitted into a slot and processing started.
+    Started,
+    /// Generated text (valid UTF-8, never containing a stop string), with the log-probabilities
+    /// of the tokens it completes when the request asked for them.
+    Text {
+        /// The text.
+        text: String,
+        /// One entry per token whose text this chunk completes (empty unless requested).
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The sequence finished.
+    Done(Completion),
+    /// The sequence failed.
+    Error(EngineError),
+}
+
+/// Capacity of each request's event channel. When a client reads slower than the engine
+/// generates, text is coalesced on the engine side rather than blocking the loop.
+pub const EVENT_CHANNEL_CAPACITY: usize = 64;
+
+/// What a request asks the engine to process: text, or its tokens when the HTTP side has
+/// tokenized it already (off the engine thread, so a long prompt never stalls a decode step).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Text, tokenized by the engine (BOS added when the model wants it, specials parsed).
+    Text(String),
+    /// Tokens, as `Backend::tokenize` would make them.
+    Tokens(Vec<Token>),
+}
+
+impl From<&str> for Input {
+    fn from(text: &str) -> Self {
+        Input::Text(text.to_string())
+    }
+}
+
+/// A completion request as the engine receives it.
+#[derive(Debug)]
+pub struct Request {
+    /// The prompt.
+    pub prompt: Input,
+    /// Sampling and stopping parameters.
+    pub params: SamplingParams,
+    /// Where events go; a closed channel means the client left.
+    pub events: tokio::sync::mpsc::Sender<Event>,
+    /// The HTTP side cut the prompt to fit the slot.
+    pub truncated: bool,
+    /// When the HTTP side received it.
+    pub received: Instant,
+    /// When it must end (`--timeout`): a queued request is refused, a running one ends with
+    /// "timeout".
+    pub deadline: Option<Instant>,
+}
+
+/// An embedding request as the engine receives it.
+#[derive(Debug)]
+pub struct EmbedRequest {
+    /// What to embed.
+    pub content: Input,
+    /// Cut an input longer than the context instead of failing.
+    pub truncate: bool,
+    /// Where the answer goes; a closed channel means the client left.
+    pub reply: tokio::sync::oneshot::Sender<Result<Embedding, EngineError>>,
+}
+
+/// An embedding result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Embedding {
+    /// The vector (not normalized).
+    pub vector: Vec<f32>,
+    /// Tokens embedded (after truncation).
+    pub prompt_eval_count: usize,
+    /// The input was truncated.
+    pub truncated: bool,
+}
+
+/// A message to the engine thread.
+#[derive(Debug)]
+pub enum Message {
+    /// Serve this request (boxed: a request is large beside a wake-up).
+    Request(Box<Request>),
+    /// Wake up (an embedding request arrived, or shutdown).
+    Wake,
+}

@@ -1,0 +1,165 @@
+//! The wire form of generation options (`options` in native and Ollama requests).
+
+use serde::{Deserialize, Deserializer};
+
+use crate::sched::params::SamplingParams;
+
+/// The `options` object of native and Ollama requests: Ollama's names and defaults. Unknown
+/// fields (Ollama's load-time options such as `num_ctx`) are ignored.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Options {
+    /// Tokens to generate; -1 = until EOG or the slot is full.
+    pub num_predict: i64,
+    /// Prompt tokens kept on truncation/shift; -1 = all.
+    pub num_keep: i64,
+    /// Softmax temperature; 0 = greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: i32,
+    /// Nucleus sampling threshold; 1 = off.
+    pub top_p: f32,
+    /// Minimum probability relative to the best token; 0 = off.
+    pub min_p: f32,
+    /// Locally typical sampling; 1 = off.
+    pub typical_p: f32,
+    /// Window of recent tokens for the penalties; -1 = the whole context.
+    pub repeat_last_n: i32,
+    /// Multiplicative repetition penalty; 1 = off.
+    pub repeat_penalty: f32,
+    /// Additive penalty for tokens present in the window.
+    pub presence_penalty: f32,
+    /// Additive penalty per occurrence in the window.
+    pub frequency_penalty: f32,
+    /// 0 = off, 1 = mirostat, 2 = mirostat v2.
+    pub mirostat: i32,
+    /// Mirostat target entropy.
+    pub mirostat_tau: f32,
+    /// Mirostat learning rate.
+    pub mirostat_eta: f32,
+    /// RNG seed; -1 = random.
+    pub seed: i64,
+    /// Strings that end generation; never part of the output.
+    #[serde(deserialize_with = "one_or_many")]
+    pub stop: Vec<String>,
+    /// Keep generating after an end-of-generation token (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options::from(SamplingParams::default())
+    }
+}
+
+impl From<SamplingParams> for Options {
+    fn from(p: SamplingParams) -> Self {
+        Self {
+            num_predict: p.num_predict,
+            num_keep: p.num_keep,
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            typical_p: p.typical_p,
+            repeat_last_n: p.repeat_last_n,
+            repeat_penalty: p.repeat_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            mirostat: p.mirostat,
+            mirostat_tau: p.mirostat_tau,
+            mirostat_eta: p.mirostat_eta,
+            seed: p.seed,
+            stop: p.stop,
+            ignore_eos: p.ignore_eos,
+        }
+    }
+}
+
+impl Options {
+    /// The engine's parameters with these options (grammar, shift, truncate and the rest at
+    /// their defaults; the caller sets them from the request's top-level fields).
+    pub fn into_params(self) -> SamplingParams {
+        SamplingParams {
+            num_predict: self.num_predict,
+            num_keep: self.num_keep,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            typical_p: self.typical_p,
+            repeat_last_n: self.repeat_last_n,
+            repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            mirostat: self.mirostat,
+            mirostat_tau: self.mirostat_tau,
+            mirostat_eta: self.mirostat_eta,
+            seed: self.seed,
+            stop: self.stop,
+            ignore_eos: self.ignore_eos,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+        Null(()),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+        OneOrMany::Null(()) => Vec::new(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_default_is_ollamas() {
+        let o: Options = serde_json::from_str("{}").unwrap();
+        let expected = [
+            ("num_predict", o.num_predict as f64, -1.0),
+            ("num_keep", o.num_keep as f64, 4.0),
+            ("temperature", o.temperature.into(), 0.8),
+            ("top_k", o.top_k.into(), 40.0),
+            ("top_p", o.top_p.into(), 0.9),
+            ("min_p", o.min_p.into(), 0.0),
+            ("typical_p", o.typical_p.into(), 1.0),
+            ("repeat_last_n", o.repeat_last_n.into(), 64.0),
+            ("repeat_penalty", o.repeat_penalty.into(), 1.1),
+            ("presence_penalty", o.presence_penalty.into(), 0.0),
+            ("frequency_penalty", o.frequency_penalty.into(), 0.0),
+            ("mirostat", o.mirostat.into(), 0.0),
+            ("mirostat_tau", o.mirostat_tau.into(), 5.0),
+            ("mirostat_eta", o.mirostat_eta.into(), 0.1),
+            ("seed", o.seed as f64, -1.0),
+        ];
+        for (name, got, want) in expected {
+            assert!((got - want).abs() < 1e-6, "{name}: {got} != {want}");
+        }
+        assert!(o.stop.is_empty() && !o.ignore_eos);
+        let p = o.into_params();
+        assert!(p.shift && p.truncate && p.grammar.is_none() && p.logprobs.is_none());
+    }
+
+    #[test]
+    fn stop_accepts_a_string_a_list_or_null() {
+        let o: Options = serde_json::from_str(r#"{"stop":"x"}"#).unwrap();
+        assert_eq!(o.stop, vec!["x"]);
+        let o: Options = serde_json::from_str(r#"{"stop":["a","b"]}"#).unwrap();
+        assert_eq!(o.stop, vec!["a", "b"]);
+        let o: Options = serde_json::from_str(r#"{"stop":null}"#).unwrap();
+        assert!(o.stop.is_empty());
+        assert!(serde_json::from_str::<Options>(r#"{"top_k":"x"}"#).is_err());
+        let o: Options = serde_json::from_str(r#"{"num_ctx":8192,"top_k":3}"#).unwrap();
+        assert_eq!(o.top_k, 3);
+    }
+}

@@ -1,0 +1,562 @@
+//! One validation layer before the queue: every dialect's generation or embedding request
+//! becomes tokens plus parameters here, with every limit checked and every value that
+//! llama.cpp would allocate by clamped. A bad request gets its 400 at once, even while every
+//! slot is busy; the engine thread only ever sees requests that cannot hurt it.
+//!
+//! Tokenizing, template rendering and grammar compilation run on tokio's blocking pool, at most
+//! `BLOCKING_TASKS` at a time, so a burst of long prompts cannot occupy every thread.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+
+use super::error::ApiError;
+use crate::engine::{grammar, ModelInfo, Token};
+use crate::kv;
+use crate::sched::params::SamplingParams;
+
+/// Most stop strings one request may give (template end-of-turn markers included).
+pub const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most `logit_bias` entries one request may give.
+pub const MAX_LOGIT_BIAS: usize = 4096;
+/// Most alternatives per token (`top_logprobs`), OpenAI's limit.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most inputs in one embedding request.
+pub const MAX_EMBED_INPUTS: usize = 2048;
+/// Tokenizations, renderings and grammar compilations running at once.
+pub const BLOCKING_TASKS: usize = 4;
+
+static BLOCKING: Semaphore = Semaphore::const_new(BLOCKING_TASKS);
+
+/// Server-wide limits on one request (`--max-tokens`, `--timeout`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Limits {
+    /// Most tokens one request may generate; 0 = no cap (beyond ten slot contexts).
+    pub max_tokens: u32,
+    /// Wall time a request may take from arrival, queueing included; None = no limit.
+    pub timeout: Option<Duration>,
+}
+
+/// A generation request that passed every check: what the engine gets.
+#[derive(Debug)]
+pub struct Generation {
+    /// The prompt's tokens, at most a slot's worth.
+    pub tokens: Vec<Token>,
+    /// Checked and clamped parameters.
+    pub params: SamplingParams,
+    /// The prompt was cut to fit the slot.
+    pub truncated: bool,
+}
+
+/// Runs `f` on the blocking pool, at most `BLOCKING_TASKS` at a time.
+pub async fn blocking<T, F>(f: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    let _permit = BLOCKING
+        .acquire()
+        .await
+        .map_err(|e| ApiError::Internal(format!("blocking pool closed: {e}")))?;
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("blocking task failed: {e}")))
+}
+
+/// Checks the values that have no meaning, naming the option (`options.top_p`).
+pub fn check_options(p: &SamplingParams) -> Result<(), String> {
+    if p.num_predict < -1 {
+        return Err(format!(
+            "options.num_predict must be -1 (unlimited) or >= 0, got {}",
+            p.num_predict
+        ));
+    }
+    if p.num_keep < -1 {
+        return Err(format!(
+            "options.num_keep must be -1 (all) or >= 0, got {}",
+            p.num_keep
+        ));
+    }
+    let finite = [
+        ("temperature", p.temperature),
+        ("top_p", p.top_p),
+        ("min_p", p.min_p),
+        ("typical_p", p.typical_p),
+        ("repeat_penalty", p.repeat_penalty),
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+        ("mirostat_tau", p.mirostat_tau),
+        ("mirostat_eta", p.mirostat_eta),
+    ];
+    for (name, v) in finite {
+        if !v.is_finite() {
+            return Err(format!("options.{name} must be a finite number"));
+        }
+    }
+    if p.temperature < 0.0 {
+        return Err("options.temperature must be >= 0".into());
+    }
+    for (name, v) in [
+        ("top_p", p.top_p),
+        ("min_p", p.min_p),
+        ("typical_p", p.typical_p),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(format!("options.{name} must be between 0 and 1, got {v}"));
+        }
+    }
+    if p.top_k < 0 {
+        return Err("options.top_k must be >= 0".into());
+    }
+    if !(0..=2).contains(&p.mirostat) {
+        return Err("options.mirostat must be 0, 1 or 2".into());
+    }
+    if p.repeat_last_n < -1 {
+        return Err("options.repeat_last_n must be -1 or >= 0".into());
+    }
+    if p.stop.iter().any(String::is_empty) {
+        return Err("options.stop must not contain empty strings".into());
+    }
+    if p.stop.len() > MAX_STOP_STRINGS {
+        return Err(format!(
+            "options.stop: at most {MAX_STOP_STRINGS} stop strings, got {}",
+            p.stop.len()
+        ));
+    }
+    if p.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(format!(
+            "options.stop: a stop string may have at most {MAX_STOP_BYTES} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks what depends on the model and the server's limits, and clamps what llama.cpp would
+/// allocate by: `num_predict` to `--max-tokens`, `repeat_last_n` to the slot (its penalty ring
+/// is allocated and zeroed at that size), `logit_bias` ids inside the vocabulary.
+pub fn check_for_model(
+    p: &mut SamplingParams,
+    info: &ModelInfo,
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    check_options(p).map_err(ApiError::InvalidRequest)?;
+    if limits.max_tokens > 0 {
+        let cap = i64::from(limits.max_tokens);
+        if p.num_predict < 0 || p.num_predict > cap {
+            p.num_predict = cap;
+        }
+    }
+    let slot = i32::try_from(info.slot_ctx).unwrap_or(i32::MAX);
+    if p.repeat_last_n < 0 || p.repeat_last_n > slot {
+        p.repeat_last_n = slot;
+    }
+    if p.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(format!(
+            "logit_bias: at most {MAX_LOGIT_BIAS} entries, got {}",
+            p.logit_bias.len()
+        )));
+    }
+    let n_vocab = i32::try_from(info.n_vocab).unwrap_or(i32::MAX);
+    for &(token, bias) in &p.logit_bias {
+        if !(0..n_vocab).contains(&token) {
+            return Err(ApiError::invalid(format!(
+                "logit_bias: token {token} is not in the vocabulary (0..{n_vocab})"
+            )));
+        }
+        if bias.is_nan() {
+            return Err(ApiError::invalid("logit_bias: a bias must be a number"));
+        }
+    }
+    if p.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::invalid(format!(
+            "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+        )));
+    }
+    if let Some(g) = &p.grammar {
+        grammar::check_bounds(g).map_err(ApiError::InvalidRequest)?;
+    }
+    Ok(())
+}
+
+/// Fits a prompt into a slot: unchanged when it fits, else cut keeping `num_keep` (+BOS) and
+/// the most recent tokens, or a `context_length_exceeded` when truncation is off. Returns
+/// whether it was cut.
+pub fn fit_prompt(
+    tokens: &mut Vec<Token>,
+    p: &SamplingParams,
+    info: &ModelInfo,
+) -> Result<bool, ApiError> {
+    let ctx = info.slot_ctx;
+    if tokens.len() < ctx {
+        return Ok(false);
+    }
+    if !p.truncate {
+        return Err(too_long("prompt", tokens.len(), ctx));
+    }
+    let has_bos = info.bos.is_some_and(|b| tokens.first() == Some(&b));
+    let keep = kv::keep_count(p.num_keep, tokens.len(), has_bos, ctx);
+    let before = tokens.len();
+    let cut = kv::truncate_prompt(tokens, keep, ctx);
+    tracing::warn!(
+        prompt = before,
+        kept = tokens.len(),
+        num_keep = keep,
+        slot_ctx = ctx,
+        "prompt truncated to fit the slot"
+    );
+    Ok(cut)
+}
+
+/// The 400 for an input that does not fit and may not be truncated.
+pub fn too_long(what: &str, tokens: usize, capacity: usize) -> ApiError {
+    ApiError::ContextLength(format!(
+        "the input length exceeds the context length: the {what} has {tokens} tokens, a slot \
+         holds {capacity} (raise --ctx-size, or allow truncation)"
+    ))
+}
+
+/// Bytes of text per slot token a prompt or input may have before it is tokenized: far more
+/// than any text needs (English is about 4 bytes a token), and a bound on tokenizing time
+/// (llama.cpp's tokenizers slow down more than linearly on huge inputs, and a blocking task
+/// cannot be cancelled when its client leaves).
+pub const MAX_TEXT_BYTES_PER_TOKEN: usize = 32;
+
+/// Most bytes of text one prompt or embedding input may have.
+pub fn max_text_bytes(info: &ModelInfo) -> usize {
+    info.slot_ctx
+        .saturating_mul(MAX_TEXT_BYTES_PER_TOKEN)
+        .max(64 * 1024)
+}
+
+/// Tokenizes text on the blocking pool; `what` names it in errors.
+pub async fn tokenize(
+    info: &Arc<ModelInfo>,
+    text: String,
+    what: &str,
+) -> Result<Vec<Token>, ApiError> {
+    let max = max_text_bytes(info);
+    if text.len() > max {
+        return Err(ApiError::ContextLength(format!(
+            "the input length exceeds the context length: the {what} has {} bytes of text, at \
+             most {max} are read for a slot of {} tokens (raise --ctx-size)",
+            text.len(),
+            info.slot_ctx
+        )));
+    }
+    let model = info.text.clone();
+    let tokens = blocking(move || model.tokenize(&text))
+        .await?
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(format!("the {what} has no tokens")));
+    }
+    Ok(tokens)
+}
+
+/// Validates a whole generation request: parameters, grammar (compiled against the
+/// vocabulary), and the prompt's tokens fitted into a slot.
+pub async fn generation(
+    info: &Arc<ModelInfo>,
+    limits: &Limits,
+    prompt: String,
+    mut params: SamplingParams,
+) -> Result<Generation, ApiError> {
+    check_for_model(&mut params, info, limits)?;
+    if let Some(g) = params.grammar.clone() {
+        let model = info.text.clone();
+        blocking(move || model.check_grammar(&g))
+            .await?
+            .map_err(ApiError::InvalidRequest)?;
+    }
+    let mut tokens = tokenize(info, prompt, "prompt").await?;
+    let truncated = fit_prompt(&mut tokens, &params, info)?;
+    Ok(Generation {
+        tokens,
+        params,
+        truncated,
+    })
+}
+
+/// Validates one embedding input: its tokens, fitted into the embedding context (cut when
+/// `truncate`, else a `context_length_exceeded`). Returns the tokens and whether they were cut.
+pub async fn embedding_input(
+    info: &Arc<ModelInfo>,
+    text: String,
+    truncate: bool,
+) -> Result<(Vec<Token>, bool), ApiError> {
+    if text.is_empty() {
+        return Err(ApiError::invalid("an input to embed must not be empty"));
+    }
+    let mut tokens = tokenize(info, text, "input").await?;
+    let capacity = info.slot_ctx;
+    if tokens.len() <= capacity {
+        return Ok((tokens, false));
+    }
+    if !truncate {
+        return Err(too_long("input", tokens.len(), capacity));
+    }
+    tokens.truncate(capacity);
+    Ok((tokens, true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> ModelInfo {
+        ModelInfo::placeholder(64)
+    }
+
+    fn params() -> SamplingParams {
+        SamplingParams::default()
+    }
+
+    #[test]
+    fn meaningless_values_name_the_option() {
+        for (p, name) in [
+            (
+                SamplingParams {
+                    num_predict: -2,
+                    ..params()
+                },
+                "num_predict",
+            ),
+            (
+                SamplingParams {
+                    num_keep: -5,
+                    ..params()
+                },
+                "num_keep",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.5,
+                    ..params()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: -0.1,
+                    ..params()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    typical_p: f32::NAN,
+                    ..params()
+                },
+                "typical_p",
+            ),
+            (
+                SamplingParams {
+                    temperature: -1.0,
+                    ..params()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::INFINITY,
+                    ..params()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    top_k: -1,
+                    ..params()
+                },
+                "top_k",
+            ),
+            (
+                SamplingParams {
+                    mirostat: 3,
+                    ..params()
+                },
+                "mirostat",
+            ),
+            (
+                SamplingParams {
+                    repeat_last_n: -2,
+                    ..params()
+                },
+                "repeat_last_n",
+            ),
+            (
+                SamplingParams {
+                    stop: vec![String::new()],
+                    ..params()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".into(); MAX_STOP_STRINGS + 1],
+                    ..params()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".repeat(MAX_STOP_BYTES + 1)],
+                    ..params()
+                },
+                "stop",
+            ),
+        ] {
+            let err = check_options(&p).unwrap_err();
+            assert!(err.contains(&format!("options.{name}")), "{name}: {err}");
+        }
+        assert_eq!(check_options(&params()), Ok(()));
+        let edge = SamplingParams {
+            stop: vec!["x".repeat(MAX_STOP_BYTES); MAX_STOP_STRINGS],
+            num_keep: -1,
+            repeat_last_n: -1,
+            num_predict: -1,
+            ..params()
+        };
+        assert_eq!(check_options(&edge), Ok(()));
+    }
+
+    #[test]
+    fn repeat_last_n_is_clamped_to_the_slot() {
+        for (given, want) in [
+            (i32::MAX, 64),
+            (-1, 64),
+            (65, 64),
+            (64, 64),
+            (10, 10),
+            (0, 0),
+        ] {
+            let mut p = SamplingParams {
+                repeat_last_n: given,
+                ..params()
+            };
+            check_for_model(&mut p, &info(), &Limits::default()).unwrap();
+            assert_eq!(p.repeat_last_n, want, "{given}");
+        }
+    }
+
+    #[test]
+    fn num_predict_is_capped_by_max_tokens() {
+        let limits = Limits {
+            max_tokens: 100,
+            timeout: None,
+        };
+        for (given, want) in [
+            (-1, 100),
+            (0, 0),
+            (50, 50),
+            (100, 100),
+            (101, 100),
+            (i64::MAX, 100),
+        ] {
+            let mut p = SamplingParams {
+                num_predict: given,
+                ..params()
+            };
+            check_for_model(&mut p, &info(), &limits).unwrap();
+            assert_eq!(p.num_predict, want, "{given}");
+        }
+        let mut p = params();
+        check_for_model(&mut p, &info(), &Limits::default()).unwrap();
+        assert_eq!(p.num_predict, -1, "no cap without --max-tokens");
+    }
+
+    #[test]
+    fn logit_bias_ids_and_count_and_top_logprobs_are_checked() {
+        let n_vocab = i32::try_from(info().n_vocab).unwrap();
+        for bias in [
+            vec![(-1, 1.0)],
+            vec![(n_vocab, 1.0)],
+            vec![(i32::MAX, 1.0)],
+            vec![(3, f32::NAN)],
+        ] {
+            let mut p = SamplingParams {
+                logit_bias: bias.clone(),
+                ..params()
+            };
+            let err = check_for_model(&mut p, &info(), &Limits::default()).unwrap_err();
+            assert_eq!(err.kind(), "invalid_request", "{bias:?}");
+        }
+        let mut p = SamplingParams {
+            logit_bias: vec![(0, -100.0), (n_vocab - 1, 100.0)],
+            ..params()
+        };
+        assert!(check_for_model(&mut p, &info(), &Limits::default()).is_ok());
+        let mut p = SamplingParams {
+            logit_bias: vec![(1, 1.0); MAX_LOGIT_BIAS + 1],
+            ..params()
+        };
+        assert!(check_for_model(&mut p, &info(), &Limits::default()).is_err());
+        let mut p = SamplingParams {
+            logprobs: Some(MAX_TOP_LOGPROBS + 1),
+            ..params()
+        };
+        assert!(check_for_model(&mut p, &info(), &Limits::default()).is_err());
+        let mut p = SamplingParams {
+            logprobs: Some(MAX_TOP_LOGPROBS),
+            ..params()
+        };
+        assert!(check_for_model(&mut p, &info(), &Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn deep_or_huge_grammars_are_refused_before_any_parser_sees_them() {
+        let deep = format!("root ::= {}\"a\"{}", "(".repeat(50_000), ")".repeat(50_000));
+        let mut p = SamplingParams {
+            grammar: Some(deep),
+            ..params()
+        };
+        let err = check_for_model(&mut p, &info(), &Limits::default()).unwrap_err();
+        assert!(err.to_string().contains("nest deeper"), "{err}");
+    }
+
+    #[test]
+    fn prompts_are_fitted_into_the_slot_or_refused() {
+        let info = info();
+        let mut short: Vec<Token> = (0..63).collect();
+        assert!(!fit_prompt(&mut short, &params(), &info).unwrap());
+        assert_eq!(short.len(), 63);
+        let mut long: Vec<Token> = (0..200).collect();
+        assert!(fit_prompt(&mut long, &params(), &info).unwrap());
+        assert!(long.len() < 64, "{}", long.len());
+        assert_eq!(&long[..4], &[0, 1, 2, 3], "num_keep 4 kept the head");
+        assert_eq!(long.last(), Some(&199), "the most recent token kept");
+        let no = SamplingParams {
+            truncate: false,
+            ..params()
+        };
+        let err = fit_prompt(&mut (0..64).collect(), &no, &info).unwrap_err();
+        assert_eq!(err.kind(), "context_length_exceeded");
+    }
+
+    #[tokio::test]
+    async fn text_too_long_to_tokenize_is_refused_before_tokenizing() {
+        let info = Arc::new(info());
+        let max = max_text_bytes(&info);
+        let err = tokenize(&info, "a".repeat(max + 1), "prompt")
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "context_length_exceeded");
+        assert!(err.to_string().contains("bytes of text"), "{err}");
+        let tokens = tokenize(&info, "a".repeat(max), "prompt").await.unwrap();
+        assert_eq!(tokens.len(), max + 1);
+    }
+
+    #[tokio::test]
+    async fn embedding_inputs_are_cut_or_refused() {
+        let info = Arc::new(info());
+        let long = "x".repeat(100);
+        let (tokens, cut) = embedding_input(&info, long.clone(), true).await.unwrap();
+        assert!(cut && tokens.len() == 64);
+        let err = embedding_input(&info, long, false).await.unwrap_err();
+        assert_eq!(err.kind(), "context_length_exceeded");
+        assert!(embedding_input(&info, String::new(), true).await.is_err());
+    }
+}
