@@ -1,14 +1,20 @@
-"""Shared fixtures: tiny GGUF models, in-process servers, the real default model."""
+"""Shared fixtures: tiny GGUF models, in-process servers, the real default model.
+
+Tests marked ``real_model`` run on the default model and are skipped when it is not
+installed, unless ``LLAMARUNNER_TESTS_REQUIRE_REAL_MODEL`` is set (CI sets it): then a
+skipped real-model test is a failure, so a green run cannot hide that they never ran.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from llamarunner import Server
+from llamarunner import NoModelError, Server
 
 from tinymodel import write_tiny_model
 
@@ -51,11 +57,41 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
+REQUIRE_REAL_MODEL_ENV = "LLAMARUNNER_TESTS_REQUIRE_REAL_MODEL"
+
+
+def real_model_required() -> bool:
+    return os.environ.get(REQUIRE_REAL_MODEL_ENV, "") not in ("", "0")
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    try:
-        from llamarunner import default_model_path
+    """The default model's file. Only "not installed" skips (or fails, when required); any
+    other error (a broken package, say) is an error of the tests that need it."""
+    from llamarunner import default_model_path
 
+    try:
         return default_model_path()
-    except Exception as e:  # not installed
+    except NoModelError as e:
+        if real_model_required():
+            pytest.fail(f"{REQUIRE_REAL_MODEL_ENV} is set but the default model is missing: {e}")
         pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """With ``LLAMARUNNER_TESTS_REQUIRE_REAL_MODEL`` set, a real-model test that was skipped,
+    for whatever reason, fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and real_model_required()
+        and item.get_closest_marker("real_model") is not None
+        and not hasattr(report, "wasxfail")
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"real-model test skipped while {REQUIRE_REAL_MODEL_ENV} is set: {reason}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -25,7 +27,16 @@ from llamarunner import (
     Server,
     ServiceUnavailableError,
 )
+from llamarunner import client as client_module
 from llamarunner.client import resolve_base_url
+
+from helpers import wait_idle
+
+
+@pytest.fixture
+def no_retry_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries without the back-off sleeps, to keep the tests fast."""
+    monkeypatch.setattr(client_module, "_RETRY_DELAYS", (0.0,))
 
 
 def test_complete(tiny_server: Server) -> None:
@@ -58,10 +69,7 @@ def test_leaving_a_stream_early_frees_the_slot(
     with client.complete("hello", stream=True, temperature=1, ignore_eos=True) as stream:
         for _ in stream:
             break
-    deadline = time.monotonic() + 10
-    while client.health().slots_processing:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_idle(srv.url)
     assert client.complete("next", num_predict=2, ignore_eos=True).eval_count == 2
 
 
@@ -83,19 +91,27 @@ def test_connection_error() -> None:
 
 
 def test_429_and_503_are_typed(tiny_model: Path, start_server: Callable[..., Server]) -> None:
-    # One slot and a queue of one: a running request, a waiting one, and the third is refused.
+    # One slot and a queue of one: with a request running, of two more sent at once one waits
+    # and the other is refused. Which is which is up to the race, so no sleep decides it.
     srv = start_server(tiny_model, parallel=1, ctx_size=60000, max_queue=1)
     client = srv.client(max_retries=0)
     running = client.complete("a", stream=True, temperature=1, ignore_eos=True)
     chunks = iter(running)  # keep a reference: a dropped iterator closes the stream
     next(chunks)
-    with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(client.complete, "b", num_predict=2, ignore_eos=True)
-        time.sleep(0.3)
+    with ThreadPoolExecutor(2) as pool:
+        both = [
+            pool.submit(client.complete, prompt, num_predict=2, ignore_eos=True)
+            for prompt in ("b", "c")
+        ]
+        done, _ = wait(both, timeout=30, return_when=FIRST_COMPLETED)
+        assert len(done) == 1, "neither request was refused"
+        refused = done.pop()
         with pytest.raises(RateLimitError) as e:
-            client.complete("c", num_predict=1)
+            refused.result()
         assert e.value.status_code == 429
         assert e.value.type == "overloaded"
+        (waiting,) = [f for f in both if f is not refused]
+        assert not waiting.done(), "the other one waits for the slot"
         running.close()
         assert waiting.result(timeout=30).eval_count == 2
     url = srv.url
@@ -142,7 +158,10 @@ def test_wait_ready_and_health(tiny_server: Server) -> None:
     client = Client(tiny_server.url)
     h = client.wait_ready(5)
     assert h.status == "ready"
-    assert h.slots_idle == 2
+    # Earlier tests' slots are released just after their last step.
+    wait_idle(tiny_server.url)
+    h = client.health()
+    assert (h.slots_idle, h.slots_processing) == (2, 0)
 
 
 def mock_client(handler: Callable[[httpx.Request], httpx.Response], **kw: object) -> Client:
@@ -196,6 +215,30 @@ def test_400_is_never_retried_and_timeouts_are_typed() -> None:
         mock_client(slow).complete("x")
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_line_separators_inside_the_text_do_not_split_a_line(use_async: bool) -> None:
+    """NDJSON lines end at "\\n" only. JSON strings carry U+2028, U+2029 and U+0085 unescaped
+    (the server's serde_json writes them as they are, and models write them), so a reader
+    that splits where str.splitlines does (httpx's iter_lines) breaks such a line in two."""
+    text = "a\u2028b\u2029c\u0085d"
+    piece = json.dumps({"content": text, "done": False}, ensure_ascii=False)
+    assert "\u2028" in piece  # raw, as the server sends it
+    body = (piece + "\n" + '{"content":"","done":true,"done_reason":"stop"}\n').encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body)
+
+    if use_async:
+
+        async def main() -> str:
+            async with async_mock_client(handler) as c:
+                return (await c.complete("x")).text
+
+        assert asyncio.run(main()) == text
+    else:
+        assert mock_client(handler).complete("x").text == text
+
+
 def test_error_inside_a_stream_raises() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         lines = (
@@ -223,8 +266,181 @@ def test_async_stream_early_exit_frees_the_slot(
                     break
             deadline = time.monotonic() + 10
             while (await client.health()).slots_processing:
-                assert time.monotonic() < deadline
+                assert time.monotonic() < deadline, "the slot stayed busy"
                 await asyncio.sleep(0.01)
             assert (await client.complete("next", num_predict=2, ignore_eos=True)).eval_count == 2
 
     asyncio.run(main())
+
+
+# --- retry rules: connection errors and 503 are retried, nothing else, never mid-stream ----
+
+OK_LINES = '{"content":"hi","done":false}\n{"content":"","done":true,"done_reason":"stop"}\n'
+LOADING = {"error": {"message": "the model is still loading", "type": "model_loading"}}
+
+
+def async_mock_client(
+    handler: Callable[[httpx.Request], httpx.Response], **kw: object
+) -> AsyncClient:
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return AsyncClient("http://runner.test", http_client=http, **kw)  # type: ignore[arg-type]
+
+
+def flaky(failures: list[Any]) -> tuple[Callable[[httpx.Request], httpx.Response], list[str]]:
+    """A handler that answers with (or raises) each of ``failures`` in turn, then succeeds."""
+    calls: list[str] = []
+    left = list(failures)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if left:
+            failure = left.pop(0)
+            if isinstance(failure, Exception):
+                raise failure
+            return httpx.Response(failure, json=LOADING)
+        return httpx.Response(200, text=OK_LINES)
+
+    return handler, calls
+
+
+def connect_error() -> httpx.ConnectError:
+    return httpx.ConnectError("connection refused")
+
+
+@pytest.mark.usefixtures("no_retry_delay")
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_connection_errors_and_503_are_retried(use_async: bool) -> None:
+    def run(handler: Callable[[httpx.Request], httpx.Response], **kw: object) -> Completion:
+        if use_async:
+
+            async def main() -> Completion:
+                async with async_mock_client(handler, **kw) as c:
+                    return await c.complete("x")
+
+            return asyncio.run(main())
+        return mock_client(handler, **kw).complete("x")
+
+    # Two failures, two retries: the third try answers.
+    handler, calls = flaky([connect_error(), 503])
+    assert run(handler, max_retries=2).text == "hi"
+    assert len(calls) == 3
+    # One failure too many: the last one is raised, typed.
+    handler, calls = flaky([connect_error(), connect_error(), connect_error()])
+    with pytest.raises(APIConnectionError):
+        run(handler, max_retries=2)
+    assert len(calls) == 3
+    handler, calls = flaky([503, 503])
+    with pytest.raises(ServiceUnavailableError):
+        run(handler, max_retries=1)
+    assert len(calls) == 2
+    # max_retries=0: one try only.
+    handler, calls = flaky([503])
+    with pytest.raises(ServiceUnavailableError):
+        run(handler, max_retries=0)
+    assert len(calls) == 1
+
+
+@pytest.mark.usefixtures("no_retry_delay")
+@pytest.mark.parametrize("status", [400, 404, 429, 500])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_other_errors_are_never_retried(status: int, use_async: bool) -> None:
+    handler, calls = flaky([status])
+    with pytest.raises(APIStatusError) as e:
+        if use_async:
+
+            async def main() -> None:
+                async with async_mock_client(handler, max_retries=3) as c:
+                    await c.complete("x")
+
+            asyncio.run(main())
+        else:
+            mock_client(handler, max_retries=3).complete("x")
+    assert e.value.status_code == status
+    assert len(calls) == 1
+
+
+class BrokenStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body that sends one line, then loses the connection."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b'{"content":"a","done":false}\n'
+        raise httpx.ReadError("connection reset")
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'{"content":"a","done":false}\n'
+        raise httpx.ReadError("connection reset")
+
+
+@pytest.mark.usefixtures("no_retry_delay")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_stream_that_breaks_is_never_retried(stream: bool, use_async: bool) -> None:
+    """Once the answer has started, a lost connection is an error, never a second request
+    (which would generate, and bill, the text twice)."""
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200, stream=BrokenStream())
+
+    received: list[str] = []
+
+    async def run_async() -> None:
+        async with async_mock_client(handler, max_retries=3) as c:
+            if stream:
+                s = await c.complete("x", stream=True)
+                async with s:
+                    async for chunk in s:
+                        received.append(chunk.content)
+            else:
+                await c.complete("x")
+
+    with pytest.raises(APIConnectionError):
+        if use_async:
+            asyncio.run(run_async())
+        elif stream:
+            with mock_client(handler, max_retries=3).complete("x", stream=True) as s:
+                for chunk in s:
+                    received.append(chunk.content)
+        else:
+            mock_client(handler, max_retries=3).complete("x")
+    assert len(calls) == 1
+    assert received == (["a"] if stream else [])
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_wait_ready_times_out_while_loading_and_raises_a_failed_load(use_async: bool) -> None:
+    def loading(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/health"
+        return httpx.Response(503, json={"status": "loading", "progress": 0.5})
+
+    def failed(request: httpx.Request) -> httpx.Response:
+        body = {"status": "error", "progress": 0.0, "error": "llama.cpp could not load m.gguf"}
+        return httpx.Response(500, json=body)
+
+    def wait_ready(handler: Callable[[httpx.Request], httpx.Response], timeout: float) -> None:
+        if use_async:
+
+            async def main() -> None:
+                async with async_mock_client(handler) as c:
+                    await c.wait_ready(timeout)
+
+            asyncio.run(main())
+        else:
+            mock_client(handler).wait_ready(timeout)
+
+    started = time.monotonic()
+    with pytest.raises(APITimeoutError, match="not ready within"):
+        wait_ready(loading, 0.3)
+    assert 0.3 <= time.monotonic() - started < 5
+    with pytest.raises(APIStatusError) as e:
+        wait_ready(failed, 30)
+    assert e.value.type == "model_load_failed"
+    assert "could not load" in e.value.message
+
+
+def test_wait_ready_times_out_when_nothing_listens() -> None:
+    started = time.monotonic()
+    with pytest.raises(APITimeoutError):
+        Client("http://127.0.0.1:9", max_retries=0).wait_ready(0.3)
+    assert time.monotonic() - started < 5

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import httpx
+import numpy as np
 import pytest
 
 from llamarunner import BadRequestError, Server
 
-from helpers import complete
-from tinymodel import N_EMBD
+from helpers import Neighbour
+from tinymodel import N_EMBD, byte_tokens, hidden_states, model_tensors, write_tiny_model
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -24,10 +26,11 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def small_batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from tinymodel import write_tiny_model
-
     model = write_tiny_model(tmp_path_factory.mktemp("emb") / "tiny.gguf")
-    srv = Server(str(model), port=0, parallel=2, ctx_size=256, batch_size=32, threads=2)
+    # Flash attention on: the arithmetic the numpy reference reproduces (see hidden_states).
+    srv = Server(
+        str(model), port=0, parallel=2, ctx_size=256, batch_size=32, threads=2, flash_attn="on"
+    )
     srv.start().wait_ready(60)
     yield srv
     srv.stop()
@@ -45,21 +48,61 @@ def test_embedding_shape_and_determinism(small_batch: Server) -> None:
     assert abs(norm - 1.0) > 1e-3, "the native endpoint does not normalize"
 
 
+def random_text(n: int, seed: int) -> str:
+    """``n`` letters, no spaces, not starting with "a": one byte token each (`byte_tokens`)."""
+    rng = random.Random(seed)
+    return "x" + "".join(rng.choice("bcdefghijklmnopqrstuvwxyz") for _ in range(n - 1))
+
+
+def reference_embedding(text: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """Mean pooling of the numpy forward pass over the whole input in one piece."""
+    return hidden_states(byte_tokens(text), tensors).mean(axis=0)
+
+
+def assert_agrees(got: list[float], want: np.ndarray) -> None:
+    # Leaving out one token of 100 (BOS, say) moves the mean by about 1e-2; the reference
+    # agrees to about 3e-5 (float16 keys and values included).
+    assert cosine(got, list(want)) > 1 - 1e-7
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=3e-4)
+
+
 def test_longer_than_the_batch_size(small_batch: Server) -> None:
-    text = "the cat and the dog " * 5  # ~130 tokens, batch size 32
-    v = small_batch.client().embed(text)
-    assert len(v) == N_EMBD
+    """About 200 tokens through a server whose batch is 32: the mean of the per-token
+    embeddings of the whole input, as a forward pass over all of it at once gives it."""
+    text = random_text(200, seed=1)
+    r = httpx.post(f"{small_batch.url}/embedding", json={"content": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_eval_count"] == len(byte_tokens(text)) > 32
+    assert_agrees(r.json()["embedding"], reference_embedding(text, model_tensors()))
+
+
+def test_pieces_of_a_large_vocabulary_agree_with_one_piece(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    """A generative model's embedding is mean-pooled piece by piece, 64 MiB of logits at a
+    time: with 70,000 tokens in the vocabulary a piece is 239 tokens, so 600 tokens take three
+    pieces through the causal KV cache. The result is the mean over the whole input."""
+    extra = 70_000 - 269
+    model = write_tiny_model(tmp_path / "big-vocab.gguf", extra_tokens=extra)
+    srv = start_server(model, ctx_size=1024, flash_attn="on")
+    tensors = model_tensors(extra_tokens=extra)
+    for n in (100, 600):
+        text = random_text(n, seed=n)
+        r = httpx.post(f"{srv.url}/embedding", json={"content": text}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_eval_count"] == len(byte_tokens(text))
+        assert_agrees(r.json()["embedding"], reference_embedding(text, tensors))
 
 
 def test_independent_of_concurrent_work(small_batch: Server) -> None:
     client = small_batch.client()
     alone = client.embed("hello world")
-    with ThreadPoolExecutor(3) as pool:
-        gen = pool.submit(complete, small_batch.url, "the world", num_predict=100)
+    # A generation runs in the main context for the whole time the embeddings are computed.
+    with Neighbour(small_batch.url) as neighbour, ThreadPoolExecutor(4) as pool:
         beside = [pool.submit(client.embed, "hello world") for _ in range(4)]
         for f in beside:
-            assert cosine(f.result(), alone) > 0.9999
-        gen.result()
+            assert f.result() == alone  # a context of its own: bit for bit
+        neighbour.still_running()
 
 
 def test_too_long_is_400_or_truncated(small_batch: Server) -> None:
@@ -74,10 +117,25 @@ def test_too_long_is_400_or_truncated(small_batch: Server) -> None:
     assert len(client.embed("ok")) == N_EMBD
 
 
-@pytest.mark.parametrize("body", [{}, {"content": ""}, {"content": 3}])
-def test_bad_embedding_requests(small_batch: Server, body: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    ("body", "kind", "fragment"),
+    [
+        ({}, "invalid_request", "content"),
+        ({"content": ""}, "invalid_request", "content"),
+        ({"content": 3}, "invalid_json", "content"),
+        ({"content": "x", "truncate": "yes"}, "invalid_json", "truncate"),
+    ],
+)
+def test_bad_embedding_requests(
+    small_batch: Server, body: dict[str, object], kind: str, fragment: str
+) -> None:
     r = httpx.post(f"{small_batch.url}/embedding", json=body)
     assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == kind, err
+    assert fragment in err["message"], err
+    r = httpx.post(f"{small_batch.url}/embedding", content=b"{")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_json"
 
 
 def test_async_embed(small_batch: Server) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import complete
+from helpers import complete, ndjson, slots_processing, wait_until
 
 pytestmark = pytest.mark.real_model
 
@@ -40,6 +40,7 @@ def test_chat_follow_up_reuses_everything_before_the_new_text(small_ctx: Server)
     assert second["prompt_cached_count"] >= reused_at_least, (first, second)
 
 
+@pytest.mark.timeout(600)  # 1000 tokens on two threads: the slowest test of the suite
 def test_context_shift_generates_past_the_slot(small_ctx: Server) -> None:
     text, final = complete(
         small_ctx.url,
@@ -87,10 +88,15 @@ def test_multiuser_cache_forks_a_shared_system_prompt(
             "options": {"num_predict": 300, "ignore_eos": True},
         },
     ) as a:
-        next(a.iter_lines())
+        a_lines = ndjson(a)  # kept: a dropped iterator closes the connection
+        next(a_lines)
         text, final = complete(
             srv.url, system + "User: Can I renew a book?\nAssistant:", temperature=0, num_predict=8
         )
+        # A was still generating when B ended: B could not have found A's slot free (and
+        # extended it); its prefix came by a fork.
+        wait_until(lambda: slots_processing(srv.url) <= 1, "B to leave its slot")
+        assert slots_processing(srv.url) == 1, "user A ended before user B did"
     # User B's slot got the shared prefix by a fork instead of recomputing it.
     assert final["prompt_cached_count"] >= final["prompt_eval_count"] - 12, final
     assert text.strip(), "a real answer after the fork"

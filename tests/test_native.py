@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -13,7 +13,16 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import complete
+from helpers import (
+    assert_all_busy,
+    complete,
+    ndjson,
+    parse_ndjson,
+    run_together,
+    stream_lines,
+    wait_idle,
+)
+from tinymodel import write_cycle_model
 
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 16}
 
@@ -36,7 +45,7 @@ def test_stream_format(tiny_server: Server) -> None:
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/x-ndjson"
-        lines = [json.loads(line) for line in r.iter_lines() if line]
+        lines = list(ndjson(r))
     *chunks, final = lines
     assert chunks, "at least one text chunk"
     for c in chunks:
@@ -58,10 +67,13 @@ def test_greedy_is_deterministic(tiny_server: Server) -> None:
 
 
 def test_same_seed_same_text(tiny_server: Server) -> None:
-    opts = {"temperature": 1.0, "seed": 42, "num_predict": 24}
-    a, _ = complete(tiny_server.url, "a dog and", **opts)
-    b, _ = complete(tiny_server.url, "a dog and", **opts)
+    opts = {"temperature": 1.0, "num_predict": 24, "ignore_eos": True}
+    a, _ = complete(tiny_server.url, "a dog and", seed=42, **opts)
+    b, _ = complete(tiny_server.url, "a dog and", seed=42, **opts)
     assert a == b
+    # The seed is what fixes it: another seed samples another text.
+    c, _ = complete(tiny_server.url, "a dog and", seed=43, **opts)
+    assert c != a
 
 
 @pytest.mark.parametrize("n", [1, 5, 33])
@@ -115,14 +127,20 @@ def test_full_slot_ends_with_length(tiny_model: Path, start_server: Callable[...
 def test_parallel_requests_match_sequential(
     tiny_model: Path, start_server: Callable[..., Server]
 ) -> None:
-    srv = start_server(tiny_model, parallel=4, ctx_size=256)
-    prompts = [f"the {w} is a" for w in ("cat", "dog", "world", "hello", "and", "of")]
-    sequential = [complete(srv.url, p, temperature=0, num_predict=24)[0] for p in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        parallel = list(
-            pool.map(lambda p: complete(srv.url, p, temperature=0, num_predict=24)[0], prompts)
-        )
-    assert parallel == sequential
+    """Four greedy streams decoded together give the text each gives alone. The slot table
+    read once all four have started shows them all busy: they really shared batches (each was
+    then a few dozen tokens into its answer). Not much longer: llama.cpp's kernels are not
+    batch-invariant (see test_real_model.py), and one of these answers parts from its
+    sequential self at about 390 tokens."""
+    n = 256
+    srv = start_server(tiny_model, parallel=4, ctx_size=512)
+    prompts = [f"the {w} is a" for w in ("cat", "dog", "world", "hello")]
+    options = {"temperature": 0, "num_predict": n, "ignore_eos": True}
+    sequential = [complete(srv.url, p, **options)[0] for p in prompts]
+    results, slots = run_together(srv.url, [{"prompt": p, "options": options} for p in prompts])
+    assert_all_busy(slots, 4)
+    assert [final["eval_count"] for _, final in results] == [n] * 4
+    assert [text for text, _ in results] == sequential
 
 
 def test_disconnect_frees_the_slot(tiny_model: Path, start_server: Callable[..., Server]) -> None:
@@ -140,26 +158,100 @@ def test_disconnect_frees_the_slot(tiny_model: Path, start_server: Callable[...,
     assert final["eval_count"] == 3
 
 
-def test_utf8_chunks_are_always_valid(tiny_server: Server) -> None:
-    # Random weights emit arbitrary bytes; the JSON lines must still be valid UTF-8.
-    with httpx.stream(
-        "POST",
-        f"{tiny_server.url}/completion",
-        json={"prompt": "\u00e9t\u00e9 \U0001f4b7", "options": {"num_predict": 200, "seed": 7}},
-    ) as r:
-        for raw in r.iter_bytes():
-            raw.decode("utf-8")
+def test_multibyte_characters_are_never_split_between_chunks(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    """A model that writes "日é💷" over and over, one byte token at a time (the tiny vocabulary
+    has only byte tokens for these characters): two to four tokens each. Every JSON line must
+    carry whole characters; a piece cut inside one would decode to U+FFFD."""
+    srv = start_server(write_cycle_model(tmp_path / "cycle.gguf", "\u65e5\u00e9\U0001f4b7"))
+    for n in (9 * 20, 9 * 20 + 5):  # 20 rounds, then 20 rounds and 日 and é
+        lines = list(
+            stream_lines(
+                srv.url, {"prompt": "hello", "options": {"num_predict": n, "temperature": 0}}
+            )
+        )
+        *chunks, final = lines
+        assert final["done"] is True and "error" not in final, final
+        assert final["eval_count"] == n
+        assert chunks and all(c["done"] is False for c in chunks)
+        for c in chunks:
+            assert c["content"] and "\ufffd" not in c["content"], c
+        text = "".join(c["content"] for c in chunks)
+        assert text == "\u65e5\u00e9\U0001f4b7" * 20 + ("\u65e5\u00e9" if n % 9 else "")
 
 
-# --- bad input -------------------------------------------------------------------------------
+def test_arbitrary_bytes_still_give_valid_json_lines(tiny_server: Server) -> None:
+    # Random weights emit arbitrary bytes (invalid UTF-8 becomes U+FFFD): each line is whole
+    # JSON, and the stream ends with its final message.
+    lines = list(
+        stream_lines(
+            tiny_server.url,
+            {"prompt": "\u00e9t\u00e9 \U0001f4b7", "options": {"num_predict": 200, "seed": 7}},
+        )
+    )
+    assert lines[-1]["done"] is True and "error" not in lines[-1], lines[-1]
+    assert all(line["done"] is False for line in lines[:-1])
+    assert sum(len(line.get("content", "")) for line in lines) > 0
 
 
-def wait_idle(url: str, timeout: float = 10) -> None:
-    """Waits until no slot is busy (the slot table is published just after each step)."""
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/health").json()["slots_processing"] != 0:
-        assert time.monotonic() < deadline, "a slot stayed busy"
-        time.sleep(0.01)
+def test_format_json_output_parses(tiny_server: Server) -> None:
+    for seed in range(3):
+        lines = list(
+            stream_lines(
+                tiny_server.url,
+                {
+                    "prompt": "json:",
+                    "format": "json",
+                    "options": {"num_predict": 300, "seed": seed, "temperature": 0.5},
+                },
+            )
+        )
+        text = "".join(line.get("content", "") for line in lines)
+        assert lines[-1]["done_reason"] == "stop", (lines[-1], text)
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_prompt_longer_than_the_batch_size(
+    tiny_model: Path, start_server: Callable[..., Server], tiny_server: Server
+) -> None:
+    """A prompt of about 430 tokens through a batch of 32 is decoded in 14 chunks; the answer
+    is the one a batch that takes it whole gives."""
+    srv = start_server(tiny_model, batch_size=32, ctx_size=512)
+    prompt = "the cat sat on the mat; " * 12
+    options = {"temperature": 0, "num_predict": 16, "ignore_eos": True}
+    chunked, chunked_final = complete(srv.url, prompt, **options)
+    whole, whole_final = complete(tiny_server.url, prompt, **options)
+    assert chunked_final["prompt_eval_count"] == whole_final["prompt_eval_count"] > 32 * 9
+    assert chunked_final["truncated"] is False
+    assert chunked == whole
+
+
+def test_num_keep_keeps_the_head_of_a_truncated_prompt(
+    tiny_model: Path, start_server: Callable[..., Server]
+) -> None:
+    """A prompt twice as long as the slot, cut keeping ``num_keep`` tokens: its answer is the
+    answer to the kept head and tail sent as they are. Every character here is one byte token
+    (the tiny vocabulary has no pieces for them) after BOS and the three byte tokens of the
+    leading "\u2581"."""
+    srv = start_server(tiny_model, ctx_size=256)
+    rng = random.Random(5)
+    prompt = "x" + "".join(rng.choice("bcdfghjkmnpqrstvwxyz") for _ in range(399))
+    options = {"temperature": 0, "num_predict": 8, "ignore_eos": True}
+    counts = {}
+    for num_keep in (40, 100):
+        text, final = complete(srv.url, prompt, num_keep=num_keep, **options)
+        assert final["truncated"] is True
+        kept = final["prompt_eval_count"]
+        counts[num_keep] = kept
+        head = prompt[: num_keep - 3]  # num_keep counts the three tokens of "\u2581"
+        tail = prompt[len(prompt) - (kept - 1 - num_keep) :]
+        direct, direct_final = complete(srv.url, head + tail, **options)
+        assert direct_final["truncated"] is False
+        assert direct_final["prompt_eval_count"] == kept
+        assert text == direct, num_keep
+    # Keeping more of the head leaves more of the prompt: the cut frees half of the unkept part.
+    assert counts[100] > counts[40]
 
 
 def post(url: str, body: bytes | dict[str, Any]) -> httpx.Response:
@@ -204,13 +296,13 @@ def test_unknown_fields_are_ignored(tiny_server: Server) -> None:
         },
     )
     assert r.status_code == 200
-    assert json.loads(r.text.splitlines()[-1])["eval_count"] == 2
+    assert parse_ndjson(r.text)[-1]["eval_count"] == 2
 
 
 def test_ollama_capitalized_keys(tiny_server: Server) -> None:
     r = post(tiny_server.url, {"Prompt": "x", "Options": {"num_predict": 3, "ignore_eos": True}})
     assert r.status_code == 200
-    assert json.loads(r.text.splitlines()[-1])["eval_count"] == 3
+    assert parse_ndjson(r.text)[-1]["eval_count"] == 3
 
 
 def test_prompt_longer_than_the_slot_is_400_without_truncate(tiny_server: Server) -> None:

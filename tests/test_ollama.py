@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Any
 
 import httpx
@@ -13,6 +12,8 @@ import ollama
 import pytest
 
 from llamarunner import Server
+
+from helpers import wait_idle
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -70,6 +71,76 @@ def test_format_schema_output_validates(client: ollama.Client) -> None:
     )
     jsonschema.validate(json.loads(r.message.content or ""), schema)
     assert r.done_reason == "stop"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_format_json_output_parses(client: ollama.Client, seed: int) -> None:
+    options = {"temperature": 0.5, "seed": seed, "num_predict": 300}
+    r = client.generate(model=MODEL, prompt="json:", format="json", options=options)
+    assert r.done_reason == "stop", r.response
+    assert isinstance(json.loads(r.response), dict), r.response
+    c = client.chat(model=MODEL, messages=MESSAGES, format="json", options=options)
+    assert c.done_reason == "stop", c.message.content
+    assert isinstance(json.loads(c.message.content or ""), dict), c.message.content
+
+
+def test_chat_stops_at_the_end_of_turn_marker(client: ollama.Client) -> None:
+    """The template (ChatML) ends a turn with ``<|im_end|>``: an answer that writes it as text
+    stops there (a schema makes the model write it); a raw prompt, with no template, does
+    not."""
+    schema = {
+        "type": "object",
+        "properties": {"t": {"enum": ["ab<|im_end|>cd"]}},
+        "required": ["t"],
+        "additionalProperties": False,
+    }
+    options = {"temperature": 0, "num_predict": 60}
+    r = client.chat(model=MODEL, messages=MESSAGES, format=schema, options=options)
+    content = r.message.content or ""
+    assert r.done_reason == "stop"
+    assert content.endswith('"ab') and "<|im_end|>" not in content, content
+    g = client.generate(model=MODEL, prompt="hello", format=schema, options=options)
+    assert g.done_reason == "stop"
+    assert g.response.endswith('"ab') and "<|im_end|>" not in g.response, g.response
+    raw = client.generate(model=MODEL, prompt="hello", raw=True, format=schema, options=options)
+    assert json.loads(raw.response) == {"t": "ab<|im_end|>cd"}
+
+
+def test_ignored_fields_change_nothing(client: ollama.Client, tiny_server: Server) -> None:
+    """keep_alive (the model is always loaded) and context (Ollama's deprecated token context)
+    are accepted and ignored: the answer is the one without them."""
+    body = {"model": MODEL, "prompt": "hello there", "stream": False, "options": GREEDY}
+    plain = httpx.post(f"{tiny_server.url}/api/generate", json=body, timeout=30)
+    assert plain.status_code == 200, plain.text
+    for extra in ({"keep_alive": "5m"}, {"keep_alive": -1}, {"context": [1, 2, 3, 260, 261]}):
+        r = httpx.post(f"{tiny_server.url}/api/generate", json={**body, **extra}, timeout=30)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["response"] == plain.json()["response"], extra
+        assert r.json()["prompt_eval_count"] == plain.json()["prompt_eval_count"], extra
+    chat = {"model": MODEL, "messages": MESSAGES, "stream": False, "options": GREEDY}
+    base = httpx.post(f"{tiny_server.url}/api/chat", json=chat, timeout=30).json()
+    r = httpx.post(f"{tiny_server.url}/api/chat", json={**chat, "keep_alive": "1h"}, timeout=30)
+    assert r.json()["message"] == base["message"]
+
+
+def test_model_management_is_404(client: ollama.Client, tiny_server: Server) -> None:
+    calls = [
+        lambda: client.pull("llama3"),
+        lambda: client.push("tiny"),
+        lambda: client.create(model="mine", from_=MODEL),
+        lambda: client.copy(MODEL, "tiny2"),
+        lambda: client.delete(MODEL),
+    ]
+    for call in calls:
+        with pytest.raises(ollama.ResponseError) as info:
+            call()
+        assert info.value.status_code == 404
+        assert "serves the one model it was started with" in info.value.error
+    for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"):
+        method = "DELETE" if path == "/api/delete" else "POST"
+        r = httpx.request(method, f"{tiny_server.url}{path}", json={"model": MODEL}, timeout=10)
+        assert r.status_code == 404, path
+        assert "cannot pull, push, create, copy or delete models" in r.json()["error"], path
 
 
 def test_embed_is_normalized(client: ollama.Client) -> None:
@@ -152,7 +223,4 @@ def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, tiny_serve
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{tiny_server.url}/health", timeout=10).json()["slots_processing"] != 0:
-        assert time.monotonic() < deadline, "the slot stayed busy after the client left"
-        time.sleep(0.01)
+    wait_idle(tiny_server.url)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from llamarunner import AsyncClient, Server
 
+from helpers import wait_idle
 from tinymodel import write_tiny_model
 
 MODEL = "tiny"
@@ -119,19 +119,60 @@ def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
         return str(r.choices[0].message.content)
 
     assert sample(7) == sample(7)
+    assert sample(8) != sample(7)
     assert len({sample(s) for s in range(5)}) > 1
+    # Above 2**32 the seed wraps, as in Ollama (llama.cpp's samplers take 32 bits).
+    assert sample(2**32 + 7) == sample(7)
 
 
-def test_penalties_and_extras_are_accepted(client: openai.OpenAI) -> None:
-    r = chat(
-        client,
-        max_tokens=4,
-        presence_penalty=1.5,
-        frequency_penalty=0.5,
-        top_p=0.9,
-        extra_body={"top_k": 5, "min_p": 0.1, "repeat_penalty": 1.3, "ignore_eos": True},
+N = 40
+
+
+def answer(client: openai.OpenAI, **kwargs: Any) -> str:
+    """The text of a 40-token chat answer (greedy unless a temperature is given)."""
+    extra = {"ignore_eos": True, **kwargs.pop("extra_body", {})}
+    r = chat(client, max_tokens=N, extra_body=extra, **kwargs)
+    assert r.usage is not None and r.usage.completion_tokens == N
+    return str(r.choices[0].message.content)
+
+
+def test_penalties_change_greedy_output(client: openai.OpenAI) -> None:
+    """Each penalty, alone, changes what a greedy answer repeats; OpenAI's default has none."""
+    plain = answer(client)
+    assert answer(client, extra_body={"repeat_penalty": 1.0}) == plain  # off by default
+    assert answer(client, presence_penalty=2.0) != plain
+    assert answer(client, frequency_penalty=2.0) != plain
+    assert answer(client, extra_body={"repeat_penalty": 3.0}) != plain
+    # repeat_last_n 0 switches the penalties off.
+    assert answer(client, extra_body={"repeat_penalty": 3.0, "repeat_last_n": 0}) == plain
+
+
+def test_sampling_extras_take_effect(client: openai.OpenAI) -> None:
+    """At temperature 1 with a seed, each truncation that keeps only the likeliest token makes
+    the answer the greedy one; typical_p and a logit bias change it."""
+    greedy = answer(client)
+    sampled = answer(client, temperature=1.0, seed=11)
+    assert sampled != greedy
+    assert answer(client, temperature=1.0, seed=11) == sampled
+    assert answer(client, temperature=1.0, seed=11, extra_body={"top_k": 1}) == greedy
+    assert answer(client, temperature=1.0, seed=11, top_p=0.0001) == greedy
+    assert answer(client, temperature=1.0, seed=11, extra_body={"min_p": 1.0}) == greedy
+    assert (
+        answer(client, temperature=1.0, seed=11, extra_body={"top_k": 0, "typical_p": 0.05})
+        != sampled
     )
-    assert r.usage is not None and r.usage.completion_tokens == 4
+
+    # A bias against the greedy answer's first token (a byte token: id 3 + byte) makes the
+    # greedy answer start otherwise.
+    def first_token(**kwargs: Any) -> list[int]:
+        r = chat(client, max_tokens=1, logprobs=True, extra_body=EXACT, **kwargs)
+        assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content
+        return list(r.choices[0].logprobs.content[0].bytes or [])
+
+    first = first_token()
+    assert len(first) == 1, first
+    assert first_token(logit_bias={str(3 + first[0]): -100}) != first
+    assert answer(client, logit_bias={str(3 + first[0]): -100}) != greedy
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI) -> None:
@@ -191,9 +232,38 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "stop"
 
 
-def test_json_object_output_starts_an_object(client: openai.OpenAI) -> None:
-    r = chat(client, max_tokens=8, response_format={"type": "json_object"})
-    assert r.choices[0].message.content.lstrip().startswith("{")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_object_output_parses(client: openai.OpenAI, seed: int) -> None:
+    r = chat(
+        client,
+        max_tokens=300,
+        temperature=0.5,
+        seed=seed,
+        response_format={"type": "json_object"},
+    )
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", content
+    assert isinstance(json.loads(content), dict), content
+
+
+def test_chat_stops_at_the_end_of_turn_marker(client: openai.OpenAI, tiny_server: Server) -> None:
+    """The tiny model's template is ChatML: a chat answer ends where the model writes
+    ``<|im_end|>`` as text (a grammar makes it), in every dialect; a plain completion, which
+    has no template, does not stop there."""
+    grammar = 'root ::= "ab<|im_end|>cd"'
+    r = chat(client, max_tokens=40, extra_body={"grammar": grammar})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("ab", "stop")
+    streamed = chat(client, max_tokens=40, extra_body={"grammar": grammar}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "ab"
+    native = tiny_server.client().chat(CHAT, grammar=grammar, num_predict=40, temperature=0)
+    assert (native.text, native.done_reason) == ("ab", "stop")
+    plain = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=40, temperature=0, extra_body={"grammar": grammar}
+    )
+    assert plain.choices[0].text == "ab<|im_end|>cd"
+    assert tiny_server.client().complete("x", grammar=grammar, num_predict=40).text == (
+        "ab<|im_end|>cd"
+    )
 
 
 def test_embeddings_are_normalized_floats_or_base64(client: openai.OpenAI) -> None:
@@ -270,6 +340,23 @@ def test_chat_template_from_gguf_and_override(tmp_path: Path, start_server: Any)
     assert r.json()["prompt"] == "[hi]"
 
 
+def test_a_gguf_template_that_does_not_compile_falls_back_to_the_family(
+    tmp_path: Path, start_server: Any
+) -> None:
+    model = write_tiny_model(tmp_path / "broken.gguf", chat_template="{% for %}")
+    srv = start_server(model)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{srv.url}/apply-template", json={"messages": msgs}, timeout=10)
+    # The tiny model (llama, no turn markers in its vocabulary): ChatML.
+    assert r.json()["prompt"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    r = httpx.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": msgs, "max_tokens": 2, "ignore_eos": True},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_a_template_error_is_a_400(tmp_path: Path, start_server: Any) -> None:
     template = "{{ raise_exception('roles must alternate') }}"
     srv = start_server(write_tiny_model(tmp_path / "strict.gguf", chat_template=template))
@@ -313,7 +400,4 @@ def test_leaving_a_stream_early_frees_the_slot(client: openai.OpenAI, tiny_serve
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{tiny_server.url}/health", timeout=10).json()["slots_processing"] != 0:
-        assert time.monotonic() < deadline, "the slot stayed busy after the client left"
-        time.sleep(0.01)
+    wait_idle(tiny_server.url)

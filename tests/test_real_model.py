@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from llamarunner import Server
 
-from helpers import complete
+from helpers import assert_all_busy, complete, run_together, wait_idle
 
 pytestmark = pytest.mark.real_model
 
@@ -43,10 +42,11 @@ def test_four_identical_parallel_requests_agree(gemma: Server) -> None:
     world?"). The answer itself must agree.
     """
     prompt = "Q: What is the capital of France?\nA:"
-    with ThreadPoolExecutor(4) as pool:
-        results = list(
-            pool.map(lambda p: complete(gemma.url, p, temperature=0, num_predict=32), [prompt] * 4)
-        )
+    wait_idle(gemma.url)
+    body = {"prompt": prompt, "options": {"temperature": 0, "num_predict": 32}}
+    results, slots = run_together(gemma.url, [body] * 4)
+    # All four were generating at once when the slot table was read.
+    assert_all_busy(slots, 4)
     openings = {tuple(text.split()[:2]) for text, _ in results}
     assert len(openings) == 1, [text for text, _ in results]
     assert all(final["eval_count"] == 32 for _, final in results)
@@ -69,10 +69,12 @@ def test_four_parallel_requests_match_their_sequential_outputs(gemma: Server) ->
         "Monday, Tuesday, Wednesday,",
     ]
     sequential = [complete(gemma.url, p, temperature=0, num_predict=32) for p in prompts]
-    with ThreadPoolExecutor(4) as pool:
-        parallel = list(
-            pool.map(lambda p: complete(gemma.url, p, temperature=0, num_predict=32), prompts)
-        )
+    wait_idle(gemma.url)
+    options = {"temperature": 0, "num_predict": 32}
+    parallel, slots = run_together(gemma.url, [{"prompt": p, "options": options} for p in prompts])
+    # All four were generating at once when the slot table was read, each with its own prompt
+    # and answer so far in its slot.
+    assert_all_busy(slots, 4)
     for p, (s, s_final), (q, q_final) in zip(prompts, sequential, parallel):
         assert s_final["eval_count"] == q_final["eval_count"] == 32
         assert len(s) > 20

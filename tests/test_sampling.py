@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -11,7 +10,7 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import complete
+from helpers import Neighbour, complete, parse_ndjson
 
 N = 40
 
@@ -52,13 +51,29 @@ def test_seed_changes_and_fixes_sampling(tiny_server: Server) -> None:
     assert sampled(tiny_server, seed=2) != a
 
 
+def test_seed_above_2_to_the_32_is_accepted_and_wraps(tiny_server: Server) -> None:
+    # llama.cpp's samplers take a 32-bit seed; larger ones wrap, as Ollama's uint32(seed).
+    big = sampled(tiny_server, seed=2**32 + 1234)
+    assert sampled(tiny_server, seed=2**32 + 1234) == big
+    assert big == sampled(tiny_server, seed=1234)
+    assert big != sampled(tiny_server, seed=1235)
+    assert sampled(tiny_server, seed=2**40 + 77) == sampled(tiny_server, seed=77)
+
+
+@pytest.mark.parametrize("seed", [2**32 - 1, 2**63 - 1])
+def test_every_explicit_seed_is_repeatable(tiny_server: Server, seed: int) -> None:
+    # Both wrap to 0xFFFFFFFF, which llama.cpp's samplers take for "pick a random seed"
+    # (LLAMA_DEFAULT_SEED); an explicit seed must still give the same text every time.
+    assert sampled(tiny_server, seed=seed) == sampled(tiny_server, seed=seed)
+
+
 def test_same_seed_same_text_with_neighbours(tiny_server: Server) -> None:
     alone = sampled(tiny_server, "a dog and", seed=99)
-    with ThreadPoolExecutor(2) as pool:
-        beside = pool.submit(sampled, tiny_server, "the world of", seed=5)
-        together = pool.submit(sampled, tiny_server, "a dog and", seed=99)
-        assert together.result() == alone
-        beside.result()
+    # A second sequence generates in the same batches for the whole request.
+    with Neighbour(tiny_server.url, "the world of", seed=5, temperature=1.0) as neighbour:
+        together = sampled(tiny_server, "a dog and", seed=99)
+        neighbour.still_running()
+    assert together == alone
 
 
 @pytest.mark.parametrize(
@@ -86,6 +101,18 @@ def test_mirostat_generates(tiny_server: Server, mode: int) -> None:
     assert sampled(tiny_server, mirostat=mode) != sampled(tiny_server)
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+def test_mirostat_tau_and_eta_take_effect(tiny_server: Server, mode: int) -> None:
+    def text(**options: Any) -> str:
+        return sampled(tiny_server, mirostat=mode, ignore_eos=True, **options)
+
+    base = text(mirostat_tau=5.0, mirostat_eta=0.1)
+    assert text(mirostat_tau=5.0, mirostat_eta=0.1) == base
+    # A target surprise near zero keeps only the likeliest tokens: greedy.
+    assert text(mirostat_tau=0.01, mirostat_eta=0.1) != base
+    assert text(mirostat_tau=5.0, mirostat_eta=1.0) != base
+
+
 def test_stop_string_is_never_returned(tiny_server: Server) -> None:
     full = greedy(tiny_server)
     stop = full[15:18]
@@ -107,7 +134,7 @@ def test_grammar_constrains_output(tiny_server: Server) -> None:
             },
         )
         assert r.status_code == 200, r.text
-        lines = [json.loads(line) for line in r.text.splitlines()]
+        lines = parse_ndjson(r.text)
         out = "".join(line.get("content", "") for line in lines)
         assert out in ("yes", "no")
         assert lines[-1]["done_reason"] == "stop"
@@ -134,7 +161,7 @@ def test_format_json_schema_output_validates(tiny_server: Server) -> None:
         json={"prompt": "json:", "format": schema, "options": {"num_predict": 60, "seed": 1}},
     )
     assert r.status_code == 200, r.text
-    lines = [json.loads(line) for line in r.text.splitlines()]
+    lines = parse_ndjson(r.text)
     out = json.loads("".join(line.get("content", "") for line in lines))
     assert isinstance(out["ok"], bool)
     assert isinstance(out["n"], int)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import os
-import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from llamarunner import ModelLoadError, Server, ServerConfig
+from llamarunner import Client, ModelLoadError, Server, ServerConfig, ServiceUnavailableError
 
-from helpers import complete
+from helpers import ServeProcess, complete, locked_kib, model_file_is_mapped, wait_until
+from tinymodel import model_tensors, write_lora, write_tiny_model
 
 
 def test_config_precedence() -> None:
@@ -134,43 +138,243 @@ def test_cli_bad_flag_value_is_exit_2(tiny_model: Path) -> None:
     assert "parallel" in r.stderr
 
 
+def last_error_line(stderr: str) -> str:
+    """The CLI's own error: the last line of stderr (log lines may come before it)."""
+    lines = stderr.strip().splitlines()
+    assert lines, "nothing on stderr"
+    assert lines[-1].startswith("llamarunner: error: "), stderr
+    return lines[-1]
+
+
 def test_cli_bad_chat_template_is_exit_2(tiny_model: Path, tmp_path: Path) -> None:
     r = run_cli("serve", str(tiny_model), "--chat-template", "nosuch", "--port", "0")
     assert r.returncode == 2
     assert "chat-template" in r.stderr and "nosuch" in r.stderr
+    # A template file that does not compile is as bad a flag as a missing one (README: exit
+    # code 2 for a bad flag or model file), though it is found while the model loads.
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for %}")
     r = run_cli("serve", str(tiny_model), "--chat-template", str(broken), "--port", "0")
-    assert r.returncode != 0
-    assert "does not compile" in r.stderr
+    assert r.returncode == 2, r.stderr
+    assert "does not compile" in last_error_line(r.stderr)
 
 
-def test_cli_serves_and_stops_on_ctrl_c(tiny_model: Path) -> None:
+def test_cli_corrupt_model_is_exit_2(tiny_model: Path, tmp_path: Path) -> None:
+    # A GGUF cut short: the header is fine, so only llama.cpp's load finds it bad.
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(tiny_model.read_bytes()[:5000])
+    r = run_cli("serve", str(bad), "--port", "0")
+    assert r.returncode == 2, r.stderr
+    line = last_error_line(r.stderr)
+    assert "truncated.gguf" in line
+    assert "error loading model" in line or "failed to read" in line, line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_serves_and_stops_on_a_signal(tiny_model: Path, sig: signal.Signals) -> None:
     env = {**os.environ, "LLAMARUNNER_PARALLEL": "2"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llamarunner", "serve", str(tiny_model), "--port", "0"],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert proc.stderr is not None
-        url = None
-        for line in proc.stderr:
-            m = re.search(r"ready on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "the server never said it was ready"
-        health = httpx.get(f"{url}/health").json()
+    with ServeProcess(str(tiny_model), "--port", "0", env=env) as serve:
+        url = serve.wait_ready()
+        health = httpx.get(f"{url}/health", timeout=10).json()
         assert health["status"] == "ready"
         assert health["slots_idle"] == 2  # from the environment
         _, final = complete(url, "hello", num_predict=4, ignore_eos=True)
         assert final["eval_count"] == 4
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        serve.proc.send_signal(sig)
+        assert serve.wait(timeout=30) == 0
+        assert "shutting down" in serve.log
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+# --- settings that must reach llama.cpp -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_heads_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with heads of 32 (two query heads, one key/value head): quantized KV
+    caches store rows in blocks of 32, which must divide the head size."""
+    return write_tiny_model(tmp_path_factory.mktemp("wide") / "wide.gguf", heads=(2, 1))
+
+
+def test_a_kv_cache_type_the_model_cannot_use_is_exit_2(tiny_model: Path) -> None:
+    # The tiny model's heads are 16 wide: q8_0's blocks of 32 do not divide them.
+    r = run_cli("serve", str(tiny_model), "--port", "0", "--kv-cache-type", "q8_0")
+    assert r.returncode == 2, r.stderr
+    line = last_error_line(r.stderr)
+    # llama.cpp's reason, not only that the context could not be created.
+    assert "does not divide" in line, line
+
+
+def serve_and_generate(model: Path, *flags: str) -> tuple[ServeProcess, str]:
+    """Starts ``llamarunner serve --verbose`` (llama.cpp's own log on stderr) and checks that
+    it generates."""
+    serve = ServeProcess(str(model), "--port", "0", "--verbose", "--ctx-size", "256", *flags)
+    url = serve.wait_ready()
+    _, final = complete(url, "hello", num_predict=8, ignore_eos=True, temperature=0)
+    assert final["eval_count"] == 8
+    return serve, url
+
+
+@pytest.mark.parametrize(
+    ("flags", "flash_attn", "kv_type"),
+    [
+        ((), "auto", "f16"),
+        (("--flash-attn", "on"), "enabled", "f16"),
+        (("--flash-attn", "off"), "disabled", "f16"),
+        (("--kv-cache-type", "q8_0", "--flash-attn", "on"), "enabled", "q8_0"),
+        (("--kv-cache-type", "q4_0", "--flash-attn", "on"), "enabled", "q4_0"),
+        (("--kv-cache-type", "q8_0"), "auto", "q8_0"),
+        # Quantized V needs flash attention: without it the runner says so and uses f16.
+        (("--kv-cache-type", "q8_0", "--flash-attn", "off"), "disabled", "f16"),
+        (("--kv-cache-type", "q4_0", "--flash-attn", "off"), "disabled", "f16"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, tuple) else v,
+)
+def test_flash_attn_and_kv_cache_type_reach_llama_cpp(
+    wide_heads_model: Path, flags: tuple[str, ...], flash_attn: str, kv_type: str
+) -> None:
+    serve, _ = serve_and_generate(wide_heads_model, *flags)
+    with serve:
+        # llama.cpp's context and KV-cache lines.
+        serve.wait_for(rf"flash_attn\s+= {flash_attn}\b")
+        kv = serve.wait_for(r"K \((\w+)\): .* V \((\w+)\)")
+        assert (kv.group(1), kv.group(2)) == (kv_type, kv_type), kv.group(0)
+        warned = "needs flash attention" in serve.log
+        assert warned == ("--flash-attn" in flags and "off" in flags and "--kv-cache-type" in flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "threads", "mapped", "locked"),
+    [
+        (("--threads", "1"), 1, True, False),
+        (("--threads", "3", "--mlock"), 3, True, True),
+        (("--threads", "2", "--no-mmap"), 2, False, False),
+        (("--threads", "2", "--no-mmap", "--mlock"), 2, False, True),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, tuple) else str(v),
+)
+def test_threads_mmap_and_mlock_reach_llama_cpp(
+    tiny_model: Path, flags: tuple[str, ...], threads: int, mapped: bool, locked: bool
+) -> None:
+    serve, _ = serve_and_generate(tiny_model, *flags)
+    with serve:
+        # The threads the context was created with, from the runner's "ready" line.
+        assert int(serve.wait_for(r"ready .*threads=(\d+)").group(1)) == threads
+        pid = serve.proc.pid
+        # mmap: the model file is mapped into the process, or read into memory.
+        assert model_file_is_mapped(pid, tiny_model) == mapped
+        # mlock: the model's memory is locked (or llama.cpp said why it could not be).
+        if locked:
+            assert locked_kib(pid) > 0 or "failed to mlock" in serve.log, serve.log
+        else:
+            assert locked_kib(pid) == 0
+
+
+def test_lora_adapter_is_applied_with_scale_1(
+    tmp_path: Path, tiny_model: Path, start_server: Any
+) -> None:
+    """A rank-4 adapter on the output and the first layer's attention. Served with
+    ``--lora``, the model answers as a model whose weights have the adapter merged in
+    (W + alpha / rank * B @ A, at scale 1) does without one, and not as the base model."""
+    rng = np.random.default_rng(7)
+    base = model_tensors()
+    rank, alpha = 4, 4.0
+    pairs = {}
+    for name in ("output.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight"):
+        out, inp = base[name].shape
+        pairs[name] = (
+            rng.standard_normal((rank, inp)).astype(np.float32) * 0.5,
+            rng.standard_normal((out, rank)).astype(np.float32) * 0.5,
+        )
+    adapter = write_lora(tmp_path / "adapter.gguf", pairs, alpha)
+    merged_tensors = dict(base)
+    for name, (a, b) in pairs.items():
+        merged_tensors[name] = (base[name] + alpha / rank * (b @ a)).astype(np.float32)
+    merged = write_tiny_model(tmp_path / "merged.gguf", tensors=merged_tensors)
+
+    options = {"temperature": 0, "num_predict": 12, "ignore_eos": True, "repeat_penalty": 1.0}
+    with_lora = start_server(tiny_model, lora=[str(adapter)])
+    plain = start_server(tiny_model)
+    reference = start_server(merged)
+    for prompt in ("the cat is", "hello world", "of the dog"):
+        text, _ = complete(with_lora.url, prompt, **options)
+        assert text == complete(reference.url, prompt, **options)[0], prompt
+        assert text != complete(plain.url, prompt, **options)[0], prompt
+
+
+def test_a_bad_lora_adapter_fails_the_load(tmp_path: Path, tiny_model: Path) -> None:
+    bad = tmp_path / "adapter.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    srv = Server(str(tiny_model), port=0, threads=2, lora=[str(bad)]).start()
+    try:
+        with pytest.raises(ModelLoadError, match="LoRA"):
+            srv.wait_ready(timeout=60)
     finally:
-        proc.kill()
+        srv.stop()
+
+
+def test_loading_phase_answers_503(tmp_path: Path, tiny_model: Path) -> None:
+    """While the model loads, /health is 503 with the progress and every request a 503
+    ``model_loading``. To hold the load still, the LoRA adapter is a FIFO: llama.cpp blocks
+    opening it (after loading the model) until a writer comes."""
+    fifo = tmp_path / "adapter.gguf"
+    os.mkfifo(fifo)
+    srv = Server(str(tiny_model), port=0, threads=2, lora=[str(fifo)]).start()
+
+    def release() -> None:
+        """Opens the FIFO's writing end (once the engine waits at the reading one) and closes
+        it: the adapter is empty, so the load fails."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError as e:  # ENXIO: no reader yet
+                if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    try:
+        # The model itself loads (progress up to 0.99), then the adapter holds the load.
+        def loaded_so_far() -> bool:
+            r = httpx.get(f"{srv.url}/health", timeout=10)
+            assert r.status_code == 503, r.text
+            body = r.json()
+            assert body["status"] == "loading", body
+            assert 0.0 <= body["progress"] < 1.0, body
+            return bool(body["progress"] > 0.9)
+
+        wait_until(loaded_so_far, "the model part of the load", timeout=60)
+        assert srv.health().status == "loading"
+        for path, body in [
+            ("/completion", {"prompt": "x"}),
+            ("/embedding", {"content": "x"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/api/generate", {"model": "tiny", "prompt": "x"}),
+        ]:
+            r = httpx.post(f"{srv.url}{path}", json=body, timeout=10)
+            assert r.status_code == 503, (path, r.text)
+            err = r.json()["error"]
+            if path.startswith("/api/"):
+                assert "loading" in err, (path, err)
+            elif path.startswith("/v1/"):
+                assert err["code"] == "model_loading", (path, err)
+            else:
+                assert err["type"] == "model_loading", (path, err)
+        with pytest.raises(ServiceUnavailableError) as e:
+            Client(srv.url, max_retries=0).complete("x")
+        assert e.value.type == "model_loading"
+        with pytest.raises(TimeoutError):
+            srv.wait_ready(timeout=0.2)
+    finally:
+        release()
+    try:
+        with pytest.raises(ModelLoadError, match="LoRA"):
+            srv.wait_ready(timeout=60)
+    finally:
+        srv.stop()
 
 
 def test_cli_without_model_or_default_model_explains(

@@ -25,7 +25,9 @@ HEAD_DIM = N_EMBD // N_HEAD
 WORDS = ["▁the", "▁a", "▁hello", "▁world", "▁cat", "▁dog", "▁is", "▁and", "▁of", "▁to"]
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
+def vocabulary(extra_tokens: int = 0) -> tuple[list[str], list[float], list[int]]:
+    """The tokens, scores and types; ``extra_tokens`` control tokens ``<x0>``, ``<x1>``, ...
+    at the end (never produced by tokenizing text) make a large vocabulary."""
     tokens = ["<unk>", "<s>", "</s>"]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
     for b in range(256):
@@ -35,7 +37,64 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
         tokens.append(w)
         types.append(TokenType.NORMAL)
     scores = [0.0] * 3 + [0.0] * 256 + [-float(i + 1) for i in range(len(WORDS))]
+    tokens += [f"<x{i}>" for i in range(extra_tokens)]
+    types += [TokenType.CONTROL] * extra_tokens
+    scores += [0.0] * extra_tokens
     return tokens, scores, [int(t) for t in types]
+
+
+def byte_tokens(text: str) -> list[int]:
+    """The token ids the tiny model's tokenizer gives ``text`` when no vocabulary piece
+    applies (text without spaces, not starting with "a"): BOS, the three bytes of the "\u2581"
+    that SentencePiece prefixes, then one byte token per byte."""
+    assert " " not in text and not text.startswith("a"), text
+    return [1] + [3 + b for b in ("\u2581" + text).encode()]
+
+
+def model_tensors(
+    *,
+    seed: int = 0,
+    always_eos: bool = False,
+    extra_tokens: int = 0,
+    heads: tuple[int, int] = (N_HEAD, N_HEAD_KV),
+) -> dict[str, np.ndarray]:
+    """The tiny model's tensors by GGUF name (numpy shapes: (out, in) for matrices), the same
+    for the same arguments. ``heads``: query and key/value heads (the head size is N_EMBD
+    divided by the first)."""
+    rng = np.random.default_rng(seed)
+    n_head_kv_dims = heads[1] * (N_EMBD // heads[0])
+    n_vocab = len(vocabulary(extra_tokens)[0])
+
+    def rand(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    if always_eos:
+        embd = np.abs(rand(n_vocab, N_EMBD)[:1]).repeat(n_vocab, axis=0) + 0.1
+        output = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
+        output[2] = embd[0]
+    else:
+        embd = rand(n_vocab, N_EMBD)
+        output = rand(n_vocab, N_EMBD, scale=2.0)
+    tensors = {
+        "token_embd.weight": embd,
+        "output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+        "output.weight": output,
+    }
+    for i in range(N_LAYER):
+        zero_out = always_eos
+        p = f"blk.{i}"
+        tensors[f"{p}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors[f"{p}.attn_q.weight"] = rand(N_EMBD, N_EMBD)
+        tensors[f"{p}.attn_k.weight"] = rand(n_head_kv_dims, N_EMBD)
+        tensors[f"{p}.attn_v.weight"] = rand(n_head_kv_dims, N_EMBD)
+        attn_out = rand(N_EMBD, N_EMBD)
+        tensors[f"{p}.attn_output.weight"] = attn_out * 0 if zero_out else attn_out
+        tensors[f"{p}.ffn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors[f"{p}.ffn_gate.weight"] = rand(N_FF, N_EMBD)
+        tensors[f"{p}.ffn_up.weight"] = rand(N_FF, N_EMBD)
+        down = rand(N_EMBD, N_FF)
+        tensors[f"{p}.ffn_down.weight"] = down * 0 if zero_out else down
+    return tensors
 
 
 def write_tiny_model(
@@ -45,23 +104,23 @@ def write_tiny_model(
     always_eos: bool = False,
     context_length: int = 65536,
     chat_template: str | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+    extra_tokens: int = 0,
+    heads: tuple[int, int] = (N_HEAD, N_HEAD_KV),
 ) -> Path:
-    rng = np.random.default_rng(seed)
-    tokens, scores, types = vocabulary()
-    n_vocab = len(tokens)
-
-    def rand(*shape: int, scale: float = 0.5) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
+    """Writes the tiny model; ``tensors`` replaces the tensors of `model_tensors` (to write a
+    model with merged LoRA weights, say); ``heads`` as there (quantized KV caches need a head
+    size that is a multiple of 32: ``heads=(2, 1)``)."""
+    tokens, scores, types = vocabulary(extra_tokens)
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-test-llama")
     w.add_context_length(context_length)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_head_count(heads[0])
+    w.add_head_count_kv(heads[1])
+    w.add_rope_dimension_count(N_EMBD // heads[0])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(0)  # all f32
@@ -76,34 +135,110 @@ def write_tiny_model(
     w.add_add_eos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
-
-    if always_eos:
-        embd = np.abs(rand(n_vocab, N_EMBD)[:1]).repeat(n_vocab, axis=0) + 0.1
-        output = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
-        output[2] = embd[0]
-    else:
-        embd = rand(n_vocab, N_EMBD)
-        output = rand(n_vocab, N_EMBD, scale=2.0)
-    w.add_tensor("token_embd.weight", embd)
-    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    w.add_tensor("output.weight", output)
-    for i in range(N_LAYER):
-        zero_out = always_eos
-        p = f"blk.{i}"
-        w.add_tensor(f"{p}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(f"{p}.attn_q.weight", rand(N_EMBD, N_EMBD))
-        w.add_tensor(f"{p}.attn_k.weight", rand(N_HEAD_KV * HEAD_DIM, N_EMBD))
-        w.add_tensor(f"{p}.attn_v.weight", rand(N_HEAD_KV * HEAD_DIM, N_EMBD))
-        attn_out = rand(N_EMBD, N_EMBD)
-        w.add_tensor(f"{p}.attn_output.weight", attn_out * 0 if zero_out else attn_out)
-        w.add_tensor(f"{p}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(f"{p}.ffn_gate.weight", rand(N_FF, N_EMBD))
-        w.add_tensor(f"{p}.ffn_up.weight", rand(N_FF, N_EMBD))
-        down = rand(N_EMBD, N_FF)
-        w.add_tensor(f"{p}.ffn_down.weight", down * 0 if zero_out else down)
-
+    if tensors is None:
+        tensors = model_tensors(
+            seed=seed, always_eos=always_eos, extra_tokens=extra_tokens, heads=heads
+        )
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_cycle_model(path: Path, text: str) -> Path:
+    """A model whose greedy continuation of any prompt that ends in a token outside ``text``
+    is the bytes of ``text`` over and over, one byte token at a time (``text``'s bytes must
+    all differ). The layers add nothing (zero output projections), so the logits depend on the
+    last token only: its embedding is a basis vector and the output row of the byte that
+    follows it is that vector."""
+    cycle = [3 + b for b in text.encode()]
+    assert len(set(cycle)) == len(cycle) < N_EMBD, text
+    tensors = model_tensors()
+    n_vocab = tensors["token_embd.weight"].shape[0]
+    eye = np.eye(N_EMBD, dtype=np.float32)
+    embd = np.tile(eye[N_EMBD - 1], (n_vocab, 1))  # every other token: the last basis vector
+    output = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
+    output[cycle[0]] = eye[N_EMBD - 1] * 10  # ... is followed by the first byte
+    for i, token in enumerate(cycle):
+        embd[token] = eye[i]
+        output[cycle[(i + 1) % len(cycle)]] += eye[i] * 10
+    tensors["token_embd.weight"] = embd
+    tensors["output.weight"] = output
+    for i in range(N_LAYER):
+        for name in ("attn_output", "ffn_down"):
+            tensors[f"blk.{i}.{name}.weight"] = np.zeros_like(tensors[f"blk.{i}.{name}.weight"])
+    return write_tiny_model(path, tensors=tensors)
+
+
+def write_lora(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> Path:
+    """Writes a LoRA adapter for the tiny model in llama.cpp's GGUF form: for each base tensor
+    ``name`` (numpy shape (out, in)), ``(a, b)`` of shapes (rank, in) and (out, rank). llama.cpp
+    adds ``alpha / rank * b @ a`` (times the adapter's scale) to the tensor."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for name, (a, b) in pairs.items():
+        w.add_tensor(f"{name}.lora_a", a.astype(np.float32))
+        w.add_tensor(f"{name}.lora_b", b.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hidden_states(
+    tokens: list[int], tensors: dict[str, np.ndarray], *, f16_cache: bool = True
+) -> np.ndarray:
+    """The tiny model's forward pass in numpy (float64), all tokens in one piece: the final
+    normalized hidden state of every token (n_tokens x N_EMBD), what llama.cpp returns as
+    per-token embeddings. Llama: RMS norm, RoPE on adjacent pairs (llama.cpp's normal mode),
+    grouped-query causal attention, SwiGLU. ``f16_cache`` rounds keys and values to float16
+    as llama.cpp's default KV cache stores them (with flash attention, the rest of its
+    arithmetic is float32: the results then agree to about 1e-5)."""
+    t = {k: v.astype(np.float64) for k, v in tensors.items()}
+    n = len(tokens)
+
+    def rms(x: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+
+    pos = np.arange(n, dtype=np.float64)[:, None]
+    inv_freq = 10000.0 ** (-np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
+    angle = pos * inv_freq[None, :]  # (n, HEAD_DIM / 2)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+
+    def rope(x: np.ndarray) -> np.ndarray:  # (n, heads, HEAD_DIM)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
+
+    mask = np.triu(np.full((n, n), -np.inf), k=1)
+    x = t["token_embd.weight"][tokens]
+    for i in range(N_LAYER):
+        p = f"blk.{i}"
+        h = rms(x) * t[f"{p}.attn_norm.weight"]
+        q = rope((h @ t[f"{p}.attn_q.weight"].T).reshape(n, N_HEAD, HEAD_DIM))
+        k = rope((h @ t[f"{p}.attn_k.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM))
+        v = (h @ t[f"{p}.attn_v.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM)
+        if f16_cache:
+            k = k.astype(np.float16).astype(np.float64)
+            v = v.astype(np.float16).astype(np.float64)
+        heads = []
+        for head in range(N_HEAD):
+            kv = head // (N_HEAD // N_HEAD_KV)
+            scores = q[:, head] @ k[:, kv].T / np.sqrt(HEAD_DIM) + mask
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            heads.append(weights @ v[:, kv])
+        x = x + np.concatenate(heads, axis=1) @ t[f"{p}.attn_output.weight"].T
+        h = rms(x) * t[f"{p}.ffn_norm.weight"]
+        gate = h @ t[f"{p}.ffn_gate.weight"].T
+        up = h @ t[f"{p}.ffn_up.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[f"{p}.ffn_down.weight"].T
+    return rms(x) * t["output_norm.weight"]

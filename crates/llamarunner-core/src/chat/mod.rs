@@ -262,7 +262,13 @@ fn strftime_now(format: String) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let (year, month, day) = civil_from_days((now / 86_400) as i64);
+    strftime_at(&format, now)
+}
+
+/// `format` printed for the moment `unix_secs` (UTC): what `strftime_now` prints, for a clock
+/// given explicitly.
+fn strftime_at(format: &str, unix_secs: u64) -> String {
+    let (year, month, day) = civil_from_days((unix_secs / 86_400) as i64);
     const MONTHS: [&str; 12] = [
         "January",
         "February",
@@ -353,20 +359,129 @@ mod tests {
         assert_eq!(no_prompt, "<start_of_turn>user\nHi<end_of_turn>\n");
     }
 
+    /// The exact text of every built-in template for the whole conversation, with and without
+    /// the generation prompt, and for one padded user turn (which shows who trims content).
+    /// Every entry of `BUILTIN` must have a row here.
     #[test]
-    fn chatml_and_llama3_render_every_turn() {
-        let t = ChatTemplate::new("chatml", CHATML, "", "").unwrap();
-        assert_eq!(
-            t.render(&conversation()[..2], true).unwrap(),
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
-             <|im_start|>assistant\n"
-        );
-        let t = ChatTemplate::new("llama3", LLAMA3, "<|begin_of_text|>", "").unwrap();
-        assert_eq!(
-            t.render(&conversation()[1..2], true).unwrap(),
-            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
-             <|start_header_id|>assistant<|end_header_id|>\n\n"
-        );
+    fn every_builtin_renders_exactly() {
+        struct Row {
+            name: &'static str,
+            bos: &'static str,
+            eos: &'static str,
+            with_prompt: &'static str,
+            without_prompt: &'static str,
+            padded: &'static str,
+        }
+        let rows = [
+            Row {
+                name: "gemma",
+                bos: "<bos>",
+                eos: "<eos>",
+                with_prompt: "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+                              <start_of_turn>model\nHello!<end_of_turn>\n\
+                              <start_of_turn>user\nName a colour.<end_of_turn>\n\
+                              <start_of_turn>model\n",
+                without_prompt: "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+                                 <start_of_turn>model\nHello!<end_of_turn>\n\
+                                 <start_of_turn>user\nName a colour.<end_of_turn>\n",
+                padded: "<start_of_turn>user\nx<end_of_turn>\n<start_of_turn>model\n",
+            },
+            Row {
+                name: "chatml",
+                bos: "",
+                eos: "<|im_end|>",
+                with_prompt: "<|im_start|>system\nBe brief.<|im_end|>\n\
+                              <|im_start|>user\nHi<|im_end|>\n\
+                              <|im_start|>assistant\nHello!<|im_end|>\n\
+                              <|im_start|>user\nName a colour.<|im_end|>\n\
+                              <|im_start|>assistant\n",
+                without_prompt: "<|im_start|>system\nBe brief.<|im_end|>\n\
+                                 <|im_start|>user\nHi<|im_end|>\n\
+                                 <|im_start|>assistant\nHello!<|im_end|>\n\
+                                 <|im_start|>user\nName a colour.<|im_end|>\n",
+                padded: "<|im_start|>user\n  x \n<|im_end|>\n<|im_start|>assistant\n",
+            },
+            Row {
+                name: "llama3",
+                bos: "<|begin_of_text|>",
+                eos: "<|eot_id|>",
+                with_prompt: "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+                              <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+                              <|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>\
+                              <|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>\
+                              <|start_header_id|>assistant<|end_header_id|>\n\n",
+                without_prompt: "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+                                 <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+                                 <|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>\
+                                 <|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>",
+                padded: "<|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|>\
+                         <|start_header_id|>assistant<|end_header_id|>\n\n",
+            },
+            Row {
+                name: "phi3",
+                bos: "<s>",
+                eos: "<|endoftext|>",
+                with_prompt: "<|system|>\nBe brief.<|end|>\n\
+                              <|user|>\nHi<|end|>\n\
+                              <|assistant|>\nHello!<|end|>\n\
+                              <|user|>\nName a colour.<|end|>\n\
+                              <|assistant|>\n",
+                without_prompt: "<|system|>\nBe brief.<|end|>\n\
+                                 <|user|>\nHi<|end|>\n\
+                                 <|assistant|>\nHello!<|end|>\n\
+                                 <|user|>\nName a colour.<|end|>\n",
+                padded: "<|user|>\n  x \n<|end|>\n<|assistant|>\n",
+            },
+            Row {
+                name: "mistral",
+                bos: "<s>",
+                eos: "</s>",
+                // No generation prompt of its own: the last [/INST] is where the answer goes.
+                with_prompt: "[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Name a colour. [/INST]",
+                without_prompt: "[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Name a colour. [/INST]",
+                padded: "[INST]   x \n [/INST]",
+            },
+        ];
+        let mut names: Vec<&str> = rows.iter().map(|r| r.name).collect();
+        let mut builtins: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+        names.sort_unstable();
+        builtins.sort_unstable();
+        assert_eq!(names, builtins, "one row per built-in template");
+        for row in rows {
+            let t =
+                ChatTemplate::new(row.name, builtin(row.name).unwrap(), row.bos, row.eos).unwrap();
+            assert_eq!(
+                t.render(&conversation(), true).unwrap(),
+                row.with_prompt,
+                "{} with the generation prompt",
+                row.name
+            );
+            assert_eq!(
+                t.render(&conversation(), false).unwrap(),
+                row.without_prompt,
+                "{} without the generation prompt",
+                row.name
+            );
+            assert_eq!(
+                t.render(&[msg("user", "  x \n")], true).unwrap(),
+                row.padded,
+                "{} with padded content",
+                row.name
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_leading_bos_text_is_removed() {
+        // The template writes BOS itself; the tokenizer adds it again, so the text loses it.
+        let t = ChatTemplate::new("t", "{{ bos_token }}[{{ messages[0].content }}]", "<s>", "")
+            .unwrap();
+        assert_eq!(t.render(&[msg("user", "<s>a")], true).unwrap(), "[<s>a]");
+        // A BOS that is not at the start stays, and an empty BOS removes nothing.
+        let t = ChatTemplate::new("t", "[{{ messages[0].content }}]", "<s>", "").unwrap();
+        assert_eq!(t.render(&[msg("user", "<s>a")], true).unwrap(), "[<s>a]");
+        let t = ChatTemplate::new("t", "<s>{{ messages[0].content }}", "", "").unwrap();
+        assert_eq!(t.render(&[msg("user", "a")], true).unwrap(), "<s>a");
     }
 
     #[test]
@@ -481,11 +596,163 @@ mod tests {
         );
     }
 
+    /// (year, month, day) of day `days` since 1970-01-01, counted one day at a time from the
+    /// epoch: an independent check of `civil_from_days`.
+    fn walk_calendar(from: i64, to: i64) -> Vec<(i64, u32, u32)> {
+        let leap = |y: i64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+        let month_len = |y: i64, m: u32| match m {
+            2 if leap(y) => 29,
+            2 => 28,
+            4 | 6 | 9 | 11 => 30,
+            _ => 31,
+        };
+        assert!(from <= 0 && to >= 0);
+        let mut forward = vec![(1970, 1, 1)];
+        let (mut y, mut m, mut d) = (1970_i64, 1_u32, 1_u32);
+        for _ in 0..to {
+            d += 1;
+            if d > month_len(y, m) {
+                d = 1;
+                m += 1;
+                if m > 12 {
+                    m = 1;
+                    y += 1;
+                }
+            }
+            forward.push((y, m, d));
+        }
+        let mut backward = Vec::new();
+        let (mut y, mut m, mut d) = (1970_i64, 1_u32, 1_u32);
+        for _ in from..0 {
+            if d == 1 {
+                if m == 1 {
+                    m = 12;
+                    y -= 1;
+                } else {
+                    m -= 1;
+                }
+                d = month_len(y, m);
+            } else {
+                d -= 1;
+            }
+            backward.push((y, m, d));
+        }
+        backward.reverse();
+        backward.extend(forward);
+        backward
+    }
+
     #[test]
-    fn strftime_now_formats_dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
-        let s = strftime_now("%d %b %Y %%".into());
-        assert_eq!(s.len(), "29 Nov 2026 %".len());
+    fn civil_from_days_matches_the_calendar() {
+        // Fixed dates, leap days and century rules included.
+        for (days, date) in [
+            (0, (1970, 1, 1)),
+            (-1, (1969, 12, 31)),
+            (59, (1970, 3, 1)),
+            (11_016, (2000, 2, 29)),
+            (11_017, (2000, 3, 1)),
+            (20_088, (2024, 12, 31)),
+            (47_541, (2100, 3, 1)),
+            (-25_508, (1900, 3, 1)),
+            (-135_081, (1600, 2, 29)),
+        ] {
+            assert_eq!(civil_from_days(days), date, "day {days}");
+        }
+        // Every day from 1696 to 2243.
+        let (from, to) = (-100_000, 100_000);
+        for (i, date) in walk_calendar(from, to).into_iter().enumerate() {
+            let days = from + i as i64;
+            assert_eq!(civil_from_days(days), date, "day {days}");
+        }
+    }
+
+    /// What `strftime_now(format)` must give on day `days` since the epoch.
+    fn expected_strftime(days: i64) -> String {
+        const MONTHS: [&str; 12] = [
+            "January",
+            "February",
+            "March",
+            "April",
+            "May",
+            "June",
+            "July",
+            "August",
+            "September",
+            "October",
+            "November",
+            "December",
+        ];
+        let (y, m, d) = walk_calendar(0, days)[days as usize];
+        let name = MONTHS[m as usize - 1];
+        format!(
+            "{d:02}|{m:02}|{y}|{:02}|{name}|{}|%|%Q|%",
+            y % 100,
+            &name[..3]
+        )
+    }
+
+    fn today() -> i64 {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        (secs / 86_400) as i64
+    }
+
+    #[test]
+    fn strftime_at_a_fixed_clock() {
+        // 2024-07-26 13:05:09 UTC, the date Llama 3.1's template example prints.
+        let t = 1_722_000_309;
+        assert_eq!(
+            strftime_at("%d|%m|%Y|%y|%B|%b|%%|%Q|%", t),
+            "26|07|2024|24|July|Jul|%|%Q|%"
+        );
+        assert_eq!(
+            strftime_at("Today Date: %d %b %Y", 0),
+            "Today Date: 01 Jan 1970"
+        );
+        // A leap day, and the last second before a new year.
+        assert_eq!(strftime_at("%d %B %Y", 1_709_164_800), "29 February 2024");
+        assert_eq!(strftime_at("%d %m %Y", 1_735_689_599), "31 12 2024");
+        for days in [0i64, 59, 365, 11_016, 19_930, 20_000] {
+            let secs = u64::try_from(days).unwrap() * 86_400 + 86_399;
+            let format = "%d|%m|%Y|%y|%B|%b|%%|%Q|%";
+            assert_eq!(
+                strftime_at(format, secs),
+                expected_strftime(days),
+                "day {days}"
+            );
+        }
+    }
+
+    #[test]
+    fn strftime_now_prints_the_current_date_in_every_directive() {
+        // The clock is read inside strftime_now: bracket the call (a day may turn meanwhile)
+        // and compare with a calendar walked from the epoch.
+        let format = "%d|%m|%Y|%y|%B|%b|%%|%Q|%";
+        let before = today();
+        let got = strftime_now(format.into());
+        let after = today();
+        let candidates: Vec<String> = (before..=after).map(expected_strftime).collect();
+        assert!(
+            candidates.contains(&got),
+            "{got:?} is none of {candidates:?}"
+        );
+        // Through a template, as Llama 3.1's prints "Today Date: 26 Jul 2024".
+        let t = ChatTemplate::new("t", "{{ strftime_now('%d %b %Y') }}", "", "").unwrap();
+        let before = today();
+        let text = t.render(&[], true).unwrap();
+        let after = today();
+        let candidates: Vec<String> = (before..=after)
+            .map(|day| {
+                let e = expected_strftime(day);
+                let parts: Vec<&str> = e.split('|').collect();
+                format!("{} {} {}", parts[0], parts[5], parts[2])
+            })
+            .collect();
+        assert!(
+            candidates.contains(&text),
+            "{text:?} is none of {candidates:?}"
+        );
     }
 }
