@@ -414,3 +414,32 @@ async fn bad_requests_get_their_400_at_once_while_every_slot_is_busy() {
     drop(busy);
     handle.shutdown();
 }
+
+#[tokio::test]
+async fn streamed_text_offsets_continue_across_chunks() {
+    let (app, handle) = app(FakeConfig::default());
+    let (status, body) = post_to(
+        &app,
+        "/v1/completions",
+        r#"{"prompt":"hi","max_tokens":6,"temperature":0,"logprobs":1,"stream":true}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let mut offsets = Vec::new();
+    let mut text = String::new();
+    for data in sse_data(&body) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        let choice = &v["choices"][0];
+        text.push_str(choice["text"].as_str().unwrap_or(""));
+        if let Some(o) = choice["logprobs"]["text_offset"].as_array() {
+            offsets.extend(o.iter().map(|x| x.as_u64().unwrap()));
+        }
+    }
+    // One ASCII character per fake token: each token starts where the previous ended.
+    assert_eq!(text.len(), 6);
+    assert_eq!(offsets, (0..6).collect::<Vec<u64>>());
+    handle.shutdown();
+}

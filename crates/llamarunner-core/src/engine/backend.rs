@@ -65,7 +65,9 @@ pub trait Backend {
     /// Decodes one batch.
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
     /// Samples (and accepts) the next token from the logits of batch position `index`.
-    fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Token;
+    /// `None` when the request's grammar allows nothing more (complete, or at a dead end):
+    /// the sequence ends there.
+    fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Option<Token>;
     /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
     /// remove part of a sequence (the caller then clears all of it).
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;

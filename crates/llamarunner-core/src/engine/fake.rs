@@ -214,16 +214,16 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
-    fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Token {
+    fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Option<Token> {
         let (seq, pos) = *self
             .outputs
             .get(&index)
             .expect("sampled a batch index without logits (scheduler bug)");
         let history = &self.kv[&seq][..=pos];
         if self.config.eos_at.is_some_and(|n| history.len() >= n) {
-            return EOS;
+            return Some(EOS);
         }
-        Self::next_token(history, sampler.offset)
+        Some(Self::next_token(history, sampler.offset))
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {

@@ -53,7 +53,325 @@ pub fn check_bounds(text: &str) -> Result<(), String> {
         }
         i += 1;
     }
+    check_fanout(text)
+}
+
+/// Most grammar stacks one position of a grammar may expand into. llama.cpp keeps one stack
+/// per way the grammar can continue, and nullable rules referring to each other multiply them
+/// (`l0 ::= l1 l1 | ""`, `l1 ::= l2 l2 | ""`, ... has 2^depth): compiling such a grammar, or
+/// sampling with it (each stack is checked against the whole vocabulary for every token), would
+/// stall the server.
+pub const MAX_GRAMMAR_FANOUT: u64 = 2048;
+
+/// A sequence: its items, each with whether a postfix operator lets it match nothing.
+type Seq = Vec<(Item, bool)>;
+/// A rule: its name and alternatives.
+type Rule = (String, Vec<Seq>);
+
+/// One element of a sequence, for the fan-out estimate.
+enum Item {
+    /// A literal, character class or token: `nullable` when it can match nothing (`""`).
+    Term { nullable: bool },
+    /// A rule reference.
+    Ref(String),
+    /// A parenthesized group of alternatives.
+    Group(Vec<Seq>),
+}
+
+/// Checks that no position of the grammar expands into more than `MAX_GRAMMAR_FANOUT`
+/// stacks: an upper bound from the grammar's structure (how many ways each element can start,
+/// summed over the elements that may be skipped because the ones before them match nothing).
+/// The grammar must have passed the nesting bound (groups recurse here). Grammars this parser
+/// cannot read are left to llama.cpp's parser.
+pub fn check_fanout(text: &str) -> Result<(), String> {
+    let Some(rules) = FanoutParser {
+        s: text.as_bytes(),
+        i: 0,
+    }
+    .grammar() else {
+        return Ok(());
+    };
+    let index: std::collections::HashMap<&str, usize> = rules
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| (name.as_str(), i))
+        .collect();
+    let cap = MAX_GRAMMAR_FANOUT + 1;
+    let mut fan = vec![0u64; rules.len()];
+    let mut nullable = vec![false; rules.len()];
+    // Fixpoint over a worklist: a rule is evaluated again only when a rule it refers to
+    // changed. Values only grow and are capped, so this ends, in about one evaluation per rule
+    // for ordinary grammars whatever order their rules are written in.
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); rules.len()];
+    for (r, (_, alts)) in rules.iter().enumerate() {
+        let mut refs = Vec::new();
+        collect_refs(alts, &mut refs);
+        for name in refs {
+            if let Some(&target) = index.get(name) {
+                users[target].push(r);
+            }
+        }
+    }
+    let mut queue: std::collections::VecDeque<usize> = (0..rules.len()).rev().collect();
+    let mut queued = vec![true; rules.len()];
+    while let Some(r) = queue.pop_front() {
+        queued[r] = false;
+        let (e, n) = alternatives(&rules[r].1, &index, &fan, &nullable, cap);
+        if e != fan[r] || n != nullable[r] {
+            fan[r] = e;
+            nullable[r] = n;
+            for &u in &users[r] {
+                if !queued[u] {
+                    queued[u] = true;
+                    queue.push_back(u);
+                }
+            }
+        }
+    }
+    let mut worst = 0;
+    for (_, alts) in &rules {
+        worst = worst.max(worst_suffix(alts, &index, &fan, &nullable, cap));
+    }
+    if worst > MAX_GRAMMAR_FANOUT {
+        return Err(format!(
+            "invalid grammar: too ambiguous (one position can continue in more than \
+             {MAX_GRAMMAR_FANOUT} ways; nullable rules nest too deeply)"
+        ));
+    }
     Ok(())
+}
+
+/// The names of the rules a rule refers to, groups included.
+fn collect_refs<'a>(alts: &'a [Seq], out: &mut Vec<&'a str>) {
+    for seq in alts {
+        for (item, _) in seq {
+            match item {
+                Item::Ref(name) => out.push(name),
+                Item::Group(inner) => collect_refs(inner, out),
+                Item::Term { .. } => {}
+            }
+        }
+    }
+}
+
+type Fan<'a> = (
+    &'a std::collections::HashMap<&'a str, usize>,
+    &'a [u64],
+    &'a [bool],
+    u64,
+);
+
+fn item_fan(item: &(Item, bool), f: Fan<'_>) -> (u64, bool) {
+    let (index, fan, nullable, cap) = f;
+    let (e, n) = match &item.0 {
+        Item::Term { nullable } => (u64::from(!nullable), *nullable),
+        Item::Ref(name) => index
+            .get(name.as_str())
+            .map_or((1, false), |&r| (fan[r], nullable[r])),
+        Item::Group(alts) => alternatives(alts, index, fan, nullable, cap),
+    };
+    (e.min(cap), n || item.1)
+}
+
+fn sequence(
+    seq: &[(Item, bool)],
+    index: &std::collections::HashMap<&str, usize>,
+    fan: &[u64],
+    nullable: &[bool],
+    cap: u64,
+) -> (u64, bool) {
+    let mut total = 0u64;
+    for item in seq {
+        let (e, n) = item_fan(item, (index, fan, nullable, cap));
+        total = total.saturating_add(e).min(cap);
+        if !n {
+            return (total, false);
+        }
+    }
+    (total, true)
+}
+
+fn alternatives(
+    alts: &[Seq],
+    index: &std::collections::HashMap<&str, usize>,
+    fan: &[u64],
+    nullable: &[bool],
+    cap: u64,
+) -> (u64, bool) {
+    let mut total = 0u64;
+    let mut any_null = false;
+    for seq in alts {
+        let (e, n) = sequence(seq, index, fan, nullable, cap);
+        total = total.saturating_add(e).min(cap);
+        any_null |= n;
+    }
+    (total, any_null)
+}
+
+/// The largest fan-out of any suffix of any sequence, groups included.
+fn worst_suffix(
+    alts: &[Seq],
+    index: &std::collections::HashMap<&str, usize>,
+    fan: &[u64],
+    nullable: &[bool],
+    cap: u64,
+) -> u64 {
+    let mut worst = 0;
+    for seq in alts {
+        for k in 0..seq.len() {
+            worst = worst.max(sequence(&seq[k..], index, fan, nullable, cap).0);
+            if let Item::Group(inner) = &seq[k].0 {
+                worst = worst.max(worst_suffix(inner, index, fan, nullable, cap));
+            }
+        }
+    }
+    worst
+}
+
+/// A GBNF reader that keeps just what the fan-out estimate needs.
+struct FanoutParser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl FanoutParser<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+    fn space(&mut self, newlines: bool) {
+        while let Some(c) = self.peek() {
+            match c {
+                b' ' | b'\t' | b'\r' => self.i += 1,
+                b'\n' if newlines => self.i += 1,
+                b'#' => {
+                    while self.peek().is_some_and(|c| c != b'\n') {
+                        self.i += 1;
+                    }
+                }
+                _ => break,
+            }
+        }
+    }
+    fn name(&mut self) -> Option<String> {
+        let start = self.i;
+        while self
+            .peek()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+        {
+            self.i += 1;
+        }
+        (self.i > start).then(|| String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
+    }
+    fn grammar(mut self) -> Option<Vec<Rule>> {
+        let mut rules: Vec<Rule> = Vec::new();
+        self.space(true);
+        while self.peek().is_some() {
+            let name = self.name()?;
+            self.space(false);
+            if !self.s[self.i..].starts_with(b"::=") {
+                return None;
+            }
+            self.i += 3;
+            self.space(true);
+            let alts = self.alternatives(false)?;
+            match rules.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, existing)) => existing.extend(alts),
+                None => rules.push((name, alts)),
+            }
+            self.space(true);
+        }
+        Some(rules)
+    }
+    fn alternatives(&mut self, nested: bool) -> Option<Vec<Seq>> {
+        let mut alts = vec![self.sequence(nested)?];
+        while self.peek() == Some(b'|') {
+            self.i += 1;
+            self.space(true);
+            alts.push(self.sequence(nested)?);
+        }
+        Some(alts)
+    }
+    /// Skips a quoted literal or class ending with `close`; returns whether it was empty.
+    fn skip_literal(&mut self, close: u8) -> Option<bool> {
+        self.i += 1;
+        let start = self.i;
+        while let Some(c) = self.peek() {
+            self.i += 1;
+            if c == b'\\' {
+                self.i += 1;
+            } else if c == close {
+                return Some(self.i - 1 == start);
+            }
+        }
+        None
+    }
+    fn sequence(&mut self, nested: bool) -> Option<Seq> {
+        let mut seq = Vec::new();
+        loop {
+            let item = match self.peek() {
+                Some(b'"') => Item::Term {
+                    nullable: self.skip_literal(b'"')?,
+                },
+                Some(b'[') => {
+                    self.skip_literal(b']')?;
+                    Item::Term { nullable: false }
+                }
+                Some(b'<') => {
+                    self.skip_literal(b'>')?;
+                    Item::Term { nullable: false }
+                }
+                Some(b'!') => {
+                    self.i += 1;
+                    if self.peek() != Some(b'<') {
+                        return None;
+                    }
+                    self.skip_literal(b'>')?;
+                    Item::Term { nullable: false }
+                }
+                Some(b'.') => {
+                    self.i += 1;
+                    Item::Term { nullable: false }
+                }
+                Some(b'(') => {
+                    self.i += 1;
+                    self.space(true);
+                    let alts = self.alternatives(true)?;
+                    if self.peek() != Some(b')') {
+                        return None;
+                    }
+                    self.i += 1;
+                    Item::Group(alts)
+                }
+                Some(c) if c.is_ascii_alphanumeric() || c == b'-' || c == b'_' => {
+                    Item::Ref(self.name()?)
+                }
+                _ => return Some(seq),
+            };
+            let skippable = match self.peek() {
+                Some(b'*' | b'?') => {
+                    self.i += 1;
+                    true
+                }
+                Some(b'+') => {
+                    self.i += 1;
+                    false
+                }
+                Some(b'{') => {
+                    let end = self.s[self.i..].iter().position(|&c| c == b'}')? + self.i;
+                    let inside = String::from_utf8_lossy(&self.s[self.i + 1..end]).into_owned();
+                    self.i = end + 1;
+                    inside
+                        .split(',')
+                        .next()
+                        .map(str::trim)
+                        .is_none_or(|m| m.is_empty() || m == "0")
+                }
+                _ => false,
+            };
+            seq.push((item, skippable));
+            self.space(nested);
+        }
+    }
 }
 
 /// Most repetitions `{m,n}` may ask for (llama.cpp's own threshold).
@@ -316,6 +634,41 @@ mod gbnf_tests {
         }
         let big = format!("root ::= \"{}\"", "a".repeat(MAX_GRAMMAR_BYTES));
         assert!(check_bounds(&big).unwrap_err().contains("bytes"));
+    }
+
+    #[test]
+    fn nested_nullable_rules_are_refused_as_too_ambiguous() {
+        let chain = |depth: usize| {
+            let mut g = String::from("root ::= l0\n");
+            for i in 0..depth {
+                g.push_str(&format!("l{i} ::= l{} l{} | \"\"\n", i + 1, i + 1));
+            }
+            g.push_str(&format!("l{depth} ::= \"x\" | \"\"\n"));
+            g
+        };
+        assert!(check_bounds(&chain(24)).unwrap_err().contains("ambiguous"));
+        assert!(check_bounds(&chain(12)).unwrap_err().contains("ambiguous"));
+        assert_eq!(check_bounds(&chain(4)), Ok(()));
+        // Behind a literal the fan-out is the same when generation reaches it.
+        let later = format!("root ::= \"a\" l0\n{}", &chain(24)["root ::= l0\n".len()..]);
+        assert!(check_bounds(&later).is_err());
+        // Optional groups, repetitions and classes count as nullable where they are.
+        let opt = "root ::= (\"a\"? \"b\"* [c]{0,3})* \"d\"";
+        assert_eq!(check_bounds(opt), Ok(()));
+        assert_eq!(
+            check_bounds(crate::server::format::JSON_OBJECT_GBNF),
+            Ok(())
+        );
+        // Long chains are read in one pass whichever way round they are written.
+        let n = 6000;
+        let mut leaf_first = format!("r{n} ::= \"a\"\n");
+        for i in (0..n).rev() {
+            leaf_first.push_str(&format!("r{i} ::= r{}\n", i + 1));
+        }
+        leaf_first.push_str("root ::= r0\n");
+        let started = std::time::Instant::now();
+        assert_eq!(check_fanout(&leaf_first), Ok(()));
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
     }
 
     #[test]

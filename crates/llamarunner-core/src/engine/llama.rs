@@ -741,26 +741,25 @@ impl Backend for LlamaEngine<'_> {
         })
     }
 
-    fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Token {
+    fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
         let index = i32::try_from(index).unwrap_or(i32::MAX);
         let Some(grammar) = sampler.grammar.as_mut() else {
             // `sample` also accepts the token into the chain (penalty history); no second accept.
-            return sampler.chain.sample(&self.ctx, index).0;
+            return Some(sampler.chain.sample(&self.ctx, index).0);
         };
-        let eos = self.model.token_eos().0;
         if sampler.grammar_ended {
-            return eos;
+            return None;
         }
         // Grammar first (it masks what may not follow), then the chain picks; each is told the
         // choice exactly once. A token the grammar did not allow is never accepted into it
         // (llama.cpp aborts on an end-of-generation token the grammar does not expect, and a
-        // grammar left without a live stack aborts at its next use): the sequence ends instead,
-        // with EOS, which the scheduler treats as the end whenever a grammar is set.
+        // grammar left without a live stack aborts at its next use): the sequence ends instead
+        // (`None`; not an EOS id, which some vocabularies do not have).
         let mut candidates = self.ctx.token_data_array_ith(index);
         candidates.apply_sampler(grammar);
         if !candidates.data.iter().any(|d| d.logit().is_finite()) {
             sampler.grammar_ended = true;
-            return eos;
+            return None;
         }
         candidates.apply_sampler(&sampler.chain);
         // All allowed tokens banned by the chain too (the grammar is complete and only an
@@ -772,15 +771,15 @@ impl Backend for LlamaEngine<'_> {
             .map(|d| d.id())
         else {
             sampler.grammar_ended = true;
-            return eos;
+            return None;
         };
         if let Err(e) = grammar.try_accept(token) {
             tracing::warn!(error = %e, "grammar rejected the sampled token; the sequence ends");
             sampler.grammar_ended = true;
-            return eos;
+            return None;
         }
         sampler.chain.accept(token);
-        token.0
+        Some(token.0)
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {

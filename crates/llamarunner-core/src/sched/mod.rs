@@ -29,6 +29,9 @@ use text::TextStream;
 pub const OUTBOX_CAP_BYTES: usize = 16 * 1024;
 /// Log-probability entries a sequence may hold likewise.
 pub const OUTBOX_CAP_LOGPROBS: usize = 1024;
+/// How long a sequence may stay paused for a client that does not read before its slot is
+/// taken back (the client is treated as gone), unless `with_pause_limit` says otherwise.
+pub const PAUSE_LIMIT: Duration = Duration::from_secs(30);
 
 /// What a sequence's pending tokens are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +76,8 @@ struct Sequence<S> {
     prompt_done: Option<Instant>,
     /// When it must end (`--timeout`).
     deadline: Option<Instant>,
+    /// Since when it has been paused for a client that does not read.
+    paused_since: Option<Instant>,
 }
 
 impl<S> Sequence<S> {
@@ -113,6 +118,8 @@ pub struct Scheduler<B: Backend> {
     multiuser: bool,
     /// Counter standing for "when" a slot was last used (LRU order).
     clock: u64,
+    /// How long a sequence may wait for a client that does not read.
+    pause_limit: Duration,
     /// The last step decoded nothing although sequences are running (all paused for their
     /// clients): the next receive waits a moment instead of spinning.
     stalled: bool,
@@ -143,8 +150,16 @@ impl<B: Backend> Scheduler<B> {
             multiuser: false,
             clock: 0,
             stalled: false,
+            pause_limit: PAUSE_LIMIT,
             batch: Vec::new(),
         }
+    }
+
+    /// How long a sequence may stay paused for a client that does not read its stream before
+    /// its slot is taken back.
+    pub fn with_pause_limit(mut self, limit: Duration) -> Self {
+        self.pause_limit = limit;
+        self
     }
 
     /// Shares cached prefixes between slots by forking (`--multiuser-cache`).
@@ -286,8 +301,18 @@ impl<B: Backend> Scheduler<B> {
             let Some(seq) = slot.seq.as_ref() else {
                 continue;
             };
+            let stuck = seq
+                .paused_since
+                .is_some_and(|t| now.duration_since(t) >= self.pause_limit);
             if seq.events.is_closed() {
                 tracing::debug!(slot = slot.id, "client disconnected; slot freed");
+                slot.seq = None;
+            } else if stuck {
+                tracing::warn!(
+                    slot = slot.id,
+                    limit = ?self.pause_limit,
+                    "the client has not read its stream; slot freed"
+                );
                 slot.seq = None;
             } else if seq.deadline.is_some_and(|d| d <= now) {
                 timed_out.push(i);
@@ -417,6 +442,7 @@ impl<B: Backend> Scheduler<B> {
         slot.seq = Some(Sequence {
             phase: Phase::Prefill,
             deadline: request.deadline,
+            paused_since: None,
             events: request.events.clone(),
             params: request.params.clone(),
             sampler,
@@ -556,8 +582,16 @@ impl<B: Backend> Scheduler<B> {
 
     fn step(&mut self) {
         // Output held for slow clients goes first; a client that left frees its slot here.
+        let now = Instant::now();
         for index in 0..self.slots.len() {
             self.flush_outbox(index);
+            if let Some(seq) = self.slots[index].seq.as_mut() {
+                seq.paused_since = match (seq.paused(), seq.paused_since) {
+                    (false, _) => None,
+                    (true, None) => Some(now),
+                    (true, since) => since,
+                };
+            }
         }
         self.build_batch();
         self.stalled = self.batch.is_empty() && self.slots.iter().any(|s| s.seq.is_some());
@@ -599,7 +633,10 @@ impl<B: Backend> Scheduler<B> {
         if seq.params.num_predict == 0 {
             return Some(DoneReason::Length);
         }
-        let token = self.backend.sample(&mut seq.sampler, at);
+        let Some(token) = self.backend.sample(&mut seq.sampler, at) else {
+            // The grammar allows nothing more: the output is complete.
+            return Some(DoneReason::Stop);
+        };
         seq.n_generated += 1;
         // With a grammar, EOG also means the grammar allows nothing more (the backend's signal),
         // so it ends the sequence even under `ignore_eos`.

@@ -25,10 +25,19 @@ impl Harness {
     }
 
     fn with_queue(config: FakeConfig, slots: usize, max_queue: usize) -> Self {
+        Self::with_scheduler(config, slots, max_queue, |s| s)
+    }
+
+    fn with_scheduler(
+        config: FakeConfig,
+        slots: usize,
+        max_queue: usize,
+        setup: impl FnOnce(Scheduler<FakeBackend>) -> Scheduler<FakeBackend> + Send + 'static,
+    ) -> Self {
         let (handle, inbox) = EngineHandle::new(max_queue);
         let backend = FakeBackend::new(config);
         let log = backend.log.clone();
-        let thread = std::thread::spawn(move || Scheduler::new(backend, inbox, slots).run());
+        let thread = std::thread::spawn(move || setup(Scheduler::new(backend, inbox, slots)).run());
         Self {
             handle,
             thread: Some(thread),
@@ -988,4 +997,43 @@ fn a_client_that_does_not_read_pauses_its_sequence_instead_of_growing_buffers() 
         }
     }
     assert_eq!(text.len(), n);
+}
+
+#[test]
+fn a_client_that_never_reads_loses_its_slot_after_the_pause_limit() {
+    let h = Harness::with_scheduler(
+        FakeConfig {
+            slot_ctx: 4096,
+            ..FakeConfig::default()
+        },
+        1,
+        8,
+        |s| s.with_pause_limit(Duration::from_millis(200)),
+    );
+    let _unread = h.submit("unread", params_with(|p| p.num_predict = 40_000));
+    // The stalled sequence gives its slot back: the next request is served.
+    let mut next = h.submit("next", greedy(3));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match next.try_recv() {
+            Ok(Event::Started) => break,
+            Ok(other) => panic!("{other:?}"),
+            Err(_) => {
+                assert!(Instant::now() < deadline, "the unread stream kept the slot");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+    let mut text = String::new();
+    loop {
+        match next.blocking_recv().expect("Done") {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Done(c) => {
+                assert_eq!(c.eval_count, 3);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(text, expected("next", 3));
 }

@@ -55,6 +55,9 @@ pub enum ApiError {
     /// The request body is larger than `--max-body`.
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// The body did not arrive in time.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The route exists, but not with this method.
     #[error("{0}")]
     MethodNotAllowed(String),
@@ -81,6 +84,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
         }
     }
@@ -102,6 +106,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
         }
     }
@@ -129,7 +134,7 @@ impl ApiError {
     /// OpenAI's error class for this status.
     pub fn openai_type(&self) -> &'static str {
         match self.status().as_u16() {
-            400 | 404 | 405 | 413 => "invalid_request_error",
+            400 | 404 | 405 | 408 | 413 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             429 => "rate_limit_error",

@@ -18,11 +18,60 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<String>, 
         serde_json::Value::Null => Ok(None),
         serde_json::Value::String(s) if s.is_empty() => Ok(None),
         serde_json::Value::String(s) if s == "json" => Ok(Some(JSON_OBJECT_GBNF.to_string())),
-        serde_json::Value::Object(_) => schema_to_grammar(&format.to_string()).map(Some),
+        serde_json::Value::Object(_) => {
+            check_schema_bounds(format)?;
+            schema_to_grammar(&format.to_string()).map(Some)
+        }
         other => Err(format!(
             "invalid format: {other}; expected \"json\" or a JSON schema object"
         )),
     }
+}
+
+/// Most values (objects, arrays, scalars) a JSON schema may have.
+pub const MAX_SCHEMA_NODES: usize = 4096;
+/// Most properties one schema object may list. llama.cpp's converter builds the optional
+/// properties of an object in time cubic in their number, on the thread that converts.
+pub const MAX_SCHEMA_PROPERTIES: usize = 128;
+/// Deepest nesting of a JSON schema.
+pub const MAX_SCHEMA_DEPTH: usize = 32;
+
+/// Checks a schema's size before llama.cpp's converter sees it, without recursing.
+pub fn check_schema_bounds(schema: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value;
+    let mut stack = vec![(schema, 1usize)];
+    let mut nodes = 0usize;
+    while let Some((v, depth)) = stack.pop() {
+        nodes += 1;
+        if nodes > MAX_SCHEMA_NODES {
+            return Err(format!(
+                "invalid JSON schema in format: more than {MAX_SCHEMA_NODES} values"
+            ));
+        }
+        if depth > MAX_SCHEMA_DEPTH {
+            return Err(format!(
+                "invalid JSON schema in format: nested deeper than {MAX_SCHEMA_DEPTH} levels"
+            ));
+        }
+        match v {
+            Value::Object(map) => {
+                if map
+                    .get("properties")
+                    .and_then(Value::as_object)
+                    .is_some_and(|p| p.len() > MAX_SCHEMA_PROPERTIES)
+                {
+                    return Err(format!(
+                        "invalid JSON schema in format: an object lists more than \
+                         {MAX_SCHEMA_PROPERTIES} properties"
+                    ));
+                }
+                stack.extend(map.values().map(|c| (c, depth + 1)));
+            }
+            Value::Array(items) => stack.extend(items.iter().map(|c| (c, depth + 1))),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn schema_to_grammar(schema: &str) -> Result<String, String> {
@@ -90,6 +139,29 @@ mod tests {
             .unwrap_err()
             .contains("invalid format"));
         assert!(grammar_for_format(&json!(5)).is_err());
+    }
+
+    #[test]
+    fn oversized_schemas_are_refused_before_conversion() {
+        let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_SCHEMA_PROPERTIES)
+            .map(|i| (format!("p{i}"), json!({})))
+            .collect();
+        let err = grammar_for_format(&json!({"type": "object", "properties": many})).unwrap_err();
+        assert!(err.contains("properties"), "{err}");
+        let mut deep = json!({"type": "string"});
+        for _ in 0..MAX_SCHEMA_DEPTH {
+            deep = json!({"type": "array", "items": deep});
+        }
+        assert!(check_schema_bounds(&deep).unwrap_err().contains("deeper"));
+        let wide = json!({"enum": vec![1; MAX_SCHEMA_NODES]});
+        assert!(check_schema_bounds(&wide).unwrap_err().contains("values"));
+        let fine: serde_json::Map<String, serde_json::Value> = (0..MAX_SCHEMA_PROPERTIES)
+            .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+            .collect();
+        assert_eq!(
+            check_schema_bounds(&json!({"type": "object", "properties": fine})),
+            Ok(())
+        );
     }
 
     #[test]

@@ -326,7 +326,14 @@ async fn limit_body(State(policy): State<Arc<HttpPolicy>>, req: Request, next: N
         }
         return too_large();
     }
-    match Limited::new(body, max).collect().await {
+    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, max).collect());
+    let Ok(read) = read.await else {
+        return dialect.respond(ApiError::RequestTimeout(format!(
+            "the request body did not arrive within {} seconds",
+            BODY_TIMEOUT.as_secs()
+        )));
+    };
+    match read {
         Ok(collected) => {
             next.run(Request::from_parts(parts, Body::from(collected.to_bytes())))
                 .await
@@ -337,6 +344,10 @@ async fn limit_body(State(policy): State<Arc<HttpPolicy>>, req: Request, next: N
         ))),
     }
 }
+
+/// How long a request's body may take to arrive once its headers have (a client trickling a
+/// body byte by byte would otherwise hold its connection for ever).
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Reads and drops up to `DRAIN_LIMIT` bytes of `body`, for at most `DRAIN_TIME`.
 async fn drain(body: Body) {

@@ -255,6 +255,57 @@ struct Meta {
     model: String,
     chat: bool,
     include_usage: bool,
+    /// Where the next token's text starts in the whole completion (`text_offset`), carried
+    /// from one streamed chunk to the next.
+    offsets: std::sync::Mutex<TextOffsets>,
+}
+
+/// Character offsets of tokens in a completion's text. A token may carry part of a UTF-8
+/// character: its offset is that character's, and the character is counted once complete.
+#[derive(Debug, Default)]
+struct TextOffsets {
+    /// Characters complete so far.
+    chars: usize,
+    /// Bytes of a character not yet complete.
+    tail: Vec<u8>,
+}
+
+impl TextOffsets {
+    /// The offset of a token with these bytes, which then count towards the next ones.
+    fn next(&mut self, bytes: &[u8]) -> usize {
+        let at = self.chars;
+        self.tail.extend_from_slice(bytes);
+        let mut rest: &[u8] = &self.tail;
+        let mut used = 0;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    self.chars += s.chars().count();
+                    used += rest.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.chars +=
+                        std::str::from_utf8(&rest[..valid]).map_or(0, |s| s.chars().count());
+                    match e.error_len() {
+                        // An invalid sequence reads as one U+FFFD.
+                        Some(bad) => {
+                            self.chars += 1;
+                            used += valid + bad;
+                            rest = &rest[valid + bad..];
+                        }
+                        None => {
+                            used += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.tail.drain(..used);
+        at
+    }
 }
 
 impl Meta {
@@ -265,6 +316,7 @@ impl Meta {
             model: state.model_name.to_string(),
             chat,
             include_usage,
+            offsets: std::sync::Mutex::default(),
         }
     }
 
@@ -289,7 +341,8 @@ impl Meta {
             if self.chat {
                 json!({"content": logprobs.iter().map(chat_logprob).collect::<Vec<_>>()})
             } else {
-                completion_logprobs(logprobs)
+                let mut offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
+                completion_logprobs(logprobs, &mut offsets)
             }
         } else {
             Value::Null
@@ -348,13 +401,10 @@ fn chat_logprob(l: &TokenLogprob) -> Value {
     })
 }
 
-fn completion_logprobs(entries: &[TokenLogprob]) -> Value {
-    let mut offset = 0;
-    let mut offsets = Vec::with_capacity(entries.len());
-    for l in entries {
-        offsets.push(offset);
-        offset += token_text(&l.sampled.bytes).len();
-    }
+/// Legacy completions' `logprobs`; `text_offset` counts characters from the start of the whole
+/// completion, across streamed chunks.
+fn completion_logprobs(entries: &[TokenLogprob], at: &mut TextOffsets) -> Value {
+    let offsets: Vec<usize> = entries.iter().map(|l| at.next(&l.sampled.bytes)).collect();
     json!({
         "tokens": entries.iter().map(|l| token_text(&l.sampled.bytes)).collect::<Vec<_>>(),
         "token_logprobs": entries.iter().map(|l| l.sampled.logprob).collect::<Vec<_>>(),
@@ -639,6 +689,17 @@ pub async fn model(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_offsets_count_characters_across_chunks() {
+        let mut at = TextOffsets::default();
+        // "a", "é" split over two tokens, "b", an invalid byte, then "€" whole.
+        let tokens: [&[u8]; 6] = [b"a", &[0xC3], &[0xA9], b"b", &[0xFF], "€".as_bytes()];
+        let got: Vec<usize> = tokens.iter().map(|t| at.next(t)).collect();
+        assert_eq!(got, vec![0, 1, 1, 2, 3, 4]);
+        // A second chunk continues where the first ended.
+        assert_eq!(at.next(b"x"), 5);
+    }
 
     #[test]
     fn base64_matches_the_standard_encoding() {
