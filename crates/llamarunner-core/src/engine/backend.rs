@@ -81,7 +81,17 @@ pub trait Backend {
     fn bos(&self) -> Option<Token>;
     /// Most tokens one embedding input may have.
     fn embed_capacity(&self) -> usize;
-    /// The embedding of a whole input: pooled by the model's pooling type (mean when it has
-    /// none), or the last token's when the model does not pool. Not normalized.
-    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError>;
+    /// Most tokens of one embedding input decoded in one step (an input is embedded piece by
+    /// piece, one piece per scheduler step, so generating sequences keep flowing).
+    fn embed_piece(&self) -> usize;
+    /// Decodes `tokens` as positions `start..` of the current embedding input (`start == 0`
+    /// begins a new input); with `last`, returns the input's embedding: pooled by the model's
+    /// pooling type (mean when it has none), or the last token's when the model does not pool.
+    /// Not normalized.
+    fn embed(
+        &mut self,
+        tokens: &[Token],
+        start: usize,
+        last: bool,
+    ) -> Result<Option<Vec<f32>>, BackendError>;
 }

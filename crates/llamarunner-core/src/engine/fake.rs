@@ -33,6 +33,8 @@ pub struct FakeConfig {
     pub partial_remove: bool,
     /// Fail this decode call (1-based) with "no KV slot", as llama.cpp does when full.
     pub fail_decode: Option<usize>,
+    /// Tokens of an embedding input decoded per step.
+    pub embed_piece: usize,
 }
 
 impl Default for FakeConfig {
@@ -45,6 +47,7 @@ impl Default for FakeConfig {
             can_shift: true,
             partial_remove: true,
             fail_decode: None,
+            embed_piece: 16,
         }
     }
 }
@@ -81,6 +84,10 @@ pub struct FakeBackend {
     pub log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
     /// Every fork (src, dst, len), in order.
     pub forks: Arc<Mutex<Vec<(i32, i32, usize)>>>,
+    /// The size of every embedding piece decoded, in order.
+    pub embed_log: Arc<Mutex<Vec<usize>>>,
+    /// The embedding input decoded so far.
+    embedding: Vec<Token>,
 }
 
 /// The fake's sampler: it only remembers the seed, which shifts the output.
@@ -269,13 +276,33 @@ impl Backend for FakeBackend {
         self.config.slot_ctx
     }
 
-    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+    fn embed_piece(&self) -> usize {
+        self.config.embed_piece.max(1)
+    }
+
+    fn embed(
+        &mut self,
+        tokens: &[Token],
+        start: usize,
+        last: bool,
+    ) -> Result<Option<Vec<f32>>, BackendError> {
+        if start == 0 {
+            self.embedding.clear();
+        }
+        assert_eq!(start, self.embedding.len(), "embedding pieces out of order");
+        self.embedding.extend_from_slice(tokens);
+        if let Ok(mut log) = self.embed_log.lock() {
+            log.push(tokens.len());
+        }
+        if !last {
+            return Ok(None);
+        }
         // A mean-pooled one-hot-ish embedding over 8 dimensions: deterministic, input-only.
         let mut v = vec![0.0f32; 8];
-        for &t in tokens {
+        for &t in &self.embedding {
             v[(t as usize) % 8] += 1.0;
         }
-        let n = tokens.len().max(1) as f32;
-        Ok(v.into_iter().map(|x| x / n).collect())
+        let n = self.embedding.len().max(1) as f32;
+        Ok(Some(v.into_iter().map(|x| x / n).collect()))
     }
 }

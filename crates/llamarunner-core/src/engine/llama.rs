@@ -468,6 +468,8 @@ struct LlamaEngine<'m> {
     /// context keeps embeddings off: with them on, llama.cpp outputs logits for every token of
     /// every batch, which would make prompt processing far slower.
     embed_ctx: Option<LlamaContext<'m>>,
+    /// The sum of the per-token embeddings of the input being embedded in pieces.
+    embed_sum: Vec<f64>,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -502,6 +504,7 @@ impl<'m> LlamaEngine<'m> {
             backend,
             embed_params,
             embed_ctx: None,
+            embed_sum: Vec::new(),
         }
     }
 
@@ -827,47 +830,69 @@ impl Backend for LlamaEngine<'_> {
         self.slot_ctx
     }
 
-    fn embed(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
+    fn embed_piece(&self) -> usize {
         if self.embed_params.pooled_by_model {
-            return self.embed_pooled(tokens);
+            // Its pooling needs the whole input in one batch.
+            self.slot_ctx
+        } else {
+            self.embed_chunk()
         }
-        self.embed_mean_in_pieces(tokens)
+    }
+
+    fn embed(
+        &mut self,
+        tokens: &[Token],
+        start: usize,
+        last: bool,
+    ) -> Result<Option<Vec<f32>>, BackendError> {
+        if self.embed_params.pooled_by_model {
+            return self.embed_pooled(tokens).map(Some);
+        }
+        self.embed_mean_piece(tokens, start, last)
     }
 }
 
 impl LlamaEngine<'_> {
-    /// A generative model's embedding: the mean of its per-token output embeddings, decoded
-    /// `embed_chunk` tokens at a time (the same values llama.cpp's mean pooling gives over one
-    /// batch, without its n_tokens × n_vocab logits buffer).
-    fn embed_mean_in_pieces(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
-        let chunk = self.embed_chunk();
+    /// One piece of a generative model's embedding: the mean of its per-token output
+    /// embeddings, decoded `embed_chunk` tokens at a time, one piece per scheduler step, through
+    /// its causal KV cache (the same values llama.cpp's mean pooling gives over one batch,
+    /// without its n_tokens × n_vocab logits buffer or a long stall of the other sequences).
+    fn embed_mean_piece(
+        &mut self,
+        tokens: &[Token],
+        start: usize,
+        last: bool,
+    ) -> Result<Option<Vec<f32>>, BackendError> {
+        let mut sum = std::mem::take(&mut self.embed_sum);
         let ctx = self.embedding_context()?;
-        ctx.clear_kv_cache();
-        let mut sum: Vec<f64> = Vec::new();
-        let mut result = Ok(());
-        for (c, piece) in tokens.chunks(chunk).enumerate() {
-            result = decode_piece(ctx, piece, c * chunk).and_then(|()| {
-                for j in 0..piece.len() {
-                    let row = ctx
-                        .embeddings_ith(i32::try_from(j).unwrap_or(i32::MAX))
-                        .map_err(|e| BackendError::Decode(e.to_string()))?;
-                    if sum.is_empty() {
-                        sum = vec![0.0; row.len()];
-                    }
-                    for (s, &x) in sum.iter_mut().zip(row) {
-                        *s += f64::from(x);
-                    }
-                }
-                Ok(())
-            });
-            if result.is_err() {
-                break;
-            }
+        if start == 0 {
+            ctx.clear_kv_cache();
+            sum.clear();
         }
-        ctx.clear_kv_cache();
+        let result = decode_piece(ctx, tokens, start).and_then(|()| {
+            for j in 0..tokens.len() {
+                let row = ctx
+                    .embeddings_ith(i32::try_from(j).unwrap_or(i32::MAX))
+                    .map_err(|e| BackendError::Decode(e.to_string()))?;
+                if sum.is_empty() {
+                    sum = vec![0.0; row.len()];
+                }
+                for (s, &x) in sum.iter_mut().zip(row) {
+                    *s += f64::from(x);
+                }
+            }
+            Ok(())
+        });
+        if result.is_err() || last {
+            ctx.clear_kv_cache();
+        }
         result?;
-        let n = tokens.len().max(1) as f64;
-        Ok(sum.into_iter().map(|s| (s / n) as f32).collect())
+        if !last {
+            self.embed_sum = sum;
+            return Ok(None);
+        }
+        let n = (start + tokens.len()).max(1) as f64;
+        Ok(Some(sum.into_iter().map(|s| (s / n) as f32).collect()))
     }
 
     /// An embedding model's own pooling over the whole input in one batch. Its logits buffer
@@ -900,7 +925,7 @@ impl LlamaEngine<'_> {
 }
 
 /// Most bytes of logits an embedding context may keep between requests.
-const EMBED_LOGITS_BYTES: usize = 64 << 20;
+const EMBED_LOGITS_BYTES: usize = 32 << 20;
 
 /// Decodes `tokens` as positions `start..` of sequence 0, every token an output.
 fn decode_piece(

@@ -33,6 +33,15 @@ pub const OUTBOX_CAP_LOGPROBS: usize = 1024;
 /// taken back (the client is treated as gone), unless `with_pause_limit` says otherwise.
 pub const PAUSE_LIMIT: Duration = Duration::from_secs(30);
 
+/// An embedding input in progress.
+struct EmbedJob {
+    request: EmbedRequest,
+    tokens: Vec<Token>,
+    /// Tokens decoded so far.
+    done: usize,
+    truncated: bool,
+}
+
 /// What a sequence's pending tokens are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -107,6 +116,8 @@ pub struct Scheduler<B: Backend> {
     waiting: VecDeque<Request>,
     /// Embedding requests, served one per step between decodes.
     embeds: VecDeque<EmbedRequest>,
+    /// The embedding input being decoded, one piece per step.
+    embedding: Option<EmbedJob>,
     /// Events a full channel could not take yet (a slow client whose sequence already ended).
     draining: Vec<(Sender<Event>, VecDeque<Event>)>,
     /// Slot index where prompt chunking starts next step.
@@ -144,6 +155,7 @@ impl<B: Backend> Scheduler<B> {
             slots,
             waiting: VecDeque::new(),
             embeds: VecDeque::new(),
+            embedding: None,
             draining: Vec::new(),
             next_prompt: 0,
             next_decode: 0,
@@ -214,6 +226,7 @@ impl<B: Backend> Scheduler<B> {
     fn idle(&self) -> bool {
         self.waiting.is_empty()
             && self.embeds.is_empty()
+            && self.embedding.is_none()
             && self.slots.iter().all(|s| s.seq.is_none())
     }
 
@@ -326,14 +339,56 @@ impl<B: Backend> Scheduler<B> {
 
     /// Serves the oldest embedding request (one per step, so generating streams keep flowing).
     fn embed_one(&mut self) {
-        let Some(request) = self.embeds.pop_front() else {
+        if self.embedding.is_none() {
+            let Some(request) = self.embeds.pop_front() else {
+                return;
+            };
+            if request.reply.is_closed() {
+                return;
+            }
+            match self.embed_tokens(&request) {
+                Ok((tokens, truncated)) => {
+                    self.embedding = Some(EmbedJob {
+                        request,
+                        tokens,
+                        done: 0,
+                        truncated,
+                    });
+                }
+                Err(e) => {
+                    let _ = request.reply.send(Err(e));
+                    return;
+                }
+            }
+        }
+        let Some(mut job) = self.embedding.take() else {
             return;
         };
-        if request.reply.is_closed() {
-            return;
+        if job.request.reply.is_closed() {
+            return; // the client left: the rest of its input is not decoded
         }
-        let result = self.embed(&request);
-        let _ = request.reply.send(result);
+        let end = (job.done + self.backend.embed_piece().max(1)).min(job.tokens.len());
+        let last = end == job.tokens.len();
+        match self
+            .backend
+            .embed(&job.tokens[job.done..end], job.done, last)
+        {
+            Ok(None) => {
+                job.done = end;
+                self.embedding = Some(job);
+            }
+            Ok(Some(vector)) => {
+                let _ = job.request.reply.send(Ok(Embedding {
+                    vector,
+                    prompt_eval_count: job.tokens.len(),
+                    truncated: job.truncated,
+                }));
+            }
+            Err(e) => {
+                let err = EngineError::new(EngineErrorKind::Internal, e.to_string());
+                let _ = job.request.reply.send(Err(err));
+            }
+        }
     }
 
     /// A request's tokens (tokenizing its text if the HTTP side did not); `what` names it in
@@ -355,7 +410,8 @@ impl<B: Backend> Scheduler<B> {
         Ok(tokens)
     }
 
-    fn embed(&mut self, request: &EmbedRequest) -> Result<Embedding, EngineError> {
+    /// An embedding request's tokens, fitted into the embedding context; and whether cut.
+    fn embed_tokens(&self, request: &EmbedRequest) -> Result<(Vec<Token>, bool), EngineError> {
         let mut tokens = self.tokenize(&request.content, "content")?;
         let capacity = self.backend.embed_capacity();
         let truncated = tokens.len() > capacity;
@@ -365,15 +421,7 @@ impl<B: Backend> Scheduler<B> {
             }
             tokens.truncate(capacity);
         }
-        let vector = self
-            .backend
-            .embed(&tokens)
-            .map_err(|e| EngineError::new(EngineErrorKind::Internal, e.to_string()))?;
-        Ok(Embedding {
-            vector,
-            prompt_eval_count: tokens.len(),
-            truncated,
-        })
+        Ok((tokens, truncated))
     }
 
     fn admit(&mut self) {
@@ -802,6 +850,9 @@ impl<B: Backend> Scheduler<B> {
         let err = EngineError::new(EngineErrorKind::ShuttingDown, "the server is shutting down");
         while let Ok(m) = self.inbox.rx.try_recv() {
             self.handle(m);
+        }
+        if let Some(job) = self.embedding.take() {
+            let _ = job.request.reply.send(Err(err.clone()));
         }
         for r in self.embeds.drain(..) {
             let _ = r.reply.send(Err(err.clone()));

@@ -17,6 +17,7 @@ struct Harness {
     handle: EngineHandle,
     thread: Option<JoinHandle<()>>,
     log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
+    embed_log: Arc<Mutex<Vec<usize>>>,
 }
 
 impl Harness {
@@ -37,11 +38,13 @@ impl Harness {
         let (handle, inbox) = EngineHandle::new(max_queue);
         let backend = FakeBackend::new(config);
         let log = backend.log.clone();
+        let embed_log = backend.embed_log.clone();
         let thread = std::thread::spawn(move || setup(Scheduler::new(backend, inbox, slots)).run());
         Self {
             handle,
             thread: Some(thread),
             log,
+            embed_log,
         }
     }
 
@@ -657,6 +660,7 @@ fn multiuser_cache_forks_a_shared_prefix_into_another_slot() {
         handle,
         thread: Some(thread),
         log: Arc::new(Mutex::new(Vec::new())),
+        embed_log: Arc::new(Mutex::new(Vec::new())),
     };
     let system = "You are a helpful assistant. Answer briefly. ";
     // User A fills slot 0 with the system prompt and keeps generating (busy).
@@ -1036,4 +1040,57 @@ fn a_client_that_never_reads_loses_its_slot_after_the_pause_limit() {
         }
     }
     assert_eq!(text, expected("next", 3));
+}
+
+#[test]
+fn a_long_embedding_is_decoded_in_pieces_between_decode_steps() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 256,
+            embed_piece: 8,
+            decode_delay: Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let mut running = h.submit("gen", params_with(|p| p.num_predict = 400));
+    assert_eq!(
+        recv_within(&mut running, Duration::from_secs(5)),
+        Event::Started
+    );
+    let steps_before = h.log.lock().unwrap().len();
+    let long = "y".repeat(99); // BOS + 99 = 100 tokens: 13 pieces of at most 8
+    let e = embed(&h, &long, false).unwrap();
+    let steps_after = h.log.lock().unwrap().len();
+    assert_eq!(e.prompt_eval_count, 100);
+    let pieces = h.embed_log.lock().unwrap().clone();
+    assert_eq!(pieces.iter().sum::<usize>(), 100);
+    assert!(pieces.iter().all(|&n| n <= 8), "{pieces:?}");
+    // The generation kept stepping while the embedding was decoded, a step per piece.
+    assert!(
+        steps_after - steps_before >= pieces.len() - 1,
+        "{} decode steps during {} pieces",
+        steps_after - steps_before,
+        pieces.len()
+    );
+    // The same vector as an input decoded in one piece.
+    let one = Harness::new(
+        FakeConfig {
+            slot_ctx: 256,
+            embed_piece: 1000,
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    assert_eq!(embed(&one, &long, false).unwrap(), e);
+    loop {
+        match running.blocking_recv().expect("Done") {
+            Event::Done(done) => {
+                assert_eq!(done.eval_count, 400);
+                break;
+            }
+            Event::Text { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
 }
