@@ -122,6 +122,77 @@ pub fn truncate_prompt(tokens: &mut Vec<Token>, keep: usize, ctx: usize) -> bool
     true
 }
 
+/// An input that does not fit its slot and may not be cut.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the input length exceeds the context length: the {what} has {tokens} tokens, a slot \
+     holds {capacity} (raise --ctx-size, or allow truncation)"
+)]
+pub struct TooLong {
+    /// What the input is ("prompt", "input").
+    pub what: &'static str,
+    /// Its tokens.
+    pub tokens: usize,
+    /// What the slot holds.
+    pub capacity: usize,
+}
+
+/// Fits a prompt into a slot of `ctx` cells: unchanged when it fits with room to generate,
+/// else cut keeping `num_keep` tokens (+BOS) and the most recent ones (`truncate_prompt`), or
+/// `TooLong` when it may not be cut. Returns whether it was cut. The one rule both the HTTP
+/// side (before the queue) and the engine (for text it tokenizes itself) apply.
+pub fn fit_prompt(
+    tokens: &mut Vec<Token>,
+    num_keep: i64,
+    truncate: bool,
+    bos: Option<Token>,
+    ctx: usize,
+) -> Result<bool, TooLong> {
+    if tokens.len() < ctx {
+        return Ok(false);
+    }
+    if !truncate {
+        return Err(TooLong {
+            what: "prompt",
+            tokens: tokens.len(),
+            capacity: ctx,
+        });
+    }
+    let has_bos = bos.is_some_and(|b| tokens.first() == Some(&b));
+    let keep = keep_count(num_keep, tokens.len(), has_bos, ctx);
+    let before = tokens.len();
+    let cut = truncate_prompt(tokens, keep, ctx);
+    tracing::warn!(
+        prompt = before,
+        kept = tokens.len(),
+        num_keep = keep,
+        slot_ctx = ctx,
+        "prompt truncated to fit the slot"
+    );
+    Ok(cut)
+}
+
+/// Fits an embedding input into `capacity` tokens: cut at the end, or `TooLong` when it may
+/// not be cut. Returns whether it was cut.
+pub fn fit_input(
+    tokens: &mut Vec<Token>,
+    truncate: bool,
+    capacity: usize,
+) -> Result<bool, TooLong> {
+    if tokens.len() <= capacity {
+        return Ok(false);
+    }
+    if !truncate {
+        return Err(TooLong {
+            what: "input",
+            tokens: tokens.len(),
+            capacity,
+        });
+    }
+    tokens.truncate(capacity);
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

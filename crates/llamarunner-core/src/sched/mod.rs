@@ -413,15 +413,9 @@ impl<B: Backend> Scheduler<B> {
     /// An embedding request's tokens, fitted into the embedding context; and whether cut.
     fn embed_tokens(&self, request: &EmbedRequest) -> Result<(Vec<Token>, bool), EngineError> {
         let mut tokens = self.tokenize(&request.content, "content")?;
-        let capacity = self.backend.embed_capacity();
-        let truncated = tokens.len() > capacity;
-        if truncated {
-            if !request.truncate {
-                return Err(too_long("content", tokens.len(), capacity));
-            }
-            tokens.truncate(capacity);
-        }
-        Ok((tokens, truncated))
+        let cut = kv::fit_input(&mut tokens, request.truncate, self.backend.embed_capacity())
+            .map_err(too_long)?;
+        Ok((tokens, cut))
     }
 
     fn admit(&mut self) {
@@ -445,21 +439,16 @@ impl<B: Backend> Scheduler<B> {
             .bos()
             .is_some_and(|b| tokens.first() == Some(&b));
         let keep = kv::keep_count(params.num_keep, tokens.len(), has_bos, ctx);
-        let mut truncated = request.truncated;
-        if tokens.len() >= ctx {
-            if !params.truncate {
-                return Err(too_long("prompt", tokens.len(), ctx));
-            }
-            let before = tokens.len();
-            truncated = kv::truncate_prompt(&mut tokens, keep, ctx);
-            tracing::warn!(
-                prompt = before,
-                kept = tokens.len(),
-                num_keep = keep,
-                slot_ctx = ctx,
-                "prompt truncated to fit the slot"
-            );
-        }
+        // Requests from the HTTP side fit already (validated); text tokenized here may not.
+        let cut = kv::fit_prompt(
+            &mut tokens,
+            params.num_keep,
+            params.truncate,
+            self.backend.bos(),
+            ctx,
+        )
+        .map_err(too_long)?;
+        let truncated = request.truncated || cut;
         let sampler = self
             .backend
             .new_sampler(params, &tokens)
@@ -874,13 +863,8 @@ impl<B: Backend> Scheduler<B> {
 }
 
 /// The 400 for an input that does not fit and may not be truncated.
-fn too_long(what: &str, tokens: usize, capacity: usize) -> EngineError {
-    EngineError::new(
-        EngineErrorKind::ContextLength,
-        format!(
-            "the input length exceeds the context length: the {what} has {tokens} tokens, a slot holds {capacity} (raise --ctx-size, or allow truncation)"
-        ),
-    )
+fn too_long(e: kv::TooLong) -> EngineError {
+    EngineError::new(EngineErrorKind::ContextLength, e.to_string())
 }
 
 fn pos_of(n: usize) -> u32 {

@@ -235,6 +235,12 @@ impl From<EngineError> for ApiError {
     }
 }
 
+impl From<crate::kv::TooLong> for ApiError {
+    fn from(e: crate::kv::TooLong) -> Self {
+        ApiError::ContextLength(e.to_string())
+    }
+}
+
 impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {

@@ -181,41 +181,20 @@ pub fn check_for_model(
     Ok(())
 }
 
-/// Fits a prompt into a slot: unchanged when it fits, else cut keeping `num_keep` (+BOS) and
-/// the most recent tokens, or a `context_length_exceeded` when truncation is off. Returns
-/// whether it was cut.
+/// Fits a prompt into a slot (`kv::fit_prompt`), or a `context_length_exceeded` when
+/// truncation is off. Returns whether it was cut.
 pub fn fit_prompt(
     tokens: &mut Vec<Token>,
     p: &SamplingParams,
     info: &ModelInfo,
 ) -> Result<bool, ApiError> {
-    let ctx = info.slot_ctx;
-    if tokens.len() < ctx {
-        return Ok(false);
-    }
-    if !p.truncate {
-        return Err(too_long("prompt", tokens.len(), ctx));
-    }
-    let has_bos = info.bos.is_some_and(|b| tokens.first() == Some(&b));
-    let keep = kv::keep_count(p.num_keep, tokens.len(), has_bos, ctx);
-    let before = tokens.len();
-    let cut = kv::truncate_prompt(tokens, keep, ctx);
-    tracing::warn!(
-        prompt = before,
-        kept = tokens.len(),
-        num_keep = keep,
-        slot_ctx = ctx,
-        "prompt truncated to fit the slot"
-    );
-    Ok(cut)
-}
-
-/// The 400 for an input that does not fit and may not be truncated.
-pub fn too_long(what: &str, tokens: usize, capacity: usize) -> ApiError {
-    ApiError::ContextLength(format!(
-        "the input length exceeds the context length: the {what} has {tokens} tokens, a slot \
-         holds {capacity} (raise --ctx-size, or allow truncation)"
-    ))
+    Ok(kv::fit_prompt(
+        tokens,
+        p.num_keep,
+        p.truncate,
+        info.bos,
+        info.slot_ctx,
+    )?)
 }
 
 /// Bytes of text per slot token a prompt or input may have before it is tokenized: far more
@@ -291,15 +270,8 @@ pub async fn embedding_input(
         return Err(ApiError::invalid("an input to embed must not be empty"));
     }
     let mut tokens = tokenize(info, text, "input").await?;
-    let capacity = info.slot_ctx;
-    if tokens.len() <= capacity {
-        return Ok((tokens, false));
-    }
-    if !truncate {
-        return Err(too_long("input", tokens.len(), capacity));
-    }
-    tokens.truncate(capacity);
-    Ok((tokens, true))
+    let cut = kv::fit_input(&mut tokens, truncate, info.slot_ctx)?;
+    Ok((tokens, cut))
 }
 
 #[cfg(test)]
