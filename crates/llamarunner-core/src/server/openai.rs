@@ -275,34 +275,9 @@ impl TextOffsets {
     fn next(&mut self, bytes: &[u8]) -> usize {
         let at = self.chars;
         self.tail.extend_from_slice(bytes);
-        let mut rest: &[u8] = &self.tail;
-        let mut used = 0;
-        loop {
-            match std::str::from_utf8(rest) {
-                Ok(s) => {
-                    self.chars += s.chars().count();
-                    used += rest.len();
-                    break;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    self.chars +=
-                        std::str::from_utf8(&rest[..valid]).map_or(0, |s| s.chars().count());
-                    match e.error_len() {
-                        // An invalid sequence reads as one U+FFFD.
-                        Some(bad) => {
-                            self.chars += 1;
-                            used += valid + bad;
-                            rest = &rest[valid + bad..];
-                        }
-                        None => {
-                            used += valid;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
+        let mut complete = String::new();
+        let used = crate::sched::text::decode_utf8(&self.tail, &mut complete);
+        self.chars += complete.chars().count();
         self.tail.drain(..used);
         at
     }
