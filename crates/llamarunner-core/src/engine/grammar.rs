@@ -72,8 +72,8 @@ type Rule = (String, Vec<Seq>);
 enum Item {
     /// A literal, character class or token: `nullable` when it can match nothing (`""`).
     Term { nullable: bool },
-    /// A rule reference.
-    Ref(String),
+    /// A rule reference, with the byte offset where it stands.
+    Ref(String, usize),
     /// A parenthesized group of alternatives.
     Group(Vec<Seq>),
 }
@@ -84,11 +84,7 @@ enum Item {
 /// The grammar must have passed the nesting bound (groups recurse here). Grammars this parser
 /// cannot read are left to llama.cpp's parser.
 pub fn check_fanout(text: &str) -> Result<(), String> {
-    let Some(rules) = FanoutParser {
-        s: text.as_bytes(),
-        i: 0,
-    }
-    .grammar() else {
+    let Ok(rules) = Parser::new(text).grammar() else {
         return Ok(());
     };
     let index: std::collections::HashMap<&str, usize> = rules
@@ -106,7 +102,7 @@ pub fn check_fanout(text: &str) -> Result<(), String> {
     for (r, (_, alts)) in rules.iter().enumerate() {
         let mut refs = Vec::new();
         collect_refs(alts, &mut refs);
-        for name in refs {
+        for (name, _) in refs {
             if let Some(&target) = index.get(name) {
                 users[target].push(r);
             }
@@ -141,12 +137,12 @@ pub fn check_fanout(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The names of the rules a rule refers to, groups included.
-fn collect_refs<'a>(alts: &'a [Seq], out: &mut Vec<&'a str>) {
+/// The rule references in these alternatives, groups included, with where each stands.
+fn collect_refs<'a>(alts: &'a [Seq], out: &mut Vec<(&'a str, usize)>) {
     for seq in alts {
         for (item, _) in seq {
             match item {
-                Item::Ref(name) => out.push(name),
+                Item::Ref(name, at) => out.push((name, *at)),
                 Item::Group(inner) => collect_refs(inner, out),
                 Item::Term { .. } => {}
             }
@@ -165,7 +161,7 @@ fn item_fan(item: &(Item, bool), f: Fan<'_>) -> (u64, bool) {
     let (index, fan, nullable, cap) = f;
     let (e, n) = match &item.0 {
         Item::Term { nullable } => (u64::from(!nullable), *nullable),
-        Item::Ref(name) => index
+        Item::Ref(name, _) => index
             .get(name.as_str())
             .map_or((1, false), |&r| (fan[r], nullable[r])),
         Item::Group(alts) => alternatives(alts, index, fan, nullable, cap),
@@ -228,16 +224,34 @@ fn worst_suffix(
     worst
 }
 
-/// A GBNF reader that keeps just what the fan-out estimate needs.
-struct FanoutParser<'a> {
+/// A GBNF reader, after llama.cpp's parser: it builds what the fan-out estimate needs and says
+/// where a grammar goes wrong. It recurses once per level of parentheses, so it only reads
+/// grammars that passed the nesting bound.
+struct Parser<'a> {
     s: &'a [u8],
     i: usize,
 }
 
-impl FanoutParser<'_> {
+impl<'a> Parser<'a> {
+    fn new(text: &'a str) -> Self {
+        Self {
+            s: text.as_bytes(),
+            i: 0,
+        }
+    }
+    fn position(&self, at: usize) -> String {
+        let before = &self.s[..at.min(self.s.len())];
+        let line = before.iter().filter(|&&c| c == b'\n').count() + 1;
+        let col = before.iter().rev().take_while(|&&c| c != b'\n').count() + 1;
+        format!("line {line}, column {col}")
+    }
+    fn err<T>(&self, what: &str) -> Result<T, String> {
+        Err(format!("{what} at {}", self.position(self.i)))
+    }
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i).copied()
     }
+    /// Skips spaces and comments; newlines too when `newlines`.
     fn space(&mut self, newlines: bool) {
         while let Some(c) = self.peek() {
             match c {
@@ -262,14 +276,17 @@ impl FanoutParser<'_> {
         }
         (self.i > start).then(|| String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
     }
-    fn grammar(mut self) -> Option<Vec<Rule>> {
+    /// The rules, alternatives of a name defined twice merged.
+    fn grammar(mut self) -> Result<Vec<Rule>, String> {
         let mut rules: Vec<Rule> = Vec::new();
         self.space(true);
         while self.peek().is_some() {
-            let name = self.name()?;
+            let Some(name) = self.name() else {
+                return self.err("expected a rule name");
+            };
             self.space(false);
             if !self.s[self.i..].starts_with(b"::=") {
-                return None;
+                return self.err("expected `::=`");
             }
             self.i += 3;
             self.space(true);
@@ -280,52 +297,60 @@ impl FanoutParser<'_> {
             }
             self.space(true);
         }
-        Some(rules)
+        Ok(rules)
     }
-    fn alternatives(&mut self, nested: bool) -> Option<Vec<Seq>> {
+    fn alternatives(&mut self, nested: bool) -> Result<Vec<Seq>, String> {
         let mut alts = vec![self.sequence(nested)?];
         while self.peek() == Some(b'|') {
             self.i += 1;
             self.space(true);
             alts.push(self.sequence(nested)?);
         }
-        Some(alts)
+        Ok(alts)
     }
-    /// Skips a quoted literal or class ending with `close`; returns whether it was empty.
-    fn skip_literal(&mut self, close: u8) -> Option<bool> {
-        self.i += 1;
+    /// A `"string"`, `[class]` or `<token>`; `close` is its closing byte. Returns whether it
+    /// was empty.
+    fn literal(&mut self, close: u8) -> Result<bool, String> {
         let start = self.i;
+        self.i += 1;
         while let Some(c) = self.peek() {
             self.i += 1;
             if c == b'\\' {
                 self.i += 1;
             } else if c == close {
-                return Some(self.i - 1 == start);
+                return Ok(self.i == start + 2);
+            } else if c == b'\n' && close == b'"' {
+                break;
             }
         }
-        None
+        self.i = start;
+        self.err(match close {
+            b'"' => "unterminated string",
+            b']' => "unterminated character class",
+            _ => "unterminated token",
+        })
     }
-    fn sequence(&mut self, nested: bool) -> Option<Seq> {
+    fn sequence(&mut self, nested: bool) -> Result<Seq, String> {
         let mut seq = Vec::new();
         loop {
             let item = match self.peek() {
                 Some(b'"') => Item::Term {
-                    nullable: self.skip_literal(b'"')?,
+                    nullable: self.literal(b'"')?,
                 },
                 Some(b'[') => {
-                    self.skip_literal(b']')?;
+                    self.literal(b']')?;
                     Item::Term { nullable: false }
                 }
                 Some(b'<') => {
-                    self.skip_literal(b'>')?;
+                    self.literal(b'>')?;
                     Item::Term { nullable: false }
                 }
                 Some(b'!') => {
                     self.i += 1;
                     if self.peek() != Some(b'<') {
-                        return None;
+                        return self.err("expected `<` after `!`");
                     }
-                    self.skip_literal(b'>')?;
+                    self.literal(b'>')?;
                     Item::Term { nullable: false }
                 }
                 Some(b'.') => {
@@ -337,16 +362,21 @@ impl FanoutParser<'_> {
                     self.space(true);
                     let alts = self.alternatives(true)?;
                     if self.peek() != Some(b')') {
-                        return None;
+                        return self.err("expected `)`");
                     }
                     self.i += 1;
                     Item::Group(alts)
                 }
                 Some(c) if c.is_ascii_alphanumeric() || c == b'-' || c == b'_' => {
-                    Item::Ref(self.name()?)
+                    let at = self.i;
+                    Item::Ref(self.name().unwrap_or_default(), at)
                 }
-                _ => return Some(seq),
+                Some(b'*' | b'+' | b'?') => {
+                    return self.err("a repetition operator needs something before it")
+                }
+                _ => return Ok(seq),
             };
+            // Postfix operators: whether they let the item match nothing.
             let skippable = match self.peek() {
                 Some(b'*' | b'?') => {
                     self.i += 1;
@@ -357,14 +387,17 @@ impl FanoutParser<'_> {
                     false
                 }
                 Some(b'{') => {
-                    let end = self.s[self.i..].iter().position(|&c| c == b'}')? + self.i;
-                    let inside = String::from_utf8_lossy(&self.s[self.i + 1..end]).into_owned();
-                    self.i = end + 1;
-                    inside
+                    let Some(len) = self.s[self.i..].iter().position(|&c| c == b'}') else {
+                        return self.err("unterminated `{`");
+                    };
+                    let inside = String::from_utf8_lossy(&self.s[self.i + 1..self.i + len]);
+                    let min_zero = inside
                         .split(',')
                         .next()
                         .map(str::trim)
-                        .is_none_or(|m| m.is_empty() || m == "0")
+                        .is_none_or(|m| m.is_empty() || m == "0");
+                    self.i += len + 1;
+                    min_zero
                 }
                 _ => false,
             };
@@ -426,159 +459,26 @@ pub fn explain_gbnf_error(text: &str) -> Option<String> {
     if let Err(e) = check_bounds(text) {
         return Some(e);
     }
-    let mut p = Gbnf {
-        s: text.as_bytes(),
-        i: 0,
-        defined: Vec::new(),
-        used: Vec::new(),
+    let rules = match Parser::new(text).grammar() {
+        Ok(rules) => rules,
+        Err(e) => return Some(e),
     };
-    if let Err(e) = p.grammar() {
-        return Some(e);
-    }
-    if !p.defined.iter().any(|d| d == "root") {
+    if !rules.iter().any(|(name, _)| name == "root") {
         return Some("the grammar has no `root` rule".into());
     }
-    p.used
-        .iter()
-        .find(|(name, _)| !p.defined.contains(name))
-        .map(|(name, at)| format!("undefined rule `{name}` at {}", p.position(*at)))
-}
-
-struct Gbnf<'a> {
-    s: &'a [u8],
-    i: usize,
-    defined: Vec<String>,
-    used: Vec<(String, usize)>,
-}
-
-impl Gbnf<'_> {
-    fn position(&self, at: usize) -> String {
-        let before = &self.s[..at.min(self.s.len())];
-        let line = before.iter().filter(|&&c| c == b'\n').count() + 1;
-        let col = before.iter().rev().take_while(|&&c| c != b'\n').count() + 1;
-        format!("line {line}, column {col}")
+    let mut refs = Vec::new();
+    for (_, alts) in &rules {
+        collect_refs(alts, &mut refs);
     }
-    fn err<T>(&self, what: &str) -> Result<T, String> {
-        Err(format!("{what} at {}", self.position(self.i)))
-    }
-    fn peek(&self) -> Option<u8> {
-        self.s.get(self.i).copied()
-    }
-    /// Skips spaces and comments; newlines too when `newlines`.
-    fn space(&mut self, newlines: bool) {
-        while let Some(c) = self.peek() {
-            match c {
-                b' ' | b'\t' | b'\r' => self.i += 1,
-                b'\n' if newlines => self.i += 1,
-                b'#' => {
-                    while self.peek().is_some_and(|c| c != b'\n') {
-                        self.i += 1;
-                    }
-                }
-                _ => break,
-            }
-        }
-    }
-    fn name(&mut self) -> Option<String> {
-        let start = self.i;
-        while self
-            .peek()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
-        {
-            self.i += 1;
-        }
-        (self.i > start).then(|| String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
-    }
-    fn grammar(&mut self) -> Result<(), String> {
-        self.space(true);
-        while self.peek().is_some() {
-            let Some(name) = self.name() else {
-                return self.err("expected a rule name");
-            };
-            self.space(false);
-            if !self.s[self.i..].starts_with(b"::=") {
-                return self.err("expected `::=`");
-            }
-            self.i += 3;
-            self.space(true);
-            self.alternatives(false)?;
-            self.defined.push(name);
-            self.space(true);
-        }
-        Ok(())
-    }
-    fn alternatives(&mut self, nested: bool) -> Result<(), String> {
-        self.sequence(nested)?;
-        while self.peek() == Some(b'|') {
-            self.i += 1;
-            self.space(true);
-            self.sequence(nested)?;
-        }
-        Ok(())
-    }
-    fn sequence(&mut self, nested: bool) -> Result<(), String> {
-        loop {
-            match self.peek() {
-                Some(b'"') => self.literal(b'"')?,
-                Some(b'[') => self.literal(b']')?,
-                Some(b'.') => self.i += 1,
-                Some(b'(') => {
-                    self.i += 1;
-                    self.space(true);
-                    self.alternatives(true)?;
-                    if self.peek() != Some(b')') {
-                        return self.err("expected `)`");
-                    }
-                    self.i += 1;
-                }
-                Some(c) if c.is_ascii_alphanumeric() || c == b'-' || c == b'_' => {
-                    let at = self.i;
-                    let name = self.name().unwrap_or_default();
-                    self.used.push((name, at));
-                }
-                Some(b'*' | b'+' | b'?') => {
-                    return self.err("a repetition operator needs something before it")
-                }
-                _ => return Ok(()),
-            }
-            // Postfix operators.
-            match self.peek() {
-                Some(b'*' | b'+' | b'?') => self.i += 1,
-                Some(b'{') => {
-                    while self.peek().is_some_and(|c| c != b'}') {
-                        self.i += 1;
-                    }
-                    if self.peek().is_none() {
-                        return self.err("unterminated `{`");
-                    }
-                    self.i += 1;
-                }
-                _ => {}
-            }
-            self.space(nested);
-        }
-    }
-    /// A `"string"` or a `[class]`; `close` is the closing byte.
-    fn literal(&mut self, close: u8) -> Result<(), String> {
-        let start = self.i;
-        self.i += 1;
-        while let Some(c) = self.peek() {
-            self.i += 1;
-            if c == b'\\' {
-                self.i += 1;
-            } else if c == close {
-                return Ok(());
-            } else if c == b'\n' && close == b'"' {
-                break;
-            }
-        }
-        self.i = start;
-        self.err(if close == b'"' {
-            "unterminated string"
-        } else {
-            "unterminated character class"
+    refs.into_iter()
+        .filter(|(name, _)| !rules.iter().any(|(n, _)| n == name))
+        .min_by_key(|&(_, at)| at)
+        .map(|(name, at)| {
+            format!(
+                "undefined rule `{name}` at {}",
+                Parser::new(text).position(at)
+            )
         })
-    }
 }
 
 #[cfg(test)]

@@ -259,11 +259,12 @@ impl TextModel for LlamaText {
     }
 }
 
-/// Compiles a GBNF grammar (root rule `root`) after checking its bounds (llama.cpp's parser
-/// recurses once per nesting level). llama.cpp prints its parser's message to stderr only, so
-/// the reason given to the client comes from `explain_gbnf_error`.
+/// Compiles a GBNF grammar (root rule `root`). The grammar must have passed
+/// `grammar::check_bounds` (the validation layer checks every request's grammar once, before
+/// the queue): llama.cpp's parser recurses once per nesting level. llama.cpp prints its
+/// parser's message to stderr only, so the reason given to the client comes from
+/// `explain_gbnf_error`.
 fn compile_grammar(model: &LlamaModel, text: &str) -> Result<LlamaSampler, String> {
-    super::grammar::check_bounds(text)?;
     LlamaSampler::grammar(model, text, "root").map_err(|e| {
         let reason = super::grammar::explain_gbnf_error(text)
             .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));

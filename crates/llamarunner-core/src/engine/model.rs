@@ -14,7 +14,7 @@ pub trait TextModel: Send + Sync + std::fmt::Debug {
     /// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
     /// Compiles a GBNF grammar (root rule `root`) against the vocabulary; the error says why
-    /// it was refused.
+    /// it was refused. The grammar must have passed `grammar::check_bounds`.
     fn check_grammar(&self, gbnf: &str) -> Result<(), String>;
 }
 
