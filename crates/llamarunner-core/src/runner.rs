@@ -234,7 +234,7 @@ fn run_engine<F: FnOnce(EngineInbox)>(engine: F, inbox: EngineInbox) {
     let asked_to_stop = stopping.load(Ordering::Acquire);
     if let Some(reason) = engine_stop_reason(outcome, asked_to_stop, health.state()) {
         tracing::error!("{reason}");
-        health.set_error(reason);
+        health.set_stopped(reason);
     }
 }
 

@@ -697,6 +697,12 @@ fn an_engine_that_panics_or_returns_shows_in_health() {
         body["error"],
         "the engine stopped: it panicked: boom in decode"
     );
+    // Requests after it are 503 `unavailable`, not the 500 of a model that failed to load.
+    let mut s = connect(&r);
+    s.write_all(get("/v1/models").as_bytes()).unwrap();
+    let (status, body) = read_response(&mut s);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"code\":\"unavailable\""), "{body}");
     assert!(r.engine_finished());
     drop(r);
 

@@ -37,6 +37,8 @@ pub struct Health {
     state: AtomicU8,
     progress: AtomicU32,
     error: Mutex<Option<String>>,
+    /// The engine died after it was serving (not a load failure).
+    stopped: std::sync::atomic::AtomicBool,
     busy_slots: AtomicU32,
     total_slots: AtomicU32,
     slots: Mutex<Vec<SlotInfo>>,
@@ -155,6 +157,16 @@ impl Health {
             *e = Some(message.into());
         }
         self.state.store(2, Ordering::Release);
+    }
+    /// Marks the engine dead while it was serving (a panic, or its thread ended unasked):
+    /// the state is an error, as for a load failure, and `engine_stopped` tells them apart.
+    pub fn set_stopped(&self, message: impl Into<String>) {
+        self.stopped.store(true, Ordering::Release);
+        self.set_error(message);
+    }
+    /// Whether the engine died after it was serving.
+    pub fn engine_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
     }
     /// Why the engine failed, if it did.
     pub fn error(&self) -> Option<String> {

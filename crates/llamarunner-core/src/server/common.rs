@@ -36,7 +36,7 @@ pub fn ensure_ready(state: &AppState) -> Result<(), ApiError> {
         LoadState::Loading => Err(ApiError::Loading),
         LoadState::Error => {
             let why = state.engine.health.error().unwrap_or_default();
-            if why.starts_with("the engine stopped") {
+            if state.engine.health.engine_stopped() {
                 // It was serving, then stopped: not a load failure.
                 Err(ApiError::Unavailable(why))
             } else {
