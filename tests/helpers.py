@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -65,9 +68,28 @@ def slots_processing(url: str) -> int:
     return int(httpx.get(f"{url}/health", timeout=10).json()["slots_processing"])
 
 
-def wait_idle(url: str, timeout: float = 10) -> None:
-    """Waits until no slot is busy (the slot table is published just after each step)."""
-    wait_until(lambda: slots_processing(url) == 0, "every slot to be idle", timeout)
+def wait_idle(url: str, timeout: float = 10) -> dict[str, Any]:
+    """Polls until /health is 200 with no slot processing and /slots shows no busy slot (the
+    slot table is published just after each step); returns the last /health, or fails with
+    what was seen."""
+    deadline = time.monotonic() + timeout
+    seen: Any = None
+    while True:
+        try:
+            h = httpx.get(f"{url}/health", timeout=5)
+            s = httpx.get(f"{url}/slots", timeout=5)
+            seen = (h.status_code, h.text, s.text)
+            if (
+                h.status_code == 200
+                and h.json().get("slots_processing") == 0
+                and not any(slot.get("busy") for slot in s.json().get("slots", []))
+            ):
+                return dict(h.json())
+        except httpx.HTTPError as e:
+            seen = repr(e)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is not idle after {timeout} s: {seen}")
+        time.sleep(0.05)
 
 
 class Neighbour:
@@ -284,3 +306,142 @@ def locked_kib(pid: int) -> int:
         if line.startswith("VmLck:"):
             return int(line.split()[1])
     raise AssertionError("no VmLck in /proc/PID/status")
+
+
+LOG_ALARMS = re.compile(r"GGML_ASSERT|panicked|fatal|overflow|Segmentation|Aborted| ERROR ")
+
+
+_server_ids = itertools.count()
+
+
+def _signal_name(rc: int | None) -> str:
+    if rc is None:
+        return "running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+LOG_ALARMS = re.compile(r"GGML_ASSERT|panicked|fatal|overflow|Segmentation|Aborted| ERROR ")
+
+
+def log_digest(log: str) -> str:
+    """What a server log says of a failure: its alarming lines (not the debugger's backtrace
+    that follows a GGML_ASSERT), else its last lines."""
+    lines = log.splitlines()
+    alarms = [ln for ln in lines if LOG_ALARMS.search(ln)][:10]
+    return "\n    ".join(alarms or lines[-10:])
+
+
+class WatchedServer:
+    """``python -m llamarunner serve`` on a free port, its output in a log file; a watchdog
+    thread samples its RSS (peak kept) and kills it past ``rss_limit_mb``."""
+
+    def __init__(self, model: Path, log_dir: Path, *flags: str, rss_limit_mb: int = 1024) -> None:
+        self.log_path = log_dir / f"server-{next(_server_ids)}.log"
+        self.rss_limit_mb = rss_limit_mb
+        self.peak_rss_kb = 0
+        self.killed_for: str | None = None
+        self.tainted = False  # a request hung or it died: restart it before further use
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("LLAMARUNNER_") or k == "LLAMARUNNER_LOG"
+        }
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llamarunner",
+                "serve",
+                str(model),
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                *flags,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        self._stop_watch = threading.Event()
+        self._watch = threading.Thread(target=self._watchdog, daemon=True)
+        self._watch.start()
+        try:
+            self.url = self._wait_ready(120)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"ready on (http://\S+)", self.log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server did not start: {self.describe()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"the server was not ready within {timeout} s: {self.describe()}")
+
+    def _watchdog(self) -> None:
+        while not self._stop_watch.is_set() and self.proc.poll() is None:
+            rss = self.rss_kb()
+            self.peak_rss_kb = max(self.peak_rss_kb, rss)
+            if rss > self.rss_limit_mb * 1024:
+                self.killed_for = (
+                    f"RSS {rss // 1024} MB passed {self.rss_limit_mb} MB: killed by the watchdog"
+                )
+                self.proc.kill()
+                return
+            time.sleep(0.01)
+
+    def rss_kb(self) -> int:
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def describe(self) -> str:
+        """The process state and the tail of its log, for failure messages."""
+        rc = self.proc.poll()
+        why = f" ({self.killed_for})" if self.killed_for else ""
+        if rc == -signal.SIGKILL and not self.killed_for:
+            why = " (not by this test's watchdog: the kernel's OOM killer, or another process)"
+        return (
+            f"server {_signal_name(rc)}{why}, peak RSS {self.peak_rss_kb // 1024} MB; "
+            f"log:\n    {log_digest(self.log())}"
+        )
+
+    def stop(self, graceful: bool = True) -> int | None:
+        """Ctrl-C (SIGKILL after 30 s), or SIGKILL at once when not ``graceful``."""
+        self._stop_watch.set()
+        if self.proc.poll() is None:
+            if graceful:
+                self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30 if graceful else 0.01)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+        return self.proc.returncode

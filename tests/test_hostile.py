@@ -25,14 +25,10 @@ a failing test. Named hostile requests follow the property-based tests; the regr
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from helpers import WatchedServer, wait_idle
 from tinymodel import write_tiny_model
 
 # Hypothesis keeps a cache (and by default an example database) under ./.hypothesis; keep the
@@ -58,7 +55,6 @@ EXAMPLES = int(os.environ.get("LLAMARUNNER_HOSTILE_EXAMPLES", "120"))
 REQUEST_TIMEOUT = 30.0  # seconds; no answer within this is a hang
 RSS_LIMIT_MB = 1024  # the watchdog kills a server past this (a failure, and it spares the host)
 MODEL = "tiny"
-SERVE = [sys.executable, "-m", "llamarunner", "serve"]
 # The shared hostile server: small slots, so that long prompts are truncated or refused and
 # unbounded generations (num_predict -1 or huge) stop after ten slot contexts.
 HOSTILE_FLAGS = ("--parallel", "2", "--ctx-size", "256", "--alias", MODEL)
@@ -86,156 +82,6 @@ class ServerDied(BaseException):
 class ServerHung(BaseException):
     """A request got no answer within REQUEST_TIMEOUT (not shrunk either: each try would cost
     the whole timeout)."""
-
-
-_server_ids = itertools.count()
-
-
-def _signal_name(rc: int | None) -> str:
-    if rc is None:
-        return "running"
-    if rc < 0:
-        try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"killed by signal {-rc}"
-    return f"exit code {rc}"
-
-
-LOG_ALARMS = re.compile(r"GGML_ASSERT|panicked|fatal|overflow|Segmentation|Aborted| ERROR ")
-
-
-def log_digest(log: str) -> str:
-    """What a server log says of a failure: its alarming lines (not the debugger's backtrace
-    that follows a GGML_ASSERT), else its last lines."""
-    lines = log.splitlines()
-    alarms = [ln for ln in lines if LOG_ALARMS.search(ln)][:10]
-    return "\n    ".join(alarms or lines[-10:])
-
-
-class ServerProcess:
-    """``python -m llamarunner serve`` on a free port, its output in a log file; a watchdog
-    thread samples its RSS (peak kept) and kills it past ``rss_limit_mb``."""
-
-    def __init__(
-        self, model: Path, log_dir: Path, *flags: str, rss_limit_mb: int = RSS_LIMIT_MB
-    ) -> None:
-        self.log_path = log_dir / f"server-{next(_server_ids)}.log"
-        self.rss_limit_mb = rss_limit_mb
-        self.peak_rss_kb = 0
-        self.killed_for: str | None = None
-        self.tainted = False  # a request hung or it died: restart it before further use
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("LLAMARUNNER_") or k == "LLAMARUNNER_LOG"
-        }
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [*SERVE, str(model), "--port", "0", "--threads", "1", *flags],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self._stop_watch = threading.Event()
-        self._watch = threading.Thread(target=self._watchdog, daemon=True)
-        self._watch.start()
-        try:
-            self.url = self._wait_ready(120)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"ready on (http://\S+)", self.log())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server did not start: {self.describe()}")
-            time.sleep(0.05)
-        raise RuntimeError(f"the server was not ready within {timeout} s: {self.describe()}")
-
-    def _watchdog(self) -> None:
-        while not self._stop_watch.is_set() and self.proc.poll() is None:
-            rss = self.rss_kb()
-            self.peak_rss_kb = max(self.peak_rss_kb, rss)
-            if rss > self.rss_limit_mb * 1024:
-                self.killed_for = (
-                    f"RSS {rss // 1024} MB passed {self.rss_limit_mb} MB: killed by the watchdog"
-                )
-                self.proc.kill()
-                return
-            time.sleep(0.01)
-
-    def rss_kb(self) -> int:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def describe(self) -> str:
-        """The process state and the tail of its log, for failure messages."""
-        rc = self.proc.poll()
-        why = f" ({self.killed_for})" if self.killed_for else ""
-        if rc == -signal.SIGKILL and not self.killed_for:
-            why = " (not by this test's watchdog: the kernel's OOM killer, or another process)"
-        return (
-            f"server {_signal_name(rc)}{why}, peak RSS {self.peak_rss_kb // 1024} MB; "
-            f"log:\n    {log_digest(self.log())}"
-        )
-
-    def stop(self, graceful: bool = True) -> int | None:
-        """Ctrl-C (SIGKILL after 30 s), or SIGKILL at once when not ``graceful``."""
-        self._stop_watch.set()
-        if self.proc.poll() is None:
-            if graceful:
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30 if graceful else 0.01)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
-        return self.proc.returncode
-
-
-def wait_idle(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Polls until /health is 200 with no slot processing and /slots shows no busy slot;
-    returns the last /health, or fails with what was seen."""
-    deadline = time.monotonic() + timeout
-    seen: Any = None
-    while True:
-        try:
-            h = httpx.get(f"{url}/health", timeout=5)
-            s = httpx.get(f"{url}/slots", timeout=5)
-            seen = (h.status_code, h.text, s.text)
-            if (
-                h.status_code == 200
-                and h.json().get("slots_processing") == 0
-                and not any(slot.get("busy") for slot in s.json().get("slots", []))
-            ):
-                return dict(h.json())
-        except httpx.HTTPError as e:
-            seen = repr(e)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server is not idle after {timeout} s: {seen}")
-        time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +114,7 @@ def show(body: bytes | None, limit: int = 600) -> str:
 
 def exchange(
     client: httpx.Client,
-    srv: ServerProcess,
+    srv: WatchedServer,
     method: str,
     path: str,
     body: bytes | None,
@@ -1022,15 +868,17 @@ class Target:
     def __init__(self, model: Path, log_dir: Path) -> None:
         self.model = model
         self.log_dir = log_dir
-        self.server: ServerProcess | None = None
+        self.server: WatchedServer | None = None
         self.suspect = False
 
-    def ensure(self) -> ServerProcess:
+    def ensure(self) -> WatchedServer:
         if self.server is not None and (self.suspect or not self.server.alive()):
             self.server.stop(graceful=False)
             self.server = None
         if self.server is None:
-            self.server = ServerProcess(self.model, self.log_dir, *HOSTILE_FLAGS)
+            self.server = WatchedServer(
+                self.model, self.log_dir, *HOSTILE_FLAGS, rss_limit_mb=RSS_LIMIT_MB
+            )
             self.suspect = False
         return self.server
 
@@ -1055,7 +903,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 
 
 @pytest.fixture
-def server(target: Target) -> Iterator[ServerProcess]:
+def server(target: Target) -> Iterator[WatchedServer]:
     """The shared server, healthy at the start; restarted after a test that left it dead or
     still busy with a request that hung."""
     srv = target.ensure()
@@ -1064,7 +912,7 @@ def server(target: Target) -> Iterator[ServerProcess]:
         target.suspect = True
 
 
-def run_route(srv: ServerProcess, path: str, strategy: st.SearchStrategy[bytes]) -> None:
+def run_route(srv: WatchedServer, path: str, strategy: st.SearchStrategy[bytes]) -> None:
     with httpx.Client() as client:
 
         @HSETTINGS
@@ -1087,7 +935,7 @@ def run_route(srv: ServerProcess, path: str, strategy: st.SearchStrategy[bytes])
 
 
 @pytest.mark.parametrize("path", sorted(ROUTES))
-def test_hostile_bodies(server: ServerProcess, path: str) -> None:
+def test_hostile_bodies(server: WatchedServer, path: str) -> None:
     run_route(server, path, bodies(ROUTES[path]))
 
 
@@ -1132,7 +980,7 @@ def paths(draw: st.DrawFn) -> tuple[str, str]:
     return ("POST" if httpx.URL(f"http://host{path}").path in ROUTES else "GET"), path
 
 
-def test_hostile_paths(server: ServerProcess) -> None:
+def test_hostile_paths(server: WatchedServer) -> None:
     """Unknown paths, odd model names and percent-escapes: never a 5xx, errors in the path's
     dialect's shape."""
     with httpx.Client() as client:
@@ -1154,7 +1002,7 @@ def test_hostile_paths(server: ServerProcess) -> None:
     wait_idle(server.url)
 
 
-def test_wrong_methods_answer_in_the_dialects_shape(server: ServerProcess) -> None:
+def test_wrong_methods_answer_in_the_dialects_shape(server: WatchedServer) -> None:
     """Every route with every method it does not serve: a JSON error in its dialect's shape."""
     failures = []
     for path in [*GET_PATHS, *ROUTES]:
@@ -1175,7 +1023,7 @@ def test_wrong_methods_answer_in_the_dialects_shape(server: ServerProcess) -> No
     assert not failures, f"{len(failures)} bad answers:\n" + "\n".join(failures)
 
 
-def test_options_with_a_body_keeps_the_connection_usable(server: ServerProcess) -> None:
+def test_options_with_a_body_keeps_the_connection_usable(server: WatchedServer) -> None:
     """An OPTIONS request with a body (sent a moment after its headers, as a second packet),
     then a GET on the same keep-alive connection: the GET is answered (or the OPTIONS answer
     said ``Connection: close``)."""
@@ -1313,7 +1161,7 @@ NAMED: list[tuple[str, str, dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize("path,body", [(p, b) for _, p, b in NAMED], ids=[n for n, _, _ in NAMED])
-def test_named_hostile_request(server: ServerProcess, path: str, body: dict[str, Any]) -> None:
+def test_named_hostile_request(server: WatchedServer, path: str, body: dict[str, Any]) -> None:
     data = json.dumps(body).encode()
     with httpx.Client() as client:
         try:
@@ -1329,7 +1177,7 @@ def test_named_hostile_request(server: ServerProcess, path: str, body: dict[str,
     wait_idle(server.url)
 
 
-def test_oversized_prompts_are_refused_quickly(server: ServerProcess) -> None:
+def test_oversized_prompts_are_refused_quickly(server: WatchedServer) -> None:
     """A 3 MB prompt in each dialect: answered (refused in the dialect's JSON shape, or cut to
     the slot) within REQUEST_TIMEOUT, not left tokenizing for minutes."""
     huge = "a" * (3 * 1024 * 1024)
@@ -1352,12 +1200,12 @@ def test_oversized_prompts_are_refused_quickly(server: ServerProcess) -> None:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., ServerProcess]]:
+def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., WatchedServer]]:
     """Starts subprocess servers of the tiny model (alias "tiny"); stops them afterwards."""
-    started: list[ServerProcess] = []
+    started: list[WatchedServer] = []
 
-    def start(*flags: str, rss_limit_mb: int = RSS_LIMIT_MB) -> ServerProcess:
-        srv = ServerProcess(tiny_model, tmp_path, *flags, rss_limit_mb=rss_limit_mb)
+    def start(*flags: str, rss_limit_mb: int = RSS_LIMIT_MB) -> WatchedServer:
+        srv = WatchedServer(tiny_model, tmp_path, *flags, rss_limit_mb=rss_limit_mb)
         started.append(srv)
         return srv
 
@@ -1366,7 +1214,7 @@ def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., ServerProc
         srv.stop()
 
 
-def post(srv: ServerProcess, path: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+def post(srv: WatchedServer, path: str, body: dict[str, Any], timeout: float) -> httpx.Response:
     """One request; a crash or a hang fails the test with the server's state."""
     try:
         return httpx.post(f"{srv.url}{path}", json=body, timeout=timeout)
@@ -1389,7 +1237,7 @@ def post(srv: ServerProcess, path: str, body: dict[str, Any], timeout: float) ->
     ids=["native", "openai"],
 )
 def test_a_deeply_nested_grammar_is_a_400_not_a_crash(
-    spawn: Callable[..., ServerProcess], path: str, body: dict[str, Any]
+    spawn: Callable[..., WatchedServer], path: str, body: dict[str, Any]
 ) -> None:
     srv = spawn("--parallel", "1")
     r = post(srv, path, body, timeout=30)
@@ -1424,7 +1272,7 @@ def test_a_deeply_nested_grammar_is_a_400_not_a_crash(
     ids=["native", "ollama", "openai"],
 )
 def test_b_a_huge_repeat_last_n_is_cheap(
-    spawn: Callable[..., ServerProcess], path: str, body: dict[str, Any]
+    spawn: Callable[..., WatchedServer], path: str, body: dict[str, Any]
 ) -> None:
     # The watchdog kills the server at 1.5 GB (the host's sake); the bound asserted is 1 GB.
     srv = spawn("--parallel", "1", rss_limit_mb=1536)
@@ -1495,7 +1343,7 @@ def slots_busy(url: str) -> int:
 
 
 def test_c_a_busy_slot_does_not_delay_embeddings_or_validation_errors(
-    spawn: Callable[..., ServerProcess],
+    spawn: Callable[..., WatchedServer],
 ) -> None:
     srv = spawn("--parallel", "1", "--ctx-size", "1024")
     busy = Busy(srv.url)
@@ -1596,7 +1444,7 @@ def read_all(s: socket.socket, timeout: float) -> bytes:
 
 
 def test_d_cancelled_queued_requests_leave_the_queue(
-    spawn: Callable[..., ServerProcess],
+    spawn: Callable[..., WatchedServer],
 ) -> None:
     srv = spawn("--parallel", "1", "--max-queue", "2", "--ctx-size", "1024")
     busy = Busy(srv.url)

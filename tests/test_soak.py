@@ -14,11 +14,6 @@ import asyncio
 import json
 import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,9 +23,10 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from helpers import WatchedServer, wait_idle
+
 SECONDS = float(os.environ.get("LLAMARUNNER_SOAK_SECONDS", "90"))
 MODEL = "tiny"
-SERVE = [sys.executable, "-m", "llamarunner", "serve"]
 PARALLEL = 4
 MAX_QUEUE = 16
 FLAGS = ("--parallel", str(PARALLEL), "--max-queue", str(MAX_QUEUE), "--ctx-size", "512")
@@ -48,93 +44,6 @@ REFERENCE = {
 }
 
 pytestmark = pytest.mark.timeout(int(SECONDS) + 300)
-
-
-LOG_ALARMS = re.compile(r"GGML_ASSERT|panicked|fatal|overflow|Segmentation|Aborted| ERROR ")
-
-
-def log_digest(log: str) -> str:
-    """What a server log says of a failure: its alarming lines (not the debugger's backtrace
-    that follows a GGML_ASSERT), else its last lines."""
-    lines = log.splitlines()
-    alarms = [ln for ln in lines if LOG_ALARMS.search(ln)][:10]
-    return "\n    ".join(alarms or lines[-10:])
-
-
-class Server:
-    """``python -m llamarunner serve`` in a subprocess, output to a log file; a thread samples
-    its RSS every 50 ms (the peak is kept) and kills it past RSS_KILL_MB."""
-
-    def __init__(self, model: Path, log: Path, *flags: str) -> None:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("LLAMARUNNER_") or k == "LLAMARUNNER_LOG"
-        }
-        self.log_path = log
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [*SERVE, str(model), "--port", "0", "--threads", "1", "--alias", MODEL, *flags],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.peak_rss_kb = 0
-        self._done = threading.Event()
-        threading.Thread(target=self._sample, daemon=True).start()
-        deadline = time.monotonic() + 120
-        while True:
-            m = re.search(r"ready on (http://\S+)", self.log())
-            if m:
-                self.url = m.group(1)
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start: {self.describe()}")
-            time.sleep(0.05)
-
-    def _sample(self) -> None:
-        while not self._done.is_set() and self.proc.poll() is None:
-            rss = self.rss_kb()
-            self.peak_rss_kb = max(self.peak_rss_kb, rss)
-            if rss > RSS_KILL_MB * 1024:
-                self.proc.kill()
-            time.sleep(0.05)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def rss_kb(self) -> int:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def describe(self) -> str:
-        rc = self.proc.poll()
-        state = "running" if rc is None else f"exit code {rc}"
-        if rc is not None and rc < 0:
-            state = f"killed by {signal.Signals(-rc).name}"
-        return f"server {state}; log:\n    {log_digest(self.log())}"
-
-    def stop(self) -> None:
-        self._done.set()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,23 +340,7 @@ def complete(url: str) -> tuple[str, dict[str, Any]]:
     return "".join(m.get("content", "") for m in lines), lines[-1]
 
 
-def wait_idle(url: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = httpx.get(f"{url}/health", timeout=5)
-        slots = httpx.get(f"{url}/slots", timeout=5).json()["slots"]
-        if (
-            h.status_code == 200
-            and h.json()["slots_processing"] == 0
-            and not any(s["busy"] for s in slots)
-        ):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout} s: {h.text} {slots}")
-        time.sleep(0.1)
-
-
-def settled_rss_kb(srv: Server) -> int:
+def settled_rss_kb(srv: WatchedServer) -> int:
     """RSS once idle: the least of a few samples over a second."""
     samples = []
     for _ in range(5):
@@ -474,7 +367,7 @@ def report(summary: str, problems: list[str]) -> None:
 
 
 def test_soak(tmp_path: Path, tiny_model: Path) -> None:
-    srv = Server(tiny_model, tmp_path / "server.log", *FLAGS)
+    srv = WatchedServer(tiny_model, tmp_path, "--alias", MODEL, *FLAGS, rss_limit_mb=RSS_KILL_MB)
     try:
         warm = Stats()
         reference_text, reference_final = complete(srv.url)
