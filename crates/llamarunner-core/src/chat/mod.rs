@@ -255,6 +255,22 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
 }
 
+/// English month names, as `%B` prints them (`%b`: their first three letters).
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
 /// `strftime_now(format)`, as Hugging Face's renderer offers (Llama 3.1+ templates print the
 /// date). Supports the directives those templates use.
 fn strftime_now(format: String) -> String {
@@ -269,20 +285,6 @@ fn strftime_now(format: String) -> String {
 /// given explicitly.
 fn strftime_at(format: &str, unix_secs: u64) -> String {
     let (year, month, day) = civil_from_days((unix_secs / 86_400) as i64);
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
     let month_name = MONTHS[(month - 1) as usize];
     let mut out = String::new();
     let mut chars = format.chars();
@@ -668,20 +670,6 @@ mod tests {
 
     /// What `strftime_now(format)` must give on day `days` since the epoch.
     fn expected_strftime(days: i64) -> String {
-        const MONTHS: [&str; 12] = [
-            "January",
-            "February",
-            "March",
-            "April",
-            "May",
-            "June",
-            "July",
-            "August",
-            "September",
-            "October",
-            "November",
-            "December",
-        ];
         let (y, m, d) = walk_calendar(0, days)[days as usize];
         let name = MONTHS[m as usize - 1];
         format!(
