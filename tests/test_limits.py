@@ -97,3 +97,27 @@ def test_timeout_ends_a_running_request_and_refuses_a_queued_one(
     # The server is idle and answers normally afterwards.
     last = ndjson_last(url, "/completion", {"prompt": "hi", "options": {"num_predict": 2}})
     assert last["done_reason"] in ("length", "stop")
+
+
+def test_bad_limit_values_are_a_one_line_error_and_exit_2(tiny_model: Path) -> None:
+    import subprocess
+    import sys
+
+    for flags in (
+        ["--max-tokens", "-1"],
+        ["--max-tokens", str(2**40)],
+        ["--max-tokens", "many"],
+        ["--timeout", "-1"],
+        ["--timeout", "nan"],
+        ["--timeout", "inf"],
+        ["--timeout", "1e9"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "llamarunner", "serve", str(tiny_model), "--port", "0", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, (flags, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("llamarunner: error:") or "usage:" in r.stderr, (flags, r.stderr)
