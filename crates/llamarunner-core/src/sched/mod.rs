@@ -546,7 +546,11 @@ impl<B: Backend> Scheduler<B> {
     }
 
     /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
-    /// robin within the remaining budget.
+    /// robin within the remaining budget. Who gets a place rotates (fairness when places are
+    /// scarce); the tokens are then laid out in ascending slot order, because with one KV
+    /// stream per sequence llama.cpp puts into one micro-batch only sequences whose ids follow
+    /// each other in batch order: a rotated order ([2, 3, 0, 1]) would cost two passes over the
+    /// weights instead of one.
     fn build_batch(&mut self) {
         self.batch.clear();
         let capacity = self.backend.batch_capacity().max(1);
@@ -563,57 +567,58 @@ impl<B: Backend> Scheduler<B> {
         } else {
             capacity
         };
+        // Who gets places, and how many.
+        let mut placed = 0;
         let first = self.next_decode;
         for k in 0..n {
             let i = (first + k) % n;
-            let slot = &mut self.slots[i];
-            let Some(seq) = slot.seq.as_mut() else {
+            let Some(seq) = self.slots[i].seq.as_mut() else {
                 continue;
             };
             seq.queued = 0;
             seq.logits_at = None;
-            if seq.phase == Phase::Decode && !seq.paused() && self.batch.len() < decode_places {
+            if seq.phase == Phase::Decode && !seq.paused() && placed < decode_places {
                 // Next step starts after the last sequence that got a place.
                 self.next_decode = (i + 1) % n;
-                seq.logits_at = Some(self.batch.len());
                 seq.queued = 1;
-                self.batch.push(BatchToken {
-                    token: seq.pending[0],
-                    pos: pos_of(slot.cached.len()),
-                    seq: slot.id,
-                    logits: true,
-                });
+                placed += 1;
             }
         }
         let start = self.next_prompt;
         for k in 0..n {
-            if self.batch.len() >= capacity {
+            if placed >= capacity {
                 break;
             }
             let i = (start + k) % n;
-            let slot = &mut self.slots[i];
-            let Some(seq) = slot.seq.as_mut() else {
+            let Some(seq) = self.slots[i].seq.as_mut() else {
                 continue;
             };
             // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
             if seq.phase == Phase::Decode || seq.pending.is_empty() {
                 continue;
             }
-            let take = (capacity - self.batch.len()).min(seq.pending.len());
-            for (j, &token) in seq.pending[..take].iter().enumerate() {
-                let last = j + 1 == seq.pending.len();
-                if last {
+            seq.queued = (capacity - placed).min(seq.pending.len());
+            placed += seq.queued;
+            self.next_prompt = (i + 1) % n;
+        }
+        // The tokens, in slot order; logits for a decode token and a prompt's last token.
+        for slot in &mut self.slots {
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let base = slot.cached.len();
+            for (j, &token) in seq.pending[..seq.queued].iter().enumerate() {
+                let logits = seq.phase == Phase::Decode || j + 1 == seq.pending.len();
+                if logits {
                     seq.logits_at = Some(self.batch.len());
                 }
                 self.batch.push(BatchToken {
                     token,
-                    pos: pos_of(slot.cached.len() + j),
+                    pos: pos_of(base + j),
                     seq: slot.id,
-                    logits: last,
+                    logits,
                 });
             }
-            seq.queued = take;
-            self.next_prompt = (i + 1) % n;
         }
     }
 
@@ -635,12 +640,14 @@ impl<B: Backend> Scheduler<B> {
         if self.batch.is_empty() {
             return;
         }
+        let started = Instant::now();
         if let Err(e) = self.backend.decode(&self.batch) {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed");
             self.fail_batch(&e.to_string());
             return;
         }
         let now = Instant::now();
+        let decoded = now - started;
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
             let Some(seq) = slot.seq.as_mut() else {
@@ -660,6 +667,13 @@ impl<B: Backend> Scheduler<B> {
                 self.flush_outbox(index);
             }
         }
+        tracing::trace!(
+            tokens = self.batch.len(),
+            outputs = self.batch.iter().filter(|t| t.logits).count(),
+            decode_us = decoded.as_micros(),
+            sample_us = now.elapsed().as_micros(),
+            "step"
+        );
     }
 
     /// Samples the next token of the sequence in slot `index`; returns why it ends, if it does.

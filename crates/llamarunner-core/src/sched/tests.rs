@@ -913,6 +913,39 @@ fn with_fewer_batch_places_than_sequences_none_starves() {
 }
 
 #[test]
+fn batches_list_their_sequences_in_slot_order_whatever_the_rotation() {
+    // llama.cpp (one KV stream per sequence) puts into one micro-batch only sequences whose ids
+    // follow each other in batch order; the rotation of places must not reorder the batch.
+    let h = Harness::new(
+        FakeConfig {
+            batch_capacity: 3,
+            ..FakeConfig::default()
+        },
+        4,
+    );
+    let rxs: Vec<_> = (0..4)
+        .map(|i| h.submit(&format!("p{i}"), greedy(9)))
+        .collect();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let (text, done) = collect(&mut rx);
+        assert_eq!(done.eval_count, 9, "slot {i}");
+        assert_eq!(text, expected(&format!("p{i}"), 9), "slot {i}");
+    }
+    let log = h.log.lock().unwrap();
+    // Places did rotate (3 places, 4 sequences): some batch holds slot 3 and slot 0 together.
+    assert!(log
+        .iter()
+        .any(|b| b.iter().any(|t| t.seq == 3) && b.iter().any(|t| t.seq == 0)));
+    for b in log.iter() {
+        let seqs: Vec<i32> = b.iter().map(|t| t.seq).collect();
+        assert!(
+            seqs.windows(2).all(|w| w[0] <= w[1]),
+            "batch order {seqs:?}"
+        );
+    }
+}
+
+#[test]
 fn after_a_context_shift_a_stop_string_leaves_the_cache_at_the_returned_text() {
     // Generate past two shifts, then stop at a string found later in the output. The cache
     // must then hold one token more than a twin run that ended (by num_predict) right before
