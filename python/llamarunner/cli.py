@@ -80,6 +80,15 @@ def _serve_parser(sub: Any) -> None:
         "gets that prefix copied into its slot (least recently used) instead of recomputing it",
     )
     p.add_argument(
+        "--swa-full",
+        action="store_const",
+        const=True,
+        help="sliding-window layers (Gemma 2/3, ...) keep the whole context, not just their "
+        "window: more memory, but a cached prefix stays reusable after the conversation moved "
+        "on (by default a prompt that cuts a cached sequence back past its window is decoded "
+        "again)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         help="requests that may wait for a free slot; more are refused with 429 (default 256)",

@@ -51,6 +51,7 @@ class ServerConfig:
     lora: list[str] = field(default_factory=list)
     mmproj: str | None = None
     multiuser_cache: bool = False
+    swa_full: bool = False
     verbose: bool = False
     max_queue: int = 256
     alias: str | None = None

@@ -57,6 +57,9 @@ pub struct RunnerConfig {
     pub mmproj: Option<PathBuf>,
     /// Share cached prefixes between users (forking), instead of one user's cache per slot.
     pub multiuser_cache: bool,
+    /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
+    /// just their window: more memory, and any cached prefix stays reusable however far back.
+    pub swa_full: bool,
     /// Log llama.cpp's own messages too.
     pub verbose: bool,
     /// Requests that may wait for a slot before new ones are refused with 429.
@@ -112,6 +115,7 @@ impl Default for RunnerConfig {
             lora: Vec::new(),
             mmproj: None,
             multiuser_cache: false,
+            swa_full: false,
             verbose: false,
             max_queue: 256,
             alias: None,

@@ -35,6 +35,10 @@ pub struct FakeConfig {
     pub fail_decode: Option<usize>,
     /// Tokens of an embedding input decoded per step.
     pub embed_piece: usize,
+    /// A sliding-window cache (as Gemma's window layers without `--swa-full`): it keeps the
+    /// last `2 * window` positions of a sequence, and a cut (or fork) that leaves fewer than
+    /// `window` of them before the cut fails, as the llama.cpp backend's does.
+    pub window: Option<usize>,
 }
 
 impl Default for FakeConfig {
@@ -48,6 +52,7 @@ impl Default for FakeConfig {
             partial_remove: true,
             fail_decode: None,
             embed_piece: 16,
+            window: None,
         }
     }
 }
@@ -238,8 +243,9 @@ impl Backend for FakeBackend {
         if from > 0 && from < kv.len() && !self.config.partial_remove {
             return false;
         }
+        let intact = window_intact(self.config.window, kv.len(), from);
         kv.truncate(from);
-        true
+        intact
     }
 
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
@@ -258,7 +264,8 @@ impl Backend for FakeBackend {
             .get(&src)
             .map(|kv| kv[..len.min(kv.len())].to_vec())
             .unwrap_or_default();
-        if copied.len() != len {
+        let src_len = self.kv.get(&src).map_or(0, Vec::len);
+        if copied.len() != len || !window_intact(self.config.window, src_len, len) {
             return false;
         }
         if let Ok(mut forks) = self.forks.lock() {
@@ -305,4 +312,13 @@ impl Backend for FakeBackend {
         let n = self.embedding.len().max(1) as f32;
         Ok(Some(v.into_iter().map(|x| x / n).collect()))
     }
+}
+
+/// Whether a sequence of `len` positions in a cache with sliding `window` (keeping the last
+/// `2 * window` positions) still has the window before position `cut`.
+fn window_intact(window: Option<usize>, len: usize, cut: usize) -> bool {
+    let Some(w) = window else {
+        return true;
+    };
+    cut == 0 || len.saturating_sub(2 * w) <= cut.saturating_sub(w)
 }

@@ -32,6 +32,11 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
             // llama.cpp and ggml log through `tracing` (target "llama-cpp-2"); the subscriber
             // decides what is shown.
             llama_cpp_2::send_logs_to_tracing(LogOptions::default().with_logs_enabled(true));
+            #[cfg(feature = "portable")]
+            {
+                let cpu = super::cpu_backends::load()?;
+                tracing::info!(cpu_backend = %cpu, "loaded the CPU backend that fits this processor");
+            }
             LlamaBackend::init().map_err(|e| e.to_string())
         })
         .as_ref()
@@ -118,6 +123,7 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         .with_n_batch(config.batch_size)
         .with_n_ubatch(config.batch_size)
         .with_n_seq_max(parallel)
+        .with_swa_full(config.swa_full)
         .with_n_threads(threads)
         .with_n_threads_batch(threads)
         .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
@@ -160,12 +166,30 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         flash_attn: ctx_flash_attn(config.flash_attn),
         pooled_by_model: model_has_pooling_type(model),
     };
-    let engine = LlamaEngine::new(model, ctx, slot_ctx, batch, backend, embed_params);
+    let engine = LlamaEngine::new(
+        model,
+        ctx,
+        slot_ctx,
+        batch,
+        backend,
+        embed_params,
+        config.swa_full,
+    );
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
         .run();
     Ok(())
+}
+
+/// The attention window of a model with sliding-window layers (the GGUF key
+/// `<arch>.attention.sliding_window`, which llama.cpp reads too), if it has one.
+fn sliding_window(model: &LlamaModel) -> Option<usize> {
+    let arch = model.meta_val_str("general.architecture").ok()?;
+    let window = model
+        .meta_val_str(&format!("{arch}.attention.sliding_window"))
+        .ok()?;
+    window.trim().parse::<usize>().ok().filter(|&w| w > 0)
 }
 
 /// llama.cpp's description of its compute backends and the CPU features its kernels use.
@@ -461,6 +485,10 @@ struct LlamaEngine<'m> {
     eog_bans: Vec<LlamaLogitBias>,
     /// Whether positions in the cache can be shifted (no for recurrent, hybrid, M-RoPE models).
     can_shift: bool,
+    /// The attention window of a sliding-window model whose window layers keep only the
+    /// window's cells (`--swa-full` off): a sequence cut back far enough has lost cells those
+    /// layers need, and must be decoded again.
+    swa_window: Option<usize>,
     /// Whether the tokenizer starts prompts with BOS.
     add_bos: bool,
     backend: &'static LlamaBackend,
@@ -481,6 +509,7 @@ impl<'m> LlamaEngine<'m> {
         batch: usize,
         backend: &'static LlamaBackend,
         embed_params: EmbedParams,
+        swa_full: bool,
     ) -> Self {
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
@@ -493,6 +522,7 @@ impl<'m> LlamaEngine<'m> {
         let add_bos = model
             .str_to_token("", AddBos::Always)
             .is_ok_and(|t| t.first() == Some(&model.token_bos()));
+        let swa_window = sliding_window(model).filter(|_| !swa_full);
         Self {
             model,
             ctx,
@@ -501,6 +531,7 @@ impl<'m> LlamaEngine<'m> {
             batch_capacity: batch,
             eog_bans,
             can_shift,
+            swa_window,
             add_bos,
             backend,
             embed_params,
@@ -515,6 +546,21 @@ impl<'m> LlamaEngine<'m> {
     fn embed_chunk(&self) -> usize {
         let per_token = usize::try_from(self.model.n_vocab()).unwrap_or(1).max(1) * 4;
         (EMBED_LOGITS_BYTES / per_token).clamp(1, self.slot_ctx.max(1))
+    }
+
+    /// Whether sequence `seq`, holding positions `0..len`, still has every cell the next
+    /// position attends to. Sliding-window layers (without `--swa-full`) drop cells that fall
+    /// out of the window as a sequence grows; cut back to an earlier position, it lacks the
+    /// window before that position (llama-server checks the same before reusing a prompt).
+    fn window_intact(&self, seq: i32, len: usize) -> bool {
+        let Some(window) = self.swa_window else {
+            return true;
+        };
+        if len == 0 {
+            return true;
+        }
+        let pos_min = self.ctx.kv_cache_seq_pos_min(seq);
+        usize::try_from(pos_min).is_ok_and(|p| p <= len.saturating_sub(window))
     }
 
     fn embedding_context(&mut self) -> Result<&mut LlamaContext<'m>, BackendError> {
@@ -791,6 +837,7 @@ impl Backend for LlamaEngine<'_> {
             return false;
         };
         self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_ok()
+            && self.window_intact(seq, from as usize)
     }
 
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
@@ -818,9 +865,15 @@ impl Backend for LlamaEngine<'_> {
         // With one KV stream per sequence (kv_unified off), llama.cpp copies only whole
         // sequences between streams (a partial range aborts the process): copy all of it, then
         // cut the copy's tail past the shared prefix.
-        self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
+        let forked = self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
             && self.ctx.kv_cache_seq_cp(src, dst, None, None).is_ok()
             && self.ctx.kv_cache_seq_rm(dst, Some(len), None).is_ok()
+            && self.window_intact(dst, len as usize);
+        if !forked {
+            // Nothing half-copied stays behind: the slot starts empty.
+            let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+        }
+        forked
     }
 
     fn bos(&self) -> Option<Token> {

@@ -458,7 +458,8 @@ impl<B: Backend> Scheduler<B> {
         // At least one prompt token is decoded so there are logits to sample from.
         let mut reuse = common.min(tokens.len() - 1);
         if !self.backend.kv_truncate(slot.id, reuse) {
-            // Partial removal is impossible (recurrent models): start the slot afresh.
+            // Partial removal is impossible (recurrent models), or what is left lacks cells a
+            // sliding window needs: start the slot afresh.
             self.backend.kv_truncate(slot.id, 0);
             reuse = 0;
         }
@@ -540,8 +541,11 @@ impl<B: Backend> Scheduler<B> {
             self.slots[choice.slot].cached = prefix;
             Ok((choice.slot, choice.reuse))
         } else {
-            let own = kv::common_prefix(&self.slots[choice.slot].cached, tokens);
-            Ok((choice.slot, own))
+            // The backend could not fork (a sliding window that lost cells the prefix needs):
+            // the slot is emptied and the prompt decoded in full.
+            self.backend.kv_truncate(dst, 0);
+            self.slots[choice.slot].cached.clear();
+            Ok((choice.slot, 0))
         }
     }
 

@@ -696,6 +696,66 @@ fn without_partial_removal_the_slot_is_cleared_and_the_prompt_decoded_again() {
 }
 
 #[test]
+fn a_cut_past_a_sliding_window_decodes_the_prompt_again_and_a_continuation_reuses_it() {
+    let h = Harness::new(
+        FakeConfig {
+            window: Some(4),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let (answer, first) = collect(&mut h.submit("window test", greedy(20)));
+    assert_eq!(first.prompt_cached_count, 0);
+    // Only the start is shared: cut back 20 tokens, the window before the cut is gone.
+    let (text, cut) = collect(&mut h.submit("window other", greedy(6)));
+    assert_eq!(
+        cut.prompt_cached_count, 0,
+        "a lost window must not be reused"
+    );
+    assert_eq!(text, expected("window other", 6));
+    // A conversation that goes on from where the slot is keeps its cache.
+    collect(&mut h.submit("window again", greedy(3)));
+    let follow = format!("window again{}", expected("window again", 3));
+    let (text, next) = collect(&mut h.submit(&follow, greedy(4)));
+    assert_eq!(text, expected(&follow, 4));
+    assert!(next.prompt_cached_count > "window again".len(), "{next:?}");
+    drop(answer);
+}
+
+#[test]
+fn a_fork_that_would_lose_a_sliding_window_decodes_the_prompt_in_full() {
+    let (handle, inbox) = EngineHandle::new(64);
+    let backend = FakeBackend::new(FakeConfig {
+        window: Some(4),
+        ..FakeConfig::default()
+    });
+    let forks = backend.forks.clone();
+    let thread = std::thread::spawn(move || {
+        Scheduler::new(backend, inbox, 2)
+            .with_multiuser_cache(true)
+            .run()
+    });
+    let h = Harness {
+        handle,
+        thread: Some(thread),
+        log: Arc::new(Mutex::new(Vec::new())),
+        embed_log: Arc::new(Mutex::new(Vec::new())),
+    };
+    // Slot 0 holds "shared prefix, user A" and 30 generated tokens past it.
+    let (_, a) = collect(&mut h.submit("shared prefix, user A", greedy(30)));
+    assert_eq!(a.eval_count, 30);
+    // User B shares only the prefix: forking it would cut 30+ tokens back past the window.
+    let (text, b) = collect(&mut h.submit("shared prefix, user B", greedy(5)));
+    assert_eq!(
+        text,
+        expected("shared prefix, user B", 5),
+        "exact after the failed fork"
+    );
+    assert_eq!(b.prompt_cached_count, 0);
+    assert!(forks.lock().unwrap().is_empty());
+}
+
+#[test]
 fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
     let h = Harness::new(
         FakeConfig {
