@@ -5,9 +5,12 @@
 //! - `backend.rs`: the `Backend` trait and its token/batch types;
 //! - `protocol.rs`: requests, events, results and errors exchanged with the HTTP side;
 //! - `model.rs`: the model description, load state and slot table (`Health`);
-//! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side).
+//! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side);
+//! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits.
 
 pub mod backend;
+#[cfg(feature = "portable")]
+mod cpu_backends;
 pub mod fake;
 pub mod grammar;
 pub mod handle;

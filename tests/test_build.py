@@ -1,0 +1,87 @@
+"""The installed build's llama.cpp: a portable wheel carries the CPU backend in every
+instruction-set variant and loads the one that fits; a build from source has llama.cpp linked
+in, compiled for this machine. Each test checks whichever of the two is installed (CI runs the
+suite against both); ``LLAMARUNNER_EXPECT_WHEEL=1`` says which one it must be."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import llamarunner
+from helpers import ServeProcess
+
+PACKAGE = Path(llamarunner.__file__).parent
+LIB = PACKAGE / "lib"
+
+
+def portable() -> bool:
+    expected = os.environ.get("LLAMARUNNER_EXPECT_WHEEL") == "1"
+    if expected:
+        assert LIB.is_dir(), f"a portable wheel was expected, but {LIB} does not exist"
+    return LIB.is_dir()
+
+
+def core_library() -> Path:
+    found = sorted(PACKAGE.glob("_core*.so"))
+    assert found, f"no _core extension in {PACKAGE}"
+    return found[0]
+
+
+def mapped_files(pid: int) -> set[str]:
+    return {
+        line.split()[-1]
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if line.endswith(".so") or ".so." in line
+    }
+
+
+def test_the_package_finds_every_library_it_links() -> None:
+    ldd = subprocess.run(["ldd", str(core_library())], capture_output=True, text=True, check=True)
+    assert "not found" not in ldd.stdout, ldd.stdout
+    llama_libs = re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", ldd.stdout, re.MULTILINE)
+    if portable():
+        names = {name for name, _ in llama_libs}
+        assert {"libllama.so", "libggml.so", "libggml-base.so"} <= {
+            re.sub(r"\.so\..*", ".so", n) for n in names
+        }, ldd.stdout
+        for name, path in llama_libs:
+            assert Path(path).resolve().parent == LIB.resolve(), f"{name} from {path}"
+        variants = sorted(p.name for p in LIB.glob("libggml-cpu-*.so"))
+        # x86-64 has a dozen levels; fewer means GGML_CPU_ALL_VARIANTS was not on.
+        assert len(variants) >= 4, variants
+    else:
+        assert llama_libs == [], f"a source build links llama.cpp statically: {ldd.stdout}"
+
+
+def test_the_server_loads_and_names_a_cpu_backend(tiny_model: Path) -> None:
+    with ServeProcess(str(tiny_model), "--port", "0") as serve:
+        serve.wait_ready()
+        maps = mapped_files(serve.proc.pid)
+        variants_mapped = sorted(Path(p).name for p in maps if "libggml-cpu" in Path(p).name)
+        if portable():
+            chosen = serve.wait_for(r"cpu_backend=(libggml-cpu-\S+?\.so)").group(1)
+            assert (LIB / chosen).is_file(), chosen
+            # Exactly the one named is in use: ggml unloads the variants it scored and dropped.
+            assert variants_mapped == [chosen], variants_mapped
+        else:
+            assert "cpu_backend=" not in serve.log
+            assert variants_mapped == []
+        # Either way llama.cpp reports the vector units its kernels use.
+        serve.wait_for(r"llama\.cpp CPU backend.*features=.*SSE3")
+
+
+def test_a_backends_dir_without_a_usable_cpu_backend(tiny_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "LLAMARUNNER_BACKENDS_DIR": str(tmp_path)}
+    with ServeProcess(str(tiny_model), "--port", "0", env=env) as serve:
+        if portable():
+            # One clear line and a failed start, not a crash at the first decode.
+            code = serve.wait(timeout=120)
+            assert code != 0
+            assert "no llama.cpp CPU backend" in serve.log, serve.log
+            assert str(tmp_path) in serve.log
+        else:
+            # Nothing is loaded at run time from a source build: the variable is ignored.
+            serve.wait_ready()
