@@ -11,23 +11,30 @@ import subprocess
 from pathlib import Path
 
 import llamarunner
+
 from helpers import ServeProcess
 
 PACKAGE = Path(llamarunner.__file__).parent
 LIB = PACKAGE / "lib"
 
 
-def portable() -> bool:
-    expected = os.environ.get("LLAMARUNNER_EXPECT_WHEEL") == "1"
-    if expected:
-        assert LIB.is_dir(), f"a portable wheel was expected, but {LIB} does not exist"
-    return LIB.is_dir()
-
-
 def core_library() -> Path:
     found = sorted(PACKAGE.glob("_core*.so"))
     assert found, f"no _core extension in {PACKAGE}"
     return found[0]
+
+
+def ldd(path: Path) -> str:
+    return subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def portable() -> bool:
+    """Whether the installed `_core` is a portable build (llama.cpp linked as libraries)."""
+    linked = "libllama.so" in ldd(core_library())
+    if os.environ.get("LLAMARUNNER_EXPECT_WHEEL") == "1":
+        assert linked, "the portable wheel was expected, but _core has llama.cpp linked in"
+        assert LIB.is_dir(), f"the portable wheel was expected, but {LIB} does not exist"
+    return linked
 
 
 def mapped_files(pid: int) -> set[str]:
@@ -39,21 +46,21 @@ def mapped_files(pid: int) -> set[str]:
 
 
 def test_the_package_finds_every_library_it_links() -> None:
-    ldd = subprocess.run(["ldd", str(core_library())], capture_output=True, text=True, check=True)
-    assert "not found" not in ldd.stdout, ldd.stdout
-    llama_libs = re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", ldd.stdout, re.MULTILINE)
+    linked = ldd(core_library())
+    assert "not found" not in linked, linked
+    llama_libs = re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", linked, re.MULTILINE)
     if portable():
         names = {name for name, _ in llama_libs}
         assert {"libllama.so", "libggml.so", "libggml-base.so"} <= {
             re.sub(r"\.so\..*", ".so", n) for n in names
-        }, ldd.stdout
+        }, linked
         for name, path in llama_libs:
             assert Path(path).resolve().parent == LIB.resolve(), f"{name} from {path}"
         variants = sorted(p.name for p in LIB.glob("libggml-cpu-*.so"))
         # x86-64 has a dozen levels; fewer means GGML_CPU_ALL_VARIANTS was not on.
         assert len(variants) >= 4, variants
     else:
-        assert llama_libs == [], f"a source build links llama.cpp statically: {ldd.stdout}"
+        assert llama_libs == [], f"a source build links llama.cpp statically: {linked}"
 
 
 def test_the_server_loads_and_names_a_cpu_backend(tiny_model: Path) -> None:
