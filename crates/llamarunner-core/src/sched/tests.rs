@@ -61,6 +61,7 @@ impl Harness {
     ) -> Result<Receiver<Event>, crate::engine::SubmitError> {
         let (tx, rx) = tokio::sync::mpsc::channel(crate::engine::EVENT_CHANNEL_CAPACITY);
         self.handle.submit(Request {
+            id: format!("test-{prompt}"),
             prompt: prompt.into(),
             params,
             truncated: false,
