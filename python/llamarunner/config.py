@@ -52,6 +52,8 @@ class ServerConfig:
     mmproj: str | None = None
     multiuser_cache: bool = False
     verbose: bool = False
+    log_format: str = "text"
+    no_metrics: bool = False
     max_queue: int = 256
     alias: str | None = None
     chat_template: str | None = None
