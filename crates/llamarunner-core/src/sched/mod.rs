@@ -498,7 +498,7 @@ impl<B: Backend> Scheduler<B> {
                 slot = slot.id,
                 prompt = tokens.len(),
                 cached = reuse,
-                waited_ms = queued.as_millis(),
+                waited_ms = u64::try_from(queued.as_millis()).unwrap_or(u64::MAX),
                 "sequence admitted"
             );
         });
