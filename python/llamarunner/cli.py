@@ -23,7 +23,7 @@ def _serve_parser(sub: Any) -> None:
         help="serve a GGUF model over HTTP",
         description=(
             "Serve one GGUF model over HTTP: the native API (/completion, /embedding, "
-            "/apply-template, /health, /slots), the OpenAI API (/v1/chat/completions, "
+            "/apply-template, /health, /slots, /metrics), the OpenAI API (/v1/chat/completions, "
             "/v1/completions, /v1/embeddings, /v1/models) and the Ollama API (/api/generate, "
             "/api/chat, /api/embed, /api/tags, /api/show, /api/ps, /api/version). "
             "Every flag can also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
@@ -117,6 +117,18 @@ def _serve_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"
+    )
+    mon = p.add_argument_group("monitoring")
+    mon.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="log lines as text, or as one JSON object per line for log shippers (default text)",
+    )
+    mon.add_argument(
+        "--no-metrics",
+        action="store_const",
+        const=True,
+        help="do not serve Prometheus metrics at GET /metrics (it answers 404)",
     )
     sec = p.add_argument_group("security and limits")
     sec.add_argument(

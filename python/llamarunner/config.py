@@ -53,6 +53,8 @@ class ServerConfig:
     multiuser_cache: bool = False
     swa_full: bool = False
     verbose: bool = False
+    log_format: str = "text"
+    no_metrics: bool = False
     max_queue: int = 256
     alias: str | None = None
     chat_template: str | None = None

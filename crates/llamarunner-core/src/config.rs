@@ -18,6 +18,17 @@ pub enum FlashAttn {
     Off,
 }
 
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One line of text per event, for people.
+    #[default]
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
+}
+
 /// Everything the runner needs to start. Field names match the CLI flags (`--ctx-size` is
 /// `ctx_size`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -62,6 +73,11 @@ pub struct RunnerConfig {
     pub swa_full: bool,
     /// Log llama.cpp's own messages too.
     pub verbose: bool,
+    /// How log lines are written: text, or JSON objects (read by `llamarunner-py`, which
+    /// installs the log subscriber).
+    pub log_format: LogFormat,
+    /// Do not serve `GET /metrics` (it answers 404) and count nothing.
+    pub no_metrics: bool,
     /// Requests that may wait for a slot before new ones are refused with 429.
     pub max_queue: u32,
     /// The name clients use for the model (`/v1/models`, the `model` field); default: the file
@@ -117,6 +133,8 @@ impl Default for RunnerConfig {
             multiuser_cache: false,
             swa_full: false,
             verbose: false,
+            log_format: LogFormat::Text,
+            no_metrics: false,
             max_queue: 256,
             alias: None,
             chat_template: None,
@@ -573,5 +591,12 @@ mod tests {
         let r: RunnerConfig = serde_json::from_str(r#"{"model":"m","flash_attn":"on"}"#).unwrap();
         assert_eq!(r.flash_attn, FlashAttn::On);
         assert_eq!(r.parallel, 1);
+        assert_eq!((r.log_format, r.no_metrics), (LogFormat::Text, false));
+        let r: RunnerConfig =
+            serde_json::from_str(r#"{"model":"m","log_format":"json","no_metrics":true}"#).unwrap();
+        assert_eq!((r.log_format, r.no_metrics), (LogFormat::Json, true));
+        let r: Result<RunnerConfig, _> =
+            serde_json::from_str(r#"{"model":"m","log_format":"xml"}"#);
+        assert!(r.is_err());
     }
 }

@@ -32,6 +32,7 @@ use tower::ServiceExt;
 
 use crate::config::{ConfigError, RunnerConfig};
 use crate::engine::{EngineHandle, EngineInbox, Health, LoadState};
+use crate::server::metrics::Metrics;
 use crate::server::middleware::HttpPolicy;
 use crate::server::validate::Limits;
 use crate::server::{router, AppState};
@@ -56,6 +57,9 @@ pub enum StartError {
     /// A thread or runtime could not be created.
     #[error("cannot start: {0}")]
     Io(#[from] std::io::Error),
+    /// The metrics could not be defined (a bug).
+    #[error("cannot define the metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// A running server. Dropping it stops it.
@@ -145,7 +149,18 @@ impl Runner {
         };
         let url = format!("http://{host}:{}", local.port());
 
-        let (handle, inbox) = EngineHandle::new(config.max_queue as usize);
+        let metrics = if config.no_metrics {
+            None
+        } else {
+            Some(Arc::new(Metrics::new(
+                &config.model_name(),
+                config.ctx_size as usize,
+            )?))
+        };
+        let (handle, inbox) = match &metrics {
+            Some(m) => EngineHandle::with_observer(config.max_queue as usize, m.clone()),
+            None => EngineHandle::new(config.max_queue as usize),
+        };
         let engine_thread = std::thread::Builder::new()
             .name("llamarunner-engine".into())
             .spawn(move || run_engine(engine, inbox))?;
@@ -160,11 +175,13 @@ impl Runner {
             max_tokens: config.max_tokens,
             timeout: (config.timeout > 0.0).then(|| Duration::from_secs_f64(config.timeout)),
         };
-        let app = router(
-            AppState::new(handle.clone(), config.model_name())
-                .with_policy(policy)
-                .with_limits(limits),
-        );
+        let mut state = AppState::new(handle.clone(), config.model_name())
+            .with_policy(policy)
+            .with_limits(limits);
+        if let Some(m) = metrics {
+            state = state.with_metrics(m);
+        }
+        let app = router(state);
         let conn_limits = ConnLimits::new(config);
         let engine_for_http = handle.clone();
         let http_thread = std::thread::Builder::new()

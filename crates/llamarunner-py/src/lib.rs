@@ -3,6 +3,7 @@
 
 use std::sync::{Mutex, Once};
 
+use llamarunner_core::config::LogFormat;
 use llamarunner_core::{Runner, RunnerConfig, StartError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
@@ -15,23 +16,43 @@ create_exception!(
     "The model could not be loaded."
 );
 
-/// Installs the log subscriber once per process. `LLAMARUNNER_LOG` (an `EnvFilter` string)
-/// overrides the default: our own info logs, llama.cpp's warnings (all of it with verbose).
-fn init_logging(verbose: bool) {
+/// The log filter when `LLAMARUNNER_LOG` sets none: our own info logs (the access lines
+/// among them) and llama.cpp's warnings and errors; with `verbose`, our debug logs and
+/// llama.cpp's own messages (target `llama-cpp-2`) down to its info chatter.
+fn default_filter(verbose: bool) -> &'static str {
+    if verbose {
+        "info,llamarunner_core=debug,llama-cpp-2=info"
+    } else {
+        "info,llama-cpp-2=warn"
+    }
+}
+
+/// Installs the log subscriber once per process (the first server's `verbose` and
+/// `log_format` decide). `LLAMARUNNER_LOG` (an `EnvFilter` string) overrides the filter.
+/// JSON: one object per line with the event's fields at the top level (`message`,
+/// `request_id`, `status`, ...) and the request's span (`span.request_id`).
+fn init_logging(verbose: bool, format: LogFormat) {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let default = if verbose {
-            "info,llamarunner_core=debug,llama-cpp-2=info"
-        } else {
-            "info,llama-cpp-2=warn"
+        let filter = std::env::var("LLAMARUNNER_LOG")
+            .unwrap_or_else(|_| default_filter(verbose).to_string());
+        let filter = tracing_subscriber::EnvFilter::new(filter);
+        let _ = match format {
+            LogFormat::Text => tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(false)
+                .try_init(),
+            LogFormat::Json => tracing_subscriber::fmt()
+                .json()
+                .flatten_event(true)
+                .with_current_span(true)
+                .with_span_list(false)
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .try_init(),
         };
-        let filter = std::env::var("LLAMARUNNER_LOG").unwrap_or_else(|_| default.to_string());
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_target(false)
-            .try_init();
     });
 }
 
@@ -40,6 +61,7 @@ fn start_error(e: StartError) -> PyErr {
         StartError::Config(e) => PyValueError::new_err(e.to_string()),
         StartError::Model(m) => ModelLoadError::new_err(m),
         StartError::Bind { .. } | StartError::Io(_) => PyOSError::new_err(e.to_string()),
+        StartError::Metrics(_) => PyRuntimeError::new_err(e.to_string()),
     }
 }
 
@@ -93,7 +115,7 @@ impl NativeServer {
 fn start(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
     let config: RunnerConfig = serde_json::from_str(config_json)
         .map_err(|e| PyValueError::new_err(format!("invalid configuration: {e}")))?;
-    init_logging(config.verbose);
+    init_logging(config.verbose, config.log_format);
     let runner = py
         .detach(move || Runner::start(config))
         .map_err(start_error)?;

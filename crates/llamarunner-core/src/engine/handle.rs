@@ -11,6 +11,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use super::model::Health;
+use super::observer::{EngineObserver, NoObserver};
 use super::protocol::{EmbedRequest, Message, Request};
 
 /// Why a request could not be queued.
@@ -68,8 +69,17 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Creates the handle and the engine's end of the channels; at most `max_queue` requests
-    /// wait for a slot (and as many embedding inputs for the embedding context).
+    /// wait for a slot (and as many embedding inputs for the embedding context). The engine
+    /// reports to no observer.
     pub fn new(max_queue: usize) -> (Self, EngineInbox) {
+        Self::with_observer(max_queue, Arc::new(NoObserver))
+    }
+
+    /// As `new`, with the engine reporting what it does to `observer` (the metrics).
+    pub fn with_observer(
+        max_queue: usize,
+        observer: Arc<dyn EngineObserver>,
+    ) -> (Self, EngineInbox) {
         let max_queue = max_queue.max(1);
         // Room for every counted request plus wake-ups, so a counted request is never refused
         // by a full channel.
@@ -93,6 +103,7 @@ impl EngineHandle {
                 shutdown,
                 health,
                 queue,
+                observer,
             },
         )
     }
@@ -159,6 +170,8 @@ pub struct EngineInbox {
     pub health: Arc<Health>,
     /// Requests waiting for a slot (the engine gives places back).
     pub queue: Arc<QueueGauge>,
+    /// Where the loop reports what it does (the metrics).
+    pub observer: Arc<dyn EngineObserver>,
 }
 
 impl EngineInbox {

@@ -6,7 +6,8 @@
 //! - `protocol.rs`: requests, events, results and errors exchanged with the HTTP side;
 //! - `model.rs`: the model description, load state and slot table (`Health`);
 //! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side);
-//! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits.
+//! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits;
+//! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics.
 
 pub mod backend;
 #[cfg(feature = "portable")]
@@ -17,9 +18,11 @@ pub mod handle;
 #[cfg(feature = "llama")]
 pub mod llama;
 pub mod model;
+pub mod observer;
 pub mod protocol;
 
 pub use backend::{Backend, BackendError, BatchToken, Token};
 pub use handle::{EngineHandle, EngineInbox, SubmitError};
 pub use model::{file_type_name, Health, LoadState, ModelInfo, SlotInfo, TextModel};
+pub use observer::{EngineObserver, NoObserver};
 pub use protocol::*;

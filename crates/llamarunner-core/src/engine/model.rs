@@ -1,8 +1,9 @@
 //! What the HTTP side knows of the engine: the loaded model's description, its load state and
 //! the slot table, published by the engine thread.
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::backend::{BackendError, Token};
 use crate::chat::ChatTemplate;
@@ -29,6 +30,8 @@ pub struct SlotInfo {
     pub cached_tokens: usize,
     /// When it was last released or taken, ms since the Unix epoch (0 = never).
     pub last_used_ms: u64,
+    /// The id of the request that holds it (`X-Request-Id`); None when it is free.
+    pub request_id: Option<String>,
 }
 
 /// Model load state, shared between the engine thread and the HTTP side.
@@ -41,8 +44,24 @@ pub struct Health {
     stopped: std::sync::atomic::AtomicBool,
     busy_slots: AtomicU32,
     total_slots: AtomicU32,
+    /// KV cells held by the requests in busy slots (for `kv_cache_usage_perc`).
+    busy_cells: AtomicU64,
     slots: Mutex<Vec<SlotInfo>>,
     model: OnceLock<Arc<ModelInfo>>,
+    /// When the engine started (this was made just before its thread).
+    created: Created,
+    /// How long the engine took from its start to ready.
+    load_time: OnceLock<Duration>,
+}
+
+/// The moment a `Health` was made.
+#[derive(Debug)]
+struct Created(Instant);
+
+impl Default for Created {
+    fn default() -> Self {
+        Self(Instant::now())
+    }
 }
 
 /// What the loaded model is, for `/v1/models`, `/api/show`, `/api/tags` and chat rendering.
@@ -147,6 +166,7 @@ impl Health {
     }
     /// Marks the model ready, with the number of slots.
     pub fn set_ready(&self, slots: u32) {
+        let _ = self.load_time.set(self.created.0.elapsed());
         self.total_slots.store(slots, Ordering::Relaxed);
         self.set_progress(1.0);
         self.state.store(1, Ordering::Release);
@@ -180,6 +200,13 @@ impl Health {
     pub fn set_slots(&self, slots: Vec<SlotInfo>) {
         let busy = slots.iter().filter(|s| s.busy).count();
         self.set_busy_slots(u32::try_from(busy).unwrap_or(u32::MAX));
+        let cells: usize = slots
+            .iter()
+            .filter(|s| s.busy)
+            .map(|s| s.cached_tokens)
+            .sum();
+        self.busy_cells
+            .store(u64::try_from(cells).unwrap_or(u64::MAX), Ordering::Relaxed);
         if let Ok(mut s) = self.slots.lock() {
             *s = slots;
         }
@@ -195,6 +222,15 @@ impl Health {
     /// What the loaded model is, once it is loaded.
     pub fn model_info(&self) -> Option<Arc<ModelInfo>> {
         self.model.get().cloned()
+    }
+    /// KV cells held by the requests in busy slots, as last published (the prefixes idle
+    /// slots keep for reuse are not counted: any new request may take them).
+    pub fn busy_cells(&self) -> u64 {
+        self.busy_cells.load(Ordering::Relaxed)
+    }
+    /// How long the engine took from its start to ready (None until it is ready).
+    pub fn load_time(&self) -> Option<Duration> {
+        self.load_time.get().copied()
     }
     /// (busy slots, total slots).
     pub fn slots(&self) -> (u32, u32) {

@@ -57,6 +57,8 @@ pub struct Completion {
     pub prompt_eval_count: usize,
     /// Prompt tokens reused from the slot's KV cache.
     pub prompt_cached_count: usize,
+    /// Time from the request's arrival to its admission into a slot, ns.
+    pub queue_duration_ns: u64,
     /// Time from admission to the first sampled token, ns.
     pub prompt_eval_duration_ns: u64,
     /// Tokens sampled.
@@ -144,6 +146,8 @@ impl From<&str> for Input {
 /// A completion request as the engine receives it.
 #[derive(Debug)]
 pub struct Request {
+    /// The request's id (`X-Request-Id`), for the engine's log lines and `GET /slots`.
+    pub id: String,
     /// The prompt.
     pub prompt: Input,
     /// Sampling and stopping parameters.

@@ -56,6 +56,10 @@ enum Phase {
 
 /// A request that holds a slot.
 struct Sequence<S> {
+    /// The request's id (`X-Request-Id`).
+    id: String,
+    /// Its log span (`request{request_id=...}`), entered for every log line about it.
+    span: tracing::Span,
     phase: Phase,
     events: Sender<Event>,
     params: SamplingParams,
@@ -80,9 +84,13 @@ struct Sequence<S> {
     outbox_logprobs: Vec<TokenLogprob>,
     /// Log-probability entries already sent.
     logprobs_sent: usize,
+    /// When the HTTP side received it.
+    received: Instant,
     admitted: Instant,
     /// Set when the prompt is fully decoded.
     prompt_done: Option<Instant>,
+    /// When its last token was sampled (for the inter-token latency).
+    last_token: Option<Instant>,
     /// When it must end (`--timeout`).
     deadline: Option<Instant>,
     /// Since when it has been paused for a client that does not read.
@@ -218,6 +226,7 @@ impl<B: Backend> Scheduler<B> {
                     .last_used
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                request_id: s.seq.as_ref().map(|q| q.id.clone()),
             })
             .collect();
         self.inbox.health.set_slots(table);
@@ -318,21 +327,29 @@ impl<B: Backend> Scheduler<B> {
                 .paused_since
                 .is_some_and(|t| now.duration_since(t) >= self.pause_limit);
             if seq.events.is_closed() {
-                tracing::debug!(slot = slot.id, "client disconnected; slot freed");
+                seq.span.in_scope(|| {
+                    tracing::debug!(slot = slot.id, "client disconnected; slot freed");
+                });
                 slot.seq = None;
             } else if stuck {
-                tracing::warn!(
-                    slot = slot.id,
-                    limit = ?self.pause_limit,
-                    "the client has not read its stream; slot freed"
-                );
+                seq.span.in_scope(|| {
+                    tracing::warn!(
+                        slot = slot.id,
+                        limit = ?self.pause_limit,
+                        "the client has not read its stream; slot freed"
+                    );
+                });
                 slot.seq = None;
             } else if seq.deadline.is_some_and(|d| d <= now) {
                 timed_out.push(i);
             }
         }
         for i in timed_out {
-            tracing::info!(slot = self.slots[i].id, "request reached the time limit");
+            if let Some(seq) = self.slots[i].seq.as_ref() {
+                seq.span.in_scope(|| {
+                    tracing::info!(slot = self.slots[i].id, "request reached the time limit");
+                });
+            }
             self.finish(i, DoneReason::Timeout);
         }
     }
@@ -378,6 +395,7 @@ impl<B: Backend> Scheduler<B> {
                 self.embedding = Some(job);
             }
             Ok(Some(vector)) => {
+                self.inbox.observer.embedded(job.tokens.len());
                 let _ = job.request.reply.send(Ok(Embedding {
                     vector,
                     prompt_eval_count: job.tokens.len(),
@@ -470,14 +488,26 @@ impl<B: Backend> Scheduler<B> {
         if request.events.try_send(Event::Started).is_err() {
             return Ok(()); // the client is gone; the slot stays free
         }
-        tracing::debug!(
-            slot = slot.id,
-            prompt = tokens.len(),
-            cached = reuse,
-            waited_ms = request.received.elapsed().as_millis(),
-            "sequence admitted"
-        );
+        let admitted = Instant::now();
+        let queued = admitted.saturating_duration_since(request.received);
+        self.inbox
+            .observer
+            .admitted(queued, tokens.len(), reuse, truncated);
+        let span = tracing::info_span!("request", request_id = %request.id);
+        span.in_scope(|| {
+            tracing::debug!(
+                slot = slot.id,
+                prompt = tokens.len(),
+                cached = reuse,
+                waited_ms = u64::try_from(queued.as_millis()).unwrap_or(u64::MAX),
+                "sequence admitted"
+            );
+        });
         slot.seq = Some(Sequence {
+            id: request.id.clone(),
+            span,
+            received: request.received,
+            last_token: None,
             phase: Phase::Prefill,
             deadline: request.deadline,
             paused_since: None,
@@ -496,7 +526,7 @@ impl<B: Backend> Scheduler<B> {
             outbox: String::new(),
             outbox_logprobs: Vec::new(),
             logprobs_sent: 0,
-            admitted: Instant::now(),
+            admitted,
             prompt_done: None,
         });
         Ok(())
@@ -665,7 +695,7 @@ impl<B: Backend> Scheduler<B> {
             if seq.prompt_done.is_none() {
                 seq.prompt_done = Some(now);
             }
-            if let Some(reason) = self.sample_one(index, at) {
+            if let Some(reason) = self.sample_one(index, at, now) {
                 self.finish(index, reason);
             } else {
                 self.flush_outbox(index);
@@ -680,19 +710,33 @@ impl<B: Backend> Scheduler<B> {
         );
     }
 
-    /// Samples the next token of the sequence in slot `index`; returns why it ends, if it does.
-    fn sample_one(&mut self, index: usize, at: usize) -> Option<DoneReason> {
+    /// Samples the next token of the sequence in slot `index` (its logits were decoded at
+    /// `now`); returns why it ends, if it does.
+    fn sample_one(&mut self, index: usize, at: usize, now: Instant) -> Option<DoneReason> {
         let ctx = self.backend.slot_ctx();
         let slot = &mut self.slots[index];
         let seq = slot.seq.as_mut()?;
         if seq.params.num_predict == 0 {
             return Some(DoneReason::Length);
         }
-        let Some(token) = self.backend.sample(&mut seq.sampler, at) else {
+        // In the request's span: the backend may log about it (a grammar that ends it).
+        let backend = &mut self.backend;
+        let Some(token) = seq.span.in_scope(|| backend.sample(&mut seq.sampler, at)) else {
             // The grammar allows nothing more: the output is complete.
             return Some(DoneReason::Stop);
         };
         seq.n_generated += 1;
+        match seq.last_token {
+            None => self
+                .inbox
+                .observer
+                .first_token(now.saturating_duration_since(seq.received)),
+            Some(last) => self
+                .inbox
+                .observer
+                .next_token(now.saturating_duration_since(last)),
+        }
+        seq.last_token = Some(now);
         // With a grammar, EOG also means the grammar allows nothing more (the backend's signal),
         // so it ends the sequence even under `ignore_eos`.
         if self.backend.is_eog(token) && (!seq.params.ignore_eos || seq.params.grammar.is_some()) {
@@ -735,7 +779,10 @@ impl<B: Backend> Scheduler<B> {
             let keep = seq.keep.min(slot.cached.len());
             let discard =
                 kv::shift_discard(ctx, keep, slot.cached.len()).min(slot.cached.len() - keep);
-            tracing::debug!(slot = slot.id, keep, discard, "context shift");
+            seq.span.in_scope(|| {
+                tracing::debug!(slot = slot.id, keep, discard, "context shift");
+            });
+            self.inbox.observer.context_shift();
             if self.backend.kv_shift(slot.id, keep, discard) {
                 slot.cached.drain(keep..keep + discard);
             } else {
@@ -807,6 +854,7 @@ impl<B: Backend> Scheduler<B> {
             done_reason: reason,
             prompt_eval_count: seq.n_prompt,
             prompt_cached_count: seq.n_cached,
+            queue_duration_ns: nanos(seq.admitted.saturating_duration_since(seq.received)),
             prompt_eval_duration_ns: nanos(prompt_done - seq.admitted),
             eval_count: seq.n_generated,
             eval_duration_ns: nanos(now - prompt_done),

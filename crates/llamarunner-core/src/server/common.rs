@@ -1,12 +1,16 @@
 //! What the three dialects (native, OpenAI, Ollama) share: readiness and model-name checks,
 //! chat rendering, submitting a generation and collecting it, embeddings.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime};
 
+use futures_util::Stream;
 use serde_json::Value;
 use tokio::sync::mpsc::Receiver;
 
+use super::access::{self, Record};
 use super::error::ApiError;
 use super::{validate, AppState};
 use crate::chat::ChatMessage;
@@ -190,19 +194,74 @@ pub async fn chat_prompt(
     render(info, messages, true).await
 }
 
+/// A generation that has its slot: the engine's events for it (text, then a final `Done` or
+/// `Error`), as a stream or one by one. The final statistics and errors that pass through are
+/// noted in the request's record (`server/access.rs`), which counts the outcome once, whatever
+/// the dialect and whether the answer streams.
+#[derive(Debug)]
+pub struct Generation {
+    rx: Receiver<Event>,
+    record: Option<Arc<Record>>,
+}
+
+impl Generation {
+    fn new(rx: Receiver<Event>) -> Self {
+        let record = access::current();
+        if let Some(r) = &record {
+            r.generation_started();
+        }
+        Self { rx, record }
+    }
+
+    /// The next event; None once the engine has sent the last.
+    pub async fn recv(&mut self) -> Option<Event> {
+        let event = self.rx.recv().await;
+        self.note(event.as_ref());
+        event
+    }
+
+    fn note(&self, event: Option<&Event>) {
+        let Some(record) = &self.record else {
+            return;
+        };
+        match event {
+            Some(Event::Done(done)) => record.finished(done),
+            Some(Event::Error(e)) => {
+                let err = ApiError::from(e.clone());
+                record.failed(err.status(), err.kind());
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Stream for Generation {
+    type Item = Event;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = self.get_mut();
+        let polled = this.rx.poll_recv(cx);
+        if let Poll::Ready(event) = &polled {
+            this.note(event.as_ref());
+        }
+        polled
+    }
+}
+
 /// Validates a generation (`validate::generation`), queues it and waits until it has a slot,
 /// so that everything found wrong before that (a prompt too long, a bad grammar, a full queue)
-/// is a proper HTTP error. The receiver then yields text and a final `Done` or `Error`.
+/// is a proper HTTP error. The generation then yields text and a final `Done` or `Error`.
 pub async fn start_generation(
     state: &AppState,
     prompt: String,
     params: SamplingParams,
-) -> Result<Receiver<Event>, ApiError> {
+) -> Result<Generation, ApiError> {
     let received = Instant::now();
     let info = model_info(state)?;
     let valid = validate::generation(&info, &state.limits, prompt, params).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {
+        id: access::current_id(),
         prompt: Input::Tokens(valid.tokens),
         params: valid.params,
         truncated: valid.truncated,
@@ -211,7 +270,7 @@ pub async fn start_generation(
         deadline: state.limits.timeout.map(|t| received + t),
     })?;
     match rx.recv().await {
-        Some(Event::Started) => Ok(rx),
+        Some(Event::Started) => Ok(Generation::new(rx)),
         Some(Event::Error(e)) => Err(e.into()),
         Some(other) => Err(ApiError::Internal(format!(
             "unexpected first event {other:?}"
@@ -232,7 +291,7 @@ pub struct Collected {
 }
 
 /// Reads a generation to its end.
-pub async fn collect(mut rx: Receiver<Event>) -> Result<Collected, ApiError> {
+pub async fn collect(mut rx: Generation) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {
@@ -294,6 +353,9 @@ pub async fn embed_all(
         embedding.truncated |= truncated;
         out.push(embedding);
     }
+    if let Some(record) = access::current() {
+        record.embedded(out.iter().map(|e| e.prompt_eval_count).sum());
+    }
     Ok(out)
 }
 
@@ -343,11 +405,6 @@ pub fn rfc3339(t: SystemTime) -> String {
         rem % 60,
         d.subsec_nanos()
     )
-}
-
-/// A short random id for responses (`chatcmpl-...`).
-pub fn random_id(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
 #[cfg(test)]

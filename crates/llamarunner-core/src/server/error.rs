@@ -125,7 +125,10 @@ impl IntoResponse for ApiError {
 }
 
 impl ApiError {
+    /// Every error answered passes here (in each dialect's shape): the request's record notes
+    /// its type, and internal errors are logged.
     fn log(&self) {
+        super::access::note_error(self.kind());
         if matches!(self, ApiError::Internal(_)) {
             tracing::error!(error = %self, "request failed");
         }

@@ -1,9 +1,11 @@
 //! HTTP serving (axum). Handlers parse and validate, then talk to the engine through
 //! `EngineHandle`; they never touch llama.cpp. Errors are mapped to HTTP in `error.rs` only.
 
+pub mod access;
 pub mod common;
 pub mod error;
 pub mod format;
+pub mod metrics;
 pub mod middleware;
 pub mod native;
 pub mod ollama;
@@ -18,6 +20,7 @@ use axum::Router;
 
 use crate::engine::EngineHandle;
 use error::{ApiError, Dialect};
+use metrics::Metrics;
 use middleware::HttpPolicy;
 
 /// What every handler can reach.
@@ -31,6 +34,8 @@ pub struct AppState {
     pub limits: validate::Limits,
     /// API keys, allowed hosts and origins, the body limit (`middleware.rs`).
     pub policy: Arc<HttpPolicy>,
+    /// The Prometheus metrics (`GET /metrics`); None with `--no-metrics`.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl AppState {
@@ -41,7 +46,15 @@ impl AppState {
             model_name: model_name.into(),
             limits: validate::Limits::default(),
             policy: Arc::new(HttpPolicy::default()),
+            metrics: None,
         }
+    }
+
+    /// The same state, exporting these metrics at `GET /metrics` and counting outcomes into
+    /// them (the engine should report to them too: `EngineHandle::with_observer`).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The same state under this request policy (the default: no API key, loopback hosts and
@@ -58,10 +71,16 @@ impl AppState {
     }
 }
 
-/// All routes, behind the request policy's layers (`middleware.rs`).
+/// All routes, behind the request policy's layers (`middleware.rs`), all behind the access
+/// layer (`access.rs`: request ids, outcomes, access lines).
 pub fn router(state: AppState) -> Router {
     let policy = state.policy.clone();
-    let routes = Router::new()
+    let metrics = state.metrics.clone();
+    let mut routes = Router::new();
+    if metrics.is_some() {
+        routes = routes.route("/metrics", get(metrics::handler));
+    }
+    let routes = routes
         .route("/completion", post(native::completion))
         .route("/embedding", post(native::embedding))
         .route("/health", get(native::health))
@@ -85,7 +104,7 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .with_state(state);
-    middleware::apply(routes, policy)
+    access::layer(middleware::apply(routes, policy), metrics)
 }
 
 /// Unknown routes: a 404 in the shape of the dialect the path belongs to.

@@ -11,7 +11,6 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
     chat_prompt, embed_all, ensure_ready, parse_json, parse_messages, render_chat, start_generation,
@@ -80,9 +79,8 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
         None => required("prompt", req.prompt)?,
     };
 
-    let rx = start_generation(&state, prompt, params).await?;
-    let lines =
-        ReceiverStream::new(rx).map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
+    let generation = start_generation(&state, prompt, params).await?;
+    let lines = generation.map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
     Ok((
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(lines),

@@ -15,7 +15,6 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
     chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
@@ -210,7 +209,7 @@ async fn respond(
         return Ok(Json(meta.done(&all.text, &all.done)).into_response());
     }
     let meta = Arc::new(meta);
-    let lines = ReceiverStream::new(rx).filter_map(move |event| {
+    let lines = rx.filter_map(move |event| {
         let line = match event {
             Event::Started => None,
             Event::Text { text, .. } => Some(meta.line(&text)),

@@ -16,11 +16,10 @@ use axum::Json;
 use futures_util::{stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::common::{
     chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
-    parse_json, parse_messages, random_id, start_generation, unix_seconds,
+    parse_json, parse_messages, start_generation, unix_seconds,
 };
 use super::error::{ApiError, OpenAiError};
 use super::format::grammar_for_format;
@@ -286,7 +285,12 @@ impl TextOffsets {
 impl Meta {
     fn new(state: &AppState, chat: bool, include_usage: bool) -> Self {
         Self {
-            id: random_id(if chat { "chatcmpl" } else { "cmpl" }),
+            // `chatcmpl-<request id>`: the response names the request in the logs.
+            id: format!(
+                "{}-{}",
+                if chat { "chatcmpl" } else { "cmpl" },
+                super::access::current_id()
+            ),
             created: unix_seconds(SystemTime::now()),
             model: state.model_name.to_string(),
             chat,
@@ -475,8 +479,7 @@ async fn respond(
         choice["delta"] = json!({"role": "assistant", "content": ""});
         sse(with_usage_null(&meta, meta.body(true, vec![choice])))
     });
-    let events = ReceiverStream::new(rx)
-        .flat_map(move |event| stream::iter(chunks_for(&meta, event, want_logprobs)));
+    let events = rx.flat_map(move |event| stream::iter(chunks_for(&meta, event, want_logprobs)));
     let body = stream::iter(first).chain(events).map(Ok::<_, Infallible>);
     Ok(Sse::new(body).into_response())
 }

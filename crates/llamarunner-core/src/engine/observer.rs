@@ -1,0 +1,40 @@
+//! What the engine thread reports as it works, for the metrics: a narrow seam so that the
+//! engine knows nothing of Prometheus (`server/metrics.rs` implements it) and the scheduler's
+//! tests run without it. Every call is made on the engine thread, between decode steps:
+//! implementations must be cheap (atomic updates) and must never block.
+
+use std::time::Duration;
+
+/// Events of the engine loop that the metrics count. Every method does nothing by default.
+pub trait EngineObserver: Send + Sync + std::fmt::Debug {
+    /// A request got a slot, after waiting `queued` since it arrived, with `prompt` tokens of
+    /// which `cached` were reused from the slot's KV cache; `truncated`: its prompt was cut
+    /// to fit the slot (here or on the HTTP side).
+    fn admitted(&self, queued: Duration, prompt: usize, cached: usize, truncated: bool) {
+        let _ = (queued, prompt, cached, truncated);
+    }
+
+    /// A request's first token was sampled, `since_arrival` after it arrived.
+    fn first_token(&self, since_arrival: Duration) {
+        let _ = since_arrival;
+    }
+
+    /// Another token of a request was sampled, `gap` after its previous one.
+    fn next_token(&self, gap: Duration) {
+        let _ = gap;
+    }
+
+    /// A slot filled while generating and half of its unkept tokens were discarded.
+    fn context_shift(&self) {}
+
+    /// An embedding input of `tokens` tokens was embedded.
+    fn embedded(&self, tokens: usize) {
+        let _ = tokens;
+    }
+}
+
+/// The observer that counts nothing (tests, and `--no-metrics`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoObserver;
+
+impl EngineObserver for NoObserver {}
