@@ -120,6 +120,15 @@ impl Runner {
         F: FnOnce(EngineInbox) + Send + 'static,
     {
         config.validate_http()?;
+        let slot_save_path = match &config.slot_save_path {
+            None => None,
+            Some(dir) => Some(crate::server::slots::prepare_dir(dir).map_err(|reason| {
+                ConfigError::SlotSavePath {
+                    path: dir.display().to_string(),
+                    reason,
+                }
+            })?),
+        };
         let addr = format!("{}:{}", config.host, config.port);
         let listener = TcpListener::bind(&addr).map_err(|source| StartError::Bind {
             addr: addr.clone(),
@@ -163,7 +172,8 @@ impl Runner {
         let app = router(
             AppState::new(handle.clone(), config.model_name())
                 .with_policy(policy)
-                .with_limits(limits),
+                .with_limits(limits)
+                .with_slot_save_path(slot_save_path),
         );
         let conn_limits = ConnLimits::new(config);
         let engine_for_http = handle.clone();

@@ -9,8 +9,11 @@ pub mod native;
 pub mod ollama;
 pub mod openai;
 pub mod options;
+pub mod slot_file;
+pub mod slots;
 pub mod validate;
 
+use std::path::Path;
 use std::sync::Arc;
 
 use axum::routing::{get, post};
@@ -31,6 +34,8 @@ pub struct AppState {
     pub limits: validate::Limits,
     /// API keys, allowed hosts and origins, the body limit (`middleware.rs`).
     pub policy: Arc<HttpPolicy>,
+    /// Where slot files are saved and restored from (`--slot-save-path`); None: off.
+    pub slot_save_path: Option<Arc<Path>>,
 }
 
 impl AppState {
@@ -41,7 +46,15 @@ impl AppState {
             model_name: model_name.into(),
             limits: validate::Limits::default(),
             policy: Arc::new(HttpPolicy::default()),
+            slot_save_path: None,
         }
+    }
+
+    /// The same state saving and restoring slot files in `dir` (an existing directory;
+    /// `slots::prepare_dir` makes one).
+    pub fn with_slot_save_path(mut self, dir: Option<Arc<Path>>) -> Self {
+        self.slot_save_path = dir;
+        self
     }
 
     /// The same state under this request policy (the default: no API key, loopback hosts and
@@ -66,6 +79,10 @@ pub fn router(state: AppState) -> Router {
         .route("/embedding", post(native::embedding))
         .route("/health", get(native::health))
         .route("/slots", get(native::slots))
+        .route("/slots/{id}", post(slots::action))
+        .route("/tokenize", post(native::tokenize))
+        .route("/detokenize", post(native::detokenize))
+        .route("/props", get(native::props))
         .route("/apply-template", post(native::apply_template))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
