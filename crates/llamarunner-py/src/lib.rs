@@ -1,6 +1,8 @@
 //! `llamarunner._core`: the Python face of `llamarunner-core`. It holds a `Runner` (HTTP server
 //! and engine on their own threads); every blocking call releases the GIL.
 
+mod log_writer;
+
 use std::sync::{Mutex, Once};
 
 use llamarunner_core::{Runner, RunnerConfig, StartError};
@@ -28,7 +30,7 @@ fn init_logging(verbose: bool) {
         let filter = std::env::var("LLAMARUNNER_LOG").unwrap_or_else(|_| default.to_string());
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
+            .with_writer(log_writer::StderrLines::new())
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false)
             .try_init();
