@@ -256,6 +256,8 @@ def test_hostile_file_names_are_refused(slot_server: str, slot_dir: Path) -> Non
 
 def test_a_busy_slot_is_refused_and_erase_empties_an_idle_one(slot_server: str) -> None:
     url = slot_server
+    # A file to restore exists (a restore of a missing one is a 404 before the slot is asked).
+    assert post(url, "/slots/0?action=save", {"filename": "b.bin"}).status_code == 200
     body = {"prompt": "xyz", "options": {"num_predict": 100_000, "ignore_eos": True}}
     lines = stream_lines(url, body)
     next(lines)
@@ -389,8 +391,7 @@ def test_serve_without_a_terminal_writes_plain_lines(tiny_model: Path) -> None:
         assert serve.wait(timeout=30) == 0
     log = serve.log
     assert "\r" not in log and "\x1b[" not in log, repr(log)
-    assert "%" not in log and "[#" not in log, repr(log)
-    assert all(line.strip() for line in log.splitlines()), repr(log)
+    assert "loading [" not in log and "[#" not in log, repr(log)
 
 
 # --- the real model ------------------------------------------------------------------------

@@ -12,7 +12,6 @@ use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::Semaphore;
 
@@ -25,11 +24,15 @@ use crate::engine::{SlotAction, SlotCommand, SlotOutcome, Token};
 /// One slot file operation at a time (a state can take hundreds of megabytes).
 static SLOT_FILES: Semaphore = Semaphore::const_new(1);
 
-/// Body of a save or restore.
-#[derive(Debug, Deserialize)]
-struct FileRequest {
-    #[serde(default)]
-    filename: Option<String>,
+/// The `filename` of a save or restore body, which must be a JSON object (serde would also
+/// take `["name"]` for a struct).
+fn file_name_of(body: &[u8]) -> Result<String, ApiError> {
+    let fields: serde_json::Map<String, serde_json::Value> = parse_json(body)?;
+    match fields.get("filename") {
+        Some(serde_json::Value::String(name)) => Ok(name.clone()),
+        None | Some(serde_json::Value::Null) => Err(ApiError::invalid("filename is required")),
+        Some(_) => Err(ApiError::invalid("filename must be a string")),
+    }
 }
 
 /// The three actions.
@@ -100,10 +103,7 @@ pub async fn action(
                 .into(),
         )
     })?;
-    let req: FileRequest = parse_json(&body)?;
-    let name = req
-        .filename
-        .ok_or_else(|| ApiError::invalid("filename is required"))?;
+    let name = file_name_of(&body)?;
     slot_file::check_file_name(&name).map_err(ApiError::InvalidRequest)?;
     let _one_at_a_time = SLOT_FILES
         .acquire()
@@ -307,6 +307,21 @@ mod tests {
             Some("Action=save"),
         ] {
             assert!(parse_action(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_file_name_comes_from_a_json_object() {
+        assert_eq!(file_name_of(br#"{"filename":"a.bin"}"#).unwrap(), "a.bin");
+        for (body, kind) in [
+            (&br#"["a.bin"]"#[..], "invalid_json"),
+            (br#""a.bin""#, "invalid_json"),
+            (b"{", "invalid_json"),
+            (b"{}", "invalid_request"),
+            (br#"{"filename":null}"#, "invalid_request"),
+            (br#"{"filename":5}"#, "invalid_request"),
+        ] {
+            assert_eq!(file_name_of(body).unwrap_err().kind(), kind, "{body:?}");
         }
     }
 
