@@ -251,6 +251,13 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
             ok = numbers(obj.get("embedding"))
         elif path == "/apply-template":
             ok = isinstance(obj.get("prompt"), str)
+        elif path == "/tokenize":
+            ok = isinstance(obj.get("tokens"), list) and all(
+                isinstance(t, int) or (isinstance(t, dict) and isinstance(t.get("id"), int))
+                for t in obj["tokens"]
+            )
+        elif path == "/detokenize":
+            ok = isinstance(obj.get("content"), str)
         else:
             ok = isinstance(obj, dict)
         return None if ok else f"unexpected 200 body: {show(data)}"
@@ -689,6 +696,20 @@ ROUTES = {
             "/apply-template",
             st.fixed_dictionaries({"messages": VALID_MESSAGES}),
             {"messages": MESSAGES, "add_generation_prompt": BOOLS},
+        ),
+        Route(
+            "/tokenize",
+            st.fixed_dictionaries({"content": PROMPTS}),
+            {
+                "content": either(st.one_of(PROMPTS, LONG_TEXT)),
+                "add_special": BOOLS,
+                "with_pieces": BOOLS,
+            },
+        ),
+        Route(
+            "/detokenize",
+            st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 268), max_size=40)}),
+            {"tokens": either(st.lists(INTS, max_size=40))},
         ),
         Route(
             "/v1/chat/completions",

@@ -28,6 +28,7 @@ from .client import (
     RateLimitError,
     ServiceUnavailableError,
     Stream,
+    TokenPiece,
 )
 from .config import NoModelError, ServerConfig, default_model_path
 from .server import EngineStoppedError, Health, ModelLoadError, Server
@@ -62,6 +63,7 @@ __all__ = [
     "ServerConfig",
     "ServiceUnavailableError",
     "Stream",
+    "TokenPiece",
     "__version__",
     "default_model_path",
 ]

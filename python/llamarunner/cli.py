@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 from . import __version__
 from .config import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_PORT, NoModelError, ServerConfig
@@ -23,9 +25,10 @@ def _serve_parser(sub: Any) -> None:
         help="serve a GGUF model over HTTP",
         description=(
             "Serve one GGUF model over HTTP: the native API (/completion, /embedding, "
-            "/apply-template, /health, /slots, /metrics), the OpenAI API (/v1/chat/completions, "
-            "/v1/completions, /v1/embeddings, /v1/models) and the Ollama API (/api/generate, "
-            "/api/chat, /api/embed, /api/tags, /api/show, /api/ps, /api/version). "
+            "/apply-template, /tokenize, /detokenize, /props, /health, /slots, /metrics), the "
+            "OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models) and "
+            "the Ollama API (/api/generate, /api/chat, /api/embed, /api/tags, /api/show, "
+            "/api/ps, /api/version). "
             "Every flag can also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
             "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
         ),
@@ -116,6 +119,13 @@ def _serve_parser(sub: Any) -> None:
         help="wall-time limit of one request, queueing included; 0 = none (default 0)",
     )
     p.add_argument(
+        "--slot-save-path",
+        metavar="DIR",
+        help="directory of slot files: POST /slots/ID?action=save|restore with "
+        '{"filename": NAME} saves the KV cache of a slot to DIR/NAME or restores it (made '
+        "if missing; default: off, those actions answer 501)",
+    )
+    p.add_argument(
         "--verbose", action="store_const", const=True, help="also log llama.cpp's own messages"
     )
     mon = p.add_argument_group("monitoring")
@@ -200,6 +210,51 @@ def _fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     sys.exit(code)
 
 
+def progress_bar(progress: float, width: int) -> str:
+    """``[#####-----]  50%``: ``width`` cells between the brackets."""
+    progress = min(max(progress, 0.0), 1.0)
+    filled = int(progress * width)
+    return f"[{'#' * filled}{'-' * (width - filled)}] {int(progress * 100):3d}%"
+
+
+class LoadProgress:
+    """The model's load progress on ``stream``: on a terminal, one line redrawn in place (the
+    server's log lines clear it before they are written, and it is drawn again after them);
+    otherwise nothing, so that logs get plain lines only."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        try:
+            self.tty = stream.isatty()
+        except (AttributeError, ValueError):
+            self.tty = False
+        self.shown = False
+
+    def show(self, progress: float) -> None:
+        if not self.tty:
+            return
+        columns = shutil.get_terminal_size((80, 24)).columns
+        width = max(10, min(40, columns - 32))
+        bar = progress_bar(progress, width)
+        self.stream.write(f"\r\x1b[Kllamarunner: loading {bar}")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def model_name(config: ServerConfig) -> str:
+    """The name the server gives the model: ``--alias``, else the file name without .gguf."""
+    if config.alias:
+        return config.alias
+    name = Path(config.model or "").name
+    return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
+
+
 def serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
     try:
@@ -219,21 +274,34 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    progress = LoadProgress(sys.stderr)
     try:
         ready = False
         while True:
             h = server.health()
             if h.status == "error":
+                progress.clear()
                 server.stop()
                 if ready:  # it served, then the engine died (a panic, say)
                     _fail(h.error or "the engine stopped", ENGINE_STOPPED)
                 # The model file (or --chat-template) is bad: as bad as a wrong flag.
                 _fail(f"model failed to load: {h.error}")
-            if h.status == "ready" and not ready:
-                ready = True
-                print(f"llamarunner: ready on {server.url}", file=sys.stderr, flush=True)
+            if not ready:
+                if h.status == "ready":
+                    ready = True
+                    progress.show(1.0)
+                    progress.clear()
+                    print(
+                        f"llamarunner: ready on {server.url} (model {model_name(server.config)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    # Drawn on every poll: a log line written since has cleared it.
+                    progress.show(h.progress)
             time.sleep(0.1 if not ready else 0.5)
     except KeyboardInterrupt:
+        progress.clear()
         print("llamarunner: shutting down", file=sys.stderr, flush=True)
         server.stop()
     return 0

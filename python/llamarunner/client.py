@@ -144,6 +144,30 @@ class HealthStatus:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class TokenPiece:
+    """A token and the text it renders to (`Client.tokenize` with ``with_pieces=True``)."""
+
+    id: int
+    piece: str | bytes
+    """Its text (special tokens as written, ``<s>``); bytes when they are not valid UTF-8 by
+    themselves (part of a character)."""
+
+
+def _tokens(data: Any, with_pieces: bool) -> list[int] | list[TokenPiece]:
+    tokens = data["tokens"]
+    if not with_pieces:
+        return [int(t) for t in tokens]
+    return [
+        TokenPiece(int(t["id"]), t["piece"] if isinstance(t["piece"], str) else bytes(t["piece"]))
+        for t in tokens
+    ]
+
+
+def _tokenize_body(text: str, add_special: bool, with_pieces: bool) -> dict[str, Any]:
+    return {"content": text, "add_special": add_special, "with_pieces": with_pieces}
+
+
 def _build(cls: Any, data: dict[str, Any]) -> Any:
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
@@ -432,6 +456,31 @@ class Client:
         r = self._send("POST", "/embedding", json_body={"content": text, "truncate": truncate})
         return list(r.json()["embedding"])
 
+    @overload
+    def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: Literal[False] = False
+    ) -> list[int]: ...
+
+    @overload
+    def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: Literal[True]
+    ) -> list[TokenPiece]: ...
+
+    def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: bool = False
+    ) -> list[int] | list[TokenPiece]:
+        """The model's tokens for ``text`` (special tokens in it parsed). ``add_special`` adds
+        BOS (and EOS) when the model wants them, as prompts get; ``with_pieces`` returns each
+        token with its text."""
+        body = _tokenize_body(text, add_special, with_pieces)
+        return _tokens(self._send("POST", "/tokenize", json_body=body).json(), with_pieces)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (special tokens as written); ids outside the vocabulary raise
+        `BadRequestError`."""
+        r = self._send("POST", "/detokenize", json_body={"tokens": list(tokens)})
+        return str(r.json()["content"])
+
     def health(self) -> HealthStatus:
         """The server's state (does not raise for loading or failed models)."""
         try:
@@ -629,6 +678,29 @@ class AsyncClient:
             "POST", "/embedding", json_body={"content": text, "truncate": truncate}
         )
         return list(r.json()["embedding"])
+
+    @overload
+    async def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: Literal[False] = False
+    ) -> list[int]: ...
+
+    @overload
+    async def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: Literal[True]
+    ) -> list[TokenPiece]: ...
+
+    async def tokenize(
+        self, text: str, *, add_special: bool = False, with_pieces: bool = False
+    ) -> list[int] | list[TokenPiece]:
+        """The model's tokens for ``text``; see `Client.tokenize`."""
+        body = _tokenize_body(text, add_special, with_pieces)
+        r = await self._send("POST", "/tokenize", json_body=body)
+        return _tokens(r.json(), with_pieces)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``; see `Client.detokenize`."""
+        r = await self._send("POST", "/detokenize", json_body={"tokens": list(tokens)})
+        return str(r.json()["content"])
 
     async def health(self) -> HealthStatus:
         try:

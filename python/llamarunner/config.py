@@ -68,6 +68,7 @@ class ServerConfig:
     shutdown_timeout: float = 10.0
     max_tokens: int = 0
     timeout: float = 0.0
+    slot_save_path: str | None = None
 
     @classmethod
     def resolve(
@@ -102,7 +103,7 @@ class ServerConfig:
         for name in _COMMA_LISTS:
             value = getattr(self, name)
             setattr(self, name, _comma_list(value) if isinstance(value, str) else list(value))
-        for name in ("model", "api_key_file"):
+        for name in ("model", "api_key_file", "slot_save_path"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, str(value))
@@ -135,8 +136,9 @@ class ServerConfig:
         if not data["model"]:
             raise NoModelError("no model path set")
         data["model"] = str(Path(data["model"]).expanduser())
-        if data["api_key_file"]:
-            data["api_key_file"] = str(Path(data["api_key_file"]).expanduser())
+        for name in ("api_key_file", "slot_save_path"):
+            if data[name]:
+                data[name] = str(Path(data[name]).expanduser())
         return json.dumps(data)
 
 

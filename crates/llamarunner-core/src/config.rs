@@ -106,6 +106,9 @@ pub struct RunnerConfig {
     pub max_tokens: u32,
     /// Wall-time limit of one request, in seconds; 0 = none.
     pub timeout: f64,
+    /// Directory of slot files (`POST /slots/{id}?action=save|restore`), made if missing;
+    /// None: saving and restoring slots is off.
+    pub slot_save_path: Option<PathBuf>,
 }
 
 /// Default `max_body`: 8 MiB.
@@ -148,6 +151,7 @@ impl Default for RunnerConfig {
             shutdown_timeout: 10.0,
             max_tokens: 0,
             timeout: 0.0,
+            slot_save_path: None,
         }
     }
 }
@@ -204,6 +208,14 @@ pub enum ConfigError {
     /// An `--allow-origin` is empty.
     #[error("allow-origin must not be empty")]
     EmptyOrigin,
+    /// `--slot-save-path` is empty, not a directory, or cannot be made.
+    #[error("slot-save-path {path}: {reason}")]
+    SlotSavePath {
+        /// The directory, as given.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// Longest accepted duration setting: a day (a larger one is surely a unit mistake, and
@@ -303,6 +315,18 @@ impl RunnerConfig {
         }
         if self.allow_origin.iter().any(|o| o.trim().is_empty()) {
             return Err(ConfigError::EmptyOrigin);
+        }
+        if let Some(dir) = &self.slot_save_path {
+            let bad = |reason: &str| ConfigError::SlotSavePath {
+                path: dir.display().to_string(),
+                reason: reason.into(),
+            };
+            if dir.as_os_str().is_empty() {
+                return Err(bad("must not be empty"));
+            }
+            if dir.exists() && !dir.is_dir() {
+                return Err(bad("not a directory"));
+            }
         }
         Ok(())
     }
@@ -519,6 +543,33 @@ mod tests {
             ..with_model()
         };
         assert_eq!(cfg.validate(), Err(ConfigError::EmptyOrigin));
+    }
+
+    #[test]
+    fn slot_save_path_must_be_a_directory_or_missing() {
+        let file = temp_file("not-a-dir", "x");
+        for (dir, why) in [
+            (PathBuf::new(), "must not be empty"),
+            (file.clone(), "not a directory"),
+        ] {
+            let cfg = RunnerConfig {
+                slot_save_path: Some(dir),
+                ..with_model()
+            };
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(
+                err.starts_with("slot-save-path") && err.ends_with(why),
+                "{err}"
+            );
+        }
+        std::fs::remove_file(&file).unwrap();
+        for dir in [std::env::temp_dir(), "/no/such/dir/yet".into()] {
+            let cfg = RunnerConfig {
+                slot_save_path: Some(dir),
+                ..with_model()
+            };
+            assert_eq!(cfg.validate(), Ok(()));
+        }
     }
 
     /// A file under the temp dir, unique to this test process and `name`.

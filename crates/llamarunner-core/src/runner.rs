@@ -124,6 +124,15 @@ impl Runner {
         F: FnOnce(EngineInbox) + Send + 'static,
     {
         config.validate_http()?;
+        let slot_save_path = match &config.slot_save_path {
+            None => None,
+            Some(dir) => Some(crate::server::slots::prepare_dir(dir).map_err(|reason| {
+                ConfigError::SlotSavePath {
+                    path: dir.display().to_string(),
+                    reason,
+                }
+            })?),
+        };
         let addr = format!("{}:{}", config.host, config.port);
         let listener = TcpListener::bind(&addr).map_err(|source| StartError::Bind {
             addr: addr.clone(),
@@ -177,7 +186,8 @@ impl Runner {
         };
         let mut state = AppState::new(handle.clone(), config.model_name())
             .with_policy(policy)
-            .with_limits(limits);
+            .with_limits(limits)
+            .with_slot_save_path(slot_save_path);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

@@ -1,6 +1,8 @@
 //! `llamarunner._core`: the Python face of `llamarunner-core`. It holds a `Runner` (HTTP server
 //! and engine on their own threads); every blocking call releases the GIL.
 
+mod log_writer;
+
 use std::sync::{Mutex, Once};
 
 use llamarunner_core::config::LogFormat;
@@ -40,7 +42,7 @@ fn init_logging(verbose: bool, format: LogFormat) {
         let _ = match format {
             LogFormat::Text => tracing_subscriber::fmt()
                 .with_env_filter(filter)
-                .with_writer(std::io::stderr)
+                .with_writer(log_writer::StderrLines::new())
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_target(false)
                 .try_init(),
@@ -50,7 +52,7 @@ fn init_logging(verbose: bool, format: LogFormat) {
                 .with_current_span(true)
                 .with_span_list(false)
                 .with_env_filter(filter)
-                .with_writer(std::io::stderr)
+                .with_writer(log_writer::StderrLines::new())
                 .try_init(),
         };
     });

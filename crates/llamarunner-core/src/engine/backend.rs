@@ -35,6 +35,9 @@ pub enum BackendError {
     /// Any other decode failure.
     #[error("llama_decode failed: {0}")]
     Decode(String),
+    /// A sequence's state could not be copied out or in.
+    #[error("{0}")]
+    State(String),
 }
 
 /// What the scheduler needs from a model + context. Implementations live on the engine thread
@@ -77,6 +80,12 @@ pub trait Backend {
     /// Makes sequence `dst` hold the first `len` cached tokens of sequence `src` (a fork for
     /// multi-user prefix sharing). False when the cache cannot copy.
     fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool;
+    /// llama.cpp's state of sequence `seq` (its KV cells), for a slot file.
+    fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError>;
+    /// Replaces sequence `seq` with a state `seq_state` made (of this model and context
+    /// shape); returns how many positions the sequence then holds. On an error the sequence
+    /// may be partly cleared: the caller clears it.
+    fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError>;
     /// The beginning-of-sequence token, if the tokenizer adds one.
     fn bos(&self) -> Option<Token>;
     /// Most tokens one embedding input may have.

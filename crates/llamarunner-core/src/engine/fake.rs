@@ -63,10 +63,21 @@ impl Default for FakeConfig {
 pub struct FakeText;
 
 impl TextModel for FakeText {
-    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        let mut out = vec![BOS];
+    fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
+        let mut out = Vec::with_capacity(text.len() + 1);
+        if add_special {
+            out.push(BOS);
+        }
         out.extend(text.bytes().map(Token::from));
         Ok(out)
+    }
+
+    fn piece(&self, token: Token) -> Vec<u8> {
+        match token {
+            EOS => b"</s>".to_vec(),
+            BOS => b"<s>".to_vec(),
+            t => u8::try_from(t).map(|b| vec![b]).unwrap_or_default(),
+        }
     }
 
     fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
@@ -273,6 +284,40 @@ impl Backend for FakeBackend {
         }
         self.kv.insert(dst, copied);
         true
+    }
+
+    /// The fake's state is its KV list, 4 little-endian bytes per token.
+    fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
+        Ok(self
+            .kv
+            .get(&seq)
+            .map(|kv| kv.iter().flat_map(|t| t.to_le_bytes()).collect())
+            .unwrap_or_default())
+    }
+
+    fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
+        // As llama.cpp does, the sequence is cleared before the state is read.
+        self.kv.remove(&seq);
+        if !state.len().is_multiple_of(4) {
+            return Err(BackendError::State(format!(
+                "the state has {} bytes, not a whole number of tokens",
+                state.len()
+            )));
+        }
+        let kv: Vec<Token> = state
+            .chunks_exact(4)
+            .map(|b| Token::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if kv.len() > self.config.slot_ctx {
+            return Err(BackendError::State(format!(
+                "the state holds {} cells, a slot {}",
+                kv.len(),
+                self.config.slot_ctx
+            )));
+        }
+        let n = kv.len();
+        self.kv.insert(seq, kv);
+        Ok(n)
     }
 
     fn bos(&self) -> Option<Token> {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::model::Health;
 use super::observer::{EngineObserver, NoObserver};
-use super::protocol::{EmbedRequest, Message, Request};
+use super::protocol::{EmbedRequest, Message, Request, SlotCommand};
 
 /// Why a request could not be queued.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -142,6 +142,20 @@ impl EngineHandle {
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
             Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),
         }
+    }
+
+    /// Sends a slot operation; the engine runs it between two steps. Not counted in the
+    /// waiting queue: it never waits for a slot (a busy slot is refused).
+    pub fn submit_slot(&self, command: SlotCommand) -> Result<(), SubmitError> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(SubmitError::Stopped);
+        }
+        self.tx
+            .try_send(Message::Slot(Box::new(command)))
+            .map_err(|e| match e {
+                TrySendError::Full(_) => SubmitError::QueueFull,
+                TrySendError::Disconnected(_) => SubmitError::Stopped,
+            })
     }
 
     /// Whether shutdown was requested.

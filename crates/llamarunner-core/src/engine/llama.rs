@@ -5,6 +5,7 @@ use std::num::NonZeroU32;
 use std::sync::OnceLock;
 
 use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams, LlamaPoolingType};
+use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
@@ -209,10 +210,16 @@ fn system_info() -> String {
         .to_string()
 }
 
-/// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
-fn tokenize(model: &LlamaModel, text: &str) -> Result<Vec<Token>, BackendError> {
+/// Tokenizes with special tokens parsed; `add_special` adds BOS (and EOS) when the model
+/// wants them, as every prompt is tokenized.
+fn tokenize(model: &LlamaModel, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
+    let add = if add_special {
+        AddBos::Always
+    } else {
+        AddBos::Never
+    };
     model
-        .str_to_token(text, AddBos::Always)
+        .str_to_token(text, add)
         .map(|v| v.into_iter().map(|t| t.0).collect())
         .map_err(|e| BackendError::Tokenize(e.to_string()))
 }
@@ -249,6 +256,7 @@ fn model_info(
         n_params: model.n_params(),
         n_ctx_train: model.n_ctx_train(),
         n_embd: u32::try_from(model.n_embd()).unwrap_or(0),
+        n_layer: model.n_layer(),
         n_vocab: u32::try_from(model.n_vocab()).unwrap_or(0),
         slot_ctx,
         quantization,
@@ -259,6 +267,8 @@ fn model_info(
             .and_then(|t| t.first().copied())
             .filter(|&t| t == model.token_bos())
             .map(|t| t.0),
+        eos: Some(model.token_eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
+        system_info: system_info(),
         text: std::sync::Arc::new(LlamaText(model.clone())),
     })
 }
@@ -274,8 +284,12 @@ impl std::fmt::Debug for LlamaText {
 }
 
 impl TextModel for LlamaText {
-    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        tokenize(&self.0, text)
+    fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
+        tokenize(&self.0, text, add_special)
+    }
+
+    fn piece(&self, token: Token) -> Vec<u8> {
+        piece_bytes(&self.0, LlamaToken(token), true)
     }
 
     fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
@@ -626,7 +640,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        tokenize(self.model, text)
+        tokenize(self.model, text, true)
     }
 
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
@@ -668,15 +682,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn token_bytes(&self, token: Token) -> Vec<u8> {
-        let token = LlamaToken(token);
-        match self.model.token_to_piece_bytes(token, 32, false, None) {
-            Ok(b) => b,
-            Err(TokenToStringError::InsufficientBufferSpace(n)) => self
-                .model
-                .token_to_piece_bytes(token, n.unsigned_abs() as usize, false, None)
-                .unwrap_or_default(),
-            Err(_) => Vec::new(),
-        }
+        piece_bytes(self.model, LlamaToken(token), false)
     }
 
     fn is_eog(&self, token: Token) -> bool {
@@ -876,6 +882,49 @@ impl Backend for LlamaEngine<'_> {
         forked
     }
 
+    fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
+        let flags = LlamaStateSeqFlags::empty();
+        let size = self.ctx.state_seq_get_size_ext(seq, flags);
+        if size == 0 {
+            return Err(BackendError::State(
+                "llama.cpp could not size the sequence's state".into(),
+            ));
+        }
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` holds the `size` bytes llama.cpp said this sequence's state takes
+        // with these flags, and nothing changes the cache between the two calls (this thread
+        // owns the context and holds `&self`).
+        let written = unsafe {
+            self.ctx
+                .state_seq_get_data_ext(state.as_mut_ptr(), seq, flags)
+        };
+        if written != size {
+            return Err(BackendError::State(format!(
+                "llama.cpp wrote {written} bytes of state, {size} expected"
+            )));
+        }
+        Ok(state)
+    }
+
+    fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
+        // SAFETY: llama.cpp reads `state` within its length (its reader checks every read
+        // against the buffer's end) and checks the layer count, tensor types and row sizes
+        // against this context; the HTTP side only passes states whose checksum and model
+        // fingerprint match what `seq_state` wrote for this model (`server::slot_file`), so
+        // the cell counts it allocates by are a slot's.
+        let ok = unsafe {
+            self.ctx
+                .state_seq_set_data_ext(state, seq, LlamaStateSeqFlags::empty())
+        };
+        if !ok {
+            return Err(BackendError::State(
+                "the state does not fit this model and context (llama.cpp logged why)".into(),
+            ));
+        }
+        let max = self.ctx.kv_cache_seq_pos_max(seq);
+        Ok(usize::try_from(max.saturating_add(1)).unwrap_or(0))
+    }
+
     fn bos(&self) -> Option<Token> {
         self.add_bos.then(|| self.model.token_bos().0)
     }
@@ -975,6 +1024,18 @@ impl LlamaEngine<'_> {
             self.embed_ctx = None;
         }
         result
+    }
+}
+
+/// The bytes a token renders to (`special`: control tokens as their text); empty for a
+/// token with no text.
+fn piece_bytes(model: &LlamaModel, token: LlamaToken, special: bool) -> Vec<u8> {
+    match model.token_to_piece_bytes(token, 32, special, None) {
+        Ok(b) => b,
+        Err(TokenToStringError::InsufficientBufferSpace(n)) => model
+            .token_to_piece_bytes(token, n.unsigned_abs() as usize, special, None)
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
     }
 }
 

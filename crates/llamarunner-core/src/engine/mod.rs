@@ -21,8 +21,27 @@ pub mod model;
 pub mod observer;
 pub mod protocol;
 
+/// The `llama-cpp-2` crate this build is pinned to (`=` in the workspace's Cargo.toml; a
+/// test keeps the two equal), for `GET /props`.
+pub const LLAMA_CPP_2_VERSION: &str = "0.1.154";
+
 pub use backend::{Backend, BackendError, BatchToken, Token};
 pub use handle::{EngineHandle, EngineInbox, SubmitError};
-pub use model::{file_type_name, Health, LoadState, ModelInfo, SlotInfo, TextModel};
+pub use model::{
+    file_type_name, Health, LoadState, ModelInfo, SlotActivity, SlotInfo, SlotPhase, TextModel,
+};
 pub use observer::{EngineObserver, NoObserver};
 pub use protocol::*;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_llama_cpp_2_version_is_the_pinned_one() {
+        let manifest = include_str!("../../../../Cargo.toml");
+        let pin = format!(
+            "llama-cpp-2 = {{ version = \"={}\"",
+            super::LLAMA_CPP_2_VERSION
+        );
+        assert!(manifest.contains(&pin), "Cargo.toml does not pin {pin}");
+    }
+}

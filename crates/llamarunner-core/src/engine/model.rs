@@ -13,7 +13,16 @@ use crate::chat::ChatTemplate;
 /// compile a grammar to check it before a request is queued.
 pub trait TextModel: Send + Sync + std::fmt::Debug {
     /// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
-    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        self.tokenize_with(text, true)
+    }
+    /// Tokenizes with special tokens parsed; `add_special` adds BOS (and EOS) when the model
+    /// wants them, as `tokenize` always does.
+    fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError>;
+    /// The bytes a token renders to, special tokens as their text (`<s>`); may be part of a
+    /// UTF-8 character. The token must be inside the vocabulary (`0..n_vocab`): llama.cpp does
+    /// not check.
+    fn piece(&self, token: Token) -> Vec<u8>;
     /// Compiles a GBNF grammar (root rule `root`) against the vocabulary; the error says why
     /// it was refused. The grammar must have passed `grammar::check_bounds`.
     fn check_grammar(&self, gbnf: &str) -> Result<(), String>;
@@ -32,6 +41,42 @@ pub struct SlotInfo {
     pub last_used_ms: u64,
     /// The id of the request that holds it (`X-Request-Id`); None when it is free.
     pub request_id: Option<String>,
+    /// What its request is doing.
+    #[serde(flatten)]
+    pub activity: SlotActivity,
+}
+
+/// What a slot's request is doing, as `GET /slots` shows it (all zero when idle).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SlotActivity {
+    /// The request's phase.
+    pub phase: SlotPhase,
+    /// Its prompt's tokens (after truncation), cached ones included.
+    pub prompt_tokens: usize,
+    /// Prompt tokens reused from the slot's cache.
+    pub prompt_cached_tokens: usize,
+    /// Prompt tokens decoded so far (cached ones included).
+    pub prompt_processed_tokens: usize,
+    /// Tokens generated so far.
+    pub generated_tokens: usize,
+    /// Generation waits for a client that does not read its stream.
+    pub paused: bool,
+}
+
+/// A slot's phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SlotPhase {
+    /// No request holds it.
+    #[default]
+    Idle,
+    /// Its prompt is being decoded.
+    Prefill,
+    /// It generates, one token per step.
+    Decode,
+    /// After a context shift the cache could not do in place, the kept tokens are decoded
+    /// again.
+    Reprocess,
 }
 
 /// Model load state, shared between the engine thread and the HTTP side.
@@ -82,6 +127,8 @@ pub struct ModelInfo {
     pub n_ctx_train: u32,
     /// Embedding width.
     pub n_embd: u32,
+    /// Layers.
+    pub n_layer: u32,
     /// Vocabulary size (token ids are `0..n_vocab`).
     pub n_vocab: u32,
     /// KV cells per slot.
@@ -94,6 +141,10 @@ pub struct ModelInfo {
     pub template: Arc<ChatTemplate>,
     /// The beginning-of-sequence token, when the tokenizer adds one.
     pub bos: Option<Token>,
+    /// The end-of-sequence token, when the vocabulary has one.
+    pub eos: Option<Token>,
+    /// llama.cpp's compute backends and the CPU features its kernels use.
+    pub system_info: String,
     /// Tokenizes and checks grammars off the engine thread.
     pub text: Arc<dyn TextModel>,
 }
@@ -113,12 +164,15 @@ impl ModelInfo {
             n_params: 0,
             n_ctx_train: u32::try_from(slot_ctx).unwrap_or(u32::MAX),
             n_embd: 8,
+            n_layer: 1,
             n_vocab: 258,
             slot_ctx,
             quantization: "F32".into(),
             metadata: Vec::new(),
             template: Arc::new(template),
             bos: Some(super::fake::BOS),
+            eos: Some(super::fake::EOS),
+            system_info: "fake backend".into(),
             text: Arc::new(super::fake::FakeText),
         }
     }

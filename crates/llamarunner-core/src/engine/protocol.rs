@@ -82,6 +82,12 @@ pub enum EngineErrorKind {
     Timeout,
     /// llama.cpp failed (500).
     Internal,
+    /// A slot operation named a slot that does not exist (404).
+    SlotNotFound,
+    /// A slot operation found the slot serving a request (409).
+    SlotBusy,
+    /// llama.cpp refused a saved slot state (400).
+    InvalidSlotState,
 }
 
 /// A failure reported to one request.
@@ -185,11 +191,57 @@ pub struct Embedding {
     pub truncated: bool,
 }
 
+/// What to do with one slot's KV cache (`POST /slots/{id}?action=...`). Only a free slot is
+/// touched; the file I/O happens on the HTTP side, the engine only copies state in and out.
+#[derive(Debug)]
+pub enum SlotAction {
+    /// Copy out the slot's cached tokens and llama.cpp's state of its sequence.
+    Save,
+    /// Replace the slot's cache with a saved state holding these tokens.
+    Restore {
+        /// The tokens the state holds, by position.
+        tokens: Vec<Token>,
+        /// llama.cpp's sequence state, as `Save` returned it.
+        state: Vec<u8>,
+    },
+    /// Empty the slot's cache.
+    Erase,
+}
+
+/// What a slot operation did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SlotOutcome {
+    /// The slot's cache, copied out.
+    Saved {
+        /// Its tokens, by position.
+        tokens: Vec<Token>,
+        /// llama.cpp's state of its sequence.
+        state: Vec<u8>,
+    },
+    /// This many tokens are now cached in the slot.
+    Restored(usize),
+    /// This many cached tokens were dropped.
+    Erased(usize),
+}
+
+/// A slot operation as the engine receives it.
+#[derive(Debug)]
+pub struct SlotCommand {
+    /// The slot id.
+    pub slot: usize,
+    /// What to do.
+    pub action: SlotAction,
+    /// Where the answer goes.
+    pub reply: tokio::sync::oneshot::Sender<Result<SlotOutcome, EngineError>>,
+}
+
 /// A message to the engine thread.
 #[derive(Debug)]
 pub enum Message {
     /// Serve this request (boxed: a request is large beside a wake-up).
     Request(Box<Request>),
+    /// Save, restore or erase a slot's cache, between two steps.
+    Slot(Box<SlotCommand>),
     /// Wake up (an embedding request arrived, or shutdown).
     Wake,
 }

@@ -18,7 +18,8 @@ use tokio::sync::mpsc::Sender;
 
 use crate::engine::{
     Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
-    EngineErrorKind, EngineInbox, Event, Input, Message, Request, Token, TokenLogprob,
+    EngineErrorKind, EngineInbox, Event, Input, Message, Request, SlotAction, SlotActivity,
+    SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
 };
 use crate::kv;
 use params::SamplingParams;
@@ -101,6 +102,26 @@ impl<S> Sequence<S> {
     /// Its client is not reading and it holds as much unsent output as it may: it waits.
     fn paused(&self) -> bool {
         self.outbox.len() >= OUTBOX_CAP_BYTES || self.outbox_logprobs.len() >= OUTBOX_CAP_LOGPROBS
+    }
+
+    /// What it is doing, for `GET /slots`.
+    fn activity(&self) -> SlotActivity {
+        let (phase, processed) = match self.phase {
+            Phase::Prefill => (
+                SlotPhase::Prefill,
+                self.n_prompt.saturating_sub(self.pending.len()),
+            ),
+            Phase::Decode => (SlotPhase::Decode, self.n_prompt),
+            Phase::Redecode => (SlotPhase::Reprocess, self.n_prompt),
+        };
+        SlotActivity {
+            phase,
+            prompt_tokens: self.n_prompt,
+            prompt_cached_tokens: self.n_cached,
+            prompt_processed_tokens: processed,
+            generated_tokens: self.n_generated,
+            paused: self.paused(),
+        }
     }
 }
 
@@ -199,6 +220,8 @@ impl<B: Backend> Scheduler<B> {
                     self.backend.slot_ctx(),
                 ));
         }
+        // The table is there from the first moment the server says ready.
+        self.publish_slots();
         self.inbox.health.set_ready(total);
         while self.receive() {
             if self.inbox.stopping() {
@@ -227,6 +250,10 @@ impl<B: Backend> Scheduler<B> {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                 request_id: s.seq.as_ref().map(|q| q.id.clone()),
+                activity: s
+                    .seq
+                    .as_ref()
+                    .map_or_else(SlotActivity::default, Sequence::activity),
             })
             .collect();
         self.inbox.health.set_slots(table);
@@ -283,7 +310,95 @@ impl<B: Backend> Scheduler<B> {
     fn handle(&mut self, msg: Message) {
         match msg {
             Message::Request(r) => self.waiting.push_back(*r),
+            Message::Slot(command) => {
+                let SlotCommand {
+                    slot,
+                    action,
+                    reply,
+                } = *command;
+                let outcome = self.slot_action(slot, action);
+                // `GET /slots` shows the change once the caller has its answer.
+                self.publish_slots();
+                let _ = reply.send(outcome);
+            }
             Message::Wake => {}
+        }
+    }
+
+    /// Saves, restores or erases the cache of slot `index` (`POST /slots/{id}`). Runs between
+    /// steps, so no batch is in flight; a slot serving a request is refused.
+    fn slot_action(
+        &mut self,
+        index: usize,
+        action: SlotAction,
+    ) -> Result<SlotOutcome, EngineError> {
+        let total = self.slots.len();
+        let slot = self.slots.get_mut(index).ok_or_else(|| {
+            EngineError::new(
+                EngineErrorKind::SlotNotFound,
+                format!("no slot {index}: this server has slots 0..{total}"),
+            )
+        })?;
+        if slot.seq.is_some() {
+            return Err(EngineError::new(
+                EngineErrorKind::SlotBusy,
+                format!("slot {index} is serving a request; retry when it is idle"),
+            ));
+        }
+        match action {
+            SlotAction::Save => {
+                let state = self
+                    .backend
+                    .seq_state(slot.id)
+                    .map_err(|e| EngineError::new(EngineErrorKind::Internal, e.to_string()))?;
+                Ok(SlotOutcome::Saved {
+                    tokens: slot.cached.clone(),
+                    state,
+                })
+            }
+            SlotAction::Restore { tokens, state } => {
+                let ctx = self.backend.slot_ctx();
+                if tokens.len() > ctx {
+                    return Err(EngineError::new(
+                        EngineErrorKind::ContextLength,
+                        format!(
+                            "the saved cache holds {} tokens, a slot {ctx}",
+                            tokens.len()
+                        ),
+                    ));
+                }
+                let restored = self.backend.set_seq_state(slot.id, &state);
+                // The scheduler's record must be exactly what the cache holds: anything else
+                // (an error, or a state whose cell count is not its token count) leaves the
+                // slot empty.
+                let why = match restored {
+                    Ok(n) if n == tokens.len() => None,
+                    Ok(n) => Some(format!(
+                        "the saved state holds {n} positions but names {} tokens",
+                        tokens.len()
+                    )),
+                    Err(e) => Some(e.to_string()),
+                };
+                slot.cached.clear();
+                if let Some(why) = why {
+                    self.backend.kv_truncate(slot.id, 0);
+                    return Err(EngineError::new(
+                        EngineErrorKind::InvalidSlotState,
+                        format!("llama.cpp could not restore the slot's cache: {why}"),
+                    ));
+                }
+                slot.cached = tokens;
+                slot.last_used = Some(std::time::SystemTime::now());
+                self.clock += 1;
+                slot.last_tick = self.clock;
+                Ok(SlotOutcome::Restored(slot.cached.len()))
+            }
+            SlotAction::Erase => {
+                let n = slot.cached.len();
+                self.backend.kv_truncate(slot.id, 0);
+                slot.cached.clear();
+                Ok(SlotOutcome::Erased(n))
+            }
         }
     }
 

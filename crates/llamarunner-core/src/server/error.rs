@@ -61,6 +61,21 @@ pub enum ApiError {
     /// The route exists, but not with this method.
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// A slot operation named a slot this server does not have.
+    #[error("{0}")]
+    SlotNotFound(String),
+    /// A slot operation found the slot serving a request.
+    #[error("{0}")]
+    SlotBusy(String),
+    /// A slot file to restore does not exist.
+    #[error("{0}")]
+    FileNotFound(String),
+    /// A slot file to restore is corrupt, of another model, or refused by llama.cpp.
+    #[error("{0}")]
+    InvalidSlotFile(String),
+    /// A feature this server was not started with (`--slot-save-path`).
+    #[error("{0}")]
+    NotSupported(String),
 }
 
 impl ApiError {
@@ -72,14 +87,20 @@ impl ApiError {
     /// HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidJson(_) | ApiError::InvalidRequest(_) | ApiError::ContextLength(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidJson(_)
+            | ApiError::InvalidRequest(_)
+            | ApiError::ContextLength(_)
+            | ApiError::InvalidSlotFile(_) => StatusCode::BAD_REQUEST,
             ApiError::Loading | ApiError::Unavailable(_) | ApiError::Timeout(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotFound(_) | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotFound(_)
+            | ApiError::ModelNotFound(_)
+            | ApiError::SlotNotFound(_)
+            | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::SlotBusy(_) => StatusCode::CONFLICT,
+            ApiError::NotSupported(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::LoadFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -108,6 +129,11 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
+            ApiError::SlotNotFound(_) => "slot_not_found",
+            ApiError::SlotBusy(_) => "slot_busy",
+            ApiError::FileNotFound(_) => "file_not_found",
+            ApiError::InvalidSlotFile(_) => "invalid_slot_file",
+            ApiError::NotSupported(_) => "not_supported",
         }
     }
 
@@ -137,7 +163,7 @@ impl ApiError {
     /// OpenAI's error class for this status.
     pub fn openai_type(&self) -> &'static str {
         match self.status().as_u16() {
-            400 | 404 | 405 | 408 | 413 => "invalid_request_error",
+            400 | 404 | 405 | 408 | 409 | 413 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             429 => "rate_limit_error",
@@ -234,6 +260,9 @@ impl From<EngineError> for ApiError {
             EngineErrorKind::ShuttingDown => ApiError::Unavailable(e.message),
             EngineErrorKind::Timeout => ApiError::Timeout(e.message),
             EngineErrorKind::Internal => ApiError::Internal(e.message),
+            EngineErrorKind::SlotNotFound => ApiError::SlotNotFound(e.message),
+            EngineErrorKind::SlotBusy => ApiError::SlotBusy(e.message),
+            EngineErrorKind::InvalidSlotState => ApiError::InvalidSlotFile(e.message),
         }
     }
 }

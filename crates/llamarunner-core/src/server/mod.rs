@@ -11,8 +11,11 @@ pub mod native;
 pub mod ollama;
 pub mod openai;
 pub mod options;
+pub mod slot_file;
+pub mod slots;
 pub mod validate;
 
+use std::path::Path;
 use std::sync::Arc;
 
 use axum::routing::{get, post};
@@ -36,6 +39,8 @@ pub struct AppState {
     pub policy: Arc<HttpPolicy>,
     /// The Prometheus metrics (`GET /metrics`); None with `--no-metrics`.
     pub metrics: Option<Arc<Metrics>>,
+    /// Where slot files are saved and restored from (`--slot-save-path`); None: off.
+    pub slot_save_path: Option<Arc<Path>>,
 }
 
 impl AppState {
@@ -47,6 +52,7 @@ impl AppState {
             limits: validate::Limits::default(),
             policy: Arc::new(HttpPolicy::default()),
             metrics: None,
+            slot_save_path: None,
         }
     }
 
@@ -54,6 +60,13 @@ impl AppState {
     /// them (the engine should report to them too: `EngineHandle::with_observer`).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// The same state saving and restoring slot files in `dir` (an existing directory;
+    /// `slots::prepare_dir` makes one).
+    pub fn with_slot_save_path(mut self, dir: Option<Arc<Path>>) -> Self {
+        self.slot_save_path = dir;
         self
     }
 
@@ -85,6 +98,10 @@ pub fn router(state: AppState) -> Router {
         .route("/embedding", post(native::embedding))
         .route("/health", get(native::health))
         .route("/slots", get(native::slots))
+        .route("/slots/{id}", post(slots::action))
+        .route("/tokenize", post(native::tokenize))
+        .route("/detokenize", post(native::detokenize))
+        .route("/props", get(native::props))
         .route("/apply-template", post(native::apply_template))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))

@@ -216,6 +216,22 @@ pub async fn tokenize(
     text: String,
     what: &str,
 ) -> Result<Vec<Token>, ApiError> {
+    let tokens = tokenize_text(info, text, true, what).await?;
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(format!("the {what} has no tokens")));
+    }
+    Ok(tokens)
+}
+
+/// Tokenizes text of at most `max_text_bytes` on the blocking pool, special tokens parsed,
+/// BOS (and EOS) added when `add_special` and the model wants them; `what` names it in errors.
+/// No tokens is not an error here (`POST /tokenize` of "").
+pub async fn tokenize_text(
+    info: &Arc<ModelInfo>,
+    text: String,
+    add_special: bool,
+    what: &str,
+) -> Result<Vec<Token>, ApiError> {
     let max = max_text_bytes(info);
     if text.len() > max {
         return Err(ApiError::ContextLength(format!(
@@ -226,13 +242,43 @@ pub async fn tokenize(
         )));
     }
     let model = info.text.clone();
-    let tokens = blocking(move || model.tokenize(&text))
+    blocking(move || model.tokenize_with(&text, add_special))
         .await?
-        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
-    if tokens.is_empty() {
-        return Err(ApiError::invalid(format!("the {what} has no tokens")));
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))
+}
+
+/// Fewest token ids `POST /detokenize` takes at once, whatever the slot size.
+pub const MIN_DETOKENIZE_TOKENS: usize = 65_536;
+
+/// Most token ids one `POST /detokenize` may give: a slot's worth, at least
+/// `MIN_DETOKENIZE_TOKENS`.
+pub fn max_detokenize_tokens(info: &ModelInfo) -> usize {
+    info.slot_ctx.max(MIN_DETOKENIZE_TOKENS)
+}
+
+/// Checks token ids to detokenize: at most `max_detokenize_tokens`, each inside the
+/// vocabulary (llama.cpp indexes its vocabulary by them without a check).
+pub fn check_token_ids(ids: &[i64], info: &ModelInfo) -> Result<Vec<Token>, ApiError> {
+    let max = max_detokenize_tokens(info);
+    if ids.len() > max {
+        return Err(ApiError::ContextLength(format!(
+            "at most {max} tokens may be detokenized at once, got {}",
+            ids.len()
+        )));
     }
-    Ok(tokens)
+    let n_vocab = i64::from(info.n_vocab);
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            if (0..n_vocab).contains(&id) {
+                Token::try_from(id).map_err(|_| ApiError::invalid("token id out of range"))
+            } else {
+                Err(ApiError::invalid(format!(
+                    "tokens[{i}]: {id} is not in the vocabulary (0..{n_vocab})"
+                )))
+            }
+        })
+        .collect()
 }
 
 /// Validates a whole generation request: parameters, grammar (compiled against the
@@ -519,6 +565,52 @@ mod tests {
         assert!(err.to_string().contains("bytes of text"), "{err}");
         let tokens = tokenize(&info, "a".repeat(max), "prompt").await.unwrap();
         assert_eq!(tokens.len(), max + 1);
+    }
+
+    #[tokio::test]
+    async fn tokenizing_text_may_skip_bos_and_give_nothing() {
+        let info = Arc::new(info());
+        assert_eq!(
+            tokenize_text(&info, "hi".into(), false, "content")
+                .await
+                .unwrap(),
+            [104, 105]
+        );
+        assert_eq!(
+            tokenize_text(&info, "hi".into(), true, "content")
+                .await
+                .unwrap(),
+            [257, 104, 105]
+        );
+        assert!(tokenize_text(&info, String::new(), false, "content")
+            .await
+            .unwrap()
+            .is_empty());
+        let max = max_text_bytes(&info);
+        let err = tokenize_text(&info, "a".repeat(max + 1), false, "content")
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "context_length_exceeded");
+    }
+
+    #[test]
+    fn token_ids_to_detokenize_are_inside_the_vocabulary_and_bounded() {
+        let info = info();
+        assert_eq!(
+            check_token_ids(&[0, 104, 257], &info).unwrap(),
+            [0, 104, 257]
+        );
+        assert!(check_token_ids(&[], &info).unwrap().is_empty());
+        for bad in [-1, 258, i64::from(i32::MAX) + 1, i64::MIN, i64::MAX] {
+            let err = check_token_ids(&[1, bad], &info).unwrap_err();
+            assert_eq!(err.kind(), "invalid_request", "{bad}");
+            assert!(err.to_string().starts_with("tokens[1]: "), "{err}");
+        }
+        let max = max_detokenize_tokens(&info);
+        assert_eq!(max, MIN_DETOKENIZE_TOKENS);
+        assert!(check_token_ids(&vec![1; max], &info).is_ok());
+        let err = check_token_ids(&vec![1; max + 1], &info).unwrap_err();
+        assert_eq!(err.kind(), "context_length_exceeded");
     }
 
     #[tokio::test]
