@@ -179,13 +179,13 @@ def error_shape_problem(dialect: str, data: bytes) -> str | None:
 
 
 def json_lines(data: bytes) -> list[Any]:
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line.strip()]
 
 
 def sse_payloads(data: bytes) -> list[str]:
     return [
         line[len("data:") :].strip()
-        for line in data.decode("utf-8").splitlines()
+        for line in data.decode("utf-8").split("\n")
         if line.startswith("data:")
     ]
 

@@ -4,7 +4,6 @@ the built package: `Server`, `Client`, `AsyncClient` and the `llamarunner serve`
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import subprocess
@@ -28,6 +27,8 @@ from llamarunner import (
     ServerConfig,
 )
 from llamarunner.cli import build_parser
+
+from helpers import ndjson
 
 KEY = "test-key-1"
 
@@ -279,11 +280,10 @@ def _stream_lines(url: str, body: dict[str, Any], on_first: Callable[[], None]) 
     lines = []
     with httpx.stream("POST", f"{url}/completion", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line:
-                lines.append(json.loads(line))
-                if len(lines) == 1:
-                    on_first()
+        for msg in ndjson(r):
+            lines.append(msg)
+            if len(lines) == 1:
+                on_first()
     return lines
 
 

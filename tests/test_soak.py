@@ -201,13 +201,15 @@ def problem_with(spec: Spec, status: int, data: bytes) -> str | None:
     try:
         text = data.decode("utf-8")
         if spec.path in ("/v1/chat/completions", "/v1/completions") and spec.stream:
-            payloads = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
+            # Lines end at "\n" only: str.splitlines also splits at U+0085, U+2028, ... that a
+            # random model writes into JSON strings (unescaped, as JSON allows).
+            payloads = [ln[5:].strip() for ln in text.split("\n") if ln.startswith("data:")]
             if not payloads or payloads[-1] != "[DONE]":
                 return f"SSE without data: [DONE]: {text[-300:]!r}"
             if any("error" in json.loads(p) for p in payloads[:-1]):
                 return f"an error in the SSE stream: {text[-300:]!r}"
         elif spec.path in ("/completion", "/api/generate", "/api/chat"):
-            lines = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+            lines = [json.loads(ln) for ln in text.split("\n") if ln.strip()]
             if not lines or lines[-1].get("done") is not True or "error" in lines[-1]:
                 return f"a stream that does not end with done:true: {text[-300:]!r}"
             if spec.path == "/completion" and lines[-1].get("done_reason") not in (
