@@ -19,6 +19,8 @@ struct Harness {
     thread: Option<JoinHandle<()>>,
     log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
     embed_log: Arc<Mutex<Vec<usize>>>,
+    /// (src, dst, len) of every prefix the backend forked.
+    forks: Arc<Mutex<Vec<(i32, i32, usize)>>>,
 }
 
 impl Harness {
@@ -51,12 +53,14 @@ impl Harness {
         let backend = FakeBackend::new(config);
         let log = backend.log.clone();
         let embed_log = backend.embed_log.clone();
+        let forks = backend.forks.clone();
         let thread = std::thread::spawn(move || setup(Scheduler::new(backend, inbox, slots)).run());
         Self {
             handle,
             thread: Some(thread),
             log,
             embed_log,
+            forks,
         }
     }
 
@@ -658,23 +662,16 @@ fn embeddings_share_the_loop_and_never_crash_on_long_input() {
 
 #[test]
 fn multiuser_cache_forks_a_shared_prefix_into_another_slot() {
-    let (handle, inbox) = EngineHandle::new(64);
-    let backend = FakeBackend::new(FakeConfig {
-        decode_delay: std::time::Duration::from_micros(300),
-        ..FakeConfig::default()
-    });
-    let forks = backend.forks.clone();
-    let thread = std::thread::spawn(move || {
-        Scheduler::new(backend, inbox, 2)
-            .with_multiuser_cache(true)
-            .run()
-    });
-    let h = Harness {
-        handle,
-        thread: Some(thread),
-        log: Arc::new(Mutex::new(Vec::new())),
-        embed_log: Arc::new(Mutex::new(Vec::new())),
-    };
+    let h = Harness::with_scheduler(
+        FakeConfig {
+            decode_delay: std::time::Duration::from_micros(300),
+            ..FakeConfig::default()
+        },
+        2,
+        64,
+        |s| s.with_multiuser_cache(true),
+    );
+    let forks = h.forks.clone();
     let system = "You are a helpful assistant. Answer briefly. ";
     // User A fills slot 0 with the system prompt and keeps generating (busy).
     let mut a = h.submit(&format!("{system}user A"), greedy(-1));
@@ -737,23 +734,16 @@ fn a_cut_past_a_sliding_window_decodes_the_prompt_again_and_a_continuation_reuse
 
 #[test]
 fn a_fork_that_would_lose_a_sliding_window_decodes_the_prompt_in_full() {
-    let (handle, inbox) = EngineHandle::new(64);
-    let backend = FakeBackend::new(FakeConfig {
-        window: Some(4),
-        ..FakeConfig::default()
-    });
-    let forks = backend.forks.clone();
-    let thread = std::thread::spawn(move || {
-        Scheduler::new(backend, inbox, 2)
-            .with_multiuser_cache(true)
-            .run()
-    });
-    let h = Harness {
-        handle,
-        thread: Some(thread),
-        log: Arc::new(Mutex::new(Vec::new())),
-        embed_log: Arc::new(Mutex::new(Vec::new())),
-    };
+    let h = Harness::with_scheduler(
+        FakeConfig {
+            window: Some(4),
+            ..FakeConfig::default()
+        },
+        2,
+        64,
+        |s| s.with_multiuser_cache(true),
+    );
+    let forks = h.forks.clone();
     // Slot 0 holds "shared prefix, user A" and 30 generated tokens past it.
     let (_, a) = collect(&mut h.submit("shared prefix, user A", greedy(30)));
     assert_eq!(a.eval_count, 30);
