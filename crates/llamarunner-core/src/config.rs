@@ -62,8 +62,9 @@ pub struct RunnerConfig {
     pub mlock: bool,
     /// Fraction of the model per GPU, comma separated (not supported yet).
     pub tensor_split: Option<String>,
-    /// LoRA adapters to apply (one is supported).
-    pub lora: Vec<PathBuf>,
+    /// LoRA adapters to load, each `PATH[:SCALE]` (`engine::LoraSpec`: the scale, 1 unless
+    /// given, applies to requests that name none; `POST /lora-adapters` changes it).
+    pub lora: Vec<crate::engine::LoraSpec>,
     /// Multimodal projector (not supported yet).
     pub mmproj: Option<PathBuf>,
     /// Share cached prefixes between users (forking), instead of one user's cache per slot.
@@ -172,8 +173,8 @@ pub enum ConfigError {
     /// The KV cache type is not one llama.cpp supports here.
     #[error("kv-cache-type must be one of f16, q8_0, q4_0 (got {0:?})")]
     KvCacheType(String),
-    /// More than one LoRA adapter.
-    #[error("only one --lora adapter is supported (got {0})")]
+    /// More LoRA adapters than `engine::lora::MAX_LORA_ADAPTERS`.
+    #[error("at most {max} --lora adapters may be loaded (got {0})", max = crate::engine::lora::MAX_LORA_ADAPTERS)]
     TooManyLoras(usize),
     /// No model path.
     #[error("no model given")]
@@ -260,7 +261,7 @@ impl RunnerConfig {
         if !matches!(self.kv_cache_type.as_str(), "f16" | "q8_0" | "q4_0") {
             return Err(ConfigError::KvCacheType(self.kv_cache_type.clone()));
         }
-        if self.lora.len() > 1 {
+        if self.lora.len() > crate::engine::lora::MAX_LORA_ADAPTERS {
             return Err(ConfigError::TooManyLoras(self.lora.len()));
         }
         if let Some(t) = &self.chat_template {

@@ -65,6 +65,9 @@ pub trait Backend {
         params: &SamplingParams,
         history: &[Token],
     ) -> Result<Self::Sampler, BackendError>;
+    /// Applies these LoRA adapter scales to the decodes that follow (one per `--lora` adapter,
+    /// in order); a no-op when they are applied already.
+    fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError>;
     /// Decodes one batch.
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
     /// Samples (and accepts) the next token from the logits of batch position `index`.

@@ -4,11 +4,18 @@
 //! and checks every batch position against it, so a scheduler that decodes a token at the wrong
 //! position fails loudly. The next token is a hash of the sequence's whole history: the output
 //! depends only on that sequence, never on its neighbours in the batch.
+//!
+//! LoRA is modelled where it matters to the scheduler: a token decoded under a non-base scale
+//! set is stored in the KV list with a mark of that set, so the next token depends on the set
+//! every cached position was decoded under. A sequence decoded in a batch of another set, or
+//! reusing a prefix cached under another set, answers differently than it does alone.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{Backend, BackendError, BatchToken, TextModel, Token, TokenLogprob, TopLogprob};
+use super::{
+    Backend, BackendError, BatchToken, LoraScales, TextModel, Token, TokenLogprob, TopLogprob,
+};
 use crate::sched::params::SamplingParams;
 
 /// End of sequence.
@@ -104,6 +111,10 @@ pub struct FakeBackend {
     pub embed_log: Arc<Mutex<Vec<usize>>>,
     /// The embedding input decoded so far.
     embedding: Vec<Token>,
+    /// The LoRA scale set applied (`set_lora`).
+    lora: LoraScales,
+    /// The scale set of every decoded batch, in order (parallel to `log`).
+    pub lora_log: Arc<Mutex<Vec<LoraScales>>>,
 }
 
 /// The fake's sampler: it only remembers the seed, which shifts the output.
@@ -130,7 +141,23 @@ impl FakeBackend {
         // Printable ASCII only, so text assertions are readable.
         b'a' as Token + (h % 26) as Token
     }
+
+    /// The mark a token decoded under `scales` carries in the fake's KV list (0 for the base
+    /// model, so base histories are plain tokens): bits above the vocabulary.
+    pub fn lora_mark(scales: &LoraScales) -> Token {
+        if scales.is_base() {
+            return 0;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for i in 0..MARKED_ADAPTERS {
+            h = (h ^ u64::from(scales.get(i).to_bits())).wrapping_mul(0x100_0000_01b3);
+        }
+        (1 + (h % 0x3fff) as Token) << 9
+    }
 }
+
+/// Adapters whose scales the fake's mark tells apart.
+const MARKED_ADAPTERS: usize = 8;
 
 impl Backend for FakeBackend {
     type Sampler = FakeSampler;
@@ -199,6 +226,11 @@ impl Backend for FakeBackend {
         Ok(FakeSampler { offset })
     }
 
+    fn set_lora(&mut self, scales: &LoraScales) -> Result<(), BackendError> {
+        self.lora = scales.clone();
+        Ok(())
+    }
+
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
         if batch.is_empty() {
             return Err(BackendError::Decode("empty batch".into()));
@@ -211,6 +243,7 @@ impl Backend for FakeBackend {
             std::thread::sleep(self.config.decode_delay);
         }
         self.outputs.clear();
+        let mark = Self::lora_mark(&self.lora);
         for (i, t) in batch.iter().enumerate() {
             let kv = self.kv.entry(t.seq).or_default();
             let pos = t.pos as usize;
@@ -226,13 +259,16 @@ impl Backend for FakeBackend {
                 "seq {} overflows its slot",
                 t.seq
             );
-            kv.push(t.token);
+            kv.push(t.token | mark);
             if t.logits {
                 self.outputs.insert(i, (t.seq, pos));
             }
         }
         if let Ok(mut log) = self.log.lock() {
             log.push(batch.to_vec());
+        }
+        if let Ok(mut log) = self.lora_log.lock() {
+            log.push(self.lora.clone());
         }
         Ok(())
     }

@@ -141,18 +141,17 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         format!("llama.cpp could not create a context of {n_ctx} tokens: {why}")
     })?;
 
-    let mut lora = match config.lora.first() {
-        Some(path) => Some(
-            model
-                .lora_adapter_init(path)
-                .map_err(|e| format!("cannot load LoRA adapter {}: {e}", file_name(path)))?,
-        ),
-        None => None,
-    };
-    if let Some(adapter) = lora.as_mut() {
-        ctx.lora_adapter_set(adapter, 1.0)
-            .map_err(|e| format!("cannot apply LoRA adapter: {e}"))?;
-    }
+    let lora = super::lora_llama::LoraAdapters::load(&model, &ctx, &config.lora, |path| {
+        let (adapter, llama_errors) = with_llama_errors(|| model.lora_adapter_init(path));
+        adapter.map_err(|e| {
+            let why = if llama_errors.is_empty() {
+                e.to_string()
+            } else {
+                llama_errors.join("; ")
+            };
+            format!("cannot load LoRA adapter {}: {why}", file_name(path))
+        })
+    })?;
 
     let slot_ctx = (ctx.n_ctx() / parallel) as usize;
     // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
@@ -175,6 +174,7 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         backend,
         embed_params,
         config.swa_full,
+        lora,
     );
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     Scheduler::new(engine, inbox, parallel as usize)
@@ -513,6 +513,8 @@ struct LlamaEngine<'m> {
     embed_ctx: Option<LlamaContext<'m>>,
     /// The sum of the per-token embeddings of the input being embedded in pieces.
     embed_sum: Vec<f64>,
+    /// The `--lora` adapters on `ctx` (the embedding context has none).
+    lora: super::lora_llama::LoraAdapters,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -524,6 +526,7 @@ impl<'m> LlamaEngine<'m> {
         backend: &'static LlamaBackend,
         embed_params: EmbedParams,
         swa_full: bool,
+        lora: super::lora_llama::LoraAdapters,
     ) -> Self {
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
@@ -551,6 +554,7 @@ impl<'m> LlamaEngine<'m> {
             embed_params,
             embed_ctx: None,
             embed_sum: Vec::new(),
+            lora,
         }
     }
 
@@ -781,6 +785,10 @@ impl Backend for LlamaEngine<'_> {
             grammar,
             grammar_ended: false,
         })
+    }
+
+    fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError> {
+        self.lora.apply(&self.ctx, scales)
     }
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {

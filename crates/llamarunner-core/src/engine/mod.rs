@@ -7,6 +7,7 @@
 //! - `model.rs`: the model description, load state and slot table (`Health`);
 //! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side);
 //! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits;
+//! - `lora.rs`: `--lora` specs and the LoRA scale set a sequence is decoded under;
 //! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics.
 
 pub mod backend;
@@ -17,6 +18,9 @@ pub mod grammar;
 pub mod handle;
 #[cfg(feature = "llama")]
 pub mod llama;
+pub mod lora;
+#[cfg(feature = "llama")]
+mod lora_llama;
 pub mod model;
 pub mod observer;
 pub mod protocol;
@@ -27,6 +31,7 @@ pub const LLAMA_CPP_2_VERSION: &str = "0.1.154";
 
 pub use backend::{Backend, BackendError, BatchToken, Token};
 pub use handle::{EngineHandle, EngineInbox, SubmitError};
+pub use lora::{LoraScales, LoraSpec};
 pub use model::{
     file_type_name, Health, LoadState, ModelInfo, SlotActivity, SlotInfo, SlotPhase, TextModel,
 };

@@ -203,6 +203,9 @@ pub enum SlotAction {
         tokens: Vec<Token>,
         /// llama.cpp's sequence state, as `Save` returned it.
         state: Vec<u8>,
+        /// The LoRA scale set the state is taken as computed under (a slot file does not
+        /// record one: the server's default scales at restore time).
+        lora: super::LoraScales,
     },
     /// Empty the slot's cache.
     Erase,

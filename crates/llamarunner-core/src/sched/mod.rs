@@ -6,6 +6,7 @@
 //! token first, then prompt chunks with the remaining budget, round robin), decode once, sample
 //! for every sequence whose pending tokens are all decoded, and stream the text out.
 
+mod lora;
 pub mod params;
 pub mod text;
 
@@ -18,8 +19,8 @@ use tokio::sync::mpsc::Sender;
 
 use crate::engine::{
     Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
-    EngineErrorKind, EngineInbox, Event, Input, Message, Request, SlotAction, SlotActivity,
-    SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
+    EngineErrorKind, EngineInbox, Event, Input, LoraScales, Message, Request, SlotAction,
+    SlotActivity, SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
 };
 use crate::kv;
 use params::SamplingParams;
@@ -64,6 +65,8 @@ struct Sequence<S> {
     phase: Phase,
     events: Sender<Event>,
     params: SamplingParams,
+    /// The LoRA scale set it is decoded under.
+    lora: LoraScales,
     sampler: S,
     /// Tokens not yet decoded: the rest of the prompt, or the last sampled token.
     pending: Vec<Token>,
@@ -130,6 +133,8 @@ struct Slot<S> {
     id: i32,
     /// Tokens whose KV entries are in the cache, by position.
     cached: Vec<Token>,
+    /// The LoRA scale set `cached` was computed under.
+    lora: LoraScales,
     seq: Option<Sequence<S>>,
     /// When a request last took or released it.
     last_used: Option<std::time::SystemTime>,
@@ -164,6 +169,10 @@ pub struct Scheduler<B: Backend> {
     /// clients): the next receive waits a moment instead of spinning.
     stalled: bool,
     batch: Vec<BatchToken>,
+    /// The LoRA scale set of `batch` (`lora.rs`: one set per batch, the sets take turns).
+    batch_lora: Option<LoraScales>,
+    /// The LoRA scale set that had the last turn.
+    last_lora: Option<LoraScales>,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -173,6 +182,7 @@ impl<B: Backend> Scheduler<B> {
             .map(|i| Slot {
                 id: i32::try_from(i).unwrap_or(i32::MAX),
                 cached: Vec::new(),
+                lora: LoraScales::base(),
                 seq: None,
                 last_used: None,
                 last_tick: 0,
@@ -193,6 +203,8 @@ impl<B: Backend> Scheduler<B> {
             stalled: false,
             pause_limit: PAUSE_LIMIT,
             batch: Vec::new(),
+            batch_lora: None,
+            last_lora: None,
         }
     }
 
@@ -356,7 +368,11 @@ impl<B: Backend> Scheduler<B> {
                     state,
                 })
             }
-            SlotAction::Restore { tokens, state } => {
+            SlotAction::Restore {
+                tokens,
+                state,
+                lora,
+            } => {
                 let ctx = self.backend.slot_ctx();
                 if tokens.len() > ctx {
                     return Err(EngineError::new(
@@ -388,6 +404,7 @@ impl<B: Backend> Scheduler<B> {
                     ));
                 }
                 slot.cached = tokens;
+                slot.lora = lora;
                 slot.last_used = Some(std::time::SystemTime::now());
                 self.clock += 1;
                 slot.last_tick = self.clock;
@@ -586,7 +603,8 @@ impl<B: Backend> Scheduler<B> {
             .backend
             .new_sampler(params, &tokens)
             .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
-        let (index, common) = self.pick_slot(&tokens)?;
+        let lora = params.lora.clone().unwrap_or_default();
+        let (index, common) = self.pick_slot(&tokens, &lora)?;
         let slot = &mut self.slots[index];
         // At least one prompt token is decoded so there are logits to sample from.
         let mut reuse = common.min(tokens.len() - 1);
@@ -597,6 +615,7 @@ impl<B: Backend> Scheduler<B> {
             reuse = 0;
         }
         slot.cached.truncate(reuse);
+        slot.lora = lora.clone();
         slot.last_used = Some(std::time::SystemTime::now());
         self.clock += 1;
         slot.last_tick = self.clock;
@@ -628,6 +647,7 @@ impl<B: Backend> Scheduler<B> {
             paused_since: None,
             events: request.events.clone(),
             params: request.params.clone(),
+            lora,
             sampler,
             n_prompt: tokens.len(),
             n_cached: reuse,
@@ -649,14 +669,19 @@ impl<B: Backend> Scheduler<B> {
 
     /// Chooses the slot for a prompt; returns it with the number of prompt tokens its cache
     /// holds (after forking a shared prefix into it, in multi-user mode).
-    fn pick_slot(&mut self, tokens: &[Token]) -> Result<(usize, usize), EngineError> {
+    /// Only a cache computed under the prompt's LoRA scale set counts (`lora.rs`).
+    fn pick_slot(
+        &mut self,
+        tokens: &[Token],
+        lora: &LoraScales,
+    ) -> Result<(usize, usize), EngineError> {
         let no_slot =
             || EngineError::new(EngineErrorKind::Internal, "no free slot (scheduler bug)");
         if !self.multiuser {
             return kv::choose_slot(
                 self.slots
                     .iter()
-                    .map(|s| (s.seq.is_none(), s.cached.as_slice())),
+                    .map(|s| (s.seq.is_none(), lora::reusable(&s.cached, &s.lora, lora))),
                 tokens,
             )
             .ok_or_else(no_slot);
@@ -666,7 +691,7 @@ impl<B: Backend> Scheduler<B> {
             .iter()
             .map(|s| kv::SlotView {
                 free: s.seq.is_none(),
-                cached: &s.cached,
+                cached: lora::reusable(&s.cached, &s.lora, lora),
                 last_used: s.last_tick,
             })
             .collect();
@@ -694,6 +719,26 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
+    /// The LoRA scale set whose sequences decode this step (`lora.rs`); remembered as the last
+    /// one that ran.
+    fn lora_turn(&mut self) -> LoraScales {
+        let ready = self.slots.iter().filter_map(|s| {
+            s.seq
+                .as_ref()
+                .filter(|q| {
+                    if q.phase == Phase::Decode {
+                        !q.paused()
+                    } else {
+                        !q.pending.is_empty()
+                    }
+                })
+                .map(|q| &q.lora)
+        });
+        let turn = lora::next_turn(ready, self.last_lora.as_ref()).unwrap_or_default();
+        self.last_lora = Some(turn.clone());
+        turn
+    }
+
     /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
     /// robin within the remaining budget. Who gets a place rotates (fairness when places are
     /// scarce); the tokens are then laid out in ascending slot order, because with one KV
@@ -704,12 +749,13 @@ impl<B: Backend> Scheduler<B> {
         self.batch.clear();
         let capacity = self.backend.batch_capacity().max(1);
         let n = self.slots.len();
+        let turn = self.lora_turn();
         // When generating sequences outnumber the batch places, one place stays for prompt
         // chunks, so that a waiting prompt is never starved by decode tokens.
         let prompt_waiting = self.slots.iter().any(|s| {
-            s.seq
-                .as_ref()
-                .is_some_and(|q| q.phase != Phase::Decode && !q.pending.is_empty())
+            s.seq.as_ref().is_some_and(|q| {
+                q.phase != Phase::Decode && !q.pending.is_empty() && q.lora == turn
+            })
         });
         let decode_places = if prompt_waiting {
             capacity - 1
@@ -726,7 +772,11 @@ impl<B: Backend> Scheduler<B> {
             };
             seq.queued = 0;
             seq.logits_at = None;
-            if seq.phase == Phase::Decode && !seq.paused() && placed < decode_places {
+            if seq.phase == Phase::Decode
+                && !seq.paused()
+                && placed < decode_places
+                && seq.lora == turn
+            {
                 // Next step starts after the last sequence that got a place.
                 self.next_decode = (i + 1) % n;
                 seq.queued = 1;
@@ -743,13 +793,14 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             };
             // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
-            if seq.phase == Phase::Decode || seq.pending.is_empty() {
+            if seq.phase == Phase::Decode || seq.pending.is_empty() || seq.lora != turn {
                 continue;
             }
             seq.queued = (capacity - placed).min(seq.pending.len());
             placed += seq.queued;
             self.next_prompt = (i + 1) % n;
         }
+        self.batch_lora = Some(turn);
         // The tokens, in slot order; logits for a decode token and a prompt's last token.
         for slot in &mut self.slots {
             let Some(seq) = slot.seq.as_mut() else {
@@ -790,7 +841,12 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let started = Instant::now();
-        if let Err(e) = self.backend.decode(&self.batch) {
+        let lora = self.batch_lora.take().unwrap_or_default();
+        if let Err(e) = self
+            .backend
+            .set_lora(&lora)
+            .and_then(|()| self.backend.decode(&self.batch))
+        {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed");
             self.fail_batch(&e.to_string());
             return;

@@ -51,6 +51,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(crate::engine::Token, f32)>,
     /// Report each sampled token's log-probability and this many alternatives (None = off).
     pub logprobs: Option<usize>,
+    /// LoRA adapter scales (None: the server's defaults, which the HTTP side fills in before
+    /// the queue; the engine reads None as the base model).
+    pub lora: Option<crate::engine::LoraScales>,
 }
 
 impl Default for SamplingParams {
@@ -78,6 +81,7 @@ impl Default for SamplingParams {
             truncate: true,
             logit_bias: Vec::new(),
             logprobs: None,
+            lora: None,
         }
     }
 }

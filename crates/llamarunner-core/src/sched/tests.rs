@@ -11,7 +11,7 @@ use super::Scheduler;
 use crate::engine::fake::{FakeBackend, FakeConfig, BOS};
 use crate::engine::{
     BatchToken, Completion, DoneReason, EngineErrorKind, EngineHandle, EngineObserver, Event,
-    NoObserver, Request, Token,
+    LoraScales, NoObserver, Request, Token,
 };
 
 struct Harness {
@@ -1352,7 +1352,14 @@ fn a_restored_slot_serves_the_same_prefix_from_its_cache_after_a_restart() {
     let second = Harness::new(FakeConfig::default(), 2);
     let n = tokens.len();
     assert_eq!(
-        second.slot(1, SlotAction::Restore { tokens, state }),
+        second.slot(
+            1,
+            SlotAction::Restore {
+                tokens,
+                state,
+                lora: LoraScales::base(),
+            }
+        ),
         Ok(SlotOutcome::Restored(n))
     );
     assert_eq!(second.settled_slot(1).cached_tokens, n);
@@ -1405,6 +1412,7 @@ fn busy_and_unknown_slots_are_refused_and_the_running_request_is_untouched() {
         SlotAction::Restore {
             tokens: vec![],
             state: vec![],
+            lora: LoraScales::base(),
         },
     ] {
         let err = h.slot(0, action).unwrap_err();
@@ -1445,7 +1453,14 @@ fn a_state_the_backend_refuses_leaves_the_slot_empty_and_the_engine_serving() {
         ),
     ] {
         let err = h
-            .slot(0, SlotAction::Restore { tokens, state })
+            .slot(
+                0,
+                SlotAction::Restore {
+                    tokens,
+                    state,
+                    lora: LoraScales::base(),
+                },
+            )
             .unwrap_err();
         assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
         assert!(err.message.contains(why), "{err}");
@@ -1461,6 +1476,7 @@ fn a_state_the_backend_refuses_leaves_the_slot_empty_and_the_engine_serving() {
             SlotAction::Restore {
                 tokens: too_many,
                 state: vec![0; 257 * 4],
+                lora: LoraScales::base(),
             },
         )
         .unwrap_err();

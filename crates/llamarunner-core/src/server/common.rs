@@ -258,6 +258,10 @@ pub async fn start_generation(
 ) -> Result<Generation, ApiError> {
     let received = Instant::now();
     let info = model_info(state)?;
+    let mut params = params;
+    if params.lora.is_none() {
+        params.lora = Some(state.lora.defaults());
+    }
     let valid = validate::generation(&info, &state.limits, prompt, params).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {

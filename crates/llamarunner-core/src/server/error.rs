@@ -17,6 +17,10 @@ pub enum ApiError {
     /// A field has a value the runner cannot use.
     #[error("{0}")]
     InvalidRequest(String),
+    /// A LoRA field or `POST /lora-adapters` body names an adapter or scale that cannot be
+    /// applied.
+    #[error("{0}")]
+    InvalidLora(String),
     /// The prompt does not fit in a slot.
     #[error("{0}")]
     ContextLength(String),
@@ -89,6 +93,7 @@ impl ApiError {
         match self {
             ApiError::InvalidJson(_)
             | ApiError::InvalidRequest(_)
+            | ApiError::InvalidLora(_)
             | ApiError::ContextLength(_)
             | ApiError::InvalidSlotFile(_) => StatusCode::BAD_REQUEST,
             ApiError::Loading | ApiError::Unavailable(_) | ApiError::Timeout(_) => {
@@ -115,6 +120,7 @@ impl ApiError {
         match self {
             ApiError::InvalidJson(_) => "invalid_json",
             ApiError::InvalidRequest(_) => "invalid_request",
+            ApiError::InvalidLora(_) => "invalid_lora",
             ApiError::ContextLength(_) => "context_length_exceeded",
             ApiError::Loading => "model_loading",
             ApiError::LoadFailed(_) => "model_load_failed",

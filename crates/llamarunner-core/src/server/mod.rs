@@ -5,6 +5,7 @@ pub mod access;
 pub mod common;
 pub mod error;
 pub mod format;
+pub mod lora;
 pub mod metrics;
 pub mod middleware;
 pub mod native;
@@ -41,6 +42,8 @@ pub struct AppState {
     pub metrics: Option<Arc<Metrics>>,
     /// Where slot files are saved and restored from (`--slot-save-path`); None: off.
     pub slot_save_path: Option<Arc<Path>>,
+    /// The `--lora` adapters and their default scales (`lora.rs`).
+    pub lora: Arc<lora::LoraTable>,
 }
 
 impl AppState {
@@ -53,7 +56,14 @@ impl AppState {
             policy: Arc::new(HttpPolicy::default()),
             metrics: None,
             slot_save_path: None,
+            lora: Arc::default(),
         }
+    }
+
+    /// The same state serving these LoRA adapters (the engine must have loaded the same).
+    pub fn with_lora(mut self, table: Arc<lora::LoraTable>) -> Self {
+        self.lora = table;
+        self
     }
 
     /// The same state, exporting these metrics at `GET /metrics` and counting outcomes into
@@ -102,6 +112,7 @@ pub fn router(state: AppState) -> Router {
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/props", get(native::props))
+        .route("/lora-adapters", get(lora::list).post(lora::set))
         .route("/apply-template", post(native::apply_template))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))

@@ -44,6 +44,9 @@ struct CompletionRequest {
     shift: Option<bool>,
     #[serde(default, alias = "Truncate")]
     truncate: Option<bool>,
+    /// LoRA adapter scales, as llama-server's (`server/lora.rs`); also taken from `options`.
+    #[serde(default)]
+    lora: Option<serde_json::Value>,
 }
 
 /// A text field that must be present and non-empty.
@@ -62,7 +65,12 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             "images are not supported: no multimodal projector is loaded".into(),
         ));
     }
-    let mut params = req.options.unwrap_or_default().into_params();
+    let options = req.options.unwrap_or_default();
+    let lora = state
+        .lora
+        .for_request(req.lora.as_ref().or(options.lora.as_ref()))?;
+    let mut params = options.into_params();
+    params.lora = lora;
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {

@@ -146,7 +146,10 @@ fn prepare(
     model_info(state)?;
     let req: OllamaRequest = parse_json(body)?;
     req.check(state)?;
-    let params = req.params()?;
+    let mut params = req.params()?;
+    params.lora = state
+        .lora
+        .for_request(req.options.as_ref().and_then(|o| o.lora.as_ref()))?;
     let meta = Meta {
         model: req.model.clone().unwrap_or_default(),
         chat,

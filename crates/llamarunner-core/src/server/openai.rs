@@ -74,6 +74,8 @@ struct OpenAiRequest {
     mirostat_eta: Option<f32>,
     ignore_eos: Option<bool>,
     grammar: Option<String>,
+    /// LoRA adapter scales, as llama-server's (`server/lora.rs`).
+    lora: Option<Value>,
 }
 
 impl OpenAiRequest {
@@ -414,6 +416,7 @@ pub async fn chat_completions(
             .ok_or_else(|| ApiError::invalid("messages is required"))?,
     )?;
     let mut params = req.params(true)?;
+    params.lora = state.lora.for_request(req.lora.as_ref())?;
     let prompt = chat_prompt(&state, messages, &mut params).await?;
     respond(state, &req, prompt, params, true).await
 }
@@ -446,7 +449,8 @@ pub async fn completions(
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt must not be empty").into());
     }
-    let params = req.params(false)?;
+    let mut params = req.params(false)?;
+    params.lora = state.lora.for_request(req.lora.as_ref())?;
     respond(state, &req, prompt, params, false).await
 }
 

@@ -44,6 +44,9 @@ pub struct Options {
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
+    /// LoRA adapter scales (`[{"id", "scale"}]`, `server/lora.rs`), checked by the handler
+    /// against the loaded adapters; the Ollama API's way to give them.
+    pub lora: Option<serde_json::Value>,
 }
 
 impl Default for Options {
@@ -72,6 +75,7 @@ impl From<SamplingParams> for Options {
             seed: p.seed,
             stop: p.stop,
             ignore_eos: p.ignore_eos,
+            lora: None,
         }
     }
 }

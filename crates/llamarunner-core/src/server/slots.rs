@@ -150,6 +150,8 @@ pub async fn action(
     let restore = SlotAction::Restore {
         tokens: file.tokens,
         state: file.state,
+        // A slot file does not record LoRA scales: the cache is taken as the defaults'.
+        lora: state.lora.defaults(),
     };
     let n = match run(&state, slot, restore).await {
         Ok(SlotOutcome::Restored(n)) => n,
