@@ -21,6 +21,8 @@ struct Harness {
     embed_log: Arc<Mutex<Vec<usize>>>,
     /// (src, dst, len) of every prefix the backend forked.
     forks: Arc<Mutex<Vec<(i32, i32, usize)>>>,
+    /// The LoRA scale set of every decoded batch (parallel to `log`).
+    lora_log: Arc<Mutex<Vec<LoraScales>>>,
 }
 
 impl Harness {
@@ -54,6 +56,7 @@ impl Harness {
         let log = backend.log.clone();
         let embed_log = backend.embed_log.clone();
         let forks = backend.forks.clone();
+        let lora_log = backend.lora_log.clone();
         let thread = std::thread::spawn(move || setup(Scheduler::new(backend, inbox, slots)).run());
         Self {
             handle,
@@ -61,6 +64,7 @@ impl Harness {
             log,
             embed_log,
             forks,
+            lora_log,
         }
     }
 
@@ -1524,3 +1528,5 @@ fn the_slot_table_shows_what_each_request_is_doing() {
     drop(rx);
     assert_eq!(h.settled_slot(busy.id).activity.phase, SlotPhase::Idle);
 }
+
+mod lora;
