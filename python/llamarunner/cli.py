@@ -71,7 +71,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--tensor-split", help="model fraction per GPU, e.g. 3,1 (accepted; not supported yet)"
     )
-    p.add_argument("--lora", action="append", help="LoRA adapter (GGUF) to apply; one supported")
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="PATH[:SCALE]",
+        help="LoRA adapter (GGUF) to load, with its default scale (1 unless given; the scale is "
+        "split off at the last ':' only when a number follows it); repeat for several",
+    )
     p.add_argument(
         "--mmproj", help="multimodal projector (accepted; multimodal is not supported yet)"
     )

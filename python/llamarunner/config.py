@@ -23,7 +23,7 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 API_KEY_ENV = ENV_PREFIX + "API_KEY"
 
 # List settings whose environment variable is comma-separated (the others use os.pathsep).
-_COMMA_LISTS = ("api_key", "allow_origin")
+_COMMA_LISTS = ("api_key", "allow_origin", "lora")
 
 
 class NoModelError(RuntimeError):
@@ -99,7 +99,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         # Paths may come as `Path`s, and a list setting as one string (Server(api_key="k"),
         # a comma list); `dataclasses.replace` runs this too.
-        self.lora = [str(p) for p in self.lora]
+        # LoRA specs are `PATH[:SCALE]` strings (paths may be `Path`s).
+        if not isinstance(self.lora, str):
+            self.lora = [str(p) for p in self.lora]
         for name in _COMMA_LISTS:
             value = getattr(self, name)
             setattr(self, name, _comma_list(value) if isinstance(value, str) else list(value))
