@@ -86,5 +86,5 @@ def adapter_for_model(
         inp, out = (int(d) for d in t.shape[:2])  # GGML order: [in, out]
         shapes[t.name] = (out, inp)
     assert shapes, f"{model} has no attention projections to adapt"
-    pairs = random_pairs(shapes, rank, seed, size=0.15)
+    pairs = random_pairs(shapes, rank, seed, size=0.05)
     return write_adapter(path, arch, pairs, float(rank))

@@ -1,0 +1,54 @@
+"""LoRA adapters on the real default model (Gemma 3 270M): two random adapters generated at
+test time from the model's own tensor shapes (``tinylora.adapter_for_model``), small enough to
+leave the model coherent. Greedy output: scale 0 is the base model, each adapter changes it,
+and the two together differ from either alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llamarunner import Server
+
+from helpers import complete
+from tinylora import adapter_for_model
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ("Q: What is the capital of France?\nA:", "The three primary colors are")
+GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 16}
+
+
+@pytest.fixture(scope="module")
+def servers(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    root = tmp_path_factory.mktemp("gemma-lora")
+    first = adapter_for_model(default_model, root / "first.gguf", seed=1)
+    second = adapter_for_model(default_model, root / "second.gguf", seed=2, layers=9)
+    settings: dict[str, Any] = {"port": 0, "threads": 2, "parallel": 2, "ctx_size": 1024}
+    with (
+        Server(str(default_model), lora=[f"{first}:0", f"{second}:0"], **settings) as adapted,
+        Server(str(default_model), **settings) as plain,
+    ):
+        yield adapted, plain
+
+
+def texts(url: str, lora: list[dict[str, Any]] | None = None) -> list[str]:
+    body = {} if lora is None else {"lora": lora}
+    return [complete(url, p, body, **GREEDY)[0] for p in PROMPTS]
+
+
+def test_generated_adapters_scale_and_compose(servers: tuple[Server, Server]) -> None:
+    adapted, plain = servers
+    base = texts(plain.url)
+    assert texts(adapted.url) == base
+    assert texts(adapted.url, [{"id": 0, "scale": 0}, {"id": 1, "scale": 0}]) == base
+    first = texts(adapted.url, [{"id": 0, "scale": 1}])
+    second = texts(adapted.url, [{"id": 1, "scale": 1}])
+    both = texts(adapted.url, [{"id": 0, "scale": 1}, {"id": 1, "scale": 1}])
+    assert first != base and second != base
+    assert both != first and both != second
