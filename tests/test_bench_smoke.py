@@ -32,3 +32,17 @@ def test_bench_harness_runs(tiny_model: Path) -> None:
     for scenario in ("single:", "parallel 2:", "shared prefix:", "distinct:", "mixed:"):
         assert scenario in out, out
     assert "baseline: --parallel 1" in out
+
+
+def test_lora_bench_runs(tiny_model: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "benches.lora", "--model", str(tiny_model), "--requests", "1"]
+        + ["--tokens", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    for scenario in ("no adapter loaded", "one set", "two sets", "four sets"):
+        assert scenario in r.stdout, r.stdout
