@@ -36,8 +36,10 @@ def test_bench_harness_runs(tiny_model: Path) -> None:
 
 def test_lora_bench_runs(tiny_model: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "benches.lora", "--model", str(tiny_model), "--requests", "1"]
-        + ["--tokens", "4"],
+        [
+            *(sys.executable, "-m", "benches.lora", "--model", str(tiny_model)),
+            *("--requests", "1", "--tokens", "4"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
