@@ -684,6 +684,15 @@ ROUTES = {
                 "images": either(st.lists(st.text(max_size=5), max_size=2)),
                 "shift": BOOLS,
                 "truncate": BOOLS,
+                # The hostile server has no adapters: any id is refused, [] and null are fine.
+                "lora": either(
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"id": st.integers(-1, 2), "scale": st.floats(-20, 20)}
+                        ),
+                        max_size=2,
+                    )
+                ),
             },
             has_options=True,
         ),

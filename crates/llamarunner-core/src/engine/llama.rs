@@ -174,8 +174,8 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         backend,
         embed_params,
         config.swa_full,
-        lora,
-    );
+    )
+    .with_lora(lora);
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
@@ -526,7 +526,6 @@ impl<'m> LlamaEngine<'m> {
         backend: &'static LlamaBackend,
         embed_params: EmbedParams,
         swa_full: bool,
-        lora: super::lora_llama::LoraAdapters,
     ) -> Self {
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
@@ -554,8 +553,14 @@ impl<'m> LlamaEngine<'m> {
             embed_params,
             embed_ctx: None,
             embed_sum: Vec::new(),
-            lora,
+            lora: super::lora_llama::LoraAdapters::none(),
         }
+    }
+
+    /// The same engine with these adapters on its context (loaded for it).
+    fn with_lora(mut self, lora: super::lora_llama::LoraAdapters) -> Self {
+        self.lora = lora;
+        self
     }
 
     /// Tokens per decode call when a generative model's embedding is computed in pieces:

@@ -37,6 +37,16 @@ fn debug_pointer(value: &impl Debug, field: &str) -> Option<usize> {
 }
 
 impl LoraAdapters {
+    /// No adapters.
+    pub(super) fn none() -> Self {
+        Self {
+            adapters: Vec::new(),
+            raw: Vec::new(),
+            raw_ctx: None,
+            applied: LoraScales::base(),
+        }
+    }
+
     /// Loads every adapter (`load` wraps llama.cpp's logging, to report why one failed) and
     /// applies the specs' scales.
     pub(super) fn load(

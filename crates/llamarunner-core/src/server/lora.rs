@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::common::parse_json;
+use super::common::{ensure_ready, parse_json};
 use super::error::ApiError;
 use super::AppState;
 use crate::engine::lora::scale_problem;
@@ -139,13 +139,15 @@ impl LoraTable {
 }
 
 /// `GET /lora-adapters`: `[{"id", "path", "scale"}]`, the scale being the default.
-pub async fn list(State(state): State<AppState>) -> Json<Value> {
-    Json(state.lora.listing())
+pub async fn list(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    ensure_ready(&state)?;
+    Ok(Json(state.lora.listing()))
 }
 
 /// `POST /lora-adapters` with `[{"id", "scale"}]`: the new default scales (adapters not named
 /// are off); answers the new listing.
 pub async fn set(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    ensure_ready(&state)?;
     let value: Value = parse_json(&body)?;
     let scales = state.lora.parse(&value, "body")?;
     match state.lora.defaults.write() {
