@@ -14,9 +14,7 @@ try:
     import ray as _ray  # noqa: F401
     from ray import serve as _serve  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "llamarunner.ray needs Ray Serve: pip install 'llamarunner[ray]'"
-    ) from e
+    raise ImportError("llamarunner.ray needs Ray Serve: pip install 'llamarunner[ray]'") from e
 
 from .affinity import AffinityPolicy, PrefixTable, routing_key
 from .app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, app_builder, build_app

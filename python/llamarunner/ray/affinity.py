@@ -42,7 +42,9 @@ def routing_key(path: str, body: bytes) -> str | None:
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, Mapping):
-                parts.append(f"{_text(m.get('role'))}{_ROLE_SEP}{_text(m.get('content'))}{_MSG_SEP}")
+                parts.append(
+                    f"{_text(m.get('role'))}{_ROLE_SEP}{_text(m.get('content'))}{_MSG_SEP}"
+                )
     elif "prompt" in data:
         parts.append(_text(data["prompt"]))
     elif path.endswith("embeddings") or path.endswith("embedding") or path.endswith("embed"):
@@ -94,13 +96,15 @@ def common_prefix_len(a: str, b: str) -> int:
 class AffinityPolicy:
     """How the router trades cache locality for load (documented in docs/scaling.md).
 
-    A request goes to the replica that served its longest prefix when that prefix covers at
-    least ``min_match_ratio`` of the key, unless that replica's queue is longer than the
-    least-loaded candidate's by more than ``max_queue_imbalance`` requests; then (and for
-    keys no replica holds) two random candidates are taken and the less loaded one wins
+    A request goes to the replica that served its longest prefix when that prefix is a whole
+    earlier request's key (the request continues it: a conversation's next turn) or covers at
+    least ``min_match_ratio`` of the key (a shared system prompt, say), unless that replica's
+    queue is longer than the least-loaded candidate's by more than ``max_queue_imbalance``
+    requests; then (and for keys no replica holds) two random candidates are taken and the
+    less loaded one wins
     (power of two choices), ties broken by the fewer cached prefixes."""
 
-    min_match_ratio: float = 0.1
+    min_match_ratio: float = 0.5
     max_queue_imbalance: int = 4
     max_prefixes_per_replica: int = 1024
 
@@ -139,19 +143,19 @@ class PrefixTable:
     def remove(self, replica: str) -> None:
         self._keys.pop(replica, None)
 
-    def best_match(self, key: str, candidates: Sequence[str]) -> tuple[str | None, int]:
-        """The candidate holding the longest prefix of ``key`` and that prefix's length
-        (None, 0 when none holds any)."""
+    def best_match(self, key: str, candidates: Sequence[str]) -> tuple[str | None, int, bool]:
+        """The candidate holding the longest prefix of ``key``, that prefix's length, and
+        whether it is a whole key the replica was sent (``key`` continues it: the next turn
+        of a conversation); (None, 0, False) when none holds any."""
         best: str | None = None
         best_len = 0
+        whole = False
         for replica in candidates:
             for held in reversed(self._keys.get(replica, OrderedDict())):
                 n = common_prefix_len(key, held)
-                if n > best_len:
-                    best, best_len = replica, n
-                    if n == len(key):
-                        return best, best_len
-        return best, best_len
+                if n > best_len or (n == best_len and n == len(held) and not whole and n):
+                    best, best_len, whole = replica, n, n == len(held)
+        return best, best_len, whole
 
 
 def choose(
@@ -168,16 +172,19 @@ def choose(
     if not candidates:
         return []
     rng = rng or random.Random()
+    # Ties in load go to the replica holding fewer prefixes when the request has a key (it
+    # spreads new conversations), else at random.
+    tiebreak = {r: (table.size(r) if key else 0, rng.random()) for r in candidates}
 
-    def order(r: str) -> tuple[float, int]:
-        return (load.get(r, 0.0), table.size(r))
+    def order(r: str) -> tuple[float, int, float]:
+        return (load.get(r, 0.0), *tiebreak[r])
 
     least = min(candidates, key=order)
     if key:
-        best, matched = table.best_match(key, candidates)
+        best, matched, whole = table.best_match(key, candidates)
         if (
             best is not None
-            and matched >= policy.min_match_ratio * len(key)
+            and (whole or matched >= policy.min_match_ratio * len(key))
             and load.get(best, 0.0) - load.get(least, 0.0) <= policy.max_queue_imbalance
         ):
             rest = sorted((r for r in candidates if r != best), key=order)

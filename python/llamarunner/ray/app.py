@@ -7,18 +7,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
-from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve import Application, Deployment
 
 from ..config import ServerConfig
 from .affinity import AffinityPolicy
 from .ingress import Ingress
 from .replica import LlamaReplica
-from .router import PrefixAffinityRouter
 
 ROUTERS = ("affinity", "pow2")
 REPLICA_DEPLOYMENT = "LlamaReplica"
 INGRESS_DEPLOYMENT = "LlamaIngress"
+# By path, so that a Serve config file can name it too.
+ROUTER_PATH = "llamarunner.ray.router:PrefixAffinityRouter"
 
 
 def build_app(
@@ -59,7 +59,9 @@ def build_app(
     config = ServerConfig.resolve({"model": model, **server_config})
     if config.parallel < 1:
         raise ValueError("parallel must be >= 1")
-    policy = affinity if isinstance(affinity, AffinityPolicy) else AffinityPolicy(**(affinity or {}))
+    policy = (
+        affinity if isinstance(affinity, AffinityPolicy) else AffinityPolicy(**(affinity or {}))
+    )
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
         "ray_actor_options": dict(
@@ -85,19 +87,20 @@ def build_app(
     else:
         options["num_replicas"] = replicas
     if routing == "affinity":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
-            request_router_kwargs=dataclasses.asdict(policy),
-            request_routing_stats_period_s=routing_stats_period_s,
-        )
-    replica = serve.deployment(LlamaReplica).options(**options)
-    ingress = serve.deployment(Ingress).options(
+        options["request_router_config"] = {
+            "request_router_class": ROUTER_PATH,
+            "request_router_kwargs": dataclasses.asdict(policy),
+            "request_routing_stats_period_s": routing_stats_period_s,
+        }
+    replica: Deployment = serve.deployment(**options)(LlamaReplica)
+    ingress: Deployment = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.max_connections,
-    )
+    )(Ingress)
     replica_config = dataclasses.asdict(config)
-    return ingress.bind(replica.bind(replica_config), config.max_body)
+    app: Application = ingress.bind(replica.bind(replica_config), config.max_body)
+    return app
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -32,19 +32,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 class Ingress:
     """The HTTP ingress deployment class (`build_app` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, replicas: DeploymentHandle, max_body: int) -> None:
+    def __init__(self, replicas: DeploymentHandle[Any], max_body: int) -> None:
         self._replicas = replicas.options(stream=True, method_name="handle")
         self._max_body = max_body
 
     async def __call__(self, request: Request) -> Response:
         body = await read_body(request, self._max_body)
-        path = request.url.path
-        if request.url.query:
-            path += "?" + request.url.query
-        key = routing_key(request.url.path, body) if request.method == "POST" else None
+        # The path under the application's route prefix (Serve's root_path), as the client
+        # sent it (not percent-decoded): the replica's path.
+        raw = request.scope.get("raw_path") or request.scope.get("path", "/").encode()
+        path = raw.decode("latin-1")
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        target = path + ("?" + query if query else "")
+        key = routing_key(path, body) if request.method == "POST" else None
         req = ProxyRequest(
             method=request.method,
-            path=path,
+            path=target,
             headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
             body=body,
             routing_key=key,

@@ -13,6 +13,7 @@ as ``GET /metrics``): requests running, requests waiting, KV cache usage.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ class LlamaReplica:
 
     async def handle(self, req: ProxyRequest) -> AsyncIterator[Any]:
         """Streams the server's answer to ``req``: ``(status, headers)``, then body bytes."""
+        if len(req.body) > self._server.config.max_body:
+            status, headers, body = await self._refuse_oversize(req)
+            yield (status, [*headers, (REPLICA_HEADER, self.name)])
+            yield body
+            return
         request = self._http.build_request(
             req.method, req.path, headers=forwardable(req.headers), content=req.body
         )
@@ -121,6 +127,30 @@ class LlamaReplica:
             # Closing a response that is not read to its end closes its connection: the
             # server cancels the request and frees its slot.
             await response.aclose()
+
+    async def _refuse_oversize(self, req: ProxyRequest) -> tuple[int, list[tuple[str, str]], bytes]:
+        """The server's 413 for a body over ``--max-body``, in the dialect of the path: the
+        headers are sent with ``Expect: 100-continue`` and without the body, so the server
+        answers at once (sending the body would end in a connection reset: it stops reading
+        an oversize body)."""
+        url = httpx.URL(self._server.url)
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        try:
+            lines = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.host}:{url.port}"]
+            lines += [f"{k}: {v}" for k, v in forwardable(req.headers) if k.lower() != "expect"]
+            lines += [f"Content-Length: {len(req.body)}", "Expect: 100-continue", "", ""]
+            writer.write("\r\n".join(lines).encode("latin-1"))
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            status_line, *header_lines = head.decode("latin-1").split("\r\n")
+            headers = [
+                (k.strip(), v.strip()) for k, _, v in (h.partition(":") for h in header_lines if h)
+            ]
+            length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+            body = await asyncio.wait_for(reader.readexactly(length), 30)
+            return int(status_line.split(" ")[1]), forwardable(headers), body
+        finally:
+            writer.close()
 
     async def load(self) -> dict[str, float]:
         """The server's gauges; from `/health` when metrics are off (then no queue depth)."""

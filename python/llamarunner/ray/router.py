@@ -2,10 +2,12 @@
 the policy of `affinity.choose`.
 
 Ray Serve makes one router per deployment handle (here: per ingress replica); each keeps its
-own `PrefixTable` of what it sent where. A replica's load is the larger of two readings: the
-requests Ray has in flight to it (its queue-length cache, fresh on every send) and the
-server's own gauges (``requests_running + requests_waiting`` from `/metrics`, delivered as the
-replica's routing stats every ``request_routing_stats_period_s``).
+own `PrefixTable` of what it sent where. A replica's load is the largest of three readings:
+the server's own gauges (``requests_running + requests_waiting`` from `/metrics`, delivered
+as the replica's routing stats every ``request_routing_stats_period_s``, so up to that old),
+Ray's queue-length cache of the replica (as fresh as its last probe), and the requests this
+router has sent it that have not completed (exact at once, but blind to other routers'): a
+burst sent within one stats period is still seen.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _proxy_request(pending: PendingRequest | None) -> ProxyRequest | None:
     return None
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Sends a request to the replica that served its prefix, unless that one is much busier
     than the least-loaded one (see `AffinityPolicy`)."""
 
@@ -42,9 +44,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
         self.policy = AffinityPolicy(**kwargs)
         self.table = PrefixTable(self.policy.max_prefixes_per_replica)
         self._rng = random.Random()
+        self._in_flight: dict[str, int] = {}
 
     def replica_load(self, replica: RunningReplica) -> float:
-        queued = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        queued = max(
+            self.replica_queue_len_cache.get(replica.replica_id) or 0,
+            self._in_flight.get(replica.replica_id.unique_id, 0),
+        )
         stats = replica.routing_stats or {}
         served = float(stats.get("requests_running", 0.0)) + float(
             stats.get("requests_waiting", 0.0)
@@ -76,13 +82,24 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
+        name = replica_id.unique_id
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
         req = _proxy_request(pending_request)
         if req is not None and req.routing_key:
-            self.table.insert(replica_id.unique_id, req.routing_key)
+            self.table.insert(name, req.routing_key)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        name = replica_id.unique_id
+        left = self._in_flight.get(name, 0) - 1
+        if left > 0:
+            self._in_flight[name] = left
+        else:
+            self._in_flight.pop(name, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.table.remove(replica_id.unique_id)
+        self._in_flight.pop(replica_id.unique_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -90,3 +107,4 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
         for name in self.table.replicas():
             if name not in live:
                 self.table.remove(name)
+                self._in_flight.pop(name, None)
