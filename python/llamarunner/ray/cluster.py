@@ -87,6 +87,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         else:
             _say(f"joining the Ray cluster at {args.address}")
             ray.init(address=args.address, logging_level=logging.WARNING)
+        # Ray's driver installs its own SIGTERM handler (it aborts the process): ours again.
+        signal.signal(signal.SIGTERM, on_sigterm)
         serve.start(http_options={"host": host, "port": port})
         _say(f"deploying {args.replicas} replica(s) of {config.model or 'the default model'}")
         serve.run(app, name=APP_NAME, route_prefix="/")
