@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,38 @@ def test_cluster_takes_every_serve_flag() -> None:
         ["cluster", "m.gguf", "--replicas", "3", "--parallel", "2", "--ctx-size", "1024"]
     )
     assert (args.model, args.replicas, args.parallel, args.ctx_size) == ("m.gguf", 3, 2, 1024)
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "k8s"
+
+
+def test_the_inference_pool_manifest_parses_and_runs_serve() -> None:
+    import yaml
+
+    docs = list(yaml.safe_load_all((DOCS / "inference-pool.yaml").read_text()))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Deployment", "InferencePool", "ConfigMap", "HTTPRoute"]
+    deployment, pool = docs[0], docs[1]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["llamarunner"]
+    args = build_parser().parse_args(container["args"])  # exits on an unknown flag
+    assert args.command == "serve" and args.port == container["ports"][0]["containerPort"]
+    assert pool["spec"]["targetPorts"] == [{"number": args.port}]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"] == labels
+    epp_args = docs[2]["data"]["args"]
+    for metric in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert f"=llamarunner:{metric}" in epp_args
+
+
+def test_the_rayservice_manifest_builds_the_app() -> None:
+    import yaml
+
+    from llamarunner.ray import app_builder
+
+    (service,) = yaml.safe_load_all((DOCS / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "llamarunner.ray:app_builder"
+    assert app_builder(dict(app["args"])) is not None  # bad keywords raise
