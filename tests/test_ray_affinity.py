@@ -19,6 +19,7 @@ except ImportError:
 
 from llamarunner.cli import build_parser
 from llamarunner.ray.affinity import (
+    MAX_KEY_CHARS,
     AffinityPolicy,
     PrefixTable,
     choose,
@@ -67,9 +68,21 @@ def test_hostile_values_do_not_raise() -> None:
     weird = {"messages": [None, 5, {"role": {"x": 1}, "content": {"content": [1, "a", None]}}]}
     assert isinstance(routing_key("/api/chat", json.dumps(weird).encode()), (str, type(None)))
     deep: object = "x"
-    for _ in range(50):
+    for _ in range(20):
         deep = [deep]
     assert key("/completion", {"prompt": deep}) == "x"
+    for _ in range(30):  # past 32 levels: no key (no prompt is shaped so)
+        deep = [deep]
+    assert key("/completion", {"prompt": deep}) is None
+
+
+def test_deep_or_huge_bodies_give_a_bounded_key_or_none() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert routing_key("/completion", b'{"prompt": ' + deep + b"}") is None
+    huge = key("/completion", {"prompt": "a" * 1_000_000})
+    assert huge == "a" * MAX_KEY_CHARS
+    many = key("/completion", {"prompt": list(range(1_000_000))})
+    assert many is not None and len(many) == MAX_KEY_CHARS
 
 
 def test_common_prefix_len() -> None:

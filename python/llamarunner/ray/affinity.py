@@ -22,14 +22,20 @@ _ROLE_SEP = "\x1f"
 _MSG_SEP = "\x1e"
 
 
+# Keys are cut to this many characters: prompts that agree this far share a replica, and the
+# table's memory stays bounded (keys per replica x this).
+MAX_KEY_CHARS = 1 << 15
+
+
 def routing_key(path: str, body: bytes) -> str | None:
     """The routing key of a request to ``path`` with JSON ``body``; None when the request has
-    no prompt (GET routes, bodies that are not JSON objects: the replica answers those)."""
+    no prompt (GET routes, bodies that are not JSON objects, JSON nested too deep to parse:
+    the replica answers those)."""
     if not body:
         return None
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -52,14 +58,15 @@ def routing_key(path: str, body: bytes) -> str | None:
             if name in data:
                 parts.append(_text(data[name]))
                 break
-    key = "".join(parts)
+    key = "".join(parts)[:MAX_KEY_CHARS]
     return key or None
 
 
-def _text(value: Any) -> str:
+def _text(value: Any, depth: int = 0) -> str:
     """Text of a prompt or message content: strings as they are, token ids as a comma list
-    (a token prefix is then a text prefix), content parts by their text."""
-    if value is None:
+    (a token prefix is then a text prefix), content parts by their text; nothing below 32
+    levels of nesting (no prompt is shaped so)."""
+    if value is None or depth > 32:
         return ""
     if isinstance(value, str):
         return value
@@ -71,9 +78,17 @@ def _text(value: Any) -> str:
         text = value.get("text")
         if isinstance(text, str):
             return text
-        return _text(value.get("content"))
+        return _text(value.get("content"), depth + 1)
     if isinstance(value, Sequence):
-        return "".join(_text(v) for v in value)
+        parts = []
+        size = 0
+        for v in value:
+            part = _text(v, depth + 1)
+            parts.append(part)
+            size += len(part)
+            if size > MAX_KEY_CHARS:
+                break
+        return "".join(parts)
     return ""
 
 
@@ -106,7 +121,7 @@ class AffinityPolicy:
 
     min_match_ratio: float = 0.5
     max_queue_imbalance: int = 4
-    max_prefixes_per_replica: int = 1024
+    max_prefixes_per_replica: int = 256
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_match_ratio <= 1.0:
@@ -121,7 +136,7 @@ class PrefixTable:
     """Which replica served which keys: per replica, its most recent keys (LRU, bounded). A
     key that extends one the replica holds replaces it (the same conversation, one turn on)."""
 
-    def __init__(self, max_per_replica: int = 1024) -> None:
+    def __init__(self, max_per_replica: int = 256) -> None:
         self.max_per_replica = max_per_replica
         self._keys: dict[str, OrderedDict[str, None]] = {}
 
