@@ -209,6 +209,50 @@ def test_body_over_max_body_gets_413_from_the_replica(cluster: str, app: str) ->
     assert r.status_code == 413
 
 
+def test_hostile_requests_get_the_replicas_answers(app: str) -> None:
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{app}/completion", content=deep, timeout=60)
+    assert r.status_code == 400, r.text
+    # A foreign page is refused by the replica (the Origin header is forwarded).
+    r = httpx.post(
+        f"{app}/completion",
+        json={"prompt": "x", "options": {"num_predict": 1}},
+        headers={"Origin": "https://evil.example"},
+        timeout=60,
+    )
+    assert r.status_code == 403
+    # A pin to no running replica is ignored: the request is routed as any other.
+    r = httpx.get(f"{app}/health", headers={REPLICA_HEADER: "no-such-replica"}, timeout=60)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] != "no-such-replica"
+
+
+def test_api_keys_are_checked_by_the_replicas(cluster: str, tiny: Path) -> None:
+    serve.run(
+        build_app(str(tiny), replicas=1, api_key=["sekret"], **REPLICA),
+        name="keyed",
+        route_prefix="/keyed",
+    )
+    url = cluster + "/keyed"
+    try:
+        body = {"prompt": "x", "options": {"num_predict": 1}}
+        assert httpx.post(f"{url}/completion", json=body, timeout=60).status_code == 401
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+            headers={"Authorization": "Bearer wrong"},
+            timeout=60,
+        )
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(f"{url}/completion", json=body, headers={"X-Api-Key": "sekret"}, timeout=60)
+        assert ok.status_code == 200
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        # The replica reads its own gauges with its key: its load reaches the router.
+        metrics = httpx.get(f"{url}/metrics", headers={"X-Api-Key": "sekret"}, timeout=60)
+        assert "llamarunner:requests_running" in metrics.text
+    finally:
+        serve.delete("keyed")
+
+
 def test_requests_reach_both_replicas_and_can_be_pinned(app: str) -> None:
     names = replicas_of(app)
     assert len(names) == 2
