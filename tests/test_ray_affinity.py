@@ -7,6 +7,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -218,3 +219,57 @@ def test_the_rayservice_manifest_builds_the_app() -> None:
     (app,) = serve_config["applications"]
     assert app["import_path"] == "llamarunner.ray:app_builder"
     assert app_builder(dict(app["args"])) is not None  # bad keywords raise
+
+
+def replica_deployment(app: object) -> Any:
+    ingress = app._bound_deployment  # type: ignore[attr-defined]
+    return ingress.init_args[0]._bound_deployment
+
+
+def test_build_app_passes_autoscaling_resources_and_router_through() -> None:
+    from llamarunner.ray import build_app
+
+    app = build_app(
+        "m.gguf",
+        replicas=2,
+        min_replicas=1,
+        max_replicas=4,
+        parallel=3,
+        threads=2,
+        affinity={"max_queue_imbalance": 7},
+    )
+    rep = replica_deployment(app)
+    config = rep._deployment_config
+    auto = config.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 2, 4)
+    assert auto.target_ongoing_requests == 3
+    assert config.max_ongoing_requests == 6
+    assert rep.ray_actor_options["num_cpus"] == 2
+    router = config.request_router_config
+    assert router.request_router_class == "llamarunner.ray.router:PrefixAffinityRouter"
+    assert router.request_router_kwargs["max_queue_imbalance"] == 7
+    fixed = replica_deployment(build_app("m.gguf", replicas=3, routing="pow2"))
+    assert fixed._deployment_config.num_replicas == 3
+    assert "PowerOfTwo" in fixed._deployment_config.request_router_config.request_router_class
+    gpu = replica_deployment(build_app("m.gguf", ray_actor_options={"num_gpus": 1}))
+    assert gpu.ray_actor_options["num_gpus"] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"replicas": 0},
+        {"routing": "random"},
+        {"parallel": 0},
+        {"min_replicas": 3, "replicas": 2},
+        {"max_replicas": 1, "replicas": 2},
+        {"affinity": {"min_match_ratio": 2}},
+        {"affinity": {"no_such": 1}},
+        {"no_such_setting": 1},
+    ],
+)
+def test_build_app_refuses_bad_settings(kwargs: dict[str, Any]) -> None:
+    from llamarunner.ray import build_app
+
+    with pytest.raises((ValueError, TypeError)):
+        build_app("m.gguf", **kwargs)
