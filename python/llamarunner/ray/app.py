@@ -72,6 +72,9 @@ def build_app(
         "max_ongoing_requests": max_ongoing_requests or 2 * config.parallel,
         "graceful_shutdown_timeout_s": max(config.shutdown_timeout, 1.0),
         "health_check_period_s": 2.0,
+        # A replica that cannot load the model (a bad file on its node) fails the deployment
+        # after a few tries instead of being retried for minutes.
+        "max_constructor_retry_count": 3,
     }
     if min_replicas is not None or max_replicas is not None:
         lo = 1 if min_replicas is None else min_replicas

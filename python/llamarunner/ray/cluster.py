@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -73,11 +74,23 @@ def run_cluster(args: argparse.Namespace) -> int:
         _say(f"error: {e}")
         return 2
 
+    started_ray = args.address is None
+    if started_ray:
+        # One machine: the replicas read the model here, so a missing one is a usage error
+        # now rather than replicas failing to start.
+        try:
+            model = config.with_model_resolved().model or ""
+        except NoModelError as e:
+            _say(f"error: {e}")
+            return 2
+        if not Path(model).expanduser().is_file():
+            _say(f"error: no such model file: {model}")
+            return 2
+
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    started_ray = args.address is None
     host = config.host or DEFAULT_HOST
     port = DEFAULT_PORT if config.port is None else config.port
     try:
