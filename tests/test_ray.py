@@ -221,6 +221,14 @@ def test_hostile_requests_get_the_replicas_answers(app: str) -> None:
         timeout=60,
     )
     assert r.status_code == 403
+    # curl sends Expect: 100-continue with larger bodies: answered as any other.
+    r = httpx.post(
+        f"{app}/completion",
+        json={"prompt": "x" * 2000, "options": {"num_predict": 1}},
+        headers={"Expect": "100-continue"},
+        timeout=60,
+    )
+    assert r.status_code == 200
     # A pin to no running replica is ignored: the request is routed as any other.
     r = httpx.get(f"{app}/health", headers={REPLICA_HEADER: "no-such-replica"}, timeout=60)
     assert r.status_code == 200 and r.headers[REPLICA_HEADER] != "no-such-replica"

@@ -169,6 +169,7 @@ def test_gauges_and_forwarded_headers() -> None:
         "kv_cache_usage_perc": 0.25,
     }
     headers = [("Host", "x"), ("Connection", "close"), ("Authorization", "Bearer k"), ("TE", "t")]
+    headers.append(("Expect", "100-continue"))
     assert forwardable(headers) == [("Authorization", "Bearer k")]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from ..config import DEFAULT_HOST, DEFAULT_PORT, NoModelError, ServerConfig
+from ..config import NoModelError, ServerConfig
 from .app import build_app
 
 APP_NAME = "llamarunner"
@@ -91,8 +91,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    host = config.host or DEFAULT_HOST
-    port = DEFAULT_PORT if config.port is None else config.port
+    host, port = config.host, config.port
     try:
         if started_ray:
             _say("starting a local Ray cluster")

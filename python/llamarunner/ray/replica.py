@@ -28,10 +28,12 @@ from ..server import Server
 # that replica when it is still running (per-replica routes: /slots, /metrics, slot files).
 REPLICA_HEADER = "x-llamarunner-replica"
 
-# Not forwarded either way: connection-level headers (RFC 9110 7.6.1), and Host (the
-# replica's server is reached on loopback and checks that Host is a loopback one).
+# Not forwarded either way: connection-level headers (RFC 9110 7.6.1), Host (the replica's
+# server is reached on loopback and checks that Host is a loopback one), and Expect (the
+# ingress has read the body already).
 HOP_BY_HOP = frozenset(
     {
+        "expect",
         "connection",
         "keep-alive",
         "proxy-connection",
@@ -137,7 +139,7 @@ class LlamaReplica:
         reader, writer = await asyncio.open_connection(url.host, url.port)
         try:
             lines = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.host}:{url.port}"]
-            lines += [f"{k}: {v}" for k, v in forwardable(req.headers) if k.lower() != "expect"]
+            lines += [f"{k}: {v}" for k, v in forwardable(req.headers)]
             lines += [f"Content-Length: {len(req.body)}", "Expect: 100-continue", "", ""]
             writer.write("\r\n".join(lines).encode("latin-1"))
             await writer.drain()
