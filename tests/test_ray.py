@@ -378,6 +378,54 @@ def test_skewed_load_spills_to_the_idle_replica(app: str) -> None:
     assert len(set(served)) == 2, served
 
 
+# --- autoscaling -------------------------------------------------------------------------------
+
+
+def test_autoscaling_adds_a_replica_when_the_gauges_show_a_queue(cluster: str, tiny: Path) -> None:
+    one_slot = {**REPLICA, "parallel": 1}
+    serve.run(
+        build_app(
+            str(tiny),
+            replicas=1,
+            min_replicas=1,
+            max_replicas=2,
+            autoscaling={"upscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1},
+            **one_slot,
+        ),
+        name="scaled",
+        route_prefix="/scaled",
+    )
+    url = cluster + "/scaled"
+
+    def replicas_running() -> int:
+        status = serve.status().applications["scaled"].deployments["LlamaReplica"]
+        return int(status.replica_states.get("RUNNING", 0))
+
+    assert replicas_running() == 1
+    stop = threading.Event()
+    body = {"prompt": "busy", "options": {"num_predict": -1, "ignore_eos": True}}
+
+    def hold() -> None:  # a long generation, given up when the test ends
+        with httpx.stream("POST", f"{url}/completion", json=body, timeout=120) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hold) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while replicas_running() < 2:
+            assert time.monotonic() < deadline, serve.status().applications["scaled"]
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        serve.delete("scaled")
+
+
 # --- failures ----------------------------------------------------------------------------------
 
 

@@ -274,3 +274,35 @@ def test_build_app_refuses_bad_settings(kwargs: dict[str, Any]) -> None:
 
     with pytest.raises((ValueError, TypeError)):
         build_app("m.gguf", **kwargs)
+
+
+class FakeConfig:
+    def __init__(self, target: float) -> None:
+        self.target = target
+
+    def get_target_ongoing_requests(self) -> float:
+        return self.target
+
+
+class FakeContext:
+    def __init__(self, metrics: dict[str, dict[str, float]], target: float, total: float) -> None:
+        self.aggregated_metrics = metrics
+        self.config = FakeConfig(target)
+        self.total_num_requests = total
+        self.policy_state: dict[str, Any] = {}
+
+
+def test_the_autoscaling_policy_reads_the_gauges() -> None:
+    from llamarunner.ray.autoscaling import gauge_policy
+
+    def want(metrics: dict[str, dict[str, float]], target: float = 4, total: float = 0) -> int:
+        return gauge_policy(FakeContext(metrics, target, total))[0]
+
+    idle = {"requests_running": {"a": 0, "b": 0}, "requests_waiting": {"a": 0, "b": 0}}
+    assert want(idle) == 1
+    busy = {"requests_running": {"a": 4, "b": 4}, "requests_waiting": {"a": 6, "b": 0}}
+    assert want(busy) == 4  # 14 requests at 4 per replica
+    full = {**busy, "kv_cache_usage_perc": {"a": 0.95, "b": 0.97}}
+    assert want(full) == 5
+    # No gauges yet: Ray's own count of ongoing requests.
+    assert want({}, target=2, total=7) == 4

@@ -19,6 +19,7 @@ REPLICA_DEPLOYMENT = "LlamaReplica"
 INGRESS_DEPLOYMENT = "LlamaIngress"
 # By path, so that a Serve config file can name it too.
 ROUTER_PATH = "llamarunner.ray.router:PrefixAffinityRouter"
+AUTOSCALING_POLICY_PATH = "llamarunner.ray.autoscaling:gauge_policy"
 
 
 def build_app(
@@ -32,6 +33,7 @@ def build_app(
     affinity: AffinityPolicy | Mapping[str, Any] | None = None,
     max_ongoing_requests: int | None = None,
     routing_stats_period_s: float = 1.0,
+    autoscaling: Mapping[str, Any] | None = None,
     **server_config: Any,
 ) -> Application:
     """A Ray Serve application serving ``model`` from ``replicas`` replicas behind one HTTP
@@ -43,8 +45,10 @@ def build_app(
     loopback; Serve's HTTP options say where the application listens). ``model`` must be a
     path every node can read; None: the default model, installed on every node.
 
-    ``min_replicas``/``max_replicas``: autoscale between them (starting at ``replicas``) on
-    Ray Serve's ongoing-request count, aiming at ``parallel`` requests per replica.
+    ``min_replicas``/``max_replicas``: autoscale between them (starting at ``replicas``) with
+    `autoscaling.gauge_policy`, on the replicas' own gauges, aiming at ``parallel`` requests
+    running or waiting per replica; ``autoscaling`` adds or overrides Ray Serve
+    ``autoscaling_config`` fields (``upscale_delay_s``, ``target_ongoing_requests``, ...).
     ``ray_actor_options``: resources of each replica (default ``{"num_cpus": threads}``, 1
     when ``threads`` is 0). ``routing``: "affinity" (`PrefixAffinityRouter`, tuned by
     ``affinity``, an `AffinityPolicy` or its fields) or "pow2" (Ray Serve's default
@@ -86,6 +90,8 @@ def build_app(
             "max_replicas": hi,
             "initial_replicas": replicas,
             "target_ongoing_requests": config.parallel,
+            "policy": {"policy_function": AUTOSCALING_POLICY_PATH},
+            **(autoscaling or {}),
         }
     else:
         options["num_replicas"] = replicas
