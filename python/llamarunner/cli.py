@@ -34,6 +34,12 @@ def _serve_parser(sub: Any) -> None:
         ),
         argument_default=None,
     )
+    add_server_arguments(p)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Every setting of a server, as flags: `serve` takes them, and `cluster` for each of its
+    replicas."""
     p.add_argument(
         "model",
         nargs="?",
@@ -200,6 +206,65 @@ def _serve_parser(sub: Any) -> None:
     )
 
 
+def _cluster_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "cluster",
+        help="serve a GGUF model from many replicas on a Ray cluster (pip install "
+        "'llamarunner[ray]')",
+        description=(
+            "Serve one GGUF model from --replicas replicas on Ray Serve behind one endpoint "
+            "that speaks the same APIs as `serve`, routing each request to the replica whose "
+            "KV cache holds its prefix. Starts a local Ray cluster, or joins the one at "
+            "--address; serves until Ctrl-C or SIGTERM, then removes what it started. Every "
+            "`serve` flag is each replica's setting (--parallel, --ctx-size, --threads, ...); "
+            "--host and --port are where the endpoint listens. See docs/scaling.md."
+        ),
+        argument_default=None,
+    )
+    add_server_arguments(p)
+    ray_group = p.add_argument_group("cluster")
+    ray_group.add_argument(
+        "--replicas", type=int, default=1, help="replicas (at start, when autoscaling; default 1)"
+    )
+    ray_group.add_argument(
+        "--min-replicas", type=int, help="autoscale: fewest replicas (turns autoscaling on)"
+    )
+    ray_group.add_argument(
+        "--max-replicas", type=int, help="autoscale: most replicas (turns autoscaling on)"
+    )
+    ray_group.add_argument(
+        "--address",
+        help="Ray cluster to join (e.g. ray://head:10001 or auto); default: start a local one",
+    )
+    ray_group.add_argument(
+        "--num-cpus",
+        type=float,
+        help="CPUs Ray reserves for each replica (default --threads, 1 when it is 0)",
+    )
+    ray_group.add_argument(
+        "--num-gpus", type=float, help="GPUs Ray reserves for each replica (default 0)"
+    )
+    ray_group.add_argument(
+        "--routing",
+        choices=["affinity", "pow2"],
+        default="affinity",
+        help="affinity: to the replica holding the prompt's prefix unless it is much busier; "
+        "pow2: Ray Serve's default power-of-two choices (default affinity)",
+    )
+    ray_group.add_argument(
+        "--max-queue-imbalance",
+        type=int,
+        help="affinity gives way to power-of-two choices when the prefix's replica has more "
+        "than this many requests beyond the least-loaded one's (default 4)",
+    )
+    ray_group.add_argument(
+        "--min-match-ratio",
+        type=float,
+        help="fraction of the prompt a replica's cached prefix must cover for affinity "
+        "(default 0.1)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llamarunner",
@@ -208,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llamarunner {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    _cluster_parser(sub)
     return parser
 
 
@@ -318,6 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "cluster":
+        try:
+            from .ray.cluster import run_cluster
+        except ImportError as e:
+            _fail(str(e))
+        return run_cluster(args)
     parser.print_help()
     return USAGE_ERROR
 

@@ -1,0 +1,210 @@
+"""Prefix affinity without Ray: the routing key of a request and the table of which replica
+served which prefix. The Ray request router (`router.py`) holds one `PrefixTable` and asks
+it; nothing here touches Ray, so it is tested on its own.
+
+A routing key is text whose prefixes follow the prompt's: a conversation's next turn has the
+previous turn's key as its prefix, as the prompt the replica renders has the previous prompt
+(and answer) as its prefix. It is not the prompt itself (the replica applies the chat
+template); it only has to grow the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Separators that cannot be confused with content boundaries inside a key.
+_ROLE_SEP = "\x1f"
+_MSG_SEP = "\x1e"
+
+
+# Keys are cut to this many characters: prompts that agree this far share a replica, and the
+# table's memory stays bounded (keys per replica x this).
+MAX_KEY_CHARS = 1 << 15
+
+
+def routing_key(path: str, body: bytes) -> str | None:
+    """The routing key of a request to ``path`` with JSON ``body``; None when the request has
+    no prompt (GET routes, bodies that are not JSON objects, JSON nested too deep to parse:
+    the replica answers those)."""
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    path = path.rstrip("/")
+    parts: list[str] = []
+    system = data.get("system")
+    if isinstance(system, str) and system:  # Ollama's /api/generate and /api/chat
+        parts.append("system" + _ROLE_SEP + system + _MSG_SEP)
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, Mapping):
+                parts.append(
+                    f"{_text(m.get('role'))}{_ROLE_SEP}{_text(m.get('content'))}{_MSG_SEP}"
+                )
+    elif "prompt" in data:
+        parts.append(_text(data["prompt"]))
+    elif path.endswith("embeddings") or path.endswith("embedding") or path.endswith("embed"):
+        for name in ("input", "content"):
+            if name in data:
+                parts.append(_text(data[name]))
+                break
+    key = "".join(parts)[:MAX_KEY_CHARS]
+    return key or None
+
+
+def _text(value: Any, depth: int = 0) -> str:
+    """Text of a prompt or message content: strings as they are, token ids as a comma list
+    (a token prefix is then a text prefix), content parts by their text; nothing below 32
+    levels of nesting (no prompt is shaped so)."""
+    if value is None or depth > 32:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return f"{value},"
+    if isinstance(value, Mapping):
+        text = value.get("text")
+        if isinstance(text, str):
+            return text
+        return _text(value.get("content"), depth + 1)
+    if isinstance(value, Sequence):
+        parts = []
+        size = 0
+        for v in value:
+            part = _text(v, depth + 1)
+            parts.append(part)
+            size += len(part)
+            if size > MAX_KEY_CHARS:
+                break
+        return "".join(parts)
+    return ""
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (binary search on slices, so
+    the comparisons run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class AffinityPolicy:
+    """How the router trades cache locality for load (documented in docs/scaling.md).
+
+    A request goes to the replica that served its longest prefix when that prefix is a whole
+    earlier request's key (the request continues it: a conversation's next turn) or covers at
+    least ``min_match_ratio`` of the key (a shared system prompt, say), unless that replica's
+    queue is longer than the least-loaded candidate's by more than ``max_queue_imbalance``
+    requests; then (and for keys no replica holds) two random candidates are taken and the
+    less loaded one wins
+    (power of two choices), ties broken by the fewer cached prefixes."""
+
+    min_match_ratio: float = 0.5
+    max_queue_imbalance: int = 4
+    max_prefixes_per_replica: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_match_ratio <= 1.0:
+            raise ValueError("min_match_ratio must be within 0..1")
+        if self.max_queue_imbalance < 0:
+            raise ValueError("max_queue_imbalance must be >= 0")
+        if self.max_prefixes_per_replica < 1:
+            raise ValueError("max_prefixes_per_replica must be >= 1")
+
+
+class PrefixTable:
+    """Which replica served which keys: per replica, its most recent keys (LRU, bounded). A
+    key that extends one the replica holds replaces it (the same conversation, one turn on)."""
+
+    def __init__(self, max_per_replica: int = 256) -> None:
+        self.max_per_replica = max_per_replica
+        self._keys: dict[str, OrderedDict[str, None]] = {}
+
+    def replicas(self) -> list[str]:
+        return list(self._keys)
+
+    def size(self, replica: str) -> int:
+        return len(self._keys.get(replica, ()))
+
+    def insert(self, replica: str, key: str) -> None:
+        keys = self._keys.setdefault(replica, OrderedDict())
+        for old in [k for k in keys if key.startswith(k)]:
+            del keys[old]
+        keys[key] = None
+        keys.move_to_end(key)
+        while len(keys) > self.max_per_replica:
+            keys.popitem(last=False)
+
+    def remove(self, replica: str) -> None:
+        self._keys.pop(replica, None)
+
+    def best_match(self, key: str, candidates: Sequence[str]) -> tuple[str | None, int, bool]:
+        """The candidate holding the longest prefix of ``key``, that prefix's length, and
+        whether it is a whole key the replica was sent (``key`` continues it: the next turn
+        of a conversation); (None, 0, False) when none holds any."""
+        best: str | None = None
+        best_len = 0
+        whole = False
+        for replica in candidates:
+            for held in reversed(self._keys.get(replica, OrderedDict())):
+                n = common_prefix_len(key, held)
+                if n > best_len or (n == best_len and n == len(held) and not whole and n):
+                    best, best_len, whole = replica, n, n == len(held)
+        return best, best_len, whole
+
+
+def choose(
+    key: str | None,
+    candidates: Sequence[str],
+    load: Mapping[str, float],
+    table: PrefixTable,
+    policy: AffinityPolicy,
+    rng: random.Random | None = None,
+) -> list[list[str]]:
+    """Ranked candidates for a request (the router's answer to Ray): first rank the replica
+    holding the key's prefix when affinity applies, else two power-of-two choices; the rest
+    follow as the fallback rank, least loaded first."""
+    if not candidates:
+        return []
+    rng = rng or random.Random()
+    # Ties in load go to the replica holding fewer prefixes when the request has a key (it
+    # spreads new conversations), else at random.
+    tiebreak = {r: (table.size(r) if key else 0, rng.random()) for r in candidates}
+
+    def order(r: str) -> tuple[float, int, float]:
+        return (load.get(r, 0.0), *tiebreak[r])
+
+    least = min(candidates, key=order)
+    if key:
+        best, matched, whole = table.best_match(key, candidates)
+        if (
+            best is not None
+            and (whole or matched >= policy.min_match_ratio * len(key))
+            and load.get(best, 0.0) - load.get(least, 0.0) <= policy.max_queue_imbalance
+        ):
+            rest = sorted((r for r in candidates if r != best), key=order)
+            return [[best], rest] if rest else [[best]]
+    pair = rng.sample(list(candidates), min(2, len(candidates)))
+    first = min(pair, key=order)
+    rest = sorted((r for r in candidates if r != first), key=order)
+    return [[first], rest] if rest else [[first]]

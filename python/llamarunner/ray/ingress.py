@@ -1,0 +1,78 @@
+"""The ingress: the one HTTP endpoint of the application. It forwards every request, of any
+dialect (native, OpenAI, Ollama; streaming or not), to a replica chosen by the request
+router, and streams the replica's answer back unchanged. The replicas do all validation and
+answer every error in their dialect's shape; the ingress only reads the body (at most
+``max_body + 1`` bytes, so that a larger one still gets the replica's 413) and derives its
+routing key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .affinity import routing_key
+from .replica import REPLICA_HEADER, ProxyRequest
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, cut after ``limit + 1`` bytes (the replica refuses it as too large)."""
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf[: limit + 1])
+    return bytes(buf)
+
+
+class Ingress:
+    """The HTTP ingress deployment class (`build_app` wraps it in ``serve.deployment``)."""
+
+    def __init__(self, replicas: DeploymentHandle[Any], max_body: int) -> None:
+        self._replicas = replicas.options(stream=True, method_name="handle")
+        self._max_body = max_body
+
+    async def __call__(self, request: Request) -> Response:
+        body = await read_body(request, self._max_body)
+        # The path under the application's route prefix (Serve's root_path), as the client
+        # sent it (not percent-decoded): the replica's path.
+        raw = request.scope.get("raw_path") or request.scope.get("path", "/").encode()
+        path = raw.decode("latin-1")
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        target = path + ("?" + query if query else "")
+        key = routing_key(path, body) if request.method == "POST" else None
+        req = ProxyRequest(
+            method=request.method,
+            path=target,
+            headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
+            body=body,
+            routing_key=key,
+            replica=request.headers.get(REPLICA_HEADER),
+        )
+        stream: Any = self._replicas.remote(req)
+        try:
+            status, headers = await stream.__anext__()
+        except BaseException:
+            stream.cancel()
+            raise
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                # The client left (or the answer ended): stop the replica's side too.
+                stream.cancel()
+
+        response = StreamingResponse(relay(), status_code=status)
+        response.raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers
+        ]
+        return response

@@ -1,0 +1,308 @@
+"""The pure parts of `llamarunner.ray`: routing keys, the prefix table, the affinity policy,
+the replica's gauge parsing, and the `cluster` command's flags (no Ray cluster started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import ray  # noqa: F401
+except ImportError:
+    if os.environ.get("LLAMARUNNER_TESTS_REQUIRE_RAY", "") not in ("", "0"):
+        raise
+    pytest.skip("Ray Serve is not installed (pip install '.[ray]')", allow_module_level=True)
+
+from llamarunner.cli import build_parser
+from llamarunner.ray.affinity import (
+    MAX_KEY_CHARS,
+    AffinityPolicy,
+    PrefixTable,
+    choose,
+    common_prefix_len,
+    routing_key,
+)
+from llamarunner.ray.replica import forwardable, parse_gauges
+
+
+def key(path: str, body: object) -> str | None:
+    return routing_key(path, json.dumps(body).encode())
+
+
+def test_a_conversations_next_turn_extends_its_key() -> None:
+    turn1 = [{"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    for path in ("/completion", "/v1/chat/completions", "/api/chat"):
+        k1, k2 = key(path, {"messages": turn1}), key(path, {"messages": turn2})
+        assert k1 and k2 and k2.startswith(k1) and k2 != k1
+
+
+def test_keys_of_prompts_tokens_parts_and_embeddings() -> None:
+    assert key("/completion", {"prompt": "abc"}) == "abc"
+    # A token prefix is a key prefix.
+    short, long = key("/completion", {"prompt": [1, 2]}), key("/completion", {"prompt": [1, 2, 3]})
+    assert short and long and long.startswith(short)
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    assert key("/v1/chat/completions", parts) == key(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert key("/api/generate", {"system": "be brief", "prompt": "q"}) == (
+        "system\x1fbe brief\x1eq"
+    )
+    assert key("/v1/embeddings", {"input": "text"}) == "text"
+    assert key("/embedding", {"content": "text"}) == "text"
+
+
+@pytest.mark.parametrize(
+    "body", [b"", b"not json", b"[1, 2]", b'"s"', b"{}", b'{"prompt": null}', b"\xff\xfe"]
+)
+def test_bodies_without_a_prompt_have_no_key(body: bytes) -> None:
+    assert routing_key("/completion", body) is None
+
+
+def test_hostile_values_do_not_raise() -> None:
+    weird = {"messages": [None, 5, {"role": {"x": 1}, "content": {"content": [1, "a", None]}}]}
+    assert isinstance(routing_key("/api/chat", json.dumps(weird).encode()), (str, type(None)))
+    deep: object = "x"
+    for _ in range(20):
+        deep = [deep]
+    assert key("/completion", {"prompt": deep}) == "x"
+    for _ in range(30):  # past 32 levels: no key (no prompt is shaped so)
+        deep = [deep]
+    assert key("/completion", {"prompt": deep}) is None
+
+
+def test_deep_or_huge_bodies_give_a_bounded_key_or_none() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert routing_key("/completion", b'{"prompt": ' + deep + b"}") is None
+    huge = key("/completion", {"prompt": "a" * 1_000_000})
+    assert huge == "a" * MAX_KEY_CHARS
+    many = key("/completion", {"prompt": list(range(1_000_000))})
+    assert many is not None and len(many) == MAX_KEY_CHARS
+
+
+def test_common_prefix_len() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        a = "".join(rng.choice("ab") for _ in range(rng.randrange(12)))
+        b = "".join(rng.choice("ab") for _ in range(rng.randrange(12)))
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert common_prefix_len(a, b) == n
+
+
+def test_the_table_keeps_one_key_per_conversation_and_a_bounded_lru() -> None:
+    t = PrefixTable(max_per_replica=3)
+    t.insert("A", "conv1 t1")
+    t.insert("A", "conv1 t1 t2")  # replaces its prefix
+    assert t.size("A") == 1
+    assert t.best_match("conv1 t1 t2 t3", ["A", "B"]) == ("A", len("conv1 t1 t2"), True)
+    for k in ("x", "y", "z"):
+        t.insert("A", k)
+    assert t.size("A") == 3
+    assert t.best_match("conv1 t1 t2 t3", ["A"]) == (None, 0, False)  # evicted (LRU)
+    t.remove("A")
+    assert t.replicas() == []
+
+
+def test_policy_follows_the_prefix_unless_its_replica_is_much_busier() -> None:
+    t = PrefixTable()
+    policy = AffinityPolicy(max_queue_imbalance=2)
+    t.insert("A", "system prompt. question one")
+    k = "system prompt. question one, answer, question two"
+    assert choose(k, ["A", "B"], {"A": 2, "B": 0}, t, policy)[0] == ["A"]
+    # More than 2 beyond the least loaded: power of two choices (of two: the idler one).
+    assert choose(k, ["A", "B"], {"A": 3, "B": 0}, t, policy)[0] == ["B"]
+    # A key that shares too little: not affinity; the replica with fewer prefixes wins.
+    assert choose("sys and more", ["A", "B"], {}, t, AffinityPolicy(min_match_ratio=0.5))[0] == [
+        "B"
+    ]
+    # A large shared part (a system prompt) is affinity.
+    assert choose("system prompt. other", ["A", "B"], {}, t, policy)[0] == ["A"]
+    # Every candidate is ranked; a missing replica is never returned.
+    ranks = choose(k, ["B"], {}, t, policy)
+    assert ranks == [["B"]]
+    assert choose(k, [], {}, t, policy) == []
+
+
+def test_keyless_requests_spread_over_idle_replicas() -> None:
+    t = PrefixTable()
+    rng = random.Random(1)
+    firsts = {choose(None, ["A", "B"], {}, t, AffinityPolicy(), rng)[0][0] for _ in range(50)}
+    assert firsts == {"A", "B"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_match_ratio": -0.1},
+        {"min_match_ratio": 1.5},
+        {"max_queue_imbalance": -1},
+        {"max_prefixes_per_replica": 0},
+    ],
+)
+def test_bad_policies_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        AffinityPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_gauges_and_forwarded_headers() -> None:
+    page = "\n".join(
+        [
+            "# HELP llamarunner:requests_running x",
+            'llamarunner:requests_running{model_name="m"} 3',
+            'llamarunner:requests_waiting{model_name="m"} 7',
+            'llamarunner:kv_cache_usage_perc{model_name="m"} 0.25',
+            'llamarunner:prompt_tokens_total{model_name="m"} 99',
+            "llamarunner:slots_total garbage",
+        ]
+    )
+    assert parse_gauges(page) == {
+        "requests_running": 3.0,
+        "requests_waiting": 7.0,
+        "kv_cache_usage_perc": 0.25,
+    }
+    headers = [("Host", "x"), ("Connection", "close"), ("Authorization", "Bearer k"), ("TE", "t")]
+    headers.append(("Expect", "100-continue"))
+    assert forwardable(headers) == [("Authorization", "Bearer k")]
+
+
+def test_cluster_takes_every_serve_flag() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    choices = sub.choices  # type: ignore[attr-defined]
+    serve_flags = {o for a in choices["serve"]._actions for o in a.option_strings}
+    cluster_flags = {o for a in choices["cluster"]._actions for o in a.option_strings}
+    assert serve_flags <= cluster_flags
+    assert {"--replicas", "--address", "--min-replicas", "--max-replicas"} <= cluster_flags
+    args = parser.parse_args(
+        ["cluster", "m.gguf", "--replicas", "3", "--parallel", "2", "--ctx-size", "1024"]
+    )
+    assert (args.model, args.replicas, args.parallel, args.ctx_size) == ("m.gguf", 3, 2, 1024)
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "k8s"
+
+
+def test_the_inference_pool_manifest_parses_and_runs_serve() -> None:
+    import yaml
+
+    docs = list(yaml.safe_load_all((DOCS / "inference-pool.yaml").read_text()))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Deployment", "InferencePool", "ConfigMap", "HTTPRoute"]
+    deployment, pool = docs[0], docs[1]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["llamarunner"]
+    args = build_parser().parse_args(container["args"])  # exits on an unknown flag
+    assert args.command == "serve" and args.port == container["ports"][0]["containerPort"]
+    assert pool["spec"]["targetPorts"] == [{"number": args.port}]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"] == labels
+    epp_args = docs[2]["data"]["args"]
+    for metric in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert f"=llamarunner:{metric}" in epp_args
+
+
+def test_the_rayservice_manifest_builds_the_app() -> None:
+    import yaml
+
+    from llamarunner.ray import app_builder
+
+    (service,) = yaml.safe_load_all((DOCS / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "llamarunner.ray:app_builder"
+    assert app_builder(dict(app["args"])) is not None  # bad keywords raise
+
+
+def replica_deployment(app: object) -> Any:
+    ingress = app._bound_deployment  # type: ignore[attr-defined]
+    return ingress.init_args[0]._bound_deployment
+
+
+def test_build_app_passes_autoscaling_resources_and_router_through() -> None:
+    from llamarunner.ray import build_app
+
+    app = build_app(
+        "m.gguf",
+        replicas=2,
+        min_replicas=1,
+        max_replicas=4,
+        parallel=3,
+        threads=2,
+        affinity={"max_queue_imbalance": 7},
+    )
+    rep = replica_deployment(app)
+    config = rep._deployment_config
+    auto = config.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 2, 4)
+    assert auto.target_ongoing_requests == 3
+    assert config.max_ongoing_requests == 6
+    assert rep.ray_actor_options["num_cpus"] == 2
+    router = config.request_router_config
+    assert router.request_router_class == "llamarunner.ray.router:PrefixAffinityRouter"
+    assert router.request_router_kwargs["max_queue_imbalance"] == 7
+    fixed = replica_deployment(build_app("m.gguf", replicas=3, routing="pow2"))
+    assert fixed._deployment_config.num_replicas == 3
+    assert "PowerOfTwo" in fixed._deployment_config.request_router_config.request_router_class
+    gpu = replica_deployment(build_app("m.gguf", ray_actor_options={"num_gpus": 1}))
+    assert gpu.ray_actor_options["num_gpus"] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"replicas": 0},
+        {"routing": "random"},
+        {"parallel": 0},
+        {"min_replicas": 3, "replicas": 2},
+        {"max_replicas": 1, "replicas": 2},
+        {"affinity": {"min_match_ratio": 2}},
+        {"affinity": {"no_such": 1}},
+        {"no_such_setting": 1},
+    ],
+)
+def test_build_app_refuses_bad_settings(kwargs: dict[str, Any]) -> None:
+    from llamarunner.ray import build_app
+
+    with pytest.raises((ValueError, TypeError)):
+        build_app("m.gguf", **kwargs)
+
+
+class FakeConfig:
+    def __init__(self, target: float) -> None:
+        self.target = target
+
+    def get_target_ongoing_requests(self) -> float:
+        return self.target
+
+
+class FakeContext:
+    def __init__(self, metrics: dict[str, dict[str, float]], target: float, total: float) -> None:
+        self.aggregated_metrics = metrics
+        self.config = FakeConfig(target)
+        self.total_num_requests = total
+        self.policy_state: dict[str, Any] = {}
+
+
+def test_the_autoscaling_policy_reads_the_gauges() -> None:
+    from llamarunner.ray.autoscaling import gauge_policy
+
+    def want(metrics: dict[str, dict[str, float]], target: float = 4, total: float = 0) -> int:
+        return gauge_policy(FakeContext(metrics, target, total))[0]
+
+    idle = {"requests_running": {"a": 0, "b": 0}, "requests_waiting": {"a": 0, "b": 0}}
+    assert want(idle) == 1
+    busy = {"requests_running": {"a": 4, "b": 4}, "requests_waiting": {"a": 6, "b": 0}}
+    assert want(busy) == 4  # 14 requests at 4 per replica
+    full = {**busy, "kv_cache_usage_perc": {"a": 0.95, "b": 0.97}}
+    assert want(full) == 5
+    # No gauges yet: Ray's own count of ongoing requests.
+    assert want({}, target=2, total=7) == 4
