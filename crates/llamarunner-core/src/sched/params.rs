@@ -51,6 +51,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(crate::engine::Token, f32)>,
     /// Report each sampled token's log-probability and this many alternatives (None = off).
     pub logprobs: Option<usize>,
+    /// Draft tokens by prompt lookup (the request's top-level `speculative`); None: the
+    /// server's default, on for greedy requests when `--draft-max` is above 0.
+    pub speculative: Option<bool>,
 }
 
 impl Default for SamplingParams {
@@ -78,6 +81,7 @@ impl Default for SamplingParams {
             truncate: true,
             logit_bias: Vec::new(),
             logprobs: None,
+            speculative: None,
         }
     }
 }

@@ -1508,3 +1508,5 @@ fn the_slot_table_shows_what_each_request_is_doing() {
     drop(rx);
     assert_eq!(h.settled_slot(busy.id).activity.phase, SlotPhase::Idle);
 }
+
+mod speculative;

@@ -44,6 +44,9 @@ struct CompletionRequest {
     shift: Option<bool>,
     #[serde(default, alias = "Truncate")]
     truncate: Option<bool>,
+    /// Speculative decoding on or off for this request (also accepted in `options`).
+    #[serde(default)]
+    speculative: Option<bool>,
 }
 
 /// A text field that must be present and non-empty.
@@ -65,6 +68,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     let mut params = req.options.unwrap_or_default().into_params();
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);
+    params.speculative = req.speculative.or(params.speculative);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
         Some(g) => Some(g),
         None => {
@@ -104,6 +108,8 @@ fn ndjson(event: &Event) -> String {
             "eval_count": c.eval_count,
             "eval_duration": c.eval_duration_ns,
             "truncated": c.truncated,
+            "draft_count": c.draft_count,
+            "draft_accepted_count": c.draft_accepted_count,
         }),
         Event::Error(e) => {
             let err = ApiError::from(e.clone());

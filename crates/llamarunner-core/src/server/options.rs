@@ -44,6 +44,8 @@ pub struct Options {
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
+    /// Draft tokens by prompt lookup (speculative decoding); None: the server's default.
+    pub speculative: Option<bool>,
 }
 
 impl Default for Options {
@@ -72,6 +74,7 @@ impl From<SamplingParams> for Options {
             seed: p.seed,
             stop: p.stop,
             ignore_eos: p.ignore_eos,
+            speculative: p.speculative,
         }
     }
 }
@@ -98,6 +101,7 @@ impl Options {
             seed: self.seed,
             stop: self.stop,
             ignore_eos: self.ignore_eos,
+            speculative: self.speculative,
             ..SamplingParams::default()
         }
     }
@@ -145,7 +149,7 @@ mod tests {
         for (name, got, want) in expected {
             assert!((got - want).abs() < 1e-6, "{name}: {got} != {want}");
         }
-        assert!(o.stop.is_empty() && !o.ignore_eos);
+        assert!(o.stop.is_empty() && !o.ignore_eos && o.speculative.is_none());
         let p = o.into_params();
         assert!(p.shift && p.truncate && p.grammar.is_none() && p.logprobs.is_none());
     }
