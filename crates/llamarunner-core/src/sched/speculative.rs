@@ -195,6 +195,12 @@ impl<B: Backend> Scheduler<B> {
                 // The cache lost cells the next position needs (a sliding window): decode
                 // what the slot held again, as after a context shift that cannot be done in
                 // place.
+                seq.span.in_scope(|| {
+                    tracing::debug!(
+                        slot = slot.id,
+                        "a draft's cut lost the window; decoding again"
+                    );
+                });
                 self.backend.kv_truncate(slot.id, 0);
                 if reason.is_none() {
                     let mut all = std::mem::take(&mut slot.cached);
