@@ -3,15 +3,18 @@ side with llama.cpp's llama-server without and with its n-gram speculation, in o
 
     python -m benches.speculative --llama-server PATH
     python -m benches.speculative --llama-server PATH --clients 1,4 --requests 2 \\
-        --scenarios passage,edit,code,free
+        --scenarios passage,edit,code,free,sampled
 
-Scenarios (the default model's chat format, greedy, the same prompts for every server):
+Scenarios (chat requests, greedy, the same prompts for every server):
   passage  repeat a ~300-word passage word for word (the output copies the input)
   edit     the passage with one word replaced throughout (the output copies it, lightly edited)
   code     a Python function with a renamed identifier (code repeats its identifiers)
-  free     a story on a topic (free text: drafts are few and mostly rejected)
+  free     a story on a topic, greedy (a model this small soon repeats itself: many drafts)
+  sampled  the same stories sampled (temperature 0.8, fixed seeds): text that repeats less, so
+           drafts are mostly rejected; ours is asked for drafts (`speculative: true`; sampled
+           requests do not draft by default), llama-server drafts for every request
 
-Each request is a non-streamed ``/v1/completions`` (both servers count the tokens in
+Each request is a non-streamed ``/v1/chat/completions`` (both servers count the tokens in
 ``usage``; streamed chunks carry several tokens when drafts are accepted). Throughput is the
 generated tokens of all requests over the wall time of the scenario (prompts included);
 clients run closed loops. The acceptance rate is accepted / drafted tokens, as each server
@@ -75,10 +78,6 @@ CODE = '''def summarize_orders(orders, customer_index, minimum_total):
 TOPICS = ["a lighthouse keeper", "a lost compass", "a winter orchard", "a night train", "a clock"]
 
 
-def turn(user: str) -> str:
-    return f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n"
-
-
 def prompts(scenario: str, n: int) -> list[str]:
     """`n` prompts of a scenario (a few variants, so that no request is a cached replay)."""
     out = []
@@ -86,27 +85,23 @@ def prompts(scenario: str, n: int) -> list[str]:
         towns = ["river", "harbour", "mountain", "forest", "valley town", "island"]
         passage = PASSAGE.replace("river town", towns[i % len(towns)] + " town")
         if scenario == "passage":
-            out.append(turn(f"Repeat the following text exactly, word for word.\n\n{passage}"))
+            out.append(f"Repeat the following text exactly, word for word.\n\n{passage}")
         elif scenario == "edit":
             out.append(
-                turn(
-                    'Rewrite the following text, replacing the word "market" with '
-                    f'"fair" everywhere; change nothing else.\n\n{passage}'
-                )
+                'Rewrite the following text, replacing the word "market" with '
+                f'"fair" everywhere; change nothing else.\n\n{passage}'
             )
         elif scenario == "code":
             names = ["orders", "purchases", "invoices", "sales", "bookings", "tickets"]
             code = CODE.replace("customer_index", f"index_{i}")
             out.append(
-                turn(
-                    "Rename the variable `orders` to `"
-                    + names[i % len(names)]
-                    + "` in this Python function and return the whole function.\n\n"
-                    + f"```python\n{code}```"
-                )
+                "Rename the variable `orders` to `"
+                + names[i % len(names)]
+                + "` in this Python function and return the whole function.\n\n"
+                + f"```python\n{code}```"
             )
-        elif scenario == "free":
-            out.append(turn(f"Write a long story about {TOPICS[i % len(TOPICS)]}."))
+        elif scenario in ("free", "sampled"):
+            out.append(f"Write a long story about {TOPICS[i % len(TOPICS)]}.")
         else:
             raise ValueError(f"unknown scenario {scenario}")
     return out
@@ -124,9 +119,17 @@ class Result:
     texts: list[str]
 
 
-def complete(url: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
+def complete(
+    url: str, prompt: str, max_tokens: int, extra: dict[str, Any], seed: int | None = None
+) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0 if seed is None else 0.8,
+        **({} if seed is None else {"seed": seed}),
+        **extra,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
     r.raise_for_status()
     return dict(r.json())
 
@@ -140,10 +143,11 @@ def measure(
     def client(i: int) -> None:
         for j in range(requests):
             k = i * requests + j
-            answers[k] = complete(srv.url, work[k], max_tokens, extra)
+            seed = 100 + k if scenario == "sampled" else None
+            answers[k] = complete(srv.url, work[k], max_tokens, extra, seed)
 
     # One request first so that both servers start warm (page cache, first-use allocations).
-    complete(srv.url, turn("Say hello."), 8, extra)
+    complete(srv.url, "Say hello.", 8, extra)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     start = time.perf_counter()
     for t in threads:
@@ -167,7 +171,7 @@ def measure(
         seconds,
         drafted,
         accepted,
-        [a["choices"][0]["text"] for a in answers],
+        [a["choices"][0]["message"]["content"] for a in answers],
     )
 
 
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,4", help="client counts, comma separated")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--scenarios", default="passage,edit,code,free")
+    ap.add_argument("--scenarios", default="passage,edit,code,free,sampled")
     ap.add_argument(
         "--peer-spec",
         default="--spec-type ngram-simple",
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path())
     configs = [
         Config("llamarunner, no drafts", "ours", ("--draft-max", "0"), {}),
-        Config("llamarunner, drafts (default)", "ours", (), {}),
+        Config("llamarunner, drafts", "ours", (), {"speculative": True}),
     ]
     if args.llama_server:
         configs += [
