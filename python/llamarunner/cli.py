@@ -103,6 +103,32 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "on (by default a prompt that cuts a cached sequence back past its window is decoded "
         "again)",
     )
+    spec = p.add_argument_group(
+        "speculative decoding",
+        "Greedy requests draft their next tokens by looking up their last tokens in their own "
+        "prompt and output, and verify the draft in the same decode step: the output is "
+        'unchanged, and text that repeats its input comes faster. A request\'s "speculative": '
+        "true|false overrides (sampled requests draft only when they ask).",
+    )
+    spec.add_argument(
+        "--draft-max",
+        type=int,
+        metavar="N",
+        help="most tokens drafted per sequence and step; 0 = speculation off (default 8)",
+    )
+    spec.add_argument(
+        "--draft-min",
+        type=int,
+        metavar="N",
+        help="fewest tokens worth drafting; a shorter lookup is not verified (default 1)",
+    )
+    spec.add_argument(
+        "--spec-ngram",
+        type=int,
+        metavar="N",
+        help="longest tail of a sequence looked up in its prompt and output, then shorter "
+        "ones down to 2 tokens (default 3)",
+    )
     p.add_argument(
         "--max-queue",
         type=int,

@@ -52,6 +52,9 @@ class ServerConfig:
     mmproj: str | None = None
     multiuser_cache: bool = False
     swa_full: bool = False
+    draft_max: int = 8
+    draft_min: int = 1
+    spec_ngram: int = 3
     verbose: bool = False
     log_format: str = "text"
     no_metrics: bool = False

@@ -72,6 +72,14 @@ pub struct RunnerConfig {
     /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
     /// just their window: more memory, and any cached prefix stays reusable however far back.
     pub swa_full: bool,
+    /// Speculative decoding by prompt lookup: most tokens drafted per sequence and step;
+    /// 0 = off.
+    pub draft_max: u32,
+    /// Fewest tokens worth drafting: a shorter lookup is not verified.
+    pub draft_min: u32,
+    /// Longest tail of a sequence looked up in its prompt and output (then shorter ones, down
+    /// to 2 tokens).
+    pub spec_ngram: u32,
     /// Log llama.cpp's own messages too.
     pub verbose: bool,
     /// How log lines are written: text, or JSON objects (read by `llamarunner-py`, which
@@ -136,6 +144,9 @@ impl Default for RunnerConfig {
             mmproj: None,
             multiuser_cache: false,
             swa_full: false,
+            draft_max: 8,
+            draft_min: 1,
+            spec_ngram: 3,
             verbose: false,
             log_format: LogFormat::Text,
             no_metrics: false,
@@ -219,6 +230,11 @@ pub enum ConfigError {
     },
 }
 
+/// Most tokens `--draft-max` may draft per sequence and step.
+pub const MAX_DRAFT: u32 = 64;
+/// Longest lookup `--spec-ngram` may ask for.
+pub const MAX_SPEC_NGRAM: u32 = 32;
+
 /// Longest accepted duration setting: a day (a larger one is surely a unit mistake, and
 /// `Duration::from_secs_f64` must not overflow).
 const MAX_SECONDS: f64 = 86_400.0;
@@ -229,7 +245,7 @@ impl RunnerConfig {
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::NoModel);
         }
-        let ranges: [(&'static str, i64, i64, i64, &'static str); 3] = [
+        let ranges: [(&'static str, i64, i64, i64, &'static str); 6] = [
             (
                 "parallel",
                 self.parallel.into(),
@@ -244,6 +260,27 @@ impl RunnerConfig {
                 1,
                 1 << 20,
                 "at least 1",
+            ),
+            (
+                "draft-max",
+                self.draft_max.into(),
+                0,
+                MAX_DRAFT.into(),
+                "between 0 (off) and 64",
+            ),
+            (
+                "draft-min",
+                self.draft_min.into(),
+                0,
+                self.draft_max.max(1).into(),
+                "between 0 and draft-max",
+            ),
+            (
+                "spec-ngram",
+                self.spec_ngram.into(),
+                1,
+                MAX_SPEC_NGRAM.into(),
+                "between 1 and 32",
             ),
         ];
         for (name, value, lo, hi, rule) in ranges {
@@ -383,6 +420,16 @@ impl RunnerConfig {
         }
     }
 
+    /// The scheduler's speculation settings.
+    pub fn speculation(&self) -> crate::sched::speculative::SpecConfig {
+        let n = |v: u32| usize::try_from(v).unwrap_or(usize::MAX);
+        crate::sched::speculative::SpecConfig {
+            draft_max: n(self.draft_max),
+            draft_min: n(self.draft_min),
+            ngram: n(self.spec_ngram),
+        }
+    }
+
     /// Decoding threads, resolving 0 to the number of available cores.
     pub fn effective_threads(&self) -> u32 {
         if self.threads > 0 {
@@ -444,6 +491,35 @@ mod tests {
             ..with_model()
         };
         assert!(matches!(cfg.validate(), Err(ConfigError::KvCacheType(_))));
+    }
+
+    #[test]
+    fn speculation_settings_are_bounded() {
+        let check = |draft_max, draft_min, spec_ngram| {
+            RunnerConfig {
+                draft_max,
+                draft_min,
+                spec_ngram,
+                ..with_model()
+            }
+            .validate()
+            .map_err(|e| e.to_string())
+        };
+        assert!(check(0, 0, 1).is_ok());
+        assert!(check(64, 64, 32).is_ok());
+        assert!(check(0, 1, 3).is_ok(), "draft-min 1 with speculation off");
+        for (max, min, ngram, name) in [
+            (65, 1, 3, "draft-max"),
+            (u32::MAX, 1, 3, "draft-max"),
+            (4, 5, 3, "draft-min"),
+            (8, 1, 0, "spec-ngram"),
+            (8, 1, 33, "spec-ngram"),
+        ] {
+            let err = check(max, min, ngram).unwrap_err();
+            assert!(err.contains(name), "{max} {min} {ngram}: {err}");
+        }
+        let spec = RunnerConfig::default().speculation();
+        assert_eq!((spec.draft_max, spec.draft_min, spec.ngram), (8, 1, 3));
     }
 
     #[test]

@@ -46,6 +46,10 @@ pub struct FakeConfig {
     /// last `2 * window` positions of a sequence, and a cut (or fork) that leaves fewer than
     /// `window` of them before the cut fails, as the llama.cpp backend's does.
     pub window: Option<usize>,
+    /// The next token depends on the last `n` tokens of the history only (a Markov chain of
+    /// order `n`), so that the output falls into loops that prompt-lookup drafts predict;
+    /// None: on the whole history.
+    pub markov: Option<usize>,
 }
 
 impl Default for FakeConfig {
@@ -60,6 +64,7 @@ impl Default for FakeConfig {
             fail_decode: None,
             embed_piece: 16,
             window: None,
+            markov: None,
         }
     }
 }
@@ -282,7 +287,11 @@ impl Backend for FakeBackend {
         if self.config.eos_at.is_some_and(|n| history.len() >= n) {
             return Some(EOS);
         }
-        Some(Self::next_token(history, sampler.offset))
+        let context = match self.config.markov {
+            Some(n) => &history[history.len().saturating_sub(n)..],
+            None => history,
+        };
+        Some(Self::next_token(context, sampler.offset))
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {

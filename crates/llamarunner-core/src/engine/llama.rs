@@ -179,6 +179,7 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
+        .with_speculation(config.speculation())
         .run();
     Ok(())
 }

@@ -24,6 +24,11 @@ pub trait EngineObserver: Send + Sync + std::fmt::Debug {
         let _ = gap;
     }
 
+    /// `drafted` tokens were drafted for a sequence in one step and `accepted` of them kept.
+    fn speculated(&self, drafted: usize, accepted: usize) {
+        let _ = (drafted, accepted);
+    }
+
     /// A slot filled while generating and half of its unkept tokens were discarded.
     fn context_shift(&self) {}
 

@@ -67,6 +67,10 @@ pub struct Completion {
     pub eval_duration_ns: u64,
     /// The prompt was truncated to fit the slot.
     pub truncated: bool,
+    /// Tokens drafted for it (speculative decoding).
+    pub draft_count: usize,
+    /// Drafted tokens accepted (each one a decode step saved).
+    pub draft_accepted_count: usize,
 }
 
 /// The class of an engine-side failure, which decides its HTTP status.

@@ -8,6 +8,7 @@
 
 mod lora;
 pub mod params;
+pub mod speculative;
 pub mod text;
 
 use std::collections::VecDeque;
@@ -24,6 +25,7 @@ use crate::engine::{
 };
 use crate::kv;
 use params::SamplingParams;
+use speculative::{SpecConfig, SpecState};
 use text::TextStream;
 
 /// Text a sequence may hold for a client that does not read (its event channel is full) before
@@ -99,6 +101,8 @@ struct Sequence<S> {
     deadline: Option<Instant>,
     /// Since when it has been paused for a client that does not read.
     paused_since: Option<Instant>,
+    /// Its drafts (speculative decoding).
+    spec: SpecState,
 }
 
 impl<S> Sequence<S> {
@@ -161,6 +165,8 @@ pub struct Scheduler<B: Backend> {
     next_decode: usize,
     /// Multi-user cache: fork shared prefixes between slots (`--multiuser-cache`).
     multiuser: bool,
+    /// Prompt-lookup drafts (`--draft-max` ...).
+    speculation: SpecConfig,
     /// Counter standing for "when" a slot was last used (LRU order).
     clock: u64,
     /// How long a sequence may wait for a client that does not read.
@@ -199,6 +205,7 @@ impl<B: Backend> Scheduler<B> {
             next_prompt: 0,
             next_decode: 0,
             multiuser: false,
+            speculation: SpecConfig::OFF,
             clock: 0,
             stalled: false,
             pause_limit: PAUSE_LIMIT,
@@ -218,6 +225,12 @@ impl<B: Backend> Scheduler<B> {
     /// Shares cached prefixes between slots by forking (`--multiuser-cache`).
     pub fn with_multiuser_cache(mut self, on: bool) -> Self {
         self.multiuser = on;
+        self
+    }
+
+    /// Drafts tokens by prompt lookup for the requests that want it (`--draft-max` ...).
+    pub fn with_speculation(mut self, config: SpecConfig) -> Self {
+        self.speculation = config;
         self
     }
 
@@ -663,6 +676,7 @@ impl<B: Backend> Scheduler<B> {
             logprobs_sent: 0,
             admitted,
             prompt_done: None,
+            spec: SpecState::new(self.speculation.enabled_for(&request.params)),
         });
         Ok(())
     }
@@ -783,6 +797,8 @@ impl<B: Backend> Scheduler<B> {
                 placed += 1;
             }
         }
+        // Drafts of the sequences placed, within the places kept for decode tokens.
+        placed += self.place_drafts(decode_places.saturating_sub(placed), first);
         let start = self.next_prompt;
         for k in 0..n {
             if placed >= capacity {
@@ -817,6 +833,15 @@ impl<B: Backend> Scheduler<B> {
                     pos: pos_of(base + j),
                     seq: slot.id,
                     logits,
+                });
+            }
+            // Drafted tokens follow the sequence's next token, each with its logits.
+            for (j, &token) in seq.spec.draft.iter().enumerate() {
+                self.batch.push(BatchToken {
+                    token,
+                    pos: pos_of(base + seq.queued + j),
+                    seq: slot.id,
+                    logits: true,
                 });
             }
         }
@@ -866,7 +891,7 @@ impl<B: Backend> Scheduler<B> {
             if seq.prompt_done.is_none() {
                 seq.prompt_done = Some(now);
             }
-            if let Some(reason) = self.sample_one(index, at, now) {
+            if let Some(reason) = self.sample_drafted(index, at, now) {
                 self.finish(index, reason);
             } else {
                 self.flush_outbox(index);
@@ -1030,6 +1055,8 @@ impl<B: Backend> Scheduler<B> {
             eval_count: seq.n_generated,
             eval_duration_ns: nanos(now - prompt_done),
             truncated: seq.truncated,
+            draft_count: seq.spec.drafted,
+            draft_accepted_count: seq.spec.accepted,
         }));
         self.slots[index].last_used = Some(std::time::SystemTime::now());
         self.send_all(seq.events, events);

@@ -54,6 +54,9 @@ pub struct SamplingParams {
     /// LoRA adapter scales (None: the server's defaults, which the HTTP side fills in before
     /// the queue; the engine reads None as the base model).
     pub lora: Option<crate::engine::LoraScales>,
+    /// Draft tokens by prompt lookup (the request's top-level `speculative`); None: the
+    /// server's default, on for greedy requests when `--draft-max` is above 0.
+    pub speculative: Option<bool>,
 }
 
 impl Default for SamplingParams {
@@ -82,6 +85,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: None,
             lora: None,
+            speculative: None,
         }
     }
 }

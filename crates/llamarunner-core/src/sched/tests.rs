@@ -1530,3 +1530,4 @@ fn the_slot_table_shows_what_each_request_is_doing() {
 }
 
 mod lora;
+mod speculative;

@@ -427,6 +427,8 @@ mod tests {
             eval_count: 2,
             eval_duration_ns: 0,
             truncated: false,
+            draft_count: 0,
+            draft_accepted_count: 0,
         };
         let record = |f: &dyn Fn(&mut RecordState)| {
             let r = Record::new("id".into());

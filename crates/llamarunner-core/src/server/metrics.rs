@@ -145,6 +145,8 @@ pub struct Metrics {
     requests_rejected: IntCounterVec,
     context_shifts: IntCounter,
     prompt_truncations: IntCounter,
+    spec_draft_tokens: IntCounter,
+    spec_accepted_tokens: IntCounter,
     time_to_first_token: Histogram,
     inter_token_latency: Histogram,
     e2e_latency: Histogram,
@@ -268,6 +270,14 @@ impl Metrics {
             prompt_truncations: counter(
                 "prompt_truncations_total",
                 "Prompts cut to fit a slot (counted when their request got its slot).",
+            )?,
+            spec_draft_tokens: counter(
+                "spec_decode_num_draft_tokens_total",
+                "Tokens drafted by prompt lookup and verified (speculative decoding).",
+            )?,
+            spec_accepted_tokens: counter(
+                "spec_decode_num_accepted_tokens_total",
+                "Drafted tokens the sampler agreed with: decode steps saved.",
             )?,
             time_to_first_token: histogram(
                 "time_to_first_token_seconds",
@@ -401,6 +411,11 @@ impl EngineObserver for Metrics {
         self.context_shifts.inc();
     }
 
+    fn speculated(&self, drafted: usize, accepted: usize) {
+        self.spec_draft_tokens.inc_by(drafted as u64);
+        self.spec_accepted_tokens.inc_by(accepted as u64);
+    }
+
     fn embedded(&self, tokens: usize) {
         self.prompt_tokens.inc_by(tokens as u64);
     }
@@ -436,6 +451,8 @@ mod tests {
             eval_count: generated,
             eval_duration_ns: 0,
             truncated: false,
+            draft_count: 0,
+            draft_accepted_count: 0,
         }
     }
 
@@ -479,6 +496,8 @@ mod tests {
         m.next_token(Duration::from_millis(2));
         m.next_token(Duration::from_millis(3));
         m.context_shift();
+        m.speculated(5, 3);
+        m.speculated(2, 0);
         m.embedded(7);
         m.record(
             &Outcome::Finished(done(DoneReason::Length, 10, 3)),
@@ -496,6 +515,11 @@ mod tests {
                 (r#"generation_tokens_total{model_name="m"}"#, 3.0),
                 (r#"context_shifts_total{model_name="m"}"#, 1.0),
                 (r#"prompt_truncations_total{model_name="m"}"#, 1.0),
+                (r#"spec_decode_num_draft_tokens_total{model_name="m"}"#, 7.0),
+                (
+                    r#"spec_decode_num_accepted_tokens_total{model_name="m"}"#,
+                    3.0,
+                ),
                 (
                     r#"request_success_total{finished_reason="length",model_name="m"}"#,
                     1.0,

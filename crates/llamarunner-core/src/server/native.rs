@@ -47,6 +47,9 @@ struct CompletionRequest {
     /// LoRA adapter scales, as llama-server's (`server/lora.rs`); also taken from `options`.
     #[serde(default)]
     lora: Option<serde_json::Value>,
+    /// Speculative decoding on or off for this request (also accepted in `options`).
+    #[serde(default)]
+    speculative: Option<bool>,
 }
 
 /// A text field that must be present and non-empty.
@@ -73,6 +76,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     params.lora = lora;
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);
+    params.speculative = req.speculative.or(params.speculative);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
         Some(g) => Some(g),
         None => {
@@ -112,6 +116,8 @@ fn ndjson(event: &Event) -> String {
             "eval_count": c.eval_count,
             "eval_duration": c.eval_duration_ns,
             "truncated": c.truncated,
+            "draft_count": c.draft_count,
+            "draft_accepted_count": c.draft_accepted_count,
         }),
         Event::Error(e) => {
             let err = ApiError::from(e.clone());

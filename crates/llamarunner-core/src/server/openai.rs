@@ -76,6 +76,7 @@ struct OpenAiRequest {
     grammar: Option<String>,
     /// LoRA adapter scales, as llama-server's (`server/lora.rs`).
     lora: Option<Value>,
+    speculative: Option<bool>,
 }
 
 impl OpenAiRequest {
@@ -134,6 +135,7 @@ impl OpenAiRequest {
             seed: self.seed.unwrap_or(-1),
             stop: stop_list(self.stop.as_ref())?,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            speculative: self.speculative,
             ..defaults
         };
         super::validate::check_options(&p)
@@ -362,6 +364,11 @@ fn usage(done: &Completion) -> Value {
         "completion_tokens": done.eval_count,
         "total_tokens": done.prompt_eval_count + done.eval_count,
         "prompt_tokens_details": {"cached_tokens": done.prompt_cached_count},
+        // OpenAI's names for the tokens of a prediction (here: the prompt-lookup drafts).
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": done.draft_accepted_count,
+            "rejected_prediction_tokens": done.draft_count.saturating_sub(done.draft_accepted_count),
+        },
     })
 }
 
@@ -723,6 +730,21 @@ mod tests {
         assert_eq!(p.logit_bias, vec![(3, -100.0)]);
         assert_eq!(p.logprobs, Some(2));
         assert_eq!(p.seed, 4);
+        assert_eq!(p.speculative, None);
+        for (body, want) in [
+            (r#"{"speculative":true}"#, Some(true)),
+            (r#"{"speculative":false}"#, Some(false)),
+            (r#"{"speculative":null}"#, None),
+        ] {
+            let req: OpenAiRequest = serde_json::from_str(body).unwrap();
+            assert_eq!(req.params(true).unwrap().speculative, want, "{body}");
+        }
+        for body in [r#"{"speculative":"yes"}"#, r#"{"speculative":1}"#] {
+            assert!(
+                serde_json::from_str::<OpenAiRequest>(body).is_err(),
+                "{body}"
+            );
+        }
         let req: OpenAiRequest = serde_json::from_str(r#"{"logprobs":3}"#).unwrap();
         assert_eq!(req.params(false).unwrap().logprobs, Some(3));
     }

@@ -47,6 +47,8 @@ pub struct Options {
     /// LoRA adapter scales (`[{"id", "scale"}]`, `server/lora.rs`), checked by the handler
     /// against the loaded adapters; the Ollama API's way to give them.
     pub lora: Option<serde_json::Value>,
+    /// Draft tokens by prompt lookup (speculative decoding); None: the server's default.
+    pub speculative: Option<bool>,
 }
 
 impl Default for Options {
@@ -76,6 +78,7 @@ impl From<SamplingParams> for Options {
             stop: p.stop,
             ignore_eos: p.ignore_eos,
             lora: None,
+            speculative: p.speculative,
         }
     }
 }
@@ -102,6 +105,7 @@ impl Options {
             seed: self.seed,
             stop: self.stop,
             ignore_eos: self.ignore_eos,
+            speculative: self.speculative,
             ..SamplingParams::default()
         }
     }
@@ -149,7 +153,7 @@ mod tests {
         for (name, got, want) in expected {
             assert!((got - want).abs() < 1e-6, "{name}: {got} != {want}");
         }
-        assert!(o.stop.is_empty() && !o.ignore_eos);
+        assert!(o.stop.is_empty() && !o.ignore_eos && o.speculative.is_none());
         let p = o.into_params();
         assert!(p.shift && p.truncate && p.grammar.is_none() && p.logprobs.is_none());
     }

@@ -1,0 +1,305 @@
+"""Speculative decoding benchmark: llamarunner with and without prompt-lookup drafts, side by
+side with llama.cpp's llama-server without and with its n-gram speculation, in one run.
+
+    python -m benches.speculative --llama-server PATH
+    python -m benches.speculative --llama-server PATH --clients 1,4 --requests 2 \\
+        --scenarios passage,edit,code,free,sampled
+
+Scenarios (chat requests, greedy, the same prompts for every server):
+  passage  repeat a ~300-word passage word for word (the output copies the input)
+  edit     the passage with one word replaced throughout (the output copies it, lightly edited)
+  code     a Python function with a renamed identifier (code repeats its identifiers)
+  free     a story on a topic, greedy (a model this small soon repeats itself: many drafts)
+  sampled  the same stories sampled (temperature 0.8, fixed seeds): text that repeats less, so
+           drafts are mostly rejected; ours is asked for drafts (`speculative: true`; sampled
+           requests do not draft by default), llama-server drafts for every request
+
+Each request is a non-streamed ``/v1/chat/completions`` (both servers count the tokens in
+``usage``; streamed chunks carry several tokens when drafts are accepted). Throughput is the
+generated tokens of all requests over the wall time of the scenario (prompts included);
+clients run closed loops. The acceptance rate is accepted / drafted tokens, as each server
+reports them (ours: ``usage.completion_tokens_details``; llama-server: ``timings.draft_n`` and
+``draft_n_accepted``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from benches.load import Running, _process, free_port, ours
+
+PASSAGE = (
+    "The river town woke slowly on market days. Before dawn the fishermen pulled their boats "
+    "onto the gravel below the old stone bridge, and the gulls came down to argue over what "
+    "was left in the nets. The baker opened his shutters at six, and the smell of bread "
+    "drifted along the narrow street to the square, where the first carts were already "
+    "arriving from the farms in the valley. By seven the schoolteacher had walked the long "
+    "way round to avoid the mud by the mill, greeting the blacksmith, the widow who sold "
+    "honey, and the two brothers who mended nets under the chestnut tree. By nine the market "
+    "square was full of voices: farmers selling apples, cheese and eggs, a tinker mending "
+    "pots, a woman with a basket of herbs from the hills, and children chasing a dog that "
+    "had stolen a loaf from the baker's cart. The mayor stood on the steps of the town hall "
+    "and watched it all with his hands behind his back, as his father had done before him. "
+    "At noon the church bell rang, the stalls closed one by one, and the square emptied as "
+    "quickly as it had filled. In the afternoon the river was quiet again, the boats lay on "
+    "the gravel in a row, and only the gulls and the old ferryman remained, waiting, as "
+    "always, for the evening tide to turn and carry the day's last light down to the sea. "
+    "Nobody in the town could remember a market day that had ended any other way, and "
+    "nobody wanted one to."
+)
+
+CODE = '''def summarize_orders(orders, customer_index, minimum_total):
+    """Totals per customer of the orders at or above a minimum."""
+    totals = {}
+    for order in orders:
+        if order.total < minimum_total:
+            continue
+        customer = customer_index.get(order.customer_id)
+        if customer is None:
+            continue
+        totals.setdefault(customer.name, 0)
+        totals[customer.name] += order.total
+    ranked = sorted(totals.items(), key=lambda item: item[1], reverse=True)
+    for name, total in ranked:
+        print(f"{name}: {total:.2f}")
+    return ranked
+'''
+
+TOPICS = ["a lighthouse keeper", "a lost compass", "a winter orchard", "a night train", "a clock"]
+
+
+def prompts(scenario: str, n: int) -> list[str]:
+    """`n` prompts of a scenario (a few variants, so that no request is a cached replay)."""
+    out = []
+    for i in range(n):
+        towns = ["river", "harbour", "mountain", "forest", "valley town", "island"]
+        passage = PASSAGE.replace("river town", towns[i % len(towns)] + " town")
+        if scenario == "passage":
+            out.append(f"Repeat the following text exactly, word for word.\n\n{passage}")
+        elif scenario == "edit":
+            out.append(
+                'Rewrite the following text, replacing the word "market" with '
+                f'"fair" everywhere; change nothing else.\n\n{passage}'
+            )
+        elif scenario == "code":
+            names = ["orders", "purchases", "invoices", "sales", "bookings", "tickets"]
+            code = CODE.replace("customer_index", f"index_{i}")
+            out.append(
+                "Rename the variable `orders` to `"
+                + names[i % len(names)]
+                + "` in this Python function and return the whole function.\n\n"
+                + f"```python\n{code}```"
+            )
+        elif scenario in ("free", "sampled"):
+            out.append(f"Write a long story about {TOPICS[i % len(TOPICS)]}.")
+        else:
+            raise ValueError(f"unknown scenario {scenario}")
+    return out
+
+
+@dataclass
+class Result:
+    server: str
+    scenario: str
+    clients: int
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+    texts: list[str]
+
+
+def complete(
+    url: str, prompt: str, max_tokens: int, extra: dict[str, Any], seed: int | None = None
+) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0 if seed is None else 0.8,
+        **({} if seed is None else {"seed": seed}),
+        **extra,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def measure(
+    srv: Running, scenario: str, clients: int, requests: int, max_tokens: int, extra: dict[str, Any]
+) -> Result:
+    work = prompts(scenario, clients * requests)
+    answers: list[dict[str, Any]] = [{} for _ in work]
+
+    def client(i: int) -> None:
+        for j in range(requests):
+            k = i * requests + j
+            seed = 100 + k if scenario == "sampled" else None
+            answers[k] = complete(srv.url, work[k], max_tokens, extra, seed)
+
+    # One request first so that both servers start warm (page cache, first-use allocations).
+    complete(srv.url, "Say hello.", 8, extra)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    drafted = accepted = 0
+    for a in answers:
+        details = a.get("usage", {}).get("completion_tokens_details") or {}
+        timings = a.get("timings") or {}
+        acc = int(details.get("accepted_prediction_tokens", timings.get("draft_n_accepted", 0)))
+        rej = details.get("rejected_prediction_tokens")
+        drafted += acc + int(rej) if rej is not None else int(timings.get("draft_n", 0))
+        accepted += acc
+    return Result(
+        srv.name,
+        scenario,
+        clients,
+        sum(int(a["usage"]["completion_tokens"]) for a in answers),
+        seconds,
+        drafted,
+        accepted,
+        [a["choices"][0]["message"]["content"] for a in answers],
+    )
+
+
+@contextmanager
+def llama_server(
+    binary: str, model: str, parallel: int, ctx: int, threads: int, spec: tuple[str, ...]
+) -> Iterator[Running]:
+    port = free_port()
+    cmd = [
+        binary,
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ctx-size",
+        str(ctx * parallel),
+        "--parallel",
+        str(parallel),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        *spec,
+    ]
+    name = "llama-server" + (f" {' '.join(spec)}" if spec else "")
+    with _process(cmd, name, port, "openai") as r:
+        r.name = name
+        yield r
+
+
+@dataclass
+class Config:
+    """One server configuration of the table."""
+
+    label: str
+    kind: str  # "ours" or "llama-server"
+    args: tuple[str, ...]
+    extra: dict[str, Any]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="GGUF model (default: the default model)")
+    ap.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", default="1,4", help="client counts, comma separated")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--scenarios", default="passage,edit,code,free,sampled")
+    ap.add_argument(
+        "--peer-spec",
+        default="--spec-type ngram-simple",
+        help="llama-server's speculation flags (default: its n-gram lookup, its defaults)",
+    )
+    args = ap.parse_args(argv)
+    model = args.model
+    if not model:
+        from llamarunner import default_model_path
+
+        model = str(default_model_path())
+    configs = [
+        Config("llamarunner, no drafts", "ours", ("--draft-max", "0"), {}),
+        Config("llamarunner, drafts", "ours", (), {"speculative": True}),
+    ]
+    if args.llama_server:
+        configs += [
+            Config("llama-server", "llama-server", (), {}),
+            Config(
+                "llama-server " + args.peer_spec, "llama-server", tuple(args.peer_spec.split()), {}
+            ),
+        ]
+        version = subprocess.run(
+            [args.llama_server, "--version"], capture_output=True, text=True, check=False
+        )
+        print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
+    results: list[Result] = []
+    ctx = 2048
+    for clients in [int(c) for c in args.clients.split(",")]:
+        for cfg in configs:
+            if cfg.kind == "ours":
+                server = ours(model, clients, ctx, args.threads, cfg.args, "openai")
+            else:
+                server = llama_server(
+                    args.llama_server, model, clients, ctx, args.threads, cfg.args
+                )
+            with server as srv:
+                for scenario in args.scenarios.split(","):
+                    r = measure(srv, scenario, clients, args.requests, args.max_tokens, cfg.extra)
+                    r.server = cfg.label
+                    results.append(r)
+                    print(
+                        f"{cfg.label} | {scenario} | {clients} | {r.tokens / r.seconds:.1f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    print(report(results))
+    return 0
+
+
+def report(results: list[Result]) -> str:
+    base = {(r.scenario, r.clients): r for r in results if r.server == "llamarunner, no drafts"}
+    peer = {
+        (r.scenario, r.clients): r
+        for r in results
+        if r.server.startswith("llama-server ") and "spec" in r.server
+    }
+    lines = [
+        "| scenario | clients | server | tokens | gen tok/s | vs ours without drafts "
+        "| vs llama-server with drafts | drafted | accepted | acceptance | same text as ours "
+        "without drafts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r.clients, r.scenario)):
+        key = (r.scenario, r.clients)
+        rate = r.tokens / r.seconds
+        b, p = base.get(key), peer.get(key)
+        vs_base = f"{rate / (b.tokens / b.seconds):.2f}" if b else "-"
+        vs_peer = f"{rate / (p.tokens / p.seconds):.2f}" if p else "-"
+        acc = f"{r.accepted / r.drafted:.0%}" if r.drafted else "-"
+        same = ("yes" if r.texts == b.texts else "no") if b else "-"
+        lines.append(
+            f"| {r.scenario} | {r.clients} | {r.server} | {r.tokens} | {rate:.1f} | {vs_base} | "
+            f"{vs_peer} | {r.drafted} | {r.accepted} | {acc} | {same} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+//! Speculative decoding by prompt lookup, inside the continuous batching.
+//!
+//! For a generating sequence, the scheduler looks up its last few tokens earlier in its own
+//! prompt and output; when they occurred before, the tokens that followed them then are
+//! proposed as a draft of what comes next. The draft goes into the same decode batch as the
+//! sequence's next token (and every other sequence's tokens), each drafted position with its
+//! own logits. The sampler then samples position after position exactly as it would without a
+//! draft, and a drafted token is kept only while it is the token the sampler chose: the output
+//! is the output without speculation, token for token, whatever the sampler (for sampling too,
+//! as the sampler draws each token from the same distribution). The cells of the rejected
+//! positions are removed from the KV cache. Each accepted token is a decode step saved.
+//!
+//! The draft positions count against the batch budget like any token, after every generating
+//! sequence's next token and within the places kept for them, so prompts being prefilled and
+//! other sequences are never starved.
+
+use std::time::Instant;
+
+use super::{Phase, Scheduler};
+use crate::engine::{Backend, DoneReason, Token};
+
+/// The server's speculation settings (`--draft-max`, `--draft-min`, `--spec-ngram`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// Most tokens drafted per sequence and step; 0 turns speculation off for everyone.
+    pub draft_max: usize,
+    /// Fewest tokens worth drafting: a shorter proposal is not verified.
+    pub draft_min: usize,
+    /// Longest lookup: the last `ngram` tokens are searched for first, then shorter tails
+    /// down to 2 tokens (1 when `ngram` is 1).
+    pub ngram: usize,
+}
+
+impl SpecConfig {
+    /// Speculation off.
+    pub const OFF: SpecConfig = SpecConfig {
+        draft_max: 0,
+        draft_min: 0,
+        ngram: 3,
+    };
+
+    /// Whether a request with these parameters gets drafts: as it asks (`speculative`), else
+    /// for greedy requests only (sampled text repeats its context less, and its drafts are
+    /// accepted less often).
+    pub fn enabled_for(&self, params: &super::params::SamplingParams) -> bool {
+        self.draft_max > 0 && params.speculative.unwrap_or_else(|| params.greedy())
+    }
+}
+
+/// A sequence's speculation: its draft for this step and its counts.
+#[derive(Debug, Default)]
+pub(super) struct SpecState {
+    /// Drafts are made for it.
+    pub enabled: bool,
+    /// Tokens drafted after its next token in the batch being built.
+    pub draft: Vec<Token>,
+    /// Tokens drafted so far.
+    pub drafted: usize,
+    /// Drafted tokens the sampler agreed with.
+    pub accepted: usize,
+}
+
+impl SpecState {
+    /// The state of a new sequence.
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            ..Self::default()
+        }
+    }
+}
+
+/// Proposes up to `max` tokens to follow `history ++ [last]`: the tokens that followed the most
+/// recent earlier occurrence of its last `n` tokens (`n` from `ngram` down to 2, or 1 when
+/// `ngram` is 1; the longest that matches wins). A match whose continuation runs into the end
+/// of the history (a loop) is continued periodically. Appends to `out`.
+pub fn propose(history: &[Token], last: Token, ngram: usize, max: usize, out: &mut Vec<Token>) {
+    let len = history.len() + 1;
+    let at = |i: usize| -> Token {
+        if i < history.len() {
+            history[i]
+        } else {
+            last
+        }
+    };
+    if max == 0 || ngram == 0 {
+        return;
+    }
+    let shortest = if ngram == 1 { 1 } else { 2 };
+    for n in (shortest..=ngram.min(len - 1)).rev() {
+        let tail = len - n;
+        // Latest start `s` before the tail whose n tokens equal the tail's.
+        let Some(s) = (0..tail)
+            .rev()
+            .find(|&s| (0..n).all(|k| at(s + k) == at(tail + k)))
+        else {
+            continue;
+        };
+        for i in 0..max {
+            let src = s + n + i;
+            let token = if src < len { at(src) } else { out[src - len] };
+            out.push(token);
+        }
+        return;
+    }
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// Drafts for the generating sequences that got a place in this step's batch, within
+    /// `budget` batch places (taken in the order places were given); returns the places used.
+    pub(super) fn place_drafts(&mut self, budget: usize, order_from: usize) -> usize {
+        let cfg = self.speculation;
+        let ctx = self.backend.slot_ctx();
+        let n = self.slots.len();
+        let mut used = 0;
+        for k in 0..n {
+            let i = (order_from + k) % n;
+            let slot = &mut self.slots[i];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            seq.spec.draft.clear();
+            if !seq.spec.enabled || seq.phase != Phase::Decode || seq.queued != 1 {
+                continue;
+            }
+            let Some(&last) = seq.pending.first() else {
+                continue;
+            };
+            // The next token goes at `cached.len()`; drafts after it, all inside the slot (so
+            // that no context shift can happen before the last drafted position is sampled).
+            let room = ctx.saturating_sub(slot.cached.len() + 1);
+            let limit = match seq.params.num_predict {
+                p if p < 0 => 10 * ctx,
+                p => usize::try_from(p).unwrap_or(usize::MAX),
+            };
+            // The next token's logits give one more token; each accepted draft one more.
+            let left = limit.saturating_sub(seq.n_generated + 1);
+            let max = cfg.draft_max.min(room).min(left).min(budget - used);
+            if max == 0 || max < cfg.draft_min {
+                continue;
+            }
+            propose(&slot.cached, last, cfg.ngram, max, &mut seq.spec.draft);
+            if seq.spec.draft.len() < cfg.draft_min.max(1) {
+                seq.spec.draft.clear();
+                continue;
+            }
+            used += seq.spec.draft.len();
+        }
+        used
+    }
+
+    /// Samples the sequence in slot `index` at batch index `at` (its next token's logits), then
+    /// at each drafted position while the sampler agrees with the draft; removes the rejected
+    /// positions from the cache. Returns why the sequence ends, if it does.
+    pub(super) fn sample_drafted(
+        &mut self,
+        index: usize,
+        at: usize,
+        now: Instant,
+    ) -> Option<DoneReason> {
+        let draft = match self.slots[index].seq.as_mut() {
+            Some(seq) => std::mem::take(&mut seq.spec.draft),
+            None => return None,
+        };
+        if draft.is_empty() {
+            return self.sample_one(index, at, now);
+        }
+        let mut accepted = 0;
+        let mut reason = None;
+        for j in 0..=draft.len() {
+            reason = self.sample_one(index, at + j, now);
+            if reason.is_some() {
+                break;
+            }
+            let slot = &mut self.slots[index];
+            let Some(seq) = slot.seq.as_mut() else {
+                break;
+            };
+            match draft.get(j) {
+                // The sampled token is the drafted one, already decoded at the next position.
+                Some(&d) if seq.phase == Phase::Decode && seq.pending == [d] => {
+                    seq.pending.clear();
+                    slot.cached.push(d);
+                    accepted += 1;
+                }
+                _ => break,
+            }
+        }
+        let slot = &mut self.slots[index];
+        if let Some(seq) = slot.seq.as_mut() {
+            seq.spec.drafted += draft.len();
+            seq.spec.accepted += accepted;
+            self.inbox.observer.speculated(draft.len(), accepted);
+            if accepted < draft.len() && !self.backend.kv_truncate(slot.id, slot.cached.len()) {
+                // The cache lost cells the next position needs (a sliding window): decode
+                // what the slot held again, as after a context shift that cannot be done in
+                // place.
+                seq.span.in_scope(|| {
+                    tracing::debug!(
+                        slot = slot.id,
+                        "a draft's cut lost the window; decoding again"
+                    );
+                });
+                self.backend.kv_truncate(slot.id, 0);
+                if reason.is_none() {
+                    let mut all = std::mem::take(&mut slot.cached);
+                    all.append(&mut seq.pending);
+                    seq.pending = all;
+                    seq.phase = Phase::Redecode;
+                }
+                slot.cached.clear();
+            }
+        }
+        reason
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup(history: &[Token], last: Token, ngram: usize, max: usize) -> Vec<Token> {
+        let mut out = Vec::new();
+        propose(history, last, ngram, max, &mut out);
+        out
+    }
+
+    #[test]
+    fn the_latest_longest_match_gives_what_followed_it() {
+        // "a b c d | x b c e | ... b c" : the tail "b c" last occurred before "e".
+        let h = [1, 2, 3, 4, 9, 2, 3, 5, 7, 7, 2];
+        assert_eq!(lookup(&h, 3, 3, 4), vec![5, 7, 7, 2]);
+        // A longer tail that matches wins over a later shorter one: "1 2 3" -> 4.
+        let h = [1, 2, 3, 4, 8, 2, 3, 6, 1, 2];
+        assert_eq!(lookup(&h, 3, 3, 2), vec![4, 8]);
+        // Capped at `max`.
+        assert_eq!(lookup(&h, 3, 3, 1), vec![4]);
+    }
+
+    #[test]
+    fn a_loop_is_continued_past_the_end_of_the_history() {
+        // Period 3: "1 2 3 1 2 3 1 2" + 3 -> 1 2 3 1 2 ...
+        let h = [1, 2, 3, 1, 2, 3, 1, 2];
+        assert_eq!(lookup(&h, 3, 3, 7), vec![1, 2, 3, 1, 2, 3, 1]);
+        // A single repeated token.
+        assert_eq!(lookup(&[5, 5], 5, 2, 4), vec![5, 5, 5, 5]);
+    }
+
+    #[test]
+    fn no_match_or_nothing_asked_drafts_nothing() {
+        assert!(lookup(&[1, 2, 3, 4], 5, 3, 8).is_empty());
+        assert!(lookup(&[], 5, 3, 8).is_empty());
+        assert!(lookup(&[1, 2, 1], 2, 3, 0).is_empty());
+        assert!(lookup(&[1, 2, 1], 2, 0, 4).is_empty());
+        // Single tokens are matched only when asked for (`ngram` 1).
+        assert!(lookup(&[7, 1, 8], 7, 3, 2).is_empty());
+        assert_eq!(lookup(&[7, 1, 8], 7, 1, 2), vec![1, 8]);
+    }
+}
