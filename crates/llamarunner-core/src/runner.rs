@@ -187,7 +187,8 @@ impl Runner {
         let mut state = AppState::new(handle.clone(), config.model_name())
             .with_policy(policy)
             .with_limits(limits)
-            .with_slot_save_path(slot_save_path);
+            .with_slot_save_path(slot_save_path)
+            .with_reasoning_format(config.reasoning_format);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

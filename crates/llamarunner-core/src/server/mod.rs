@@ -13,6 +13,7 @@ pub mod openai;
 pub mod options;
 pub mod slot_file;
 pub mod slots;
+pub mod tool_calls;
 pub mod validate;
 
 use std::path::Path;
@@ -41,6 +42,8 @@ pub struct AppState {
     pub metrics: Option<Arc<Metrics>>,
     /// Where slot files are saved and restored from (`--slot-save-path`); None: off.
     pub slot_save_path: Option<Arc<Path>>,
+    /// `<think>` reasoning in chat answers (`--reasoning-format`).
+    pub reasoning_format: crate::config::ReasoningFormat,
 }
 
 impl AppState {
@@ -53,6 +56,7 @@ impl AppState {
             policy: Arc::new(HttpPolicy::default()),
             metrics: None,
             slot_save_path: None,
+            reasoning_format: crate::config::ReasoningFormat::Auto,
         }
     }
 
@@ -67,6 +71,12 @@ impl AppState {
     /// `slots::prepare_dir` makes one).
     pub fn with_slot_save_path(mut self, dir: Option<Arc<Path>>) -> Self {
         self.slot_save_path = dir;
+        self
+    }
+
+    /// The same state with this treatment of `<think>` reasoning.
+    pub fn with_reasoning_format(mut self, format: crate::config::ReasoningFormat) -> Self {
+        self.reasoning_format = format;
         self
     }
 
