@@ -520,3 +520,13 @@ def test_reasoning_format_none_leaves_the_text(thinker: Path) -> None:
         message = r.choices[0].message
         assert message.content == "OK</think>OK"
         assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_reasoning_format_is_a_setting(thinker: Path) -> None:
+    from llamarunner.config import ServerConfig
+
+    env = {"LLAMARUNNER_REASONING_FORMAT": "none"}
+    assert ServerConfig.resolve(env=env).reasoning_format == "none"
+    assert ServerConfig.resolve(env={}).reasoning_format == "auto"
+    with pytest.raises(ValueError, match="unknown variant `deepseek`, expected `auto` or `none`"):
+        Server(str(thinker), port=0, reasoning_format="deepseek").start()

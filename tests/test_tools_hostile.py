@@ -128,6 +128,9 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     t = Target(write_tiny_model(d / "tiny-model.gguf"), d)
     yield t
     t.close()
+    print("\n=== test_tools_hostile: statuses per route ===")
+    for path, counts in sorted(STATUSES.items()):
+        print(f"{path}: {dict(sorted(counts.items()))}")
 
 
 @pytest.fixture

@@ -665,4 +665,16 @@ mod tests {
             serde_json::from_str(r#"{"model":"m","log_format":"xml"}"#);
         assert!(r.is_err());
     }
+
+    #[test]
+    fn reasoning_format_is_auto_or_none() {
+        let r: RunnerConfig = serde_json::from_str(r#"{"model":"m"}"#).unwrap();
+        assert_eq!(r.reasoning_format, ReasoningFormat::Auto);
+        let r: RunnerConfig =
+            serde_json::from_str(r#"{"model":"m","reasoning_format":"none"}"#).unwrap();
+        assert_eq!(r.reasoning_format, ReasoningFormat::None);
+        let r: Result<RunnerConfig, _> =
+            serde_json::from_str(r#"{"model":"m","reasoning_format":"deepseek"}"#);
+        assert!(r.is_err());
+    }
 }

@@ -161,14 +161,13 @@ impl ToolFormat {
     /// Where calls start in the text, if they do: the trigger's position.
     pub fn call_start(self, text: &str) -> Option<usize> {
         match self {
-            ToolFormat::Generic | ToolFormat::Llama3 => {
-                let trimmed = text.trim_start();
-                let rest = trimmed.strip_prefix('{')?.trim_start();
-                rest.starts_with("\"name\"")
-                    .then_some(text.len() - trimmed.len())
-            }
+            ToolFormat::Generic | ToolFormat::Llama3 => leading_call(text, &['{']),
             ToolFormat::Hermes => text.find("<tool_call>"),
-            ToolFormat::Mistral => text.find("[TOOL_CALLS]"),
+            // `[TOOL_CALLS]` is a control token in Mistral's vocabularies, which the output
+            // text leaves out: a list of calls at the start counts too.
+            ToolFormat::Mistral => text
+                .find("[TOOL_CALLS]")
+                .or_else(|| leading_call(text, &['[', '{'])),
         }
     }
 
@@ -176,24 +175,11 @@ impl ToolFormat {
     /// streaming, until it is known whether a call starts there). Zero when none.
     pub fn partial_trigger(self, text: &str) -> usize {
         match self {
-            ToolFormat::Generic | ToolFormat::Llama3 => {
-                // Only at the very start (whitespace aside): `{`, `{ "na`, ...
-                let trimmed = text.trim_start();
-                if trimmed.is_empty() {
-                    return text.len();
-                }
-                let Some(rest) = trimmed.strip_prefix('{') else {
-                    return 0;
-                };
-                let rest = rest.trim_start();
-                if "\"name\"".starts_with(rest) {
-                    text.len()
-                } else {
-                    0
-                }
-            }
+            ToolFormat::Generic | ToolFormat::Llama3 => leading_partial(text, &['{']),
             ToolFormat::Hermes => partial_suffix(text, "<tool_call>"),
-            ToolFormat::Mistral => partial_suffix(text, "[TOOL_CALLS]"),
+            ToolFormat::Mistral => {
+                partial_suffix(text, "[TOOL_CALLS]").max(leading_partial(text, &['[', '{']))
+            }
         }
     }
 
@@ -214,7 +200,7 @@ impl ToolFormat {
                 .skip(1)
                 .flat_map(|part| json_values(part.split("</tool_call>").next().unwrap_or("")))
                 .collect(),
-            ToolFormat::Mistral => json_values(&body["[TOOL_CALLS]".len()..])
+            ToolFormat::Mistral => json_values(body.strip_prefix("[TOOL_CALLS]").unwrap_or(body))
                 .into_iter()
                 .flat_map(|v| match v {
                     Value::Array(items) => items,
@@ -323,6 +309,38 @@ pub fn rename_root(gbnf: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Where a call written as bare JSON starts: `text` begins (whitespace aside, and between
+/// them) with the `openers` and then `"name"`.
+fn leading_call(text: &str, openers: &[char]) -> Option<usize> {
+    let trimmed = text.trim_start();
+    let mut rest = trimmed;
+    for &c in openers {
+        rest = rest.strip_prefix(c)?.trim_start();
+    }
+    rest.starts_with("\"name\"")
+        .then_some(text.len() - trimmed.len())
+}
+
+/// All of `text` when it may still become the start of a bare-JSON call (`leading_call`),
+/// else zero.
+fn leading_partial(text: &str, openers: &[char]) -> usize {
+    let mut rest = text.trim_start();
+    for &c in openers {
+        if rest.is_empty() {
+            return text.len();
+        }
+        match rest.strip_prefix(c) {
+            Some(r) => rest = r.trim_start(),
+            None => return 0,
+        }
+    }
+    if "\"name\"".starts_with(rest) {
+        text.len()
+    } else {
+        0
+    }
 }
 
 /// The length of the longest suffix of `text` that is a proper prefix of `marker`.
@@ -575,11 +593,22 @@ mod tests {
     }
 
     #[test]
+    fn mistral_calls_without_their_control_token_parse() {
+        // The output text leaves control tokens out: `[TOOL_CALLS]` may be missing.
+        let p =
+            ToolFormat::Mistral.parse(" [{\"name\": \"add\", \"arguments\": {\"a\": 1}}]", KNOWN);
+        assert_eq!(p.calls, vec![call("add", json!({"a": 1}))]);
+        assert!(ToolFormat::Mistral.parse("[1, 2]", KNOWN).calls.is_empty());
+    }
+
+    #[test]
     fn partial_triggers_are_held_back() {
         assert_eq!(ToolFormat::Hermes.partial_trigger("abc <tool"), 5);
         assert_eq!(ToolFormat::Hermes.partial_trigger("abc <"), 1);
         assert_eq!(ToolFormat::Hermes.partial_trigger("abc"), 0);
         assert_eq!(ToolFormat::Mistral.partial_trigger("[TOOL_"), 6);
+        assert_eq!(ToolFormat::Mistral.partial_trigger(" [ {\"na"), 7);
+        assert_eq!(ToolFormat::Mistral.partial_trigger("[1, 2]"), 0);
         assert_eq!(ToolFormat::Generic.partial_trigger("  {\"na"), 6);
         assert_eq!(ToolFormat::Generic.partial_trigger("  "), 2);
         assert_eq!(ToolFormat::Generic.partial_trigger("Hi {"), 0);

@@ -373,8 +373,10 @@ impl ChatOutput {
     /// A reader for the output of a prompt.
     pub fn new(plan: &OutputPlan, prompt: &str) -> Self {
         let calls_at = plan.tools.as_ref().filter(|t| t.forced).map(|_| 0);
+        // A forced call is the whole answer (the grammar leaves no room to think), even after
+        // a prompt that opens a think block.
         Self {
-            think: plan.reasoning.then(|| ThinkSplitter::new(prompt)),
+            think: (plan.reasoning && calls_at.is_none()).then(|| ThinkSplitter::new(prompt)),
             tools: plan.tools.clone(),
             content: String::new(),
             emitted: 0,
@@ -716,6 +718,10 @@ mod tests {
             ];
             for text in &texts {
                 for forced in [false, true] {
+                    if forced && text.starts_with("<think>") {
+                        // A forced answer is a call from its first token: never thinking.
+                        continue;
+                    }
                     let p = plan(f, forced, true);
                     let whole = ChatOutput::new(&p, "").read_all(text);
                     if text.contains("\"name\": \"get_weather\"") {
@@ -737,6 +743,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_forced_call_after_a_prompt_that_opens_a_think_block_is_a_call() {
+        let p = plan(ToolFormat::Hermes, true, true);
+        let a = ChatOutput::new(&p, "<|im_start|>assistant\n<think>\n")
+            .read_all("<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>");
+        assert_eq!(a.calls.len(), 1);
+        assert_eq!(a.reasoning, "");
+        // In auto mode the same prompt starts inside the block.
+        let p = plan(ToolFormat::Hermes, false, true);
+        let a = ChatOutput::new(&p, "<think>\n").read_all("hm</think>Hi");
+        assert_eq!((a.reasoning.as_str(), a.content.as_str()), ("hm", "Hi"));
     }
 
     #[test]
