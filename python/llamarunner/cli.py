@@ -146,6 +146,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "file; default: the model's own (tokenizer.chat_template), else its family's built-in one",
     )
     p.add_argument(
+        "--reasoning-format",
+        choices=["auto", "none"],
+        help="<think> reasoning of thinking models (Qwen3, DeepSeek-R1) in chat answers: auto "
+        "splits it into reasoning_content (OpenAI) / thinking (Ollama), none leaves it in the "
+        "text (default auto)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         help="most tokens one request may generate; 0 = no server cap (default 0)",

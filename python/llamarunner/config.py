@@ -61,6 +61,7 @@ class ServerConfig:
     max_queue: int = 256
     alias: str | None = None
     chat_template: str | None = None
+    reasoning_format: str = "auto"
     api_key: list[str] = field(default_factory=list, repr=False)
     api_key_file: str | None = None
     allow_origin: list[str] = field(default_factory=list)

@@ -29,6 +29,18 @@ pub enum LogFormat {
     Json,
 }
 
+/// What chat answers do with a model's `<think>...</think>` reasoning.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReasoningFormat {
+    /// Split it out (`reasoning_content` in OpenAI's dialect, `thinking` in Ollama's) when the
+    /// chat template is a thinking model's (it mentions `<think>`).
+    #[default]
+    Auto,
+    /// Leave the text as the model wrote it.
+    None,
+}
+
 /// Everything the runner needs to start. Field names match the CLI flags (`--ctx-size` is
 /// `ctx_size`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -95,6 +107,8 @@ pub struct RunnerConfig {
     /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral) or a Jinja file;
     /// default: the GGUF's own, else the family's built-in one.
     pub chat_template: Option<String>,
+    /// `<think>` reasoning in chat answers: split out (auto) or left in the text (none).
+    pub reasoning_format: ReasoningFormat,
     /// API keys; with any (here or in `api_key_file`), every route but `GET /health` needs one.
     pub api_key: Vec<String>,
     /// A file of API keys, one per line (blank lines and `#` comments ignored).
@@ -153,6 +167,7 @@ impl Default for RunnerConfig {
             max_queue: 256,
             alias: None,
             chat_template: None,
+            reasoning_format: ReasoningFormat::Auto,
             api_key: Vec::new(),
             api_key_file: None,
             allow_origin: Vec::new(),
@@ -725,6 +740,18 @@ mod tests {
         assert_eq!((r.log_format, r.no_metrics), (LogFormat::Json, true));
         let r: Result<RunnerConfig, _> =
             serde_json::from_str(r#"{"model":"m","log_format":"xml"}"#);
+        assert!(r.is_err());
+    }
+
+    #[test]
+    fn reasoning_format_is_auto_or_none() {
+        let r: RunnerConfig = serde_json::from_str(r#"{"model":"m"}"#).unwrap();
+        assert_eq!(r.reasoning_format, ReasoningFormat::Auto);
+        let r: RunnerConfig =
+            serde_json::from_str(r#"{"model":"m","reasoning_format":"none"}"#).unwrap();
+        assert_eq!(r.reasoning_format, ReasoningFormat::None);
+        let r: Result<RunnerConfig, _> =
+            serde_json::from_str(r#"{"model":"m","reasoning_format":"deepseek"}"#);
         assert!(r.is_err());
     }
 }

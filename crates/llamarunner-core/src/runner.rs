@@ -188,7 +188,8 @@ impl Runner {
             .with_policy(policy)
             .with_limits(limits)
             .with_slot_save_path(slot_save_path)
-            .with_lora(crate::server::lora::LoraTable::new(&config.lora));
+            .with_lora(crate::server::lora::LoraTable::new(&config.lora))
+            .with_reasoning_format(config.reasoning_format);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

@@ -6,6 +6,9 @@
 //! base model without one), so a small set of known family templates is built in and picked by
 //! architecture and vocabulary; `--chat-template NAME|FILE` overrides both.
 
+pub mod reasoning;
+pub mod tools;
+
 use minijinja::value::Serde;
 use minijinja::{Environment, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
@@ -155,6 +158,15 @@ pub enum TemplateError {
     Render(String),
 }
 
+/// What a request adds to a template's variables besides the messages.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RenderExtras {
+    /// The request's tools, in OpenAI's shape (`chat::tools::template_tools`).
+    pub tools: Option<serde_json::Value>,
+    /// Qwen3-style thinking switch (Ollama's `think`).
+    pub enable_thinking: Option<bool>,
+}
+
 /// A compiled chat template with the model's special tokens.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -223,15 +235,32 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with(messages, add_generation_prompt, &RenderExtras::default())
+    }
+
+    /// `render`, with the request's tools and thinking switch for templates that read them
+    /// (`tools`, `enable_thinking`; left undefined when absent).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extras: &RenderExtras,
+    ) -> Result<String, TemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TemplateError::Render(e.to_string()))?;
-        let ctx = minijinja::context! {
+        let base = minijinja::context! {
             messages => Value::from(Serde(messages)),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),
+        };
+        let tools = extras.tools.as_ref().map(|t| Value::from(Serde(t)));
+        let ctx = minijinja::context! {
+            tools => tools,
+            enable_thinking => extras.enable_thinking,
+            ..base
         };
         let text = template.render(ctx).map_err(|e| {
             let mut reason = e.to_string();

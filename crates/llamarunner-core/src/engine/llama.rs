@@ -311,6 +311,21 @@ fn compile_grammar(model: &LlamaModel, text: &str) -> Result<LlamaSampler, Strin
     })
 }
 
+/// Compiles a grammar that constrains only from the first match of one of `triggers` on
+/// (llama.cpp's lazy grammar). The patterns come from the server's tool-call formats, never
+/// from a request: an invalid pattern is a bug, and the `common` shim turns it into an error.
+fn compile_lazy_grammar(
+    model: &LlamaModel,
+    text: &str,
+    triggers: &[String],
+) -> Result<LlamaSampler, String> {
+    LlamaSampler::grammar_lazy_patterns(model, text, "root", triggers, &[]).map_err(|e| {
+        let reason = super::grammar::explain_gbnf_error(text)
+            .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
+        format!("invalid grammar: {reason}")
+    })
+}
+
 /// The chat template: `--chat-template` (a built-in name or a file), else the GGUF's own, else
 /// the built-in template of the model's family.
 fn chat_template(
@@ -774,6 +789,10 @@ impl Backend for LlamaEngine<'_> {
         }
         let grammar = match p.grammar.as_deref() {
             None => None,
+            Some(text) if !p.grammar_triggers.is_empty() => Some(
+                compile_lazy_grammar(self.model, text, &p.grammar_triggers)
+                    .map_err(BackendError::Sampler)?,
+            ),
             Some(text) => Some(compile_grammar(self.model, text).map_err(BackendError::Sampler)?),
         };
         let mut chain = LlamaSampler::chain_simple(stages);

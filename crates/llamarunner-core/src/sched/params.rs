@@ -42,6 +42,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// GBNF grammar constraining the output (the request's top-level `grammar` or `format`).
     pub grammar: Option<String>,
+    /// With a grammar: regular expressions (searched in the output so far) at whose first
+    /// match the grammar starts constraining, from the match on; empty = from the start. Set
+    /// by the server only (tool calls in "auto" mode), never from a request's text.
+    pub grammar_triggers: Vec<String>,
     /// Shift the context when the slot fills (the request's top-level `shift`); false ends the
     /// sequence with "length" instead.
     pub shift: bool,
@@ -80,6 +84,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             ignore_eos: false,
             grammar: None,
+            grammar_triggers: Vec::new(),
             shift: true,
             truncate: true,
             logit_bias: Vec::new(),

@@ -13,7 +13,7 @@ use tokio::sync::mpsc::Receiver;
 use super::access::{self, Record};
 use super::error::ApiError;
 use super::{validate, AppState};
-use crate::chat::ChatMessage;
+use crate::chat::{ChatMessage, RenderExtras};
 use crate::engine::{
     Completion, EmbedRequest, Embedding, Event, Input, LoadState, ModelInfo, Request, TokenLogprob,
     EVENT_CHANNEL_CAPACITY,
@@ -165,17 +165,27 @@ pub async fn render_chat(
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
 ) -> Result<String, ApiError> {
-    render(model_info(state)?, messages, add_generation_prompt).await
+    render(
+        model_info(state)?,
+        messages,
+        add_generation_prompt,
+        RenderExtras::default(),
+    )
+    .await
 }
 
 async fn render(
     info: Arc<ModelInfo>,
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
+    extras: RenderExtras,
 ) -> Result<String, ApiError> {
-    validate::blocking(move || info.template.render(&messages, add_generation_prompt))
-        .await?
-        .map_err(|e| ApiError::InvalidRequest(e.to_string()))
+    validate::blocking(move || {
+        info.template
+            .render_with(&messages, add_generation_prompt, &extras)
+    })
+    .await?
+    .map_err(|e| ApiError::InvalidRequest(e.to_string()))
 }
 
 /// The prompt for a chat request: the rendered conversation, with the template's end-of-turn
@@ -185,13 +195,23 @@ pub async fn chat_prompt(
     messages: Vec<ChatMessage>,
     params: &mut SamplingParams,
 ) -> Result<String, ApiError> {
+    chat_prompt_with(state, messages, params, RenderExtras::default()).await
+}
+
+/// `chat_prompt` with the request's tools / thinking switch for the template.
+pub async fn chat_prompt_with(
+    state: &AppState,
+    messages: Vec<ChatMessage>,
+    params: &mut SamplingParams,
+    extras: RenderExtras,
+) -> Result<String, ApiError> {
     let info = model_info(state)?;
     for marker in &info.template.stop {
         if !params.stop.contains(marker) {
             params.stop.push(marker.clone());
         }
     }
-    render(info, messages, true).await
+    render(info, messages, true, extras).await
 }
 
 /// A generation that has its slot: the engine's events for it (text, then a final `Done` or

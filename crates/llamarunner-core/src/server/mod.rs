@@ -14,6 +14,7 @@ pub mod openai;
 pub mod options;
 pub mod slot_file;
 pub mod slots;
+pub mod tool_calls;
 pub mod validate;
 
 use std::path::Path;
@@ -44,6 +45,8 @@ pub struct AppState {
     pub slot_save_path: Option<Arc<Path>>,
     /// The `--lora` adapters and their default scales (`lora.rs`).
     pub lora: Arc<lora::LoraTable>,
+    /// `<think>` reasoning in chat answers (`--reasoning-format`).
+    pub reasoning_format: crate::config::ReasoningFormat,
 }
 
 impl AppState {
@@ -57,6 +60,7 @@ impl AppState {
             metrics: None,
             slot_save_path: None,
             lora: Arc::default(),
+            reasoning_format: crate::config::ReasoningFormat::Auto,
         }
     }
 
@@ -77,6 +81,12 @@ impl AppState {
     /// `slots::prepare_dir` makes one).
     pub fn with_slot_save_path(mut self, dir: Option<Arc<Path>>) -> Self {
         self.slot_save_path = dir;
+        self
+    }
+
+    /// The same state with this treatment of `<think>` reasoning.
+    pub fn with_reasoning_format(mut self, format: crate::config::ReasoningFormat) -> Self {
+        self.reasoning_format = format;
         self
     }
 

@@ -20,6 +20,7 @@ use super::common::{
 use super::error::ApiError;
 use super::format::grammar_for_format;
 use super::options::Options;
+use super::tool_calls::ToolRequest;
 use super::{validate, AppState};
 use crate::engine::{Event, LoadState, Token, LLAMA_CPP_2_VERSION};
 
@@ -191,6 +192,10 @@ struct ApplyTemplateRequest {
     messages: Option<Vec<serde_json::Value>>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    tools: Option<Vec<serde_json::Value>>,
+    #[serde(default)]
+    tool_choice: Option<serde_json::Value>,
 }
 
 /// `POST /apply-template`: `{"messages"}` -> `{"prompt"}`, the text the chat endpoints would
@@ -202,6 +207,17 @@ pub async fn apply_template(
     ensure_ready(&state)?;
     let req: ApplyTemplateRequest = parse_json(&body)?;
     let messages = parse_messages(req.messages.unwrap_or_default())?;
+    let tools = ToolRequest::parse(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
+    let history = messages
+        .iter()
+        .any(|m| m.role == "tool" || m.extra.contains_key("tool_calls"));
+    if tools.is_some() || history {
+        // As the chat endpoints prepare it: tools in the prompt, earlier calls and results.
+        let mut params = crate::sched::params::SamplingParams::default();
+        let (prompt, _) =
+            super::tool_calls::chat_request(&state, messages, tools, &mut params, None).await?;
+        return Ok(Json(json!({ "prompt": prompt })).into_response());
+    }
     let prompt = render_chat(&state, messages, req.add_generation_prompt.unwrap_or(true)).await?;
     Ok(Json(json!({ "prompt": prompt })).into_response())
 }

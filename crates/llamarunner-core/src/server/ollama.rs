@@ -23,7 +23,9 @@ use super::common::{
 use super::error::{ApiError, OllamaError};
 use super::format::grammar_for_format;
 use super::options::Options;
+use super::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use super::AppState;
+use crate::chat::tools::ToolCall;
 use crate::chat::ChatMessage;
 use crate::engine::{Completion, Event, ModelInfo};
 use crate::sched::nanos;
@@ -57,22 +59,11 @@ struct OllamaRequest {
 impl OllamaRequest {
     fn check(&self, state: &AppState) -> Result<(), ApiError> {
         required_model(state, self.model.as_deref())?;
-        if matches!(self.think, Some(Value::Bool(true)) | Some(Value::String(_))) {
-            return Err(ApiError::invalid(format!(
-                "\"{}\" does not support thinking",
-                state.model_name
-            )));
-        }
+        self.think()?;
         if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
             return Err(ApiError::invalid(
                 "images are not supported: no multimodal projector is loaded",
             ));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid(format!(
-                "\"{}\" does not support tools",
-                state.model_name
-            )));
         }
         if self.template.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid(
@@ -85,6 +76,21 @@ impl OllamaRequest {
             ));
         }
         Ok(())
+    }
+
+    /// `think`: true, false, or a level ("high", "medium", "low": thinking on); absent: as
+    /// the template is (a thinking model's template thinks).
+    fn think(&self) -> Result<Option<bool>, ApiError> {
+        match &self.think {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => {
+                Ok(Some(true))
+            }
+            Some(other) => Err(ApiError::invalid(format!(
+                "think must be true, false, \"high\", \"medium\" or \"low\", got {other}"
+            ))),
+        }
     }
 
     fn params(&self) -> Result<SamplingParams, ApiError> {
@@ -111,6 +117,17 @@ impl Meta {
             v["response"] = json!(text);
         }
         v["done"] = json!(false);
+        v
+    }
+
+    /// A line of a chat answer read for thinking and calls.
+    fn piece_line(&self, piece: OutPiece) -> Value {
+        let mut v = self.line("");
+        match piece {
+            OutPiece::Content(t) => v["message"]["content"] = json!(t),
+            OutPiece::Reasoning(t) => v["message"]["thinking"] = json!(t),
+            OutPiece::Calls(calls) => v["message"]["tool_calls"] = ollama_calls(&calls),
+        }
         v
     }
 
@@ -161,6 +178,12 @@ fn prepare(
 /// `POST /api/generate`.
 pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
     let (req, mut params, meta) = prepare(&state, &body, false)?;
+    if req.think()? == Some(true) {
+        return Err(ApiError::invalid(
+            "think: thinking is split out on /api/chat; /api/generate answers the text as is",
+        )
+        .into());
+    }
     let prompt = req.prompt.clone().unwrap_or_default();
     let system = req.system.clone().unwrap_or_default();
     if prompt.is_empty() && system.is_empty() {
@@ -195,8 +218,83 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
         return Ok(Json(meta.loaded()).into_response());
     }
     let messages = parse_messages(raw_messages)?;
-    let text = chat_prompt(&state, messages, &mut params).await?;
-    respond(state, text, params, meta, req.stream.unwrap_or(true)).await
+    let tools = ToolRequest::parse(req.tools.as_deref(), None, None)?;
+    let (text, output) =
+        tool_calls::chat_request(&state, messages, tools, &mut params, req.think()?).await?;
+    respond_chat(
+        state,
+        text,
+        params,
+        meta,
+        req.stream.unwrap_or(true),
+        output,
+    )
+    .await
+}
+
+/// Ollama's `tool_calls`: the arguments as an object.
+fn ollama_calls(calls: &[ToolCall]) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| json!({"function": {"index": i, "name": c.name, "arguments": c.arguments}}))
+        .collect()
+}
+
+/// A chat answer, with its thinking (`message.thinking`) and calls (`message.tool_calls`)
+/// split out; streamed, each piece is a line, as Ollama streams them.
+async fn respond_chat(
+    state: AppState,
+    prompt: String,
+    params: SamplingParams,
+    meta: Meta,
+    streaming: bool,
+    mut output: ChatOutput,
+) -> Result<Response, OllamaError> {
+    let rx = start_generation(&state, prompt, params).await?;
+    if !streaming {
+        let all = collect(rx).await?;
+        let answer = output.read_all(&all.text);
+        let mut v = meta.done(&answer.content, &all.done);
+        if !answer.reasoning.is_empty() {
+            v["message"]["thinking"] = json!(answer.reasoning);
+        }
+        if !answer.calls.is_empty() {
+            v["message"]["tool_calls"] = ollama_calls(&answer.calls);
+        }
+        return Ok(Json(v).into_response());
+    }
+    let meta = Arc::new(meta);
+    let lines = rx.flat_map(move |event| {
+        let lines: Vec<Value> = match event {
+            Event::Started => Vec::new(),
+            Event::Text { text, .. } => output
+                .push(&text)
+                .into_iter()
+                .map(|p| meta.piece_line(p))
+                .collect(),
+            Event::Done(c) => {
+                let mut lines: Vec<Value> = output
+                    .finish()
+                    .into_iter()
+                    .map(|p| meta.piece_line(p))
+                    .collect();
+                lines.push(meta.done("", &c));
+                lines
+            }
+            Event::Error(e) => vec![json!({"error": ApiError::from(e).to_string()})],
+        };
+        futures_util::stream::iter(lines.into_iter().map(|v| {
+            let mut s = v.to_string();
+            s.push('\n');
+            Ok::<_, Infallible>(Bytes::from(s))
+        }))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
 }
 
 async fn respond(

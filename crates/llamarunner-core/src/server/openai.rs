@@ -1,7 +1,8 @@
 //! The OpenAI dialect (`/v1`): chat and text completions (JSON or server-sent events ending in
 //! `data: [DONE]`), embeddings and the model list, with errors in OpenAI's shape. What OpenAI
-//! has and a local runner cannot honour (`n` > 1, tools, echo, ...) is refused with a 400
-//! naming the parameter, never silently ignored.
+//! has and a local runner cannot honour (`n` > 1, echo, ...) is refused with a 400 naming the
+//! parameter, never silently ignored. Tool calls and reasoning are read by `tool_calls.rs`;
+//! this file only puts them in OpenAI's shape.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -18,11 +19,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::common::{
-    chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
-    parse_json, parse_messages, start_generation, unix_seconds,
+    check_dimensions, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
+    parse_messages, start_generation, unix_seconds,
 };
 use super::error::{ApiError, OpenAiError};
 use super::format::grammar_for_format;
+use super::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 use super::AppState;
 use crate::engine::{Completion, DoneReason, Event, TokenLogprob};
 use crate::sched::params::SamplingParams;
@@ -60,6 +62,8 @@ struct OpenAiRequest {
     logprobs: Option<Value>,
     top_logprobs: Option<u32>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     echo: Option<bool>,
     suffix: Option<String>,
     best_of: Option<u32>,
@@ -90,11 +94,6 @@ impl OpenAiRequest {
         }
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("best_of: only 1 is supported"));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid(
-                "tools: tool calling is not supported by this server",
-            ));
         }
         let max = self.max_completion_tokens.or(self.max_tokens);
         if max.is_some_and(|m| m < 0) {
@@ -424,8 +423,14 @@ pub async fn chat_completions(
     )?;
     let mut params = req.params(true)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
-    let prompt = chat_prompt(&state, messages, &mut params).await?;
-    respond(state, &req, prompt, params, true).await
+    let tools = ToolRequest::parse(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    let (prompt, output) =
+        tool_calls::chat_request(&state, messages, tools, &mut params, None).await?;
+    respond(state, &req, prompt, params, Some(output)).await
 }
 
 /// `POST /v1/completions`.
@@ -458,7 +463,7 @@ pub async fn completions(
     }
     let mut params = req.params(false)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
-    respond(state, &req, prompt, params, false).await
+    respond(state, &req, prompt, params, None).await
 }
 
 async fn respond(
@@ -466,20 +471,28 @@ async fn respond(
     req: &OpenAiRequest,
     prompt: String,
     params: SamplingParams,
-    chat: bool,
+    output: Option<ChatOutput>,
 ) -> Result<Response, OpenAiError> {
+    let chat = output.is_some();
     let want_logprobs = params.logprobs.is_some();
     let meta = Arc::new(Meta::new(&state, chat, req.include_usage()));
     let rx = start_generation(&state, prompt, params).await?;
     if req.stream != Some(true) {
         let all = collect(rx).await?;
-        let choice = meta.choice(
+        let mut choice = meta.choice(
             Some(&all.text),
             &all.logprobs,
             want_logprobs,
             Some(finish_reason(all.done.done_reason)),
             false,
         );
+        if let Some(output) = output {
+            let answer = output.read_all(&all.text);
+            if !answer.calls.is_empty() {
+                choice["finish_reason"] = json!("tool_calls");
+            }
+            choice["message"] = chat_message(&answer);
+        }
         let mut body = meta.body(false, vec![choice]);
         body["usage"] = usage(&all.done);
         return Ok(Json(body).into_response());
@@ -490,7 +503,14 @@ async fn respond(
         choice["delta"] = json!({"role": "assistant", "content": ""});
         sse(with_usage_null(&meta, meta.body(true, vec![choice])))
     });
-    let events = rx.flat_map(move |event| stream::iter(chunks_for(&meta, event, want_logprobs)));
+    let mut output = output;
+    let mut called = false;
+    let events = rx.flat_map(move |event| {
+        stream::iter(match output.as_mut() {
+            Some(reader) => chat_chunks(&meta, reader, &mut called, event, want_logprobs),
+            None => chunks_for(&meta, event, want_logprobs),
+        })
+    });
     let body = stream::iter(first).chain(events).map(Ok::<_, Infallible>);
     Ok(Sse::new(body).into_response())
 }
@@ -524,26 +544,113 @@ fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<SseEvent> {
             let choice = meta.choice(Some(&text), &logprobs, want_logprobs, None, true);
             vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))]
         }
-        Event::Done(done) => {
-            let text = if meta.chat { None } else { Some("") };
-            let choice = meta.choice(
-                text,
-                &[],
-                false,
-                Some(finish_reason(done.done_reason)),
-                true,
-            );
-            let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
-            if meta.include_usage {
-                let mut last = meta.body(true, Vec::new());
-                last["usage"] = usage(&done);
-                out.push(sse(last));
-            }
-            out.push(SseEvent::default().data("[DONE]"));
-            out
-        }
+        Event::Done(done) => done_chunks(meta, &done, finish_reason(done.done_reason)),
         Event::Error(e) => vec![sse(ApiError::from(e).openai_body())],
     }
+}
+
+/// The last chunks: the finish reason, the usage when asked for, `[DONE]`.
+fn done_chunks(meta: &Meta, done: &Completion, finish: &str) -> Vec<SseEvent> {
+    let text = if meta.chat { None } else { Some("") };
+    let choice = meta.choice(text, &[], false, Some(finish), true);
+    let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
+    if meta.include_usage {
+        let mut last = meta.body(true, Vec::new());
+        last["usage"] = usage(done);
+        out.push(sse(last));
+    }
+    out.push(SseEvent::default().data("[DONE]"));
+    out
+}
+
+/// A chat answer's message: content (null when there are only calls), `tool_calls` with the
+/// arguments as a JSON string, `reasoning_content` when the model thought.
+fn chat_message(answer: &Answer) -> Value {
+    let mut message = json!({"role": "assistant", "content": answer.content});
+    if !answer.calls.is_empty() {
+        if answer.content.is_empty() {
+            message["content"] = Value::Null;
+        }
+        message["tool_calls"] = answer
+            .calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": tool_calls::call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
+                })
+            })
+            .collect();
+    }
+    if !answer.reasoning.is_empty() {
+        message["reasoning_content"] = json!(answer.reasoning);
+    }
+    message
+}
+
+/// The deltas of one piece of a chat answer: text, reasoning, or one delta per call (its id,
+/// name and whole arguments), as OpenAI streams them.
+fn piece_deltas(piece: OutPiece) -> Vec<Value> {
+    match piece {
+        OutPiece::Content(t) => vec![json!({"content": t})],
+        OutPiece::Reasoning(t) => vec![json!({"reasoning_content": t})],
+        OutPiece::Calls(calls) => calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({"tool_calls": [{
+                    "index": i,
+                    "id": tool_calls::call_id(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
+                }]})
+            })
+            .collect(),
+    }
+}
+
+/// The SSE events of one engine event of a chat answer read for calls or reasoning.
+fn chat_chunks(
+    meta: &Meta,
+    reader: &mut ChatOutput,
+    called: &mut bool,
+    event: Event,
+    want_logprobs: bool,
+) -> Vec<SseEvent> {
+    let (pieces, logprobs, done) = match event {
+        Event::Text { text, logprobs } => (reader.push(&text), logprobs, None),
+        Event::Done(done) => (reader.finish(), Vec::new(), Some(done)),
+        other => return chunks_for(meta, other, want_logprobs),
+    };
+    let mut deltas: Vec<Value> = Vec::new();
+    for piece in pieces {
+        *called |= matches!(piece, OutPiece::Calls(_));
+        deltas.extend(piece_deltas(piece));
+    }
+    if deltas.is_empty() && want_logprobs && !logprobs.is_empty() {
+        // Held-back text still reports its tokens' log-probabilities.
+        deltas.push(json!({"content": ""}));
+    }
+    let mut out: Vec<SseEvent> = deltas
+        .into_iter()
+        .enumerate()
+        .map(|(i, delta)| {
+            let lp: &[TokenLogprob] = if i == 0 { &logprobs } else { &[] };
+            let mut choice = meta.choice(None, lp, want_logprobs && i == 0, None, true);
+            choice["delta"] = delta;
+            sse(with_usage_null(meta, meta.body(true, vec![choice])))
+        })
+        .collect();
+    if let Some(done) = done {
+        let finish = if *called {
+            "tool_calls"
+        } else {
+            finish_reason(done.done_reason)
+        };
+        out.extend(done_chunks(meta, &done, finish));
+    }
+    out
 }
 
 /// Body of `POST /v1/embeddings`.
@@ -713,7 +820,6 @@ mod tests {
             r#"{"logprobs":true,"top_logprobs":21}"#,
             r#"{"response_format":{"type":"xml"}}"#,
             r#"{"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#,
-            r#"{"tools":[{"type":"function"}]}"#,
             r#"{"max_tokens":-1}"#,
             r#"{"stop":[1]}"#,
         ] {

@@ -1,0 +1,205 @@
+//! Reasoning output: models that think in `<think>...</think>` before answering (Qwen3,
+//! DeepSeek-R1 and their distillations) get the thinking split from the answer, whole or as it
+//! streams. A template that opens the think block in the generation prompt (the output then
+//! starts inside it) is handled by starting inside.
+
+/// Opens a think block.
+pub const THINK_OPEN: &str = "<think>";
+/// Closes it.
+pub const THINK_CLOSE: &str = "</think>";
+
+/// Where a piece of output belongs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece {
+    /// Thinking.
+    Reasoning(String),
+    /// The answer.
+    Content(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Nothing but whitespace seen yet: a think block may still open.
+    Start,
+    /// Inside the think block.
+    Thinking,
+    /// Just after it: whitespace before the answer is dropped.
+    AfterThink,
+    /// After it (or there was none): everything is content.
+    Answer,
+}
+
+/// Splits output into reasoning and content as it arrives; text that may be the start of a
+/// tag is held back until the next piece tells.
+#[derive(Clone, Debug)]
+pub struct ThinkSplitter {
+    state: State,
+    held: String,
+}
+
+impl ThinkSplitter {
+    /// A splitter for output that follows `prompt` (inside the think block when the prompt
+    /// ends by opening one).
+    pub fn new(prompt: &str) -> Self {
+        let inside = prompt.trim_end().ends_with(THINK_OPEN);
+        Self {
+            state: if inside {
+                State::Thinking
+            } else {
+                State::Start
+            },
+            held: String::new(),
+        }
+    }
+
+    /// Takes the next piece of output; returns what can be said of it now.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.held.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            match self.state {
+                State::Start => {
+                    let trimmed = self.held.trim_start();
+                    if trimmed.is_empty() {
+                        return out;
+                    }
+                    if let Some(rest) = trimmed.strip_prefix(THINK_OPEN) {
+                        self.held = rest.trim_start().to_string();
+                        self.state = State::Thinking;
+                    } else if THINK_OPEN.starts_with(trimmed) {
+                        return out;
+                    } else {
+                        self.state = State::Answer;
+                    }
+                }
+                State::Thinking => {
+                    if let Some(at) = self.held.find(THINK_CLOSE) {
+                        let thought = self.held[..at].to_string();
+                        let rest = self.held[at + THINK_CLOSE.len()..].to_string();
+                        push(&mut out, Piece::Reasoning(thought));
+                        self.held = rest;
+                        self.state = State::AfterThink;
+                    } else {
+                        let keep = partial_suffix(&self.held, THINK_CLOSE);
+                        let ready = self.held[..self.held.len() - keep].to_string();
+                        self.held.drain(..self.held.len() - keep);
+                        push(&mut out, Piece::Reasoning(ready));
+                        return out;
+                    }
+                }
+                State::AfterThink => {
+                    self.held = self.held.trim_start().to_string();
+                    if self.held.is_empty() {
+                        return out;
+                    }
+                    self.state = State::Answer;
+                }
+                State::Answer => {
+                    let text = std::mem::take(&mut self.held);
+                    push(&mut out, Piece::Content(text));
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The end of the output: whatever was held back.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let text = std::mem::take(&mut self.held);
+        let mut out = Vec::new();
+        match self.state {
+            State::Thinking => push(&mut out, Piece::Reasoning(text)),
+            State::Start | State::AfterThink | State::Answer => {
+                push(&mut out, Piece::Content(text))
+            }
+        }
+        out
+    }
+
+    /// Splits a whole output: (reasoning, content).
+    pub fn split(prompt: &str, text: &str) -> (String, String) {
+        let mut s = Self::new(prompt);
+        let mut pieces = s.push(text);
+        pieces.extend(s.finish());
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for p in pieces {
+            match p {
+                Piece::Reasoning(t) => reasoning.push_str(&t),
+                Piece::Content(t) => content.push_str(&t),
+            }
+        }
+        (reasoning.trim_end().to_string(), content)
+    }
+}
+
+fn push(out: &mut Vec<Piece>, piece: Piece) {
+    match &piece {
+        Piece::Reasoning(t) | Piece::Content(t) if t.is_empty() => {}
+        _ => out.push(piece),
+    }
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len())
+        .rev()
+        .find(|&n| {
+            text.len() >= n && text.is_char_boundary(text.len() - n) && text.ends_with(&marker[..n])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_outputs_split() {
+        assert_eq!(
+            ThinkSplitter::split("", "<think>\nHmm, 2+2.\n</think>\n\nIt is 4."),
+            ("Hmm, 2+2.".into(), "It is 4.".into())
+        );
+        assert_eq!(
+            ThinkSplitter::split("", "It is 4."),
+            (String::new(), "It is 4.".into())
+        );
+        // The prompt opened the block.
+        assert_eq!(
+            ThinkSplitter::split("<|im_start|>assistant\n<think>\n", "a</think>b"),
+            ("a".into(), "b".into())
+        );
+        // Never closed: all of it is thinking.
+        assert_eq!(
+            ThinkSplitter::split("", "<think>still going"),
+            ("still going".into(), String::new())
+        );
+        // A tag later in the answer is content.
+        assert_eq!(
+            ThinkSplitter::split("", "Use <think> tags."),
+            (String::new(), "Use <think> tags.".into())
+        );
+    }
+
+    #[test]
+    fn any_split_of_the_stream_gives_the_same_result() {
+        let text = "  <think>I should say hi.</think>\nHi <b>there</b>!";
+        let whole = ThinkSplitter::split("", text);
+        for cut in 0..text.len() {
+            for cut2 in cut..text.len() {
+                let mut s = ThinkSplitter::new("");
+                let mut pieces = s.push(&text[..cut]);
+                pieces.extend(s.push(&text[cut..cut2]));
+                pieces.extend(s.push(&text[cut2..]));
+                pieces.extend(s.finish());
+                let (mut r, mut c) = (String::new(), String::new());
+                for p in pieces {
+                    match p {
+                        Piece::Reasoning(t) => r.push_str(&t),
+                        Piece::Content(t) => c.push_str(&t),
+                    }
+                }
+                assert_eq!((r.trim_end().to_string(), c), whole, "cuts {cut} {cut2}");
+            }
+        }
+    }
+}

@@ -1,0 +1,703 @@
+//! Tool calling by template family: how a family's models write a call, how the tools are put
+//! into the prompt when the chat template does not do it itself, the grammar that makes a call
+//! well-formed, and the parser that reads calls back out of the generated text.
+//!
+//! A family is detected from the chat template's source, as the turn markers are. Adding one:
+//! a `ToolFormat` variant, its line in `detect`, its call text in `call_text` / `instructions`,
+//! its wrapper in `wrap_grammar` and trigger in `trigger_pattern`, and its case in `parse`.
+
+use serde_json::{Map, Value};
+
+use super::ChatMessage;
+
+/// How a model family writes tool calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// Any model: the answer is a JSON object `{"name": ..., "arguments": {...}}` (one per
+    /// line for several calls), as the system prompt instructs.
+    Generic,
+    /// Hermes / Qwen 2.5+: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+    Hermes,
+    /// Llama 3.x: a JSON object `{"name": ..., "parameters": {...}}`.
+    Llama3,
+    /// Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+    Mistral,
+}
+
+/// Every family, for documentation and tests.
+pub const FORMATS: &[ToolFormat] = &[
+    ToolFormat::Generic,
+    ToolFormat::Hermes,
+    ToolFormat::Llama3,
+    ToolFormat::Mistral,
+];
+
+/// One function a request offers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    /// The function's name.
+    pub name: String,
+    /// What it does (may be empty).
+    pub description: String,
+    /// JSON schema of its arguments (an object schema).
+    pub parameters: Value,
+}
+
+/// One call read from the output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    /// The function called.
+    pub name: String,
+    /// Its arguments (a JSON object).
+    pub arguments: Value,
+}
+
+/// What the model wrote, split into text and calls.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Parsed {
+    /// Text outside the calls (trimmed); empty when there is none.
+    pub content: String,
+    /// The calls, in order.
+    pub calls: Vec<ToolCall>,
+}
+
+impl ToolFormat {
+    /// The family of a chat template, from the markers its source writes.
+    pub fn detect(template_source: &str) -> Self {
+        if template_source.contains("<tool_call>") {
+            ToolFormat::Hermes
+        } else if template_source.contains("[TOOL_CALLS]") {
+            ToolFormat::Mistral
+        } else if template_source.contains("<|start_header_id|>") {
+            ToolFormat::Llama3
+        } else {
+            ToolFormat::Generic
+        }
+    }
+
+    /// The family's name, as logs and docs say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolFormat::Generic => "generic",
+            ToolFormat::Hermes => "hermes",
+            ToolFormat::Llama3 => "llama3",
+            ToolFormat::Mistral => "mistral",
+        }
+    }
+
+    /// The key the family writes the arguments under.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            ToolFormat::Llama3 => "parameters",
+            _ => "arguments",
+        }
+    }
+
+    /// The text of calls as this family writes them (for earlier turns rendered by a template
+    /// that does not know tool calls, and for the instructions' example).
+    pub fn call_text(self, calls: &[ToolCall]) -> String {
+        // Written by hand: `name` first, as the models write it (a JSON map sorts its keys).
+        let object = |c: &ToolCall| {
+            format!(
+                "{{\"name\": {}, \"{}\": {}}}",
+                Value::String(c.name.clone()),
+                self.arguments_key(),
+                c.arguments
+            )
+        };
+        match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => {
+                calls.iter().map(object).collect::<Vec<_>>().join("\n")
+            }
+            ToolFormat::Hermes => calls
+                .iter()
+                .map(|c| format!("<tool_call>\n{}\n</tool_call>", object(c)))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            ToolFormat::Mistral => format!(
+                "[TOOL_CALLS][{}]",
+                calls.iter().map(object).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+
+    /// The system prompt text that introduces the tools, for a template that does not render
+    /// them itself.
+    pub fn instructions(self, tools: &[Tool]) -> String {
+        let list: Vec<String> = tools
+            .iter()
+            .map(|t| {
+                format!(
+                    "{{\"name\": {}, \"description\": {}, \"parameters\": {}}}",
+                    Value::String(t.name.clone()),
+                    Value::String(t.description.clone()),
+                    t.parameters
+                )
+            })
+            .collect();
+        let example = self.call_text(&[ToolCall {
+            name: "function_name".into(),
+            arguments: serde_json::json!({"argument": "value"}),
+        }]);
+        format!(
+            "You can call these functions:\n{}\n\nTo call a function, answer with only this, \
+             and nothing else:\n{example}\nThe arguments must follow the function's parameters \
+             schema. If no function fits, answer the user normally.",
+            list.join("\n")
+        )
+    }
+
+    /// The regular expression (searched in the output so far) at which the grammar of a call
+    /// starts constraining in "auto" mode. The families that answer with a bare JSON object
+    /// must start with it (leading whitespace aside), so JSON inside free text stays free.
+    pub fn trigger_pattern(self) -> &'static str {
+        match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => r#"^\s*(\{\s*"name")"#,
+            ToolFormat::Hermes => r"<tool_call>",
+            ToolFormat::Mistral => r"\[TOOL_CALLS\]",
+        }
+    }
+
+    /// Where calls start in the text, if they do: the trigger's position.
+    pub fn call_start(self, text: &str) -> Option<usize> {
+        match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => leading_call(text, &['{']),
+            ToolFormat::Hermes => text.find("<tool_call>"),
+            // `[TOOL_CALLS]` is a control token in Mistral's vocabularies, which the output
+            // text leaves out: a list of calls at the start counts too.
+            ToolFormat::Mistral => text
+                .find("[TOOL_CALLS]")
+                .or_else(|| leading_call(text, &['[', '{'])),
+        }
+    }
+
+    /// The longest suffix of `text` that could be the start of the trigger (held back while
+    /// streaming, until it is known whether a call starts there). Zero when none.
+    pub fn partial_trigger(self, text: &str) -> usize {
+        match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => leading_partial(text, &['{']),
+            ToolFormat::Hermes => partial_suffix(text, "<tool_call>"),
+            ToolFormat::Mistral => {
+                partial_suffix(text, "[TOOL_CALLS]").max(leading_partial(text, &['[', '{']))
+            }
+        }
+    }
+
+    /// Splits generated text into content and calls. Only calls of known tools whose
+    /// arguments are JSON objects count; anything else stays text.
+    pub fn parse(self, text: &str, known: &[&str]) -> Parsed {
+        let Some(start) = self.call_start(text) else {
+            return Parsed {
+                content: text.trim().to_string(),
+                calls: Vec::new(),
+            };
+        };
+        let body = &text[start..];
+        let objects = match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => json_values(body),
+            ToolFormat::Hermes => body
+                .split("<tool_call>")
+                .skip(1)
+                .flat_map(|part| json_values(part.split("</tool_call>").next().unwrap_or("")))
+                .collect(),
+            ToolFormat::Mistral => json_values(body.strip_prefix("[TOOL_CALLS]").unwrap_or(body))
+                .into_iter()
+                .flat_map(|v| match v {
+                    Value::Array(items) => items,
+                    other => vec![other],
+                })
+                .collect(),
+        };
+        let calls: Vec<ToolCall> = objects
+            .into_iter()
+            .filter_map(|v| self.call_of(v, known))
+            .collect();
+        if calls.is_empty() {
+            return Parsed {
+                content: text.trim().to_string(),
+                calls,
+            };
+        }
+        Parsed {
+            content: text[..start].trim().to_string(),
+            calls,
+        }
+    }
+
+    fn call_of(self, v: Value, known: &[&str]) -> Option<ToolCall> {
+        let Value::Object(mut m) = v else {
+            return None;
+        };
+        let name = m.remove("name")?.as_str()?.to_string();
+        if !known.contains(&name.as_str()) {
+            return None;
+        }
+        let arguments = m
+            .remove(self.arguments_key())
+            .or_else(|| m.remove("arguments"))
+            .or_else(|| m.remove("parameters"))
+            .unwrap_or_else(|| Value::Object(Map::new()));
+        // Some models write the arguments as a JSON string.
+        let arguments = match arguments {
+            Value::String(s) => serde_json::from_str(&s).ok()?,
+            other => other,
+        };
+        arguments
+            .is_object()
+            .then_some(ToolCall { name, arguments })
+    }
+
+    /// The GBNF of a whole answer made of calls, around `call_rule` (the grammar of one call
+    /// object whose root is renamed `tool-call`): with `parallel`, several calls.
+    pub fn wrap_grammar(self, call_rules: &str, parallel: bool) -> String {
+        let more = |sep: &str, item: &str| {
+            if parallel {
+                format!("({sep} {item}){{0,{MAX_PARALLEL_CALLS}}}")
+            } else {
+                String::new()
+            }
+        };
+        let root = match self {
+            ToolFormat::Generic | ToolFormat::Llama3 => {
+                format!("root ::= tool-call {}", more("\"\\n\"", "tool-call"))
+            }
+            ToolFormat::Hermes => format!(
+                "root ::= hermes-call {}\nhermes-call ::= \"<tool_call>\\n\" tool-call \"</tool_call>\"",
+                more("\"\\n\"", "hermes-call")
+            ),
+            ToolFormat::Mistral => format!(
+                "root ::= \"[TOOL_CALLS][\" tool-call {}\"]\"",
+                more("\", \"", "tool-call")
+            ),
+        };
+        format!("{root}\n{call_rules}")
+    }
+}
+
+/// Most calls after the first in one answer with `parallel_tool_calls`.
+pub const MAX_PARALLEL_CALLS: usize = 15;
+
+/// The JSON schema of one call object of this family: `name` one of the tools' names, the
+/// arguments the chosen tool's parameters. Written by hand so that `name` comes first (the
+/// schema converter keeps the order of `properties`).
+pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> String {
+    let key = format.arguments_key();
+    let alternatives: Vec<String> = tools
+        .iter()
+        .map(|t| {
+            format!(
+                r#"{{"type":"object","properties":{{"name":{{"const":{}}},"{key}":{}}},"required":["name","{key}"],"additionalProperties":false}}"#,
+                Value::String(t.name.clone()),
+                t.parameters
+            )
+        })
+        .collect();
+    if alternatives.len() == 1 {
+        alternatives.into_iter().next().unwrap_or_default()
+    } else {
+        format!(r#"{{"anyOf":[{}]}}"#, alternatives.join(","))
+    }
+}
+
+/// Renames a converted schema's `root` rule to `tool-call`, so that a family's wrapper can
+/// be the root. The converter names only the top rule `root`.
+pub fn rename_root(gbnf: &str) -> String {
+    gbnf.lines()
+        .map(|line| match line.strip_prefix("root ::=") {
+            Some(rest) => format!("tool-call ::={rest}"),
+            None => line.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Where a call written as bare JSON starts: `text` begins (whitespace aside, and between
+/// them) with the `openers` and then `"name"`.
+fn leading_call(text: &str, openers: &[char]) -> Option<usize> {
+    let trimmed = text.trim_start();
+    let mut rest = trimmed;
+    for &c in openers {
+        rest = rest.strip_prefix(c)?.trim_start();
+    }
+    rest.starts_with("\"name\"")
+        .then_some(text.len() - trimmed.len())
+}
+
+/// All of `text` when it may still become the start of a bare-JSON call (`leading_call`),
+/// else zero.
+fn leading_partial(text: &str, openers: &[char]) -> usize {
+    let mut rest = text.trim_start();
+    for &c in openers {
+        if rest.is_empty() {
+            return text.len();
+        }
+        match rest.strip_prefix(c) {
+            Some(r) => rest = r.trim_start(),
+            None => return 0,
+        }
+    }
+    if "\"name\"".starts_with(rest) {
+        text.len()
+    } else {
+        0
+    }
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len())
+        .rev()
+        .find(|&n| {
+            text.len() >= n && text.is_char_boundary(text.len() - n) && text.ends_with(&marker[..n])
+        })
+        .unwrap_or(0)
+}
+
+/// The JSON values at the start of `text`, one after another (whitespace, `;` or `,`
+/// between them); stops at the first thing that is not JSON.
+fn json_values(text: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ';' || c == ',');
+        if rest.is_empty() {
+            break;
+        }
+        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        match stream.next() {
+            Some(Ok(v)) => {
+                out.push(v);
+                rest = &rest[stream.byte_offset()..];
+            }
+            _ => break,
+        }
+    }
+    out
+}
+
+/// Whether a template renders the request's tools itself (it reads a `tools` variable).
+pub fn template_renders_tools(template_source: &str) -> bool {
+    template_source.contains("tools")
+}
+
+/// Prepares a conversation for a template. `tools` (when the template does not render them)
+/// go into the system prompt as instructions. Earlier calls and tool results: a template that
+/// renders tools gets assistant `tool_calls` with object arguments (as Hugging Face templates
+/// read them); one that does not gets the calls as the family's text and the results as user
+/// turns.
+pub fn prepare_messages(
+    format: ToolFormat,
+    template_renders_tools: bool,
+    tools: Option<&[Tool]>,
+    messages: Vec<ChatMessage>,
+) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    // Call ids to function names, for naming tool results.
+    let mut names: Vec<(String, String)> = Vec::new();
+    for mut m in messages {
+        let calls = m.extra.remove("tool_calls");
+        if let Some(Value::Array(calls)) = calls {
+            let mut parsed = Vec::new();
+            let mut normalized = Vec::new();
+            for mut call in calls {
+                let id = call.get("id").and_then(Value::as_str).map(str::to_string);
+                let mut none = Value::Null;
+                let function = match call.get_mut("function") {
+                    Some(f) if f.is_object() => f,
+                    _ => &mut none,
+                };
+                if let Some(Value::String(s)) = function.get("arguments") {
+                    if let Ok(v) = serde_json::from_str::<Value>(s) {
+                        function["arguments"] = v;
+                    }
+                }
+                let name = function
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string();
+                if let Some(id) = id {
+                    names.push((id, name.clone()));
+                }
+                let arguments = function.get("arguments").cloned().unwrap_or(Value::Null);
+                parsed.push(ToolCall { name, arguments });
+                normalized.push(call);
+            }
+            if template_renders_tools {
+                m.extra
+                    .insert("tool_calls".into(), Value::Array(normalized));
+            } else {
+                let text = format.call_text(&parsed);
+                m.content = if m.content.is_empty() {
+                    text
+                } else {
+                    format!("{}\n{text}", m.content)
+                };
+            }
+        } else if let Some(other) = calls {
+            m.extra.insert("tool_calls".into(), other);
+        }
+        if m.role == "tool" && !template_renders_tools {
+            let name = m
+                .extra
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .and_then(|id| names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone()))
+                .or_else(|| {
+                    m.extra
+                        .get("tool_name")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .or_else(|| {
+                    m.extra
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                });
+            m.role = "user".into();
+            m.content = match name {
+                Some(n) => format!("Result of {n}: {}", m.content),
+                None => format!("Tool result: {}", m.content),
+            };
+        }
+        out.push(m);
+    }
+    if let Some(tools) = tools.filter(|t| !t.is_empty() && !template_renders_tools) {
+        let text = format.instructions(tools);
+        match out.first_mut().filter(|m| m.role == "system") {
+            Some(system) => system.content = format!("{}\n\n{text}", system.content),
+            None => out.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: text,
+                    extra: Map::new(),
+                },
+            ),
+        }
+    }
+    out
+}
+
+/// The tools as chat templates read them: OpenAI's shape,
+/// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+pub fn template_tools(tools: &[Tool]) -> Value {
+    Value::Array(
+        tools
+            .iter()
+            .map(|t| {
+                serde_json::json!({"type": "function", "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                }})
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const KNOWN: &[&str] = &["get_weather", "add"];
+
+    fn call(name: &str, args: Value) -> ToolCall {
+        ToolCall {
+            name: name.into(),
+            arguments: args,
+        }
+    }
+
+    #[test]
+    fn families_are_detected_from_the_template() {
+        assert_eq!(
+            ToolFormat::detect("{% if tools %}<tool_call>{% endif %}"),
+            ToolFormat::Hermes
+        );
+        assert_eq!(
+            ToolFormat::detect("[TOOL_CALLS] [INST]"),
+            ToolFormat::Mistral
+        );
+        assert_eq!(
+            ToolFormat::detect("<|start_header_id|>x<|end_header_id|>"),
+            ToolFormat::Llama3
+        );
+        assert_eq!(ToolFormat::detect("<start_of_turn>"), ToolFormat::Generic);
+        assert_eq!(
+            ToolFormat::detect(super::super::builtin("gemma").unwrap()),
+            ToolFormat::Generic
+        );
+    }
+
+    #[test]
+    fn each_family_parses_what_it_writes() {
+        let calls = vec![
+            call("get_weather", json!({"city": "Paris", "unit": "celsius"})),
+            call("add", json!({"a": 1, "b": 2})),
+        ];
+        for &f in FORMATS {
+            let text = f.call_text(&calls);
+            assert_eq!(f.parse(&text, KNOWN).calls, calls, "{f:?}: {text}");
+            assert_eq!(f.parse(&text, KNOWN).content, "", "{f:?}");
+            let one = f.call_text(&calls[..1]);
+            assert_eq!(f.parse(&one, KNOWN).calls, calls[..1], "{f:?}");
+        }
+    }
+
+    #[test]
+    fn free_text_and_unknown_tools_stay_text() {
+        for &f in FORMATS {
+            let p = f.parse("  Hello there. ", KNOWN);
+            assert_eq!(
+                p,
+                Parsed {
+                    content: "Hello there.".into(),
+                    calls: vec![]
+                }
+            );
+            let unknown = f.call_text(&[call("rm_rf", json!({}))]);
+            let p = f.parse(&unknown, KNOWN);
+            assert!(p.calls.is_empty(), "{f:?}");
+            assert_eq!(p.content, unknown.trim(), "{f:?}");
+            // Cut-off JSON is text too.
+            let cut = f.call_text(&[call("add", json!({"a": 1}))]);
+            let cut = &cut[..cut.len() - 15];
+            assert!(f.parse(cut, KNOWN).calls.is_empty(), "{f:?}: {cut}");
+        }
+    }
+
+    #[test]
+    fn text_before_a_call_is_content() {
+        let p = ToolFormat::Hermes.parse(
+            "Let me look.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>",
+            KNOWN,
+        );
+        assert_eq!(p.content, "Let me look.");
+        assert_eq!(p.calls, vec![call("add", json!({"a": 1}))]);
+        // A bare-JSON family only calls at the start.
+        let p = ToolFormat::Generic.parse("See {\"name\": \"add\", \"arguments\": {}}", KNOWN);
+        assert!(p.calls.is_empty());
+        // Arguments written as a JSON string, and Llama's `parameters`.
+        let p = ToolFormat::Llama3.parse(
+            "{\"name\": \"add\", \"parameters\": \"{\\\"a\\\": 2}\"}",
+            KNOWN,
+        );
+        assert_eq!(p.calls, vec![call("add", json!({"a": 2}))]);
+        // An unclosed Hermes call whose JSON is complete still counts.
+        let p =
+            ToolFormat::Hermes.parse("<tool_call>\n{\"name\": \"add\", \"arguments\": {}}", KNOWN);
+        assert_eq!(p.calls, vec![call("add", json!({}))]);
+    }
+
+    #[test]
+    fn mistral_calls_without_their_control_token_parse() {
+        // The output text leaves control tokens out: `[TOOL_CALLS]` may be missing.
+        let p =
+            ToolFormat::Mistral.parse(" [{\"name\": \"add\", \"arguments\": {\"a\": 1}}]", KNOWN);
+        assert_eq!(p.calls, vec![call("add", json!({"a": 1}))]);
+        assert!(ToolFormat::Mistral.parse("[1, 2]", KNOWN).calls.is_empty());
+    }
+
+    #[test]
+    fn partial_triggers_are_held_back() {
+        assert_eq!(ToolFormat::Hermes.partial_trigger("abc <tool"), 5);
+        assert_eq!(ToolFormat::Hermes.partial_trigger("abc <"), 1);
+        assert_eq!(ToolFormat::Hermes.partial_trigger("abc"), 0);
+        assert_eq!(ToolFormat::Mistral.partial_trigger("[TOOL_"), 6);
+        assert_eq!(ToolFormat::Mistral.partial_trigger(" [ {\"na"), 7);
+        assert_eq!(ToolFormat::Mistral.partial_trigger("[1, 2]"), 0);
+        assert_eq!(ToolFormat::Generic.partial_trigger("  {\"na"), 6);
+        assert_eq!(ToolFormat::Generic.partial_trigger("  "), 2);
+        assert_eq!(ToolFormat::Generic.partial_trigger("Hi {"), 0);
+        assert_eq!(ToolFormat::Llama3.partial_trigger("{\"x"), 0);
+        // Never inside a multi-byte character.
+        assert_eq!(ToolFormat::Hermes.partial_trigger("é"), 0);
+    }
+
+    #[test]
+    fn grammars_wrap_the_call_rule() {
+        let rules = rename_root("root ::= \"{\" space \"}\"\nspace ::= \" \"?");
+        assert_eq!(rules, "tool-call ::= \"{\" space \"}\"\nspace ::= \" \"?");
+        for &f in FORMATS {
+            for parallel in [false, true] {
+                let g = f.wrap_grammar(&rules, parallel);
+                assert!(g.starts_with("root ::= "), "{g}");
+                assert_eq!(
+                    crate::engine::grammar::explain_gbnf_error(&g),
+                    None,
+                    "{f:?}: {g}"
+                );
+            }
+        }
+        assert!(ToolFormat::Hermes
+            .wrap_grammar(&rules, false)
+            .contains("\"<tool_call>\\n\" tool-call \"</tool_call>\""));
+    }
+
+    #[test]
+    fn call_schemas_name_the_tool_first() {
+        let t = Tool {
+            name: "add".into(),
+            description: String::new(),
+            parameters: json!({"type": "object"}),
+        };
+        let s = call_schema(ToolFormat::Llama3, &[&t]);
+        assert_eq!(
+            s,
+            r#"{"type":"object","properties":{"name":{"const":"add"},"parameters":{"type":"object"}},"required":["name","parameters"],"additionalProperties":false}"#
+        );
+        let two = call_schema(ToolFormat::Generic, &[&t, &t]);
+        assert!(two.starts_with(r#"{"anyOf":[{"#));
+        assert!(serde_json::from_str::<Value>(&two).is_ok());
+    }
+
+    fn msg(role: &str, content: &str, extra: Value) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            extra: extra.as_object().cloned().unwrap_or_default(),
+        }
+    }
+
+    #[test]
+    fn history_is_rewritten_for_templates_without_tools() {
+        let tools = [Tool {
+            name: "get_weather".into(),
+            description: "Weather now".into(),
+            parameters: json!({"type": "object"}),
+        }];
+        let messages = vec![
+            msg("user", "Weather in Paris?", json!({})),
+            msg(
+                "assistant",
+                "",
+                json!({"tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
+            ),
+            msg("tool", "{\"temp\": 21}", json!({"tool_call_id": "call_1"})),
+        ];
+        let out = prepare_messages(ToolFormat::Generic, false, Some(&tools), messages.clone());
+        assert_eq!(out[0].role, "system");
+        assert!(out[0]
+            .content
+            .contains("{\"name\": \"get_weather\", \"description\": \"Weather now\""));
+        assert!(out[0].content.contains("Weather now"));
+        assert_eq!(
+            out[2].content,
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}"
+        );
+        assert!(!out[2].extra.contains_key("tool_calls"));
+        assert_eq!(out[3].role, "user");
+        assert_eq!(out[3].content, "Result of get_weather: {\"temp\": 21}");
+        // A template that renders tools gets them untouched, arguments as an object.
+        let out = prepare_messages(ToolFormat::Hermes, true, Some(&tools), messages);
+        assert_eq!(out.len(), 3);
+        assert_eq!(
+            out[1].extra["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(out[2].role, "tool");
+    }
+}
