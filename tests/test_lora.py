@@ -329,6 +329,36 @@ def test_the_route_needs_the_api_key(tmp_path: Path, start_server: Callable[...,
     ]
 
 
+def test_a_slot_file_is_restored_only_under_the_scales_it_was_saved_with(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    """A slot file records the scale set its cache was computed under: restoring it while the
+    defaults are another set would serve KV cells of other weights, so it is refused (400
+    invalid_slot_file naming the scales) until the defaults are that set again."""
+    path, _ = tiny_adapter(tmp_path / "a.gguf", NAMES_0, seed=3)
+    srv = start_server(
+        write_tiny_model(tmp_path / "m.gguf"),
+        lora=[f"{path}:0"],
+        slot_save_path=str(tmp_path / "slots"),
+    )
+    url = srv.url
+    complete(url, "the cat is", {"lora": [{"id": 0, "scale": 1.5}]}, **GREEDY)
+    wait_idle(url)
+    slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+    slot = next(s["id"] for s in slots if s["cached_tokens"] > 0)
+    saved = httpx.post(f"{url}/slots/{slot}?action=save", json={"filename": "scaled.bin"})
+    assert saved.status_code == 200, saved.text
+    refused = httpx.post(f"{url}/slots/{slot}?action=restore", json={"filename": "scaled.bin"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["type"] == "invalid_slot_file"
+    assert "1.5" in refused.json()["error"]["message"]
+    # With the defaults set to the file's scales it is the same cache again.
+    assert httpx.post(f"{url}/lora-adapters", json=[{"id": 0, "scale": 1.5}]).status_code == 200
+    restored = httpx.post(f"{url}/slots/{slot}?action=restore", json={"filename": "scaled.bin"})
+    assert restored.status_code == 200, restored.text
+    assert restored.json()["n_restored"] == saved.json()["n_saved"] > 0
+
+
 def test_a_server_without_adapters_refuses_any_id(tiny_server: Server) -> None:
     url = tiny_server.url
     assert httpx.get(f"{url}/lora-adapters").json() == []

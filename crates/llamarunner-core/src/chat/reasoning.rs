@@ -139,8 +139,9 @@ fn push(out: &mut Vec<Piece>, piece: Piece) {
     }
 }
 
-/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
+/// The length of the longest suffix of `text` that is a proper prefix of `marker` (text held
+/// back while streaming, in case the marker completes; also used for tool-call triggers).
+pub(crate) fn partial_suffix(text: &str, marker: &str) -> usize {
     (1..marker.len())
         .rev()
         .find(|&n| {

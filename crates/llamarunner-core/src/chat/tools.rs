@@ -8,6 +8,7 @@
 
 use serde_json::{Map, Value};
 
+use super::reasoning::partial_suffix;
 use super::ChatMessage;
 
 /// How a model family writes tool calls.
@@ -150,9 +151,14 @@ impl ToolFormat {
     /// The regular expression (searched in the output so far) at which the grammar of a call
     /// starts constraining in "auto" mode. The families that answer with a bare JSON object
     /// must start with it (leading whitespace aside), so JSON inside free text stays free.
+    /// Whitespace runs are bounded: llama.cpp searches with `std::regex`, whose libstdc++
+    /// engine recurses once per character a `\s*` takes, so an unbounded run of model-written
+    /// whitespace could overflow the engine thread's stack.
     pub fn trigger_pattern(self) -> &'static str {
         match self {
-            ToolFormat::Generic | ToolFormat::Llama3 => r#"^\s*(\{\s*"name")"#,
+            ToolFormat::Generic | ToolFormat::Llama3 => {
+                r#"^[ \t\r\n]{0,32}(\{[ \t\r\n]{0,32}"name")"#
+            }
             ToolFormat::Hermes => r"<tool_call>",
             ToolFormat::Mistral => r"\[TOOL_CALLS\]",
         }
@@ -343,16 +349,6 @@ fn leading_partial(text: &str, openers: &[char]) -> usize {
     }
 }
 
-/// The length of the longest suffix of `text` that is a proper prefix of `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len())
-        .rev()
-        .find(|&n| {
-            text.len() >= n && text.is_char_boundary(text.len() - n) && text.ends_with(&marker[..n])
-        })
-        .unwrap_or(0)
-}
-
 /// The JSON values at the start of `text`, one after another (whitespace, `;` or `,`
 /// between them); stops at the first thing that is not JSON.
 fn json_values(text: &str) -> Vec<Value> {
@@ -393,7 +389,7 @@ pub fn prepare_messages(
 ) -> Vec<ChatMessage> {
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
     // Call ids to function names, for naming tool results.
-    let mut names: Vec<(String, String)> = Vec::new();
+    let mut names: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     for mut m in messages {
         let calls = m.extra.remove("tool_calls");
         if let Some(Value::Array(calls)) = calls {
@@ -417,7 +413,7 @@ pub fn prepare_messages(
                     .unwrap_or_default()
                     .to_string();
                 if let Some(id) = id {
-                    names.push((id, name.clone()));
+                    names.entry(id).or_insert_with(|| name.clone());
                 }
                 let arguments = function.get("arguments").cloned().unwrap_or(Value::Null);
                 parsed.push(ToolCall { name, arguments });
@@ -442,7 +438,7 @@ pub fn prepare_messages(
                 .extra
                 .get("tool_call_id")
                 .and_then(Value::as_str)
-                .and_then(|id| names.iter().find(|(i, _)| i == id).map(|(_, n)| n.clone()))
+                .and_then(|id| names.get(id).cloned())
                 .or_else(|| {
                     m.extra
                         .get("tool_name")

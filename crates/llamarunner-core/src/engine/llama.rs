@@ -177,9 +177,21 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     )
     .with_lora(lora);
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
+    // A recurrent or hybrid model's state cannot drop the cells of rejected drafts (llama.cpp
+    // keeps one state per sequence): each rejection would decode the whole slot again.
+    let speculation = if model.is_recurrent() || model.is_hybrid() {
+        if config.speculation().draft_max > 0 {
+            tracing::info!(
+                "speculative decoding is off: a recurrent model cannot roll back drafts"
+            );
+        }
+        crate::sched::speculative::SpecConfig::OFF
+    } else {
+        config.speculation()
+    };
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
-        .with_speculation(config.speculation())
+        .with_speculation(speculation)
         .run();
     Ok(())
 }

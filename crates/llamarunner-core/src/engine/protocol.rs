@@ -224,6 +224,8 @@ pub enum SlotOutcome {
         tokens: Vec<Token>,
         /// llama.cpp's state of its sequence.
         state: Vec<u8>,
+        /// The LoRA scale set the cache was computed under.
+        lora: crate::engine::LoraScales,
     },
     /// This many tokens are now cached in the slot.
     Restored(usize),

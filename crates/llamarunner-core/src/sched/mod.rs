@@ -379,6 +379,7 @@ impl<B: Backend> Scheduler<B> {
                 Ok(SlotOutcome::Saved {
                     tokens: slot.cached.clone(),
                     state,
+                    lora: slot.lora.clone(),
                 })
             }
             SlotAction::Restore {

@@ -70,11 +70,17 @@ impl SpecState {
     }
 }
 
+/// How many of a sequence's latest tokens a draft lookup searches.
+pub const LOOKBACK: usize = 4096;
+
 /// Proposes up to `max` tokens to follow `history ++ [last]`: the tokens that followed the most
 /// recent earlier occurrence of its last `n` tokens (`n` from `ngram` down to 2, or 1 when
 /// `ngram` is 1; the longest that matches wins). A match whose continuation runs into the end
 /// of the history (a loop) is continued periodically. Appends to `out`.
 pub fn propose(history: &[Token], last: Token, ngram: usize, max: usize, out: &mut Vec<Token>) {
+    // Only the latest LOOKBACK tokens are searched: the scan runs every step for every drafting
+    // sequence on the engine thread, and must not grow with the context.
+    let history = &history[history.len().saturating_sub(LOOKBACK)..];
     let len = history.len() + 1;
     let at = |i: usize| -> Token {
         if i < history.len() {
@@ -255,5 +261,19 @@ mod tests {
         // Single tokens are matched only when asked for (`ngram` 1).
         assert!(lookup(&[7, 1, 8], 7, 3, 2).is_empty());
         assert_eq!(lookup(&[7, 1, 8], 7, 1, 2), vec![1, 8]);
+    }
+
+    #[test]
+    fn only_the_latest_lookback_tokens_are_searched() {
+        // "1 2 3", fillers, then the tail "1 2": with LOOKBACK + 1 tokens of history the
+        // first "1" has left the window.
+        let mut h = vec![1, 2, 3];
+        h.extend(std::iter::repeat_n(9, LOOKBACK - 3));
+        h.push(1);
+        assert_eq!(h.len(), LOOKBACK + 1);
+        assert!(lookup(&h, 2, 3, 2).is_empty());
+        // One filler fewer and it is inside the window.
+        h.remove(3);
+        assert_eq!(lookup(&h, 2, 3, 2), vec![3, 9]);
     }
 }

@@ -1332,7 +1332,7 @@ use crate::engine::{SlotAction, SlotOutcome, SlotPhase};
 /// Saves slot `slot` and returns its tokens and state.
 fn save(h: &Harness, slot: usize) -> (Vec<Token>, Vec<u8>) {
     match h.slot(slot, SlotAction::Save) {
-        Ok(SlotOutcome::Saved { tokens, state }) => (tokens, state),
+        Ok(SlotOutcome::Saved { tokens, state, .. }) => (tokens, state),
         other => panic!("save failed: {other:?}"),
     }
 }

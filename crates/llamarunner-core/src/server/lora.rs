@@ -47,6 +47,16 @@ impl LoraTable {
         })
     }
 
+    /// How many adapters are loaded.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
     /// The scales of requests that name none.
     pub fn defaults(&self) -> LoraScales {
         LoraScales::new(self.default_scales())

@@ -284,11 +284,7 @@ async fn respond_chat(
             }
             Event::Error(e) => vec![json!({"error": ApiError::from(e).to_string()})],
         };
-        futures_util::stream::iter(lines.into_iter().map(|v| {
-            let mut s = v.to_string();
-            s.push('\n');
-            Ok::<_, Infallible>(Bytes::from(s))
-        }))
+        futures_util::stream::iter(lines.into_iter().map(ndjson_line))
     });
     Ok((
         [(header::CONTENT_TYPE, "application/x-ndjson")],
@@ -317,17 +313,20 @@ async fn respond(
             Event::Done(c) => Some(meta.done("", &c)),
             Event::Error(e) => Some(json!({"error": ApiError::from(e).to_string()})),
         };
-        futures_util::future::ready(line.map(|v| {
-            let mut s = v.to_string();
-            s.push('\n');
-            Ok::<_, Infallible>(Bytes::from(s))
-        }))
+        futures_util::future::ready(line.map(ndjson_line))
     });
     Ok((
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(lines),
     )
         .into_response())
+}
+
+/// One NDJSON line of a streamed answer.
+fn ndjson_line(v: Value) -> Result<Bytes, Infallible> {
+    let mut s = v.to_string();
+    s.push('\n');
+    Ok(Bytes::from(s))
 }
 
 /// Body of `POST /api/embed` and the older `POST /api/embeddings`.

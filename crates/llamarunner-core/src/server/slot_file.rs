@@ -14,7 +14,8 @@
 //! ```text
 //! magic        8 bytes  "LLRSLOT\0"
 //! version      u32      1
-//! fingerprint  32 bytes SHA-256 of the model's identity (`model_identity`)
+//! fingerprint  32 bytes SHA-256 of the model's identity (`model_identity`), and of the LoRA
+//!                       scales the cache was computed under (`ModelIdentity::with_lora`)
 //! desc_len     u16      then desc_len bytes: the model, in words (for error messages)
 //! n_tokens     u32      then n_tokens × i32: the slot's cached tokens, by position
 //! state_len    u64      then state_len bytes: llama.cpp's sequence state
@@ -123,6 +124,31 @@ pub fn model_identity(info: &ModelInfo) -> ModelIdentity {
             "{file} ({}, {}, {} parameters)",
             info.architecture, info.quantization, info.n_params
         ),
+    }
+}
+
+impl ModelIdentity {
+    /// The identity of the model with these LoRA scales applied: a cache computed under other
+    /// scales means nothing to it (the base model, every adapter off, is the model's own).
+    pub fn with_lora(self, lora: &crate::engine::LoraScales, n_adapters: usize) -> Self {
+        if lora.is_base() {
+            return self;
+        }
+        let scales = lora.to_vec(n_adapters);
+        let mut hash = Sha256::new();
+        hash.update(self.fingerprint);
+        for s in &scales {
+            hash.update(s.to_le_bytes());
+        }
+        let shown: Vec<String> = scales.iter().map(|s| s.to_string()).collect();
+        Self {
+            fingerprint: hash.finalize().into(),
+            description: format!(
+                "{} with LoRA scales [{}]",
+                self.description,
+                shown.join(", ")
+            ),
+        }
     }
 }
 
@@ -391,6 +417,39 @@ mod tests {
 
     fn identity() -> ModelIdentity {
         model_identity(&ModelInfo::placeholder(64))
+    }
+
+    #[test]
+    fn lora_scales_are_part_of_the_identity() {
+        use crate::engine::LoraScales;
+        let base = identity();
+        let off = identity().with_lora(&LoraScales::new(vec![0.0, 0.0]), 2);
+        assert_eq!(
+            off.fingerprint, base.fingerprint,
+            "every adapter off is the base model"
+        );
+        let a = identity().with_lora(&LoraScales::new(vec![1.5]), 2);
+        let b = identity().with_lora(&LoraScales::new(vec![0.0, 1.5]), 2);
+        let a_again = identity().with_lora(&LoraScales::new(vec![1.5, 0.0]), 2);
+        assert_ne!(a.fingerprint, base.fingerprint);
+        assert_ne!(a.fingerprint, b.fingerprint);
+        assert_eq!(a.fingerprint, a_again.fingerprint);
+        assert!(
+            a.description.ends_with("with LoRA scales [1.5, 0]"),
+            "{}",
+            a.description
+        );
+        // A file saved under one set is refused where the defaults are another.
+        let bytes = {
+            let mut out = Vec::new();
+            write(&mut out, &a, &[1, 2, 3], b"state").expect("write");
+            out
+        };
+        assert!(matches!(
+            read(bytes.clone(), &b, 64, 64),
+            Err(SlotFileError::WrongModel { .. })
+        ));
+        assert!(read(bytes, &a_again, 64, 64).is_ok());
     }
 
     fn file(tokens: &[Token], state: &[u8]) -> Vec<u8> {

@@ -115,10 +115,16 @@ pub async fn action(
         validate::blocking(move || slot_file::model_identity(&info)).await?
     };
     if action == Action::Save {
-        let (tokens, saved) = match run(&state, slot, SlotAction::Save).await? {
-            SlotOutcome::Saved { tokens, state } => (tokens, state),
+        let (tokens, saved, lora) = match run(&state, slot, SlotAction::Save).await? {
+            SlotOutcome::Saved {
+                tokens,
+                state,
+                lora,
+            } => (tokens, state, lora),
             other => return Err(unexpected(&other)),
         };
+        // A cache computed under LoRA scales is only restored where those are the defaults.
+        let identity = identity.with_lora(&lora, state.lora.len());
         let n_saved = tokens.len();
         let path = dir.join(&name);
         let written = validate::blocking(move || write_file(&path, &identity, &tokens, &saved))
@@ -141,6 +147,10 @@ pub async fn action(
         info.n_vocab,
         slot_file::max_file_bytes(&info),
     );
+    // The cache is restored as computed under the default scales: a file saved under others
+    // has another identity and is refused.
+    let defaults = state.lora.defaults();
+    let identity = identity.with_lora(&defaults, state.lora.len());
     let shown = name.clone();
     let (file, n_read) = validate::blocking(move || read_file(&path, &shown, max)).await??;
     let file = slot_file::read(file, &identity, capacity, n_vocab).map_err(|e| match e {
@@ -150,8 +160,7 @@ pub async fn action(
     let restore = SlotAction::Restore {
         tokens: file.tokens,
         state: file.state,
-        // A slot file does not record LoRA scales: the cache is taken as the defaults'.
-        lora: state.lora.defaults(),
+        lora: defaults,
     };
     let n = match run(&state, slot, restore).await {
         Ok(SlotOutcome::Restored(n)) => n,
