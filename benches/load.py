@@ -304,10 +304,11 @@ def llama_cpp_python_server(model: str, ctx: int, threads: int) -> Iterator[Runn
 
 @contextmanager
 def llama_server(
-    binary: str, model: str, parallel: int, ctx: int, threads: int
+    binary: str, model: str, parallel: int, ctx: int, threads: int, extra: tuple[str, ...] = ()
 ) -> Iterator[Running]:
     """llama.cpp's own server, the reference peer: the same slots, context per slot, threads
-    and wire format (OpenAI `/v1/completions`)."""
+    and wire format (OpenAI `/v1/completions`); `extra` flags (its speculation, say) are added
+    and named in the row's label."""
     port = free_port()
     cmd = [
         binary,
@@ -325,8 +326,10 @@ def llama_server(
         str(threads),
         "--threads-batch",
         str(threads),
+        *extra,
     ]
-    with _process(cmd, "llama-server", port, "openai") as r:
+    name = "llama-server" + (f" {' '.join(extra)}" if extra else "")
+    with _process(cmd, name, port, "openai") as r:
         yield r
 
 

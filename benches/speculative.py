@@ -29,14 +29,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from benches.load import Running, _process, free_port, ours
+from benches.load import Running, llama_server, ours
 
 PASSAGE = (
     "The river town woke slowly on market days. Before dawn the fishermen pulled their boats "
@@ -173,35 +171,6 @@ def measure(
         accepted,
         [a["choices"][0]["message"]["content"] for a in answers],
     )
-
-
-@contextmanager
-def llama_server(
-    binary: str, model: str, parallel: int, ctx: int, threads: int, spec: tuple[str, ...]
-) -> Iterator[Running]:
-    port = free_port()
-    cmd = [
-        binary,
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--ctx-size",
-        str(ctx * parallel),
-        "--parallel",
-        str(parallel),
-        "--threads",
-        str(threads),
-        "--threads-batch",
-        str(threads),
-        *spec,
-    ]
-    name = "llama-server" + (f" {' '.join(spec)}" if spec else "")
-    with _process(cmd, name, port, "openai") as r:
-        r.name = name
-        yield r
 
 
 @dataclass

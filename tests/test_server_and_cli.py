@@ -18,7 +18,8 @@ import pytest
 from llamarunner import Client, ModelLoadError, Server, ServerConfig, ServiceUnavailableError
 
 from helpers import ServeProcess, complete, locked_kib, model_file_is_mapped, wait_until
-from tinymodel import model_tensors, write_lora, write_tiny_model
+from tinylora import write_adapter
+from tinymodel import model_tensors, write_tiny_model
 
 
 def test_config_precedence() -> None:
@@ -287,7 +288,7 @@ def test_lora_adapter_is_applied_with_scale_1(
             rng.standard_normal((rank, inp)).astype(np.float32) * 0.5,
             rng.standard_normal((out, rank)).astype(np.float32) * 0.5,
         )
-    adapter = write_lora(tmp_path / "adapter.gguf", pairs, alpha)
+    adapter = write_adapter(tmp_path / "adapter.gguf", "llama", pairs, alpha)
     merged_tensors = dict(base)
     for name, (a, b) in pairs.items():
         merged_tensors[name] = (base[name] + alpha / rank * (b @ a)).astype(np.float32)

@@ -20,7 +20,9 @@ Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 def write_adapter(path: Path, arch: str, pairs: Pairs, alpha: float) -> Path:
-    """Writes the adapter ``pairs`` (base tensor name -> (A, B)) for a model of ``arch``."""
+    """Writes the adapter ``pairs`` for a model of ``arch`` in llama.cpp's GGUF form: for each
+    base tensor ``name`` (numpy shape (out, in)), ``(a, b)`` of shapes (rank, in) and (out,
+    rank). llama.cpp adds ``alpha / rank * b @ a`` (times the adapter's scale) to the tensor."""
     w = GGUFWriter(str(path), arch)
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")

@@ -173,24 +173,6 @@ def write_cycle_model(path: Path, text: str) -> Path:
     return write_tiny_model(path, tensors=tensors)
 
 
-def write_lora(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> Path:
-    """Writes a LoRA adapter for the tiny model in llama.cpp's GGUF form: for each base tensor
-    ``name`` (numpy shape (out, in)), ``(a, b)`` of shapes (rank, in) and (out, rank). llama.cpp
-    adds ``alpha / rank * b @ a`` (times the adapter's scale) to the tensor."""
-    w = GGUFWriter(str(path), "llama")
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", alpha)
-    for name, (a, b) in pairs.items():
-        w.add_tensor(f"{name}.lora_a", a.astype(np.float32))
-        w.add_tensor(f"{name}.lora_b", b.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def hidden_states(
     tokens: list[int], tensors: dict[str, np.ndarray], *, f16_cache: bool = True
 ) -> np.ndarray:
