@@ -97,7 +97,8 @@ class Neighbour:
     on its own for a long while (``ignore_eos``, a huge ``num_predict``), started and waited
     for (its first token arrived) on entry. `still_running` proves that it overlapped
     everything the test ran since: it started before and has not ended. Leaving the block
-    cancels it (closing the connection frees its slot).
+    cancels it (closing the connection frees its slot). Without `--max-tokens` the server stops
+    it at ten slot contexts: a server with small slots needs `max_tokens` for it to last.
 
     >>> with Neighbour(url) as n:  # doctest: +SKIP
     ...     text, _ = complete(url, ...)

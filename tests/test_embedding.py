@@ -28,8 +28,17 @@ def cosine(a: list[float], b: list[float]) -> float:
 def small_batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = write_tiny_model(tmp_path_factory.mktemp("emb") / "tiny.gguf")
     # Flash attention on: the arithmetic the numpy reference reproduces (see hidden_states).
+    # `max_tokens`: the `Neighbour` generation must outlast the test beside it (without it, a
+    # request stops at ten 256-token slot contexts, a second on the tiny model).
     srv = Server(
-        str(model), port=0, parallel=2, ctx_size=256, batch_size=32, threads=2, flash_attn="on"
+        str(model),
+        port=0,
+        parallel=2,
+        ctx_size=256,
+        batch_size=32,
+        threads=2,
+        flash_attn="on",
+        max_tokens=10**9,
     )
     srv.start().wait_ready(60)
     yield srv

@@ -1321,12 +1321,17 @@ def test_b_a_huge_repeat_last_n_is_cheap(
     assert srv.alive(), srv.describe()
 
 
+# A server for `Busy` lets one request generate 10^9 tokens: without `--max-tokens`,
+# `num_predict` stops at ten slot contexts, which the tiny model generates in a few seconds.
+BUSY_FLAGS = ("--max-tokens", str(10**9))
+
+
 class Busy:
     """A long streaming generation holding a slot, read on a thread until ``stop()`` closes it
-    (which cancels it on the server)."""
+    (which cancels it on the server). Its server needs `BUSY_FLAGS`."""
 
     def __init__(self, url: str) -> None:
-        # num_predict huge with ignore_eos: it runs until ten slot contexts (or stop()).
+        # num_predict huge with ignore_eos: it runs until stop().
         self.body = {"prompt": "the cat", "options": {"num_predict": 10**9, "ignore_eos": True}}
         self.url = url
         self.lines = 0
@@ -1375,7 +1380,7 @@ def slots_busy(url: str) -> int:
 def test_c_a_busy_slot_does_not_delay_embeddings_or_validation_errors(
     spawn: Callable[..., WatchedServer],
 ) -> None:
-    srv = spawn("--parallel", "1", "--ctx-size", "1024")
+    srv = spawn("--parallel", "1", "--ctx-size", "1024", *BUSY_FLAGS)
     busy = Busy(srv.url)
     try:
         busy.wait_started()
@@ -1476,7 +1481,7 @@ def read_all(s: socket.socket, timeout: float) -> bytes:
 def test_d_cancelled_queued_requests_leave_the_queue(
     spawn: Callable[..., WatchedServer],
 ) -> None:
-    srv = spawn("--parallel", "1", "--max-queue", "2", "--ctx-size", "1024")
+    srv = spawn("--parallel", "1", "--max-queue", "2", "--ctx-size", "1024", *BUSY_FLAGS)
     busy = Busy(srv.url)
     opened: list[socket.socket] = []
     try:

@@ -305,7 +305,8 @@ def test_errors_have_openai_shape_and_status(client: openai.OpenAI, tiny_server:
                     }
                 ]
             },
-            "invalid_request",
+            # This server has no vision projector (--mmproj).
+            "images_not_supported",
         ),
     ]:
         kwargs.setdefault("max_tokens", 2)

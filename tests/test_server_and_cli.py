@@ -20,6 +20,7 @@ from llamarunner import Client, ModelLoadError, Server, ServerConfig, ServiceUna
 from helpers import ServeProcess, complete, locked_kib, model_file_is_mapped, wait_until
 from tinylora import write_adapter
 from tinymodel import model_tensors, write_tiny_model
+from tinyvision import write_tiny_projector
 
 
 def test_config_precedence() -> None:
@@ -131,6 +132,35 @@ def test_cli_bad_model_is_one_line_and_exit_2(tmp_path: Path, setup: str, messag
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "vision projector (--mmproj) file not found"),
+        ("not_gguf", "not a GGUF vision projector"),
+        ("text_model", "Failed to load CLIP model"),
+        ("wrong_width", "mismatch between text model (n_embd = 64) and mmproj (n_embd = 128)"),
+    ],
+)
+def test_cli_bad_mmproj_is_one_line_naming_the_file_and_exit_2(
+    tiny_model: Path, tmp_path: Path, setup: str, message: str
+) -> None:
+    path = tmp_path / "proj.gguf"
+    if setup == "not_gguf":
+        path.write_text("hello")
+    elif setup == "text_model":
+        write_tiny_model(path)
+    elif setup == "wrong_width":
+        write_tiny_projector(path, n_embd=128)
+    r = run_cli("serve", str(tiny_model), "--mmproj", str(path), "--port", "0")
+    assert r.returncode == 2, r.stderr
+    line = last_error_line(r.stderr)
+    assert message in line and "proj.gguf" in line, r.stderr
+    if setup in ("text_model", "wrong_width"):
+        # Loaded on the engine thread: the message /health shows names the file, not its
+        # directory.
+        assert str(tmp_path) not in line, line
 
 
 def test_cli_bad_flag_value_is_exit_2(tiny_model: Path) -> None:

@@ -26,9 +26,10 @@ REPEAT = "one two three four five six seven eight " * 6
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The random tiny model, 4 slots: its output never repeats, so its drafts are (nearly)
-    all rejected and rolled back."""
+    all rejected and rolled back. Every draft found is verified (`draft_always`): these tests
+    are about verification, and the adaptation would stop drafts that are rejected."""
     model = write_tiny_model(tmp_path_factory.mktemp("spec") / "tiny.gguf")
-    with Server(str(model), port=0, parallel=4, ctx_size=512, threads=2) as srv:
+    with Server(str(model), port=0, parallel=4, ctx_size=512, threads=2, draft_always=True) as srv:
         yield srv
 
 
@@ -36,14 +37,26 @@ def tiny4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def looper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A tiny model whose layers add nothing (their output projections are zero): the next
     token is a function of the last one, so greedy output falls into a loop at once and
-    drafts are accepted."""
+    drafts are accepted. Every draft found is verified (`draft_always`), so that how much is
+    drafted does not follow the step times measured while the tests run."""
+    with Server(
+        str(loop_model(tmp_path_factory)),
+        port=0,
+        parallel=4,
+        ctx_size=512,
+        threads=2,
+        draft_always=True,
+    ) as srv:
+        yield srv
+
+
+def loop_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with layers that add nothing (`looper`)."""
     tensors = model_tensors()
     for name in tensors:
         if name.endswith(("attn_output.weight", "ffn_down.weight")):
             tensors[name] = tensors[name] * 0
-    model = write_tiny_model(tmp_path_factory.mktemp("spec") / "loop.gguf", tensors=tensors)
-    with Server(str(model), port=0, parallel=4, ctx_size=512, threads=2) as srv:
-        yield srv
+    return write_tiny_model(tmp_path_factory.mktemp("spec") / "loop.gguf", tensors=tensors)
 
 
 def run(url: str, prompt: str, speculative: bool, **options: Any) -> tuple[str, dict[str, Any]]:
@@ -217,6 +230,21 @@ def test_sampled_requests_draft_only_when_asked_and_metrics_count(looper: Server
     assert greedy["draft_accepted_count"] <= accepted <= drafted
 
 
+def test_adaptive_drafting_drafts_a_loop_and_keeps_its_text(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Without `draft_always` (the default), a greedy request in a loop makes right guesses,
+    drafts, and has its drafts accepted; the text is the text without drafts."""
+    with Server(
+        str(loop_model(tmp_path_factory)), port=0, parallel=2, ctx_size=512, threads=2
+    ) as srv:
+        plain, _ = run(srv.url, "abc", False, num_predict=120)
+        drafted, final = run(srv.url, "abc", True, num_predict=120)
+    assert drafted == plain
+    assert final["draft_accepted_count"] > 20, final
+    assert final["draft_accepted_count"] >= 0.8 * final["draft_count"], final
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0, [], {}])
 def test_a_speculative_field_that_is_not_a_boolean_is_a_400(tiny4: Server, bad: Any) -> None:
     cases = [
@@ -248,7 +276,7 @@ def test_speculation_off_server_wide(tiny_model: Path, start_server: Any) -> Non
     "settings, name",
     [
         ({"draft_max": 65}, "draft-max"),
-        ({"draft_max": -1}, "-1"),
+        ({"draft_max": -1}, "draft-max"),
         ({"draft_max": 4, "draft_min": 5}, "draft-min"),
         ({"spec_ngram": 0}, "spec-ngram"),
         ({"spec_ngram": 33}, "spec-ngram"),
@@ -368,10 +396,11 @@ def test_default_model_greedy_text_with_drafts_is_the_text_without(gemma: Server
     # The model repeats its input: most drafts are right.
     details = drafted["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 20, details
-    # The native dialect, same text and counts.
+    # The native dialect, same text. (Not the same counts: how much is drafted follows the
+    # step times measured as the server runs, so two runs may draft differently.)
     text, final = run(gemma.url, prompt, True, num_predict=64, ignore_eos=False)
     assert text == drafted["choices"][0]["text"]
-    assert final["draft_accepted_count"] == details["accepted_prediction_tokens"]
+    assert final["draft_accepted_count"] > 20, final
 
 
 @pytest.mark.real_model

@@ -85,7 +85,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "split off at the last ':' only when a number follows it); repeat for several",
     )
     p.add_argument(
-        "--mmproj", help="multimodal projector (accepted; multimodal is not supported yet)"
+        "--mmproj", help="vision projector GGUF for the model: requests may then carry images"
     )
     p.add_argument(
         "--multiuser-cache",
@@ -105,10 +105,27 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
     spec = p.add_argument_group(
         "speculative decoding",
-        "Greedy requests draft their next tokens by looking up their last tokens in their own "
-        "prompt and output, and verify the draft in the same decode step: the output is "
-        'unchanged, and text that repeats its input comes faster. A request\'s "speculative": '
-        "true|false overrides (sampled requests draft only when they ask).",
+        "Greedy requests draft their next tokens, by looking up their last tokens in their own "
+        "prompt and output or, with --draft-model, with a smaller model of the same "
+        "vocabulary; the draft is verified in the same decode step: the output is unchanged, "
+        "and text that repeats its input comes faster. How much is drafted follows how often "
+        "each request's drafts were accepted and how wide the step is, so drafts that do not "
+        'pay stop. A request\'s "speculative": true|false overrides (sampled requests draft '
+        "only when they ask).",
+    )
+    spec.add_argument(
+        "--draft-model",
+        metavar="FILE",
+        help="draft model (GGUF, same vocabulary as the model): drafts come from it instead of "
+        "prompt lookup",
+    )
+    spec.add_argument(
+        "--draft-always",
+        action="store_const",
+        const=True,
+        help="verify every draft found, whatever it costs (by default the draft lengths follow "
+        "how often each request's drafts were accepted, what a decode step costs on this "
+        "machine, and what the draft model costs, so that drafting stops where it does not pay)",
     )
     spec.add_argument(
         "--draft-max",

@@ -55,6 +55,8 @@ class ServerConfig:
     draft_max: int = 8
     draft_min: int = 1
     spec_ngram: int = 3
+    draft_model: str | None = None
+    draft_always: bool = False
     verbose: bool = False
     log_format: str = "text"
     no_metrics: bool = False
@@ -109,7 +111,7 @@ class ServerConfig:
         for name in _COMMA_LISTS:
             value = getattr(self, name)
             setattr(self, name, _comma_list(value) if isinstance(value, str) else list(value))
-        for name in ("model", "api_key_file", "slot_save_path"):
+        for name in ("model", "api_key_file", "slot_save_path", "draft_model"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, str(value))
@@ -142,7 +144,7 @@ class ServerConfig:
         if not data["model"]:
             raise NoModelError("no model path set")
         data["model"] = str(Path(data["model"]).expanduser())
-        for name in ("api_key_file", "slot_save_path"):
+        for name in ("api_key_file", "slot_save_path", "draft_model"):
             if data[name]:
                 data[name] = str(Path(data[name]).expanduser())
         return json.dumps(data)

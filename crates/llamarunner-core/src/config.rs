@@ -77,7 +77,8 @@ pub struct RunnerConfig {
     /// LoRA adapters to load, each `PATH[:SCALE]` (`engine::LoraSpec`: the scale, 1 unless
     /// given, applies to requests that name none; `POST /lora-adapters` changes it).
     pub lora: Vec<crate::engine::LoraSpec>,
-    /// Multimodal projector (not supported yet).
+    /// Vision projector GGUF (`--mmproj`), loaded with the model: requests may then carry
+    /// images (`engine/vision.rs`).
     pub mmproj: Option<PathBuf>,
     /// Share cached prefixes between users (forking), instead of one user's cache per slot.
     pub multiuser_cache: bool,
@@ -92,6 +93,12 @@ pub struct RunnerConfig {
     /// Longest tail of a sequence looked up in its prompt and output (then shorter ones, down
     /// to 2 tokens).
     pub spec_ngram: u32,
+    /// Verify every draft found, whatever it costs: no adaptation of the draft lengths to how
+    /// often drafts are accepted and what a step costs.
+    pub draft_always: bool,
+    /// A draft model for speculative decoding (same vocabulary as the model): drafts come from
+    /// it instead of prompt lookup.
+    pub draft_model: Option<PathBuf>,
     /// Log llama.cpp's own messages too.
     pub verbose: bool,
     /// How log lines are written: text, or JSON objects (read by `llamarunner-py`, which
@@ -161,6 +168,8 @@ impl Default for RunnerConfig {
             draft_max: 8,
             draft_min: 1,
             spec_ngram: 3,
+            draft_model: None,
+            draft_always: false,
             verbose: false,
             log_format: LogFormat::Text,
             no_metrics: false,
@@ -435,6 +444,22 @@ impl RunnerConfig {
         }
     }
 
+    /// Reads a configuration from JSON (the Python side's `ServerConfig.to_json`); an error
+    /// names the setting, as its flag (`--draft-max: invalid value: integer `-1`, expected
+    /// u32`).
+    pub fn from_json(json: &str) -> Result<RunnerConfig, String> {
+        let de = &mut serde_json::Deserializer::from_str(json);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path.is_empty() || path == "." {
+                inner.to_string()
+            } else {
+                format!("--{}: {inner}", path.replace('_', "-"))
+            }
+        })
+    }
+
     /// The scheduler's speculation settings.
     pub fn speculation(&self) -> crate::sched::speculative::SpecConfig {
         let n = |v: u32| usize::try_from(v).unwrap_or(usize::MAX);
@@ -442,6 +467,9 @@ impl RunnerConfig {
             draft_max: n(self.draft_max),
             draft_min: n(self.draft_min),
             ngram: n(self.spec_ngram),
+            cost: crate::sched::adaptive::StepCost::FREE,
+            measure: false,
+            always: self.draft_always,
         }
     }
 
@@ -461,12 +489,6 @@ impl RunnerConfig {
         if self.tensor_split.is_some() {
             out.push(
                 "--tensor-split is not supported yet (llama-cpp-2 has no setter); ignored".into(),
-            );
-        }
-        if self.mmproj.is_some() {
-            out.push(
-                "--mmproj: multimodal input is not supported yet; the projector is not loaded"
-                    .into(),
             );
         }
         out
@@ -729,6 +751,17 @@ mod tests {
 
     #[test]
     fn unknown_json_fields_are_rejected() {
+        // A bad value names its setting.
+        for (json, name) in [
+            (r#"{"model":"m","draft_max":-1}"#, "--draft-max: "),
+            (r#"{"model":"m","draft_min":-3}"#, "--draft-min: "),
+            (r#"{"model":"m","spec_ngram":"x"}"#, "--spec-ngram: "),
+            (r#"{"model":"m","parallel":-1}"#, "--parallel: "),
+        ] {
+            let e = RunnerConfig::from_json(json).unwrap_err();
+            assert!(e.starts_with(name), "{e}");
+        }
+        assert!(RunnerConfig::from_json(r#"{"model":"m"}"#).is_ok());
         let r: Result<RunnerConfig, _> = serde_json::from_str(r#"{"model":"m","bogus":1}"#);
         assert!(r.is_err());
         let r: RunnerConfig = serde_json::from_str(r#"{"model":"m","flash_attn":"on"}"#).unwrap();

@@ -108,6 +108,9 @@ impl Runner {
     pub fn start(config: RunnerConfig) -> Result<Self, StartError> {
         config.validate()?;
         check_gguf(&config.model)?;
+        if let Some(mmproj) = &config.mmproj {
+            check_gguf_file(mmproj, "vision projector (--mmproj)")?;
+        }
         for warning in config.unsupported_settings() {
             tracing::warn!("{warning}");
         }
@@ -609,21 +612,28 @@ impl AsyncWrite for Watched {
 /// Checks that `path` is a readable GGUF file, so that the common mistakes get a clear message
 /// before anything starts.
 pub fn check_gguf(path: &std::path::Path) -> Result<(), StartError> {
+    check_gguf_file(path, "model")
+}
+
+/// `check_gguf` for a GGUF file of another kind, `what` naming it in the messages.
+pub fn check_gguf_file(path: &std::path::Path, what: &str) -> Result<(), StartError> {
     use std::io::Read;
     let shown = path.display();
     let mut f = std::fs::File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => StartError::Model(format!("model file not found: {shown}")),
-        _ => StartError::Model(format!("cannot open model file {shown}: {e}")),
+        std::io::ErrorKind::NotFound => {
+            StartError::Model(format!("{what} file not found: {shown}"))
+        }
+        _ => StartError::Model(format!("cannot open {what} file {shown}: {e}")),
     })?;
     if f.metadata().map(|m| m.is_dir()).unwrap_or(false) {
         return Err(StartError::Model(format!(
-            "{shown} is a directory, not a GGUF model file"
+            "{shown} is a directory, not a GGUF {what} file"
         )));
     }
     let mut magic = [0u8; 4];
     if f.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
         return Err(StartError::Model(format!(
-            "{shown} is not a GGUF model file (it does not start with the GGUF magic bytes)"
+            "{shown} is not a GGUF {what} file (it does not start with the GGUF magic bytes)"
         )));
     }
     Ok(())

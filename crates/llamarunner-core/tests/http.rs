@@ -10,6 +10,9 @@ use llamarunner_core::server::{router, AppState};
 use serde_json::Value;
 use tower::ServiceExt;
 
+mod common;
+use common::{open_stream, post_to};
+
 fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
     std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
@@ -21,17 +24,6 @@ fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
 
 async fn post(app: &axum::Router, body: &str) -> (StatusCode, String) {
     post_to(app, "/completion", body).await
-}
-
-async fn post_to(app: &axum::Router, path: &str, body: &str) -> (StatusCode, String) {
-    let req = Request::post(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
 #[tokio::test]
@@ -70,7 +62,7 @@ async fn bad_requests_get_400_with_a_type() {
         (r#"{"prompt":"x","options":{"seed":"abc"}}"#, "invalid_json"),
         (
             r#"{"prompt":"x","images":[{"data":"","id":0}]}"#,
-            "invalid_request",
+            "images_not_supported",
         ),
     ] {
         let (status, text) = post(&app, body).await;
@@ -353,16 +345,6 @@ async fn unknown_routes_are_404_in_their_dialect() {
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["type"], "not_found");
     handle.shutdown();
-}
-
-/// Starts a request and returns its response once the headers arrive (the slot is taken), with
-/// the body left unread.
-async fn open_stream(app: &axum::Router, body: &str) -> axum::response::Response {
-    let req = Request::post("/completion")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    app.clone().oneshot(req).await.unwrap()
 }
 
 #[tokio::test]

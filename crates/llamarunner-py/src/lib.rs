@@ -115,7 +115,7 @@ impl NativeServer {
 /// in the background: poll `health()`).
 #[pyfunction]
 fn start(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
-    let config: RunnerConfig = serde_json::from_str(config_json)
+    let config = RunnerConfig::from_json(config_json)
         .map_err(|e| PyValueError::new_err(format!("invalid configuration: {e}")))?;
     init_logging(config.verbose, config.log_format);
     let runner = py

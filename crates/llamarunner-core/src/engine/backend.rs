@@ -70,6 +70,19 @@ pub trait Backend {
     fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError>;
     /// Decodes one batch.
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
+    /// Encodes an image with the projector and decodes its positions `pos..pos + n_tokens`
+    /// into sequence `seq`, in a decode call of its own (a llama.cpp batch holds tokens or
+    /// embeddings, not both). With `logits` (a prompt that ends with the image), the last
+    /// position's logits are kept for `sample` at index `n_tokens - 1`, until the next decode.
+    /// The scheduler never asks for an image when the backend has no projector: the HTTP side
+    /// refuses images then.
+    fn decode_image(
+        &mut self,
+        seq: i32,
+        pos: usize,
+        image: &super::PromptImage,
+        logits: bool,
+    ) -> Result<(), BackendError>;
     /// Samples (and accepts) the next token from the logits of batch position `index`.
     /// `None` when the request's grammar allows nothing more (complete, or at a dead end):
     /// the sequence ends there.
@@ -89,6 +102,26 @@ pub trait Backend {
     /// shape); returns how many positions the sequence then holds. On an error the sequence
     /// may be partly cleared: the caller clears it.
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError>;
+    /// Whether a draft model is loaded (`--draft-model`): drafts come from it, not from
+    /// prompt lookup (`sched/draft.rs`).
+    fn has_draft_model(&self) -> bool {
+        false
+    }
+    /// Decodes a batch on the draft model's context (its KV cache holds one sequence per slot,
+    /// like the model's).
+    fn draft_decode(&mut self, _batch: &[BatchToken]) -> Result<(), BackendError> {
+        Err(BackendError::Decode("no draft model is loaded".into()))
+    }
+    /// The draft model's most likely token at batch position `index` of its last decode, and
+    /// its probability among its ten most likely (as llama.cpp's drafts judge `p_min`).
+    fn draft_pick(&self, _index: usize) -> Option<(Token, f32)> {
+        None
+    }
+    /// Removes positions `from..` of a sequence from the draft model's cache; false when it
+    /// cannot (the caller then clears all of it).
+    fn draft_truncate(&mut self, _seq: i32, _from: usize) -> bool {
+        false
+    }
     /// The beginning-of-sequence token, if the tokenizer adds one.
     fn bos(&self) -> Option<Token>;
     /// Most tokens one embedding input may have.

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use super::vision::is_image_continuation;
 use super::{
     Backend, BackendError, BatchToken, LoraScales, TextModel, Token, TokenLogprob, TopLogprob,
 };
@@ -50,6 +51,14 @@ pub struct FakeConfig {
     /// order `n`), so that the output falls into loops that prompt-lookup drafts predict;
     /// None: on the whole history.
     pub markov: Option<usize>,
+    /// A draft model (`--draft-model`): it predicts as a greedy request of the model would with
+    /// this sampler offset (0: the model's greedy choice, so every draft is accepted; another
+    /// value: a different model whose drafts are mostly rejected). None: no draft model.
+    pub draft: Option<u64>,
+    /// The draft model's confidence in every token it picks (`draft_pick`).
+    pub draft_p: f32,
+    /// Fail this draft decode call (1-based).
+    pub fail_draft_decode: Option<usize>,
 }
 
 impl Default for FakeConfig {
@@ -65,6 +74,9 @@ impl Default for FakeConfig {
             embed_piece: 16,
             window: None,
             markov: None,
+            draft: None,
+            draft_p: 0.9,
+            fail_draft_decode: None,
         }
     }
 }
@@ -120,6 +132,16 @@ pub struct FakeBackend {
     lora: LoraScales,
     /// The scale set of every decoded batch, in order (parallel to `log`).
     pub lora_log: Arc<Mutex<Vec<LoraScales>>>,
+    /// Every image decoded (seq, first position, positions), in order; `log` gets an empty
+    /// batch at the same moment, so the two show what ran between which decodes.
+    pub image_log: Arc<Mutex<Vec<(i32, usize, usize)>>>,
+    /// The draft model's KV lists, by sequence.
+    draft_kv: HashMap<i32, Vec<Token>>,
+    /// (seq, position) of each batch index with logits, from the last draft decode.
+    draft_outputs: HashMap<usize, (i32, usize)>,
+    draft_decodes: usize,
+    /// Every batch the draft model decoded, in order.
+    pub draft_log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
 }
 
 /// The fake's sampler: it only remembers the seed, which shifts the output.
@@ -278,6 +300,56 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
+    /// An image's positions hold its synthetic ids (derived from its hash), so the next token
+    /// depends on the image as on text.
+    fn decode_image(
+        &mut self,
+        seq: i32,
+        pos: usize,
+        image: &super::PromptImage,
+        logits: bool,
+    ) -> Result<(), BackendError> {
+        self.decodes += 1;
+        if self.config.fail_decode == Some(self.decodes) {
+            return Err(BackendError::NoKvSlot);
+        }
+        if !self.config.decode_delay.is_zero() {
+            std::thread::sleep(self.config.decode_delay);
+        }
+        let kv = self.kv.entry(seq).or_default();
+        assert_eq!(
+            pos,
+            kv.len(),
+            "image of seq {seq} decoded at {pos} but it holds {}",
+            kv.len()
+        );
+        assert!(
+            pos + image.n_tokens <= self.config.slot_ctx,
+            "seq {seq} overflows its slot with an image"
+        );
+        assert!(
+            image.n_tokens <= self.config.batch_capacity,
+            "an image larger than a decode (the HTTP side refuses those)"
+        );
+        kv.extend(image.tokens());
+        // Whatever was sampled from before is gone; the last position's logits with `logits`.
+        self.outputs.clear();
+        if logits {
+            let last = image.n_tokens - 1;
+            self.outputs.insert(last, (seq, pos + last));
+        }
+        if let Ok(mut log) = self.image_log.lock() {
+            log.push((seq, pos, image.n_tokens));
+        }
+        if let Ok(mut log) = self.log.lock() {
+            log.push(Vec::new());
+        }
+        if let Ok(mut log) = self.lora_log.lock() {
+            log.push(self.lora.clone());
+        }
+        Ok(())
+    }
+
     fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Option<Token> {
         let (seq, pos) = *self
             .outputs
@@ -296,6 +368,10 @@ impl Backend for FakeBackend {
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
         let kv = self.kv.entry(seq).or_default();
+        assert!(
+            !kv.get(from).is_some_and(|&t| is_image_continuation(t)),
+            "seq {seq} cut at {from}, inside an image"
+        );
         if from > 0 && from < kv.len() && !self.config.partial_remove {
             return false;
         }
@@ -310,11 +386,25 @@ impl Backend for FakeBackend {
         }
         let kv = self.kv.entry(seq).or_default();
         let end = (keep + discard).min(kv.len());
+        for at in [keep, end] {
+            assert!(
+                !kv.get(at).is_some_and(|&t| is_image_continuation(t)),
+                "seq {seq} shifted at {at}, inside an image"
+            );
+        }
         kv.drain(keep.min(end)..end);
         true
     }
 
     fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
+        assert!(
+            !self
+                .kv
+                .get(&src)
+                .and_then(|kv| kv.get(len))
+                .is_some_and(|&t| is_image_continuation(t)),
+            "seq {src} forked at {len}, inside an image"
+        );
         let copied: Vec<Token> = self
             .kv
             .get(&src)
@@ -363,6 +453,70 @@ impl Backend for FakeBackend {
         let n = kv.len();
         self.kv.insert(seq, kv);
         Ok(n)
+    }
+
+    fn has_draft_model(&self) -> bool {
+        self.config.draft.is_some()
+    }
+
+    fn draft_decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
+        assert!(
+            self.config.draft.is_some(),
+            "draft decode without a draft model"
+        );
+        assert!(
+            !batch.is_empty() && batch.len() <= self.config.batch_capacity,
+            "draft batch of {} tokens",
+            batch.len()
+        );
+        self.draft_decodes += 1;
+        if self.config.fail_draft_decode == Some(self.draft_decodes) {
+            return Err(BackendError::NoKvSlot);
+        }
+        self.draft_outputs.clear();
+        for (i, t) in batch.iter().enumerate() {
+            let kv = self.draft_kv.entry(t.seq).or_default();
+            let pos = t.pos as usize;
+            assert_eq!(
+                pos,
+                kv.len(),
+                "draft seq {} decoded at {pos} but holds {}",
+                t.seq,
+                kv.len()
+            );
+            assert!(
+                pos < self.config.slot_ctx,
+                "draft seq {} overflows its slot",
+                t.seq
+            );
+            kv.push(t.token);
+            if t.logits {
+                self.draft_outputs.insert(i, (t.seq, pos));
+            }
+        }
+        if let Ok(mut log) = self.draft_log.lock() {
+            log.push(batch.to_vec());
+        }
+        Ok(())
+    }
+
+    fn draft_pick(&self, index: usize) -> Option<(Token, f32)> {
+        let offset = self.config.draft?;
+        let &(seq, pos) = self
+            .draft_outputs
+            .get(&index)
+            .expect("picked a draft batch index without logits (scheduler bug)");
+        let history = &self.draft_kv[&seq][..=pos];
+        let context = match self.config.markov {
+            Some(n) => &history[history.len().saturating_sub(n)..],
+            None => history,
+        };
+        Some((Self::next_token(context, offset), self.config.draft_p))
+    }
+
+    fn draft_truncate(&mut self, seq: i32, from: usize) -> bool {
+        self.draft_kv.entry(seq).or_default().truncate(from);
+        true
     }
 
     fn bos(&self) -> Option<Token> {

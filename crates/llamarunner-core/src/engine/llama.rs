@@ -12,6 +12,8 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{AddBos, LlamaModel, RopeType};
 use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::data::LlamaTokenData;
+use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
@@ -22,6 +24,7 @@ use super::{
 };
 use crate::chat::{self, ChatTemplate, Vocabulary};
 use crate::config::{FlashAttn, RunnerConfig};
+use crate::sched::adaptive::{StepCost, MEASURED_WIDTHS};
 use crate::sched::params::SamplingParams;
 use crate::sched::Scheduler;
 
@@ -153,13 +156,77 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         })
     })?;
 
+    let vision = match &config.mmproj {
+        Some(path) => {
+            let projector = super::mtmd_llama::Projector::load(
+                path,
+                &model,
+                &ctx,
+                threads,
+                n_gpu_layers > 0,
+                |init| {
+                    let (loaded, llama_errors) = with_llama_errors(init);
+                    loaded.map_err(|e| {
+                        if llama_errors.is_empty() {
+                            e
+                        } else {
+                            llama_errors.join("; ")
+                        }
+                    })
+                },
+            )?;
+            let raw_ctx = super::lora_llama::context_pointer(&model, &ctx)?;
+            tracing::info!(mmproj = %path.display(), "vision projector loaded");
+            Some((std::sync::Arc::new(projector), raw_ctx))
+        }
+        None => None,
+    };
+    // The draft model (`--draft-model`) and its context: one sequence per slot, each slot's
+    // context as the model's.
+    let draft_model = match &config.draft_model {
+        Some(path) => Some(load_draft_model(backend, &model, config, path)?),
+        None => None,
+    };
+    let draft = match &draft_model {
+        Some(draft_model) => {
+            let params = LlamaContextParams::default()
+                .with_n_ctx(NonZeroU32::new(n_ctx))
+                .with_n_batch(config.batch_size)
+                .with_n_ubatch(config.batch_size)
+                .with_n_seq_max(parallel)
+                // Every cell kept, so that cutting back a rejected draft never loses cells a
+                // sliding window needs.
+                .with_swa_full(true)
+                .with_n_threads(threads)
+                .with_n_threads_batch(threads)
+                .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+                .with_type_k(kv_type)
+                .with_type_v(kv_type);
+            let (dctx, llama_errors) =
+                with_llama_errors(|| draft_model.new_context(backend, params));
+            let dctx = dctx.map_err(|e| {
+                let why = if llama_errors.is_empty() {
+                    e.to_string()
+                } else {
+                    llama_errors.join("; ")
+                };
+                format!("llama.cpp could not create the draft model's context: {why}")
+            })?;
+            Some(DraftEngine::new(draft_model, dctx, model.n_vocab()))
+        }
+        None => None,
+    };
+
     let slot_ctx = (ctx.n_ctx() / parallel) as usize;
     // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
     // n_ctx is padded): a batch is never larger than what the context really takes.
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
-    inbox
-        .health
-        .set_model_info(model_info(&model, config, slot_ctx)?);
+    let mut info = model_info(&model, config, slot_ctx)?;
+    info.vision = vision.as_ref().map(|(projector, _)| {
+        std::sync::Arc::new(super::mtmd_llama::LlamaVision(projector.clone()))
+            as std::sync::Arc<dyn super::VisionModel>
+    });
+    inbox.health.set_model_info(info);
     let model: &LlamaModel = &model;
     let embed_params = EmbedParams {
         threads,
@@ -175,7 +242,9 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         embed_params,
         config.swa_full,
     )
-    .with_lora(lora);
+    .with_lora(lora)
+    .with_vision(vision)
+    .with_draft(draft);
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
     // A recurrent or hybrid model's state cannot drop the cells of rejected drafts (llama.cpp
     // keeps one state per sequence): each rejection would decode the whole slot again.
@@ -189,11 +258,70 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     } else {
         config.speculation()
     };
+    let mut engine = engine;
+    let speculation = if speculation.draft_max > 0 {
+        let cost = measure_step_cost(&mut engine, speculation.draft_max);
+        tracing::info!(
+            step_us = ?cost.times(),
+            "measured the decode step's cost by width (how much drafting pays)"
+        );
+        crate::sched::speculative::SpecConfig {
+            cost,
+            measure: true,
+            ..speculation
+        }
+    } else {
+        speculation
+    };
     Scheduler::new(engine, inbox, parallel as usize)
         .with_multiuser_cache(config.multiuser_cache)
         .with_speculation(speculation)
         .run();
     Ok(())
+}
+
+/// Times decode steps of 1, 2, ... `1 + drafts` positions (each with logits, as a drafted step
+/// has; at most `MEASURED_WIDTHS`) in sequence 0, before any request: what a step costs by its
+/// width (`sched/adaptive.rs` decides from it how much to draft). The best of two rounds, after a
+/// step of the widest that warms up the graphs. On a failure, positions count as free (every
+/// draft found is verified, as without the measurement).
+fn measure_step_cost(engine: &mut LlamaEngine<'_>, drafts: usize) -> StepCost {
+    let n = (1 + drafts)
+        .min(MEASURED_WIDTHS)
+        .min(engine.batch_capacity)
+        .min(engine.slot_ctx);
+    if n < 2 {
+        return StepCost::FREE;
+    }
+    let vocab = engine.model.n_vocab().max(1);
+    let tokens: Vec<BatchToken> = (0..n)
+        .map(|i| BatchToken {
+            token: i32::try_from(i).unwrap_or(0) % vocab,
+            pos: u32::try_from(i).unwrap_or(0),
+            seq: 0,
+            logits: true,
+        })
+        .collect();
+    let mut time = |batch: &[BatchToken]| -> Option<u64> {
+        let started = std::time::Instant::now();
+        let ok = engine.decode(batch).is_ok();
+        let spent = started.elapsed();
+        engine.kv_truncate(0, 0);
+        ok.then(|| u64::try_from(spent.as_micros()).unwrap_or(u64::MAX))
+    };
+    if time(&tokens).is_none() {
+        return StepCost::FREE;
+    }
+    let mut best = vec![u64::MAX; n];
+    for _ in 0..2 {
+        for (width, b) in best.iter_mut().enumerate() {
+            let Some(t) = time(&tokens[..=width]) else {
+                return StepCost::FREE;
+            };
+            *b = (*b).min(t);
+        }
+    }
+    StepCost::from_times(&best)
 }
 
 /// The attention window of a model with sliding-window layers (the GGUF key
@@ -283,6 +411,7 @@ fn model_info(
         eos: Some(model.token_eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
         system_info: system_info(),
         text: std::sync::Arc::new(LlamaText(model.clone())),
+        vision: None,
     })
 }
 
@@ -543,6 +672,142 @@ struct LlamaEngine<'m> {
     embed_sum: Vec<f64>,
     /// The `--lora` adapters on `ctx` (the embedding context has none).
     lora: super::lora_llama::LoraAdapters,
+    /// The batch index whose logits an image decode kept (`decode_image` with logits); the
+    /// crate does not know of that decode, so they are read through the raw context.
+    raw_logits: Option<i32>,
+    /// The `--mmproj` projector, with `ctx`'s raw pointer its decodes go through.
+    vision: Option<(
+        std::sync::Arc<super::mtmd_llama::Projector>,
+        *mut llama_cpp_sys_2::llama_context,
+    )>,
+    /// The draft model's context (`--draft-model`).
+    draft: Option<DraftEngine<'m>>,
+}
+
+/// A draft model's context and batch (`--draft-model`, `sched/draft.rs`).
+struct DraftEngine<'m> {
+    ctx: LlamaContext<'m>,
+    batch: LlamaBatch<'static>,
+    /// Token ids a draft may use: those both vocabularies have.
+    n_vocab: usize,
+}
+
+impl<'m> DraftEngine<'m> {
+    fn new(model: &'m LlamaModel, ctx: LlamaContext<'m>, target_vocab: i32) -> Self {
+        let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
+        let n_vocab = usize::try_from(model.n_vocab().min(target_vocab)).unwrap_or(0);
+        Self {
+            ctx,
+            batch: LlamaBatch::new(batch, 1),
+            n_vocab,
+        }
+    }
+}
+
+/// Loads the draft model for `config.model` and checks that it can draft for it: an
+/// attention-only model (as the model must be), of the same vocabulary.
+fn load_draft_model(
+    backend: &LlamaBackend,
+    model: &LlamaModel,
+    config: &RunnerConfig,
+    path: &std::path::Path,
+) -> Result<LlamaModel, String> {
+    let name = file_name(path);
+    if model.is_recurrent() || model.is_hybrid() {
+        return Err(format!(
+            "--draft-model {name}: {} is a recurrent or hybrid model, whose cache cannot drop \
+             rejected drafts; a draft model needs an attention-only model",
+            file_name(&config.model)
+        ));
+    }
+    let params = LlamaModelParams::default()
+        .with_n_gpu_layers(u32::try_from(config.n_gpu_layers).unwrap_or(u32::MAX))
+        .with_main_gpu(config.main_gpu)
+        .with_use_mmap(!config.no_mmap)
+        .with_use_mlock(config.mlock);
+    let (loaded, llama_errors) =
+        with_llama_errors(|| LlamaModel::load_from_file(backend, path, &params));
+    let draft = loaded.map_err(|e| {
+        let why = if llama_errors.is_empty() {
+            e.to_string()
+        } else {
+            llama_errors.join("; ")
+        };
+        format!("--draft-model: llama.cpp could not load {name}: {why}")
+    })?;
+    if draft.is_recurrent() || draft.is_hybrid() {
+        return Err(format!(
+            "--draft-model {name}: a recurrent or hybrid model cannot draft (its cache cannot \
+             drop rejected drafts)"
+        ));
+    }
+    if let Some(why) = vocabulary_mismatch(model, &draft) {
+        return Err(format!(
+            "--draft-model {name}: its vocabulary does not match the model's ({why})"
+        ));
+    }
+    tracing::info!(
+        draft_model = %path.display(),
+        params = draft.n_params(),
+        "draft model loaded"
+    );
+    Ok(draft)
+}
+
+/// Vocabulary size difference a draft model may have (llama.cpp's
+/// `SPEC_VOCAB_MAX_SIZE_DIFFERENCE`).
+const DRAFT_VOCAB_MAX_DIFFERENCE: i32 = 128;
+/// First token id whose text is compared (llama.cpp's `SPEC_VOCAB_CHECK_START_TOKEN_ID`).
+const DRAFT_VOCAB_CHECK_FROM: i32 = 5;
+
+/// Why `draft` cannot draft for `target`, if it cannot: llama.cpp's
+/// `common_speculative_are_compatible`. The same tokenizer type, the same BOS and EOS added
+/// (and the same ids), at most 128 tokens more or fewer, and the same text for every token id
+/// from 5 on that both have. (llama-cpp-2 does not expose `llama_vocab_get_text`; tokens are
+/// compared as they render with special tokens shown, which differs exactly where the texts do
+/// for the tokens of a model's vocabulary.)
+fn vocabulary_mismatch(target: &LlamaModel, draft: &LlamaModel) -> Option<String> {
+    let kind = |m: &LlamaModel| m.meta_val_str("tokenizer.ggml.model").unwrap_or_default();
+    if kind(target) != kind(draft) {
+        return Some(format!(
+            "tokenizer {:?}, the model's {:?}",
+            kind(draft),
+            kind(target)
+        ));
+    }
+    // What an empty text tokenizes to with special tokens added: BOS and EOS if the tokenizer
+    // adds them, with their ids.
+    let specials = |m: &LlamaModel| {
+        m.str_to_token("", AddBos::Always)
+            .map(|t| t.iter().map(|t| t.0).collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    if specials(target) != specials(draft) {
+        return Some(format!(
+            "it adds the special tokens {:?}, the model {:?}",
+            specials(draft),
+            specials(target)
+        ));
+    }
+    let (nt, nd) = (target.n_vocab(), draft.n_vocab());
+    if (nt - nd).abs() > DRAFT_VOCAB_MAX_DIFFERENCE {
+        return Some(format!(
+            "{nd} tokens, the model {nt}: more than {DRAFT_VOCAB_MAX_DIFFERENCE} apart"
+        ));
+    }
+    (DRAFT_VOCAB_CHECK_FROM..nt.min(nd)).find_map(|id| {
+        let (a, b) = (
+            piece_bytes(target, LlamaToken(id), true),
+            piece_bytes(draft, LlamaToken(id), true),
+        );
+        (a != b).then(|| {
+            format!(
+                "token {id} is {:?}, the model's {:?}",
+                String::from_utf8_lossy(&b),
+                String::from_utf8_lossy(&a)
+            )
+        })
+    })
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -582,7 +847,48 @@ impl<'m> LlamaEngine<'m> {
             embed_ctx: None,
             embed_sum: Vec::new(),
             lora: super::lora_llama::LoraAdapters::none(),
+            raw_logits: None,
+            vision: None,
+            draft: None,
         }
+    }
+
+    /// The logits of batch position `index` of the last decode: the crate's, or those an
+    /// image decode kept.
+    fn logits_ith(&self, index: i32) -> &[f32] {
+        if let (Some(at), Some((_, raw_ctx))) = (self.raw_logits, self.vision.as_ref()) {
+            if at == index {
+                let n = usize::try_from(self.model.n_vocab()).unwrap_or(0);
+                // SAFETY: the last decode on this context was the image's, with logits at
+                // `index`; llama.cpp keeps n_vocab floats there until the next decode, and
+                // `&self` keeps this engine (and so its decodes) from running meanwhile.
+                unsafe {
+                    let p = llama_cpp_sys_2::llama_get_logits_ith(*raw_ctx, index);
+                    if !p.is_null() {
+                        return std::slice::from_raw_parts(p, n);
+                    }
+                }
+            }
+        }
+        self.ctx.get_logits_ith(index)
+    }
+
+    /// The same engine with this projector (loaded for its context).
+    fn with_vision(
+        mut self,
+        vision: Option<(
+            std::sync::Arc<super::mtmd_llama::Projector>,
+            *mut llama_cpp_sys_2::llama_context,
+        )>,
+    ) -> Self {
+        self.vision = vision;
+        self
+    }
+
+    /// The same engine drafting with this draft model context (`--draft-model`).
+    fn with_draft(mut self, draft: Option<DraftEngine<'m>>) -> Self {
+        self.draft = draft;
+        self
     }
 
     /// The same engine with these adapters on its context (loaded for it).
@@ -681,9 +987,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
-        let logits = self
-            .ctx
-            .get_logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
+        let logits = self.logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
         let log_norm = max + sum.ln() as f32;
@@ -829,6 +1133,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
+        self.raw_logits = None;
         self.batch.clear();
         for t in batch {
             let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
@@ -840,6 +1145,25 @@ impl Backend for LlamaEngine<'_> {
             DecodeError::NoKvCacheSlot => BackendError::NoKvSlot,
             other => BackendError::Decode(other.to_string()),
         })
+    }
+
+    fn decode_image(
+        &mut self,
+        seq: i32,
+        pos: usize,
+        image: &super::PromptImage,
+        logits: bool,
+    ) -> Result<(), BackendError> {
+        let (projector, raw_ctx) = self
+            .vision
+            .as_ref()
+            .ok_or_else(|| BackendError::Decode("no vision projector is loaded".into()))?;
+        self.raw_logits = None;
+        projector.decode_image(*raw_ctx, seq, pos, image, logits)?;
+        if logits {
+            self.raw_logits = i32::try_from(image.n_tokens - 1).ok();
+        }
+        Ok(())
     }
 
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
@@ -856,7 +1180,12 @@ impl Backend for LlamaEngine<'_> {
         // (llama.cpp aborts on an end-of-generation token the grammar does not expect, and a
         // grammar left without a live stack aborts at its next use): the sequence ends instead
         // (`None`; not an EOS id, which some vocabularies do not have).
-        let mut candidates = self.ctx.token_data_array_ith(index);
+        let mut candidates = LlamaTokenDataArray::from_iter(
+            self.logits_ith(index).iter().enumerate().map(|(t, &l)| {
+                LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
+            }),
+            false,
+        );
         candidates.apply_sampler(grammar);
         if !candidates.data.iter().any(|d| d.logit().is_finite()) {
             sampler.grammar_ended = true;
@@ -970,6 +1299,43 @@ impl Backend for LlamaEngine<'_> {
         Ok(usize::try_from(max.saturating_add(1)).unwrap_or(0))
     }
 
+    fn has_draft_model(&self) -> bool {
+        self.draft.is_some()
+    }
+
+    fn draft_decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
+        let Some(draft) = self.draft.as_mut() else {
+            return Err(BackendError::Decode("no draft model is loaded".into()));
+        };
+        draft.batch.clear();
+        for t in batch {
+            let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
+            draft
+                .batch
+                .add(LlamaToken(t.token), pos, &[t.seq], t.logits)
+                .map_err(|e| BackendError::Decode(e.to_string()))?;
+        }
+        draft.ctx.decode(&mut draft.batch).map_err(|e| match e {
+            DecodeError::NoKvCacheSlot => BackendError::NoKvSlot,
+            other => BackendError::Decode(other.to_string()),
+        })
+    }
+
+    fn draft_pick(&self, index: usize) -> Option<(Token, f32)> {
+        let draft = self.draft.as_ref()?;
+        let index = i32::try_from(index).ok()?;
+        let logits = draft.ctx.get_logits_ith(index);
+        let logits = &logits[..draft.n_vocab.min(logits.len())];
+        top_k_choice(logits)
+    }
+
+    fn draft_truncate(&mut self, seq: i32, from: usize) -> bool {
+        let (Some(draft), Ok(from)) = (self.draft.as_mut(), u32::try_from(from)) else {
+            return false;
+        };
+        draft.ctx.kv_cache_seq_rm(seq, Some(from), None).is_ok()
+    }
+
     fn bos(&self) -> Option<Token> {
         self.add_bos.then(|| self.model.token_bos().0)
     }
@@ -1070,6 +1436,28 @@ impl LlamaEngine<'_> {
         }
         result
     }
+}
+
+/// Candidates `draft_pick` weighs (llama.cpp's drafts sample from the top 10).
+const DRAFT_TOP_K: usize = 10;
+
+/// The most likely token of `logits` and its probability among the `DRAFT_TOP_K` most likely
+/// (softmax over those), as llama.cpp's draft sampler judges `p_min`. None when no logit is
+/// finite.
+fn top_k_choice(logits: &[f32]) -> Option<(Token, f32)> {
+    // The k largest, kept sorted descending (k is small: insertion is cheapest).
+    let mut top: Vec<(f32, usize)> = Vec::with_capacity(DRAFT_TOP_K + 1);
+    for (id, &l) in logits.iter().enumerate() {
+        if !l.is_finite() || (top.len() == DRAFT_TOP_K && l <= top[DRAFT_TOP_K - 1].0) {
+            continue;
+        }
+        let at = top.partition_point(|&(v, _)| v >= l);
+        top.insert(at, (l, id));
+        top.truncate(DRAFT_TOP_K);
+    }
+    let &(best, id) = top.first()?;
+    let sum: f32 = top.iter().map(|&(l, _)| (l - best).exp()).sum();
+    Some((Token::try_from(id).ok()?, 1.0 / sum))
 }
 
 /// The bytes a token renders to (`special`: control tokens as their text); empty for a

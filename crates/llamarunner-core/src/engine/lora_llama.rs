@@ -29,7 +29,7 @@ pub(super) struct LoraAdapters {
 }
 
 /// The pointer `Debug` prints for `field` (`field: 0x1234`).
-fn debug_pointer(value: &impl Debug, field: &str) -> Option<usize> {
+pub(super) fn debug_pointer(value: &impl Debug, field: &str) -> Option<usize> {
     let text = format!("{value:?}");
     let (_, rest) = text.split_once(&format!("{field}: 0x"))?;
     let hex: String = rest.chars().take_while(char::is_ascii_hexdigit).collect();
@@ -125,7 +125,7 @@ impl LoraAdapters {
 
 /// The context's llama.cpp pointer, read from its `Debug` output and checked: llama.cpp must
 /// say that it is a context of `model`, of this context's size.
-fn context_pointer(
+pub(super) fn context_pointer(
     model: &LlamaModel,
     ctx: &LlamaContext<'_>,
 ) -> Result<*mut llama_cpp_sys_2::llama_context, String> {

@@ -8,7 +8,9 @@
 //! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side);
 //! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits;
 //! - `lora.rs`: `--lora` specs and the LoRA scale set a sequence is decoded under;
-//! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics.
+//! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics;
+//! - `vision.rs`: images through a vision projector (`--mmproj`), as token lists hold them;
+//! - `mtmd_llama.rs`: the projector on llama.cpp's `mtmd`.
 
 pub mod backend;
 #[cfg(feature = "portable")]
@@ -22,8 +24,11 @@ pub mod lora;
 #[cfg(feature = "llama")]
 mod lora_llama;
 pub mod model;
+#[cfg(feature = "llama")]
+mod mtmd_llama;
 pub mod observer;
 pub mod protocol;
+pub mod vision;
 
 /// The `llama-cpp-2` crate this build is pinned to (`=` in the workspace's Cargo.toml; a
 /// test keeps the two equal), for `GET /props`.
@@ -37,6 +42,7 @@ pub use model::{
 };
 pub use observer::{EngineObserver, NoObserver};
 pub use protocol::*;
+pub use vision::{ImageInput, PromptImage, VisionModel};
 
 #[cfg(test)]
 mod tests {

@@ -147,6 +147,8 @@ pub struct ModelInfo {
     pub system_info: String,
     /// Tokenizes and checks grammars off the engine thread.
     pub text: Arc<dyn TextModel>,
+    /// Tokenizes prompts with images off the engine thread; None without `--mmproj`.
+    pub vision: Option<Arc<dyn super::VisionModel>>,
 }
 
 impl ModelInfo {
@@ -174,6 +176,7 @@ impl ModelInfo {
             eos: Some(super::fake::EOS),
             system_info: "fake backend".into(),
             text: Arc::new(super::fake::FakeText),
+            vision: None,
         }
     }
 }

@@ -171,6 +171,9 @@ pub struct Request {
     /// When it must end (`--timeout`): a queued request is refused, a running one ends with
     /// "timeout".
     pub deadline: Option<Instant>,
+    /// The images whose positions the prompt's tokens hold (`vision::image_token`), each
+    /// once, in any order; empty for a text prompt.
+    pub images: Vec<super::vision::PromptImage>,
 }
 
 /// An embedding request as the engine receives it.

@@ -2,6 +2,7 @@
 //! of its cache is reused, how a too-long prompt is truncated and how much a full slot discards
 //! when it shifts. The scheduler applies them; nothing here touches llama.cpp.
 
+use crate::engine::vision::is_image_continuation;
 use crate::engine::Token;
 
 /// Longest common prefix of two token lists.
@@ -109,8 +110,38 @@ pub fn shift_discard(ctx: usize, keep: usize, len: usize) -> usize {
     (target_free - free).max(0) as usize
 }
 
+/// The longest prefix of `tokens` of at most `len` tokens that does not end inside an image
+/// (`engine::vision`): `len`, or the start of the image it would cut.
+pub fn image_boundary_before(tokens: &[Token], len: usize) -> usize {
+    let mut len = len.min(tokens.len());
+    while len > 0 && len < tokens.len() && is_image_continuation(tokens[len]) {
+        len -= 1;
+    }
+    len
+}
+
+/// The shortest prefix of `tokens` of at least `len` tokens that does not end inside an image:
+/// `len`, or the end of the image it would cut.
+pub fn image_boundary_after(tokens: &[Token], len: usize) -> usize {
+    let mut len = len.min(tokens.len());
+    while len < tokens.len() && is_image_continuation(tokens[len]) {
+        len += 1;
+    }
+    len
+}
+
+/// Widens a range `start..end` of `tokens` to be removed so that it takes whole images: an
+/// image it would cut goes with it (never half of one).
+pub fn whole_images(tokens: &[Token], start: usize, end: usize) -> (usize, usize) {
+    (
+        image_boundary_before(tokens, start),
+        image_boundary_after(tokens, end),
+    )
+}
+
 /// Truncates a prompt that does not fit its slot: the first `keep` tokens and the most recent
-/// ones, leaving room to generate. Returns whether anything was cut.
+/// ones, leaving room to generate; an image the cut would split is dropped whole. Returns
+/// whether anything was cut.
 pub fn truncate_prompt(tokens: &mut Vec<Token>, keep: usize, ctx: usize) -> bool {
     if tokens.len() < ctx {
         return false;
@@ -118,6 +149,7 @@ pub fn truncate_prompt(tokens: &mut Vec<Token>, keep: usize, ctx: usize) -> bool
     let discard = shift_discard(ctx, keep, tokens.len());
     let keep = keep.min(tokens.len());
     let end = (keep + discard).min(tokens.len());
+    let (keep, end) = whole_images(tokens, keep, end);
     tokens.drain(keep..end);
     true
 }
@@ -196,6 +228,60 @@ pub fn fit_input(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::vision::image_token;
+
+    /// `text` tokens, then an image of `n` positions (key `key`), then `text` tokens.
+    fn with_image(before: usize, key: u64, n: usize, after: usize) -> Vec<Token> {
+        let mut t: Vec<Token> = (0..before).map(|i| i as Token).collect();
+        t.extend((0..n).map(|i| image_token(key, i)));
+        t.extend((0..after).map(|i| 100 + i as Token));
+        t
+    }
+
+    #[test]
+    fn image_boundaries_never_fall_inside_an_image() {
+        let t = with_image(3, 7, 4, 2); // 0 1 2 [i i i i] 100 101
+        for (len, before, after) in [
+            (0, 0, 0),
+            (3, 3, 3),
+            (4, 3, 7),
+            (5, 3, 7),
+            (6, 3, 7),
+            (7, 7, 7),
+            (9, 9, 9),
+            (20, 9, 9),
+        ] {
+            assert_eq!(image_boundary_before(&t, len), before, "{len}");
+            assert_eq!(image_boundary_after(&t, len), after, "{len}");
+        }
+        // Two images back to back: the second's first position is a boundary.
+        let mut two = with_image(1, 1, 3, 0);
+        two.extend((0..3).map(|i| image_token(1, i)));
+        assert_eq!(image_boundary_before(&two, 4), 4);
+        assert_eq!(image_boundary_before(&two, 5), 4);
+        assert_eq!(image_boundary_after(&two, 2), 4);
+        assert_eq!(whole_images(&two, 2, 5), (1, 7));
+    }
+
+    #[test]
+    fn truncation_drops_an_image_whole_never_half() {
+        // keep 2, a 10-cell slot, 18 tokens: the plain cut (2..14) ends inside the image
+        // (10..16), so the image goes whole.
+        let mut t = with_image(10, 9, 6, 2);
+        let ctx = 10;
+        assert!(truncate_prompt(&mut t, 2, ctx));
+        assert_eq!(t, vec![0, 1, 100, 101]);
+        // An image inside the kept head stays whole when the cut is after it.
+        let mut t = with_image(1, 9, 3, 20);
+        assert!(truncate_prompt(&mut t, 4, 12));
+        assert_eq!(t.iter().filter(|&&x| x < 0).count(), 3);
+        assert!(t.len() < 12);
+        // A kept head that ends inside an image loses the image whole.
+        let mut t = with_image(1, 9, 3, 20);
+        assert!(truncate_prompt(&mut t, 2, 12));
+        assert!(t.iter().all(|&x| x >= 0), "{t:?}");
+        assert_eq!(t[0], 0);
+    }
 
     /// Ollama's `TestShiftDiscard` table.
     #[test]

@@ -6,6 +6,8 @@
 //! token first, then prompt chunks with the remaining budget, round robin), decode once, sample
 //! for every sequence whose pending tokens are all decoded, and stream the text out.
 
+pub mod adaptive;
+mod draft;
 mod lora;
 pub mod params;
 pub mod speculative;
@@ -18,12 +20,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
+use crate::engine::vision::{is_image_continuation, is_image_start, is_image_token};
 use crate::engine::{
-    Backend, BatchToken, Completion, DoneReason, EmbedRequest, Embedding, EngineError,
-    EngineErrorKind, EngineInbox, Event, Input, LoraScales, Message, Request, SlotAction,
-    SlotActivity, SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
+    Backend, BackendError, BatchToken, Completion, DoneReason, EmbedRequest, Embedding,
+    EngineError, EngineErrorKind, EngineInbox, Event, Input, LoraScales, Message, PromptImage,
+    Request, SlotAction, SlotActivity, SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
 };
 use crate::kv;
+use adaptive::CostModel;
 use params::SamplingParams;
 use speculative::{SpecConfig, SpecState};
 use text::TextStream;
@@ -74,6 +78,11 @@ struct Sequence<S> {
     pending: Vec<Token>,
     /// How many of `pending` are in the batch being built.
     queued: usize,
+    /// The images whose positions its tokens hold (`engine::vision`).
+    images: Vec<PromptImage>,
+    /// Positions of the image at the head of `pending` decoded this step (0: none), in a
+    /// decode of its own before the batch (`decode_images`).
+    image_queued: usize,
     /// Batch index whose logits this sequence samples from after this step.
     logits_at: Option<usize>,
     n_prompt: usize,
@@ -137,6 +146,8 @@ struct Slot<S> {
     id: i32,
     /// Tokens whose KV entries are in the cache, by position.
     cached: Vec<Token>,
+    /// Tokens whose KV entries are in the draft model's cache (`draft.rs`), by position.
+    draft_cached: Vec<Token>,
     /// The LoRA scale set `cached` was computed under.
     lora: LoraScales,
     seq: Option<Sequence<S>>,
@@ -167,6 +178,10 @@ pub struct Scheduler<B: Backend> {
     multiuser: bool,
     /// Prompt-lookup drafts (`--draft-max` ...).
     speculation: SpecConfig,
+    /// What a decode step costs, refined from the steps run (how much drafting pays).
+    step_cost: CostModel,
+    /// A draft model decode failed once already (it is logged once).
+    draft_failed: bool,
     /// Counter standing for "when" a slot was last used (LRU order).
     clock: u64,
     /// How long a sequence may wait for a client that does not read.
@@ -188,6 +203,7 @@ impl<B: Backend> Scheduler<B> {
             .map(|i| Slot {
                 id: i32::try_from(i).unwrap_or(i32::MAX),
                 cached: Vec::new(),
+                draft_cached: Vec::new(),
                 lora: LoraScales::base(),
                 seq: None,
                 last_used: None,
@@ -206,6 +222,8 @@ impl<B: Backend> Scheduler<B> {
             next_decode: 0,
             multiuser: false,
             speculation: SpecConfig::OFF,
+            step_cost: CostModel::new(SpecConfig::OFF.cost),
+            draft_failed: false,
             clock: 0,
             stalled: false,
             pause_limit: PAUSE_LIMIT,
@@ -231,6 +249,7 @@ impl<B: Backend> Scheduler<B> {
     /// Drafts tokens by prompt lookup for the requests that want it (`--draft-max` ...).
     pub fn with_speculation(mut self, config: SpecConfig) -> Self {
         self.speculation = config;
+        self.step_cost = CostModel::new(config.cost);
         self
     }
 
@@ -371,6 +390,17 @@ impl<B: Backend> Scheduler<B> {
             ));
         }
         match action {
+            SlotAction::Save if slot.cached.iter().any(|&t| is_image_token(t)) => {
+                // A slot file records token ids; an image's positions have no id another
+                // server could check or decode again.
+                Err(EngineError::new(
+                    EngineErrorKind::InvalidRequest,
+                    format!(
+                        "slot {index} holds image positions, which a slot file cannot record; \
+                         erase the slot or save one without images"
+                    ),
+                ))
+            }
             SlotAction::Save => {
                 let state = self
                     .backend
@@ -613,15 +643,22 @@ impl<B: Backend> Scheduler<B> {
         )
         .map_err(too_long)?;
         let truncated = request.truncated || cut;
-        let sampler = self
-            .backend
-            .new_sampler(params, &tokens)
-            .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
+        let images = prompt_images(&tokens, &request.images)?;
+        let sampler = if images.is_empty() {
+            self.backend.new_sampler(params, &tokens)
+        } else {
+            // Image positions are no tokens to penalize.
+            let text: Vec<Token> = tokens.iter().copied().filter(|&t| t >= 0).collect();
+            self.backend.new_sampler(params, &text)
+        }
+        .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
         let lora = params.lora.clone().unwrap_or_default();
         let (index, common) = self.pick_slot(&tokens, &lora)?;
         let slot = &mut self.slots[index];
-        // At least one prompt token is decoded so there are logits to sample from.
-        let mut reuse = common.min(tokens.len() - 1);
+        // At least one prompt token is decoded so there are logits to sample from; a prefix
+        // that ends inside an image is cut back to the image's start (an image is decoded
+        // whole).
+        let mut reuse = kv::image_boundary_before(&tokens, common.min(tokens.len() - 1));
         if !self.backend.kv_truncate(slot.id, reuse) {
             // Partial removal is impossible (recurrent models), or what is left lacks cells a
             // sliding window needs: start the slot afresh.
@@ -667,6 +704,8 @@ impl<B: Backend> Scheduler<B> {
             n_cached: reuse,
             pending: tokens[reuse..].to_vec(),
             queued: 0,
+            images,
+            image_queued: 0,
             logits_at: None,
             n_generated: 0,
             keep,
@@ -677,7 +716,10 @@ impl<B: Backend> Scheduler<B> {
             logprobs_sent: 0,
             admitted,
             prompt_done: None,
-            spec: SpecState::new(self.speculation.enabled_for(&request.params)),
+            spec: SpecState::new(
+                self.speculation.enabled_for(&request.params),
+                !self.backend.has_draft_model(),
+            ),
         });
         Ok(())
     }
@@ -710,7 +752,9 @@ impl<B: Backend> Scheduler<B> {
                 last_used: s.last_tick,
             })
             .collect();
-        let choice = kv::choose_slot_multiuser(&views, tokens).ok_or_else(no_slot)?;
+        let mut choice = kv::choose_slot_multiuser(&views, tokens).ok_or_else(no_slot)?;
+        // A shared prefix that ends inside an image is forked up to the image's start.
+        choice.reuse = kv::image_boundary_before(tokens, choice.reuse);
         let Some(from) = choice.fork_from else {
             return Ok((choice.slot, choice.reuse));
         };
@@ -786,6 +830,7 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             };
             seq.queued = 0;
+            seq.image_queued = 0;
             seq.logits_at = None;
             if seq.phase == Phase::Decode
                 && !seq.paused()
@@ -799,8 +844,9 @@ impl<B: Backend> Scheduler<B> {
             }
         }
         // Drafts of the sequences placed, within the places kept for decode tokens.
-        placed += self.place_drafts(decode_places.saturating_sub(placed), first);
+        placed += self.place_drafts(decode_places.saturating_sub(placed), placed);
         let start = self.next_prompt;
+        let mut prompt_placed = 0;
         for k in 0..n {
             if placed >= capacity {
                 break;
@@ -813,8 +859,30 @@ impl<B: Backend> Scheduler<B> {
             if seq.phase == Phase::Decode || seq.pending.is_empty() || seq.lora != turn {
                 continue;
             }
-            seq.queued = (capacity - placed).min(seq.pending.len());
+            let image = leading_image(&seq.pending);
+            if image > 0 {
+                // An image is decoded whole, in a call of its own before the batch
+                // (`decode_images`), and counts against the budget as a prompt chunk of its
+                // size would. It waits for a step with room for it unless it is the step's
+                // first prompt chunk, so it is never starved.
+                if placed + image > capacity && prompt_placed > 0 {
+                    continue;
+                }
+                seq.image_queued = image;
+                placed += image;
+                prompt_placed += image;
+                self.next_prompt = (i + 1) % n;
+                continue;
+            }
+            // Text up to the next image (a llama.cpp batch holds tokens or embeddings).
+            let text = seq
+                .pending
+                .iter()
+                .position(|&t| is_image_token(t))
+                .unwrap_or(seq.pending.len());
+            seq.queued = (capacity - placed).min(text);
             placed += seq.queued;
+            prompt_placed += seq.queued;
             self.next_prompt = (i + 1) % n;
         }
         self.batch_lora = Some(turn);
@@ -862,7 +930,9 @@ impl<B: Backend> Scheduler<B> {
             }
         }
         self.build_batch();
-        self.stalled = self.batch.is_empty() && self.slots.iter().any(|s| s.seq.is_some());
+        let images = self.decode_images();
+        self.stalled =
+            self.batch.is_empty() && !images && self.slots.iter().any(|s| s.seq.is_some());
         if self.batch.is_empty() {
             return;
         }
@@ -879,6 +949,10 @@ impl<B: Backend> Scheduler<B> {
         }
         let now = Instant::now();
         let decoded = now - started;
+        if self.speculation.measure && self.batch.iter().all(|t| t.logits) {
+            let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
+            self.step_cost.observe(self.batch.len(), us);
+        }
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
             let Some(seq) = slot.seq.as_mut() else {
@@ -905,6 +979,78 @@ impl<B: Backend> Scheduler<B> {
             sample_us = now.elapsed().as_micros(),
             "step"
         );
+    }
+
+    /// Decodes the images `build_batch` queued, each in a decode of its own, before the batch
+    /// (whose logits are the ones sampled after it). A prompt that ends with an image samples
+    /// its first token from the image's last position at once, before the next decode. A
+    /// failure ends that sequence only. Returns whether any image was decoded.
+    fn decode_images(&mut self) -> bool {
+        let mut any = false;
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let n = std::mem::take(&mut seq.image_queued);
+            if n == 0 {
+                continue;
+            }
+            let first = seq.pending.first().copied();
+            let image = seq
+                .images
+                .iter()
+                .find(|im| Some(im.token(0)) == first && im.n_tokens == n)
+                .cloned();
+            let lora = seq.lora.clone();
+            let (id, pos) = (slot.id, slot.cached.len());
+            // The prompt ends with this image: its last position's logits are sampled.
+            let logits = seq.pending.len() == n;
+            let result = match image {
+                Some(image) => {
+                    let backend = &mut self.backend;
+                    seq.span.in_scope(|| {
+                        backend
+                            .set_lora(&lora)
+                            .and_then(|()| backend.decode_image(id, pos, &image, logits))
+                    })
+                }
+                None => Err(BackendError::Decode(
+                    "an image position without its image (scheduler bug)".into(),
+                )),
+            };
+            match result {
+                Ok(()) => {
+                    any = true;
+                    slot.cached.extend(seq.pending.drain(..n));
+                    if logits {
+                        let now = Instant::now();
+                        if seq.prompt_done.is_none() {
+                            seq.prompt_done = Some(now);
+                        }
+                        if let Some(reason) = self.sample_drafted(index, n - 1, now) {
+                            self.finish(index, reason);
+                        } else {
+                            self.flush_outbox(index);
+                        }
+                    }
+                }
+                Err(e) => {
+                    seq.span.in_scope(|| {
+                        tracing::error!(error = %e, slot = id, positions = n, "image decode failed");
+                    });
+                    let err = EngineError::new(
+                        EngineErrorKind::Internal,
+                        format!("the image could not be decoded: {e}"),
+                    );
+                    let _ = seq.events.try_send(Event::Error(err));
+                    slot.seq = None;
+                    self.backend.kv_truncate(id, 0);
+                    slot.cached.clear();
+                }
+            }
+        }
+        any
     }
 
     /// Samples the next token of the sequence in slot `index` (its logits were decoded at
@@ -962,7 +1108,7 @@ impl<B: Backend> Scheduler<B> {
         // -1 means "until done", bounded (as Ollama's server does) at ten slot contexts so a
         // model stuck in a loop with context shift cannot run forever.
         let limit = match seq.params.num_predict {
-            n if n < 0 => 10 * ctx,
+            n if n < 0 => params::UNCAPPED_SLOT_CONTEXTS * ctx,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
         if seq.n_generated >= limit {
@@ -976,6 +1122,9 @@ impl<B: Backend> Scheduler<B> {
             let keep = seq.keep.min(slot.cached.len());
             let discard =
                 kv::shift_discard(ctx, keep, slot.cached.len()).min(slot.cached.len() - keep);
+            // Whole images only: one the cut would split is discarded with it.
+            let (keep, end) = kv::whole_images(&slot.cached, keep, keep + discard);
+            let discard = end - keep;
             seq.span.in_scope(|| {
                 tracing::debug!(slot = slot.id, keep, discard, "context shift");
             });
@@ -1125,6 +1274,44 @@ impl<B: Backend> Scheduler<B> {
         }
         self.publish_slots();
     }
+}
+
+/// Positions of the image at the head of `tokens` (0 when it starts with text).
+fn leading_image(tokens: &[Token]) -> usize {
+    match tokens.first() {
+        Some(&t) if is_image_token(t) => {
+            1 + tokens[1..]
+                .iter()
+                .take_while(|&&t| is_image_continuation(t))
+                .count()
+        }
+        _ => 0,
+    }
+}
+
+/// The images a prompt's tokens hold, checked: every image in it has its `PromptImage` with
+/// all its positions.
+fn prompt_images(tokens: &[Token], given: &[PromptImage]) -> Result<Vec<PromptImage>, EngineError> {
+    let invalid = |m: String| EngineError::new(EngineErrorKind::InvalidRequest, m);
+    let mut used: Vec<PromptImage> = Vec::new();
+    let mut i = 0;
+    while i < tokens.len() {
+        if !is_image_token(tokens[i]) {
+            i += 1;
+            continue;
+        }
+        let n = leading_image(&tokens[i..]);
+        let image = given
+            .iter()
+            .find(|im| is_image_start(tokens[i]) && im.token(0) == tokens[i] && im.n_tokens == n)
+            .filter(|im| im.tokens().eq(tokens[i..i + n].iter().copied()))
+            .ok_or_else(|| invalid(format!("image positions at {i} have no image")))?;
+        if !used.iter().any(|u| u.key == image.key) {
+            used.push(image.clone());
+        }
+        i += n;
+    }
+    Ok(used)
 }
 
 /// The 400 for an input that does not fit and may not be truncated.

@@ -2,6 +2,12 @@
 //! struct: the wire forms live in `server/` and `server::validate` checks every value before a
 //! request reaches the engine.
 
+/// Without `--max-tokens`, a request generates at most this many slot contexts' worth of tokens
+/// (with `num_predict` -1, or any larger number, which `server::validate` caps): a model stuck
+/// in a loop with context shift, or a request for 2^31 tokens with `ignore_eos`, cannot hold its
+/// slot for good.
+pub const UNCAPPED_SLOT_CONTEXTS: usize = 10;
+
 /// Sampling and stopping parameters of one request, as the engine receives them: validated
 /// and clamped by `server::validate` (the wire form is `server::options::Options`).
 #[derive(Clone, Debug, PartialEq)]

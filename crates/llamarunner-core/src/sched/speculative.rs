@@ -13,9 +13,12 @@
 //! The draft positions count against the batch budget like any token, after every generating
 //! sequence's next token and within the places kept for them, so prompts being prefilled and
 //! other sequences are never starved.
+//!
+//! How much is drafted adapts to what drafting pays (`adaptive.rs`).
 
 use std::time::Instant;
 
+use super::adaptive::{match_class, Acceptance, StepCost};
 use super::{Phase, Scheduler};
 use crate::engine::{Backend, DoneReason, Token};
 
@@ -29,6 +32,13 @@ pub struct SpecConfig {
     /// Longest lookup: the last `ngram` tokens are searched for first, then shorter tails
     /// down to 2 tokens (1 when `ngram` is 1).
     pub ngram: usize,
+    /// What a step costs (measured at load), which decides how much is worth drafting.
+    pub cost: StepCost,
+    /// Whether the cost is refined from the steps' decode times (`CostModel`); off for the
+    /// fake backend, whose steps take no time.
+    pub measure: bool,
+    /// Verify every draft found, whatever it costs (`--draft-always`): no adaptation.
+    pub always: bool,
 }
 
 impl SpecConfig {
@@ -37,6 +47,9 @@ impl SpecConfig {
         draft_max: 0,
         draft_min: 0,
         ngram: 3,
+        cost: StepCost::FREE,
+        measure: false,
+        always: false,
     };
 
     /// Whether a request with these parameters gets drafts: as it asks (`speculative`), else
@@ -48,24 +61,36 @@ impl SpecConfig {
 }
 
 /// A sequence's speculation: its draft for this step and its counts.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct SpecState {
     /// Drafts are made for it.
     pub enabled: bool,
     /// Tokens drafted after its next token in the batch being built.
     pub draft: Vec<Token>,
+    /// In a step where it does not draft, its lookup's guess of the token after its next one,
+    /// checked when that token is sampled (`Acceptance::guessed`).
+    pub guess: Option<Token>,
+    /// The match class of this step's lookup (`adaptive::match_class`).
+    pub class: usize,
     /// Tokens drafted so far.
     pub drafted: usize,
     /// Drafted tokens the sampler agreed with.
     pub accepted: usize,
+    /// How often its drafts are accepted lately (how much it may draft).
+    pub adapt: Acceptance,
 }
 
 impl SpecState {
-    /// The state of a new sequence.
-    pub fn new(enabled: bool) -> Self {
+    /// The state of a new sequence; `lookup`: its drafts are lookups (else a draft model's).
+    pub fn new(enabled: bool, lookup: bool) -> Self {
         Self {
             enabled,
-            ..Self::default()
+            draft: Vec::new(),
+            guess: None,
+            class: 0,
+            drafted: 0,
+            accepted: 0,
+            adapt: Acceptance::new(lookup),
         }
     }
 }
@@ -73,11 +98,23 @@ impl SpecState {
 /// How many of a sequence's latest tokens a draft lookup searches.
 pub const LOOKBACK: usize = 4096;
 
+/// How far back a lookup's match is followed to tell how much context it shares.
+pub const MATCH_CAP: usize = 16;
+
 /// Proposes up to `max` tokens to follow `history ++ [last]`: the tokens that followed the most
 /// recent earlier occurrence of its last `n` tokens (`n` from `ngram` down to 2, or 1 when
 /// `ngram` is 1; the longest that matches wins). A match whose continuation runs into the end
-/// of the history (a loop) is continued periodically. Appends to `out`.
-pub fn propose(history: &[Token], last: Token, ngram: usize, max: usize, out: &mut Vec<Token>) {
+/// of the history (a loop) is continued periodically. Appends to `out`. Returns how many tokens
+/// before the proposal the occurrence shares with the end of the history (`n`, extended back as
+/// far as they agree, up to `MATCH_CAP`): a long shared context (copied text) is a surer draft
+/// than a common pair of tokens. 0 when nothing is proposed.
+pub fn propose(
+    history: &[Token],
+    last: Token,
+    ngram: usize,
+    max: usize,
+    out: &mut Vec<Token>,
+) -> usize {
     // Only the latest LOOKBACK tokens are searched: the scan runs every step for every drafting
     // sequence on the engine thread, and must not grow with the context.
     let history = &history[history.len().saturating_sub(LOOKBACK)..];
@@ -90,7 +127,7 @@ pub fn propose(history: &[Token], last: Token, ngram: usize, max: usize, out: &m
         }
     };
     if max == 0 || ngram == 0 {
-        return;
+        return 0;
     }
     let shortest = if ngram == 1 { 1 } else { 2 };
     for n in (shortest..=ngram.min(len - 1)).rev() {
@@ -102,55 +139,69 @@ pub fn propose(history: &[Token], last: Token, ngram: usize, max: usize, out: &m
         else {
             continue;
         };
+        let start = out.len();
         for i in 0..max {
             let src = s + n + i;
-            let token = if src < len { at(src) } else { out[src - len] };
+            let token = if src < len {
+                at(src)
+            } else {
+                out[start + src - len]
+            };
             out.push(token);
         }
-        return;
+        // The occurrence ends at `s + n - 1`, the history at `len - 1`: extend back while the
+        // tokens before them agree.
+        let mut shared = n;
+        while shared < MATCH_CAP.max(n)
+            && shared < s + n
+            && at(s + n - 1 - shared) == at(len - 1 - shared)
+        {
+            shared += 1;
+        }
+        return shared;
     }
+    0
 }
 
 impl<B: Backend> Scheduler<B> {
-    /// Drafts for the generating sequences that got a place in this step's batch, within
-    /// `budget` batch places (taken in the order places were given); returns the places used.
-    pub(super) fn place_drafts(&mut self, budget: usize, order_from: usize) -> usize {
-        let cfg = self.speculation;
-        let ctx = self.backend.slot_ctx();
-        let n = self.slots.len();
-        let mut used = 0;
-        for k in 0..n {
-            let i = (order_from + k) % n;
-            let slot = &mut self.slots[i];
+    /// Drafts for the generating sequences that got a place in this step's batch (`placed` of
+    /// them), within `budget` batch places; returns the places used. With a draft model the
+    /// drafts are its (`draft.rs`); else each sequence's lookup proposes what it can, and
+    /// drafted positions are kept, most likely first, as many as pay best (`draft_count`). A
+    /// sequence that proposed but drafts nothing keeps its proposal's first token as a guess.
+    pub(super) fn place_drafts(&mut self, budget: usize, placed: usize) -> usize {
+        if self.backend.has_draft_model() {
+            return self.place_model_drafts(budget, placed);
+        }
+        let ngram = self.speculation.ngram;
+        let lengths = self.draft_lengths(budget, placed, true, |i, max, s| {
+            let slot = &mut s.slots[i];
             let Some(seq) = slot.seq.as_mut() else {
-                continue;
+                return (0, 0);
             };
-            seq.spec.draft.clear();
-            if !seq.spec.enabled || seq.phase != Phase::Decode || seq.queued != 1 {
-                continue;
-            }
             let Some(&last) = seq.pending.first() else {
-                continue;
+                return (0, 0);
             };
-            // The next token goes at `cached.len()`; drafts after it, all inside the slot (so
-            // that no context shift can happen before the last drafted position is sampled).
-            let room = ctx.saturating_sub(slot.cached.len() + 1);
-            let limit = match seq.params.num_predict {
-                p if p < 0 => 10 * ctx,
-                p => usize::try_from(p).unwrap_or(usize::MAX),
-            };
-            // The next token's logits give one more token; each accepted draft one more.
-            let left = limit.saturating_sub(seq.n_generated + 1);
-            let max = cfg.draft_max.min(room).min(left).min(budget - used);
-            if max == 0 || max < cfg.draft_min {
-                continue;
+            let shared = propose(&slot.cached, last, ngram, max, &mut seq.spec.draft);
+            // Image positions (`engine::vision`) are no tokens to draft.
+            if let Some(cut) = seq.spec.draft.iter().position(|&t| t < 0) {
+                seq.spec.draft.truncate(cut);
             }
-            propose(&slot.cached, last, cfg.ngram, max, &mut seq.spec.draft);
-            if seq.spec.draft.len() < cfg.draft_min.max(1) {
-                seq.spec.draft.clear();
-                continue;
+            (seq.spec.draft.len(), match_class(shared))
+        });
+        let mut keep = vec![0usize; self.slots.len()];
+        for (i, n) in lengths {
+            keep[i] = n;
+        }
+        let mut used = 0;
+        for (slot, &n) in self.slots.iter_mut().zip(&keep) {
+            if let Some(seq) = slot.seq.as_mut() {
+                if n == 0 {
+                    seq.spec.guess = seq.spec.draft.first().copied();
+                }
+                seq.spec.draft.truncate(n);
+                used += seq.spec.draft.len();
             }
-            used += seq.spec.draft.len();
         }
         used
     }
@@ -169,7 +220,18 @@ impl<B: Backend> Scheduler<B> {
             None => return None,
         };
         if draft.is_empty() {
-            return self.sample_one(index, at, now);
+            let reason = self.sample_one(index, at, now);
+            if let Some(seq) = self.slots[index].seq.as_mut() {
+                // The sampled token is the last pending one (after a context shift that
+                // could not be done in place, the kept tokens come before it).
+                if let Some(guess) = seq.spec.guess.take() {
+                    let class = seq.spec.class;
+                    seq.spec
+                        .adapt
+                        .guessed(class, seq.pending.last() == Some(&guess));
+                }
+            }
+            return reason;
         }
         let mut accepted = 0;
         let mut reason = None;
@@ -196,6 +258,7 @@ impl<B: Backend> Scheduler<B> {
         if let Some(seq) = slot.seq.as_mut() {
             seq.spec.drafted += draft.len();
             seq.spec.accepted += accepted;
+            seq.spec.adapt.record(seq.spec.class, draft.len(), accepted);
             self.inbox.observer.speculated(draft.len(), accepted);
             if accepted < draft.len() && !self.backend.kv_truncate(slot.id, slot.cached.len()) {
                 // The cache lost cells the next position needs (a sliding window): decode
@@ -241,6 +304,21 @@ mod tests {
         assert_eq!(lookup(&h, 3, 3, 2), vec![4, 8]);
         // Capped at `max`.
         assert_eq!(lookup(&h, 3, 3, 1), vec![4]);
+    }
+
+    #[test]
+    fn a_match_reports_the_context_it_shares() {
+        let shared = |history: &[Token], last: Token| propose(history, last, 3, 2, &mut Vec::new());
+        // "9 1 2 3 4 ... 9 1 2" + 3: the tail "1 2 3" and the "9" before it agree: 4.
+        assert_eq!(shared(&[9, 1, 2, 3, 4, 5, 9, 1, 2], 3), 4);
+        // Only the pair "2 3" agrees (a 3-gram "1 2 3" did not occur): 2.
+        assert_eq!(shared(&[7, 2, 3, 4, 5, 1, 2], 3), 2);
+        // A long copied stretch stops at MATCH_CAP.
+        let mut h: Vec<Token> = (0..40).collect();
+        h.extend(0..39);
+        assert_eq!(shared(&h, 39), MATCH_CAP);
+        // No match: 0.
+        assert_eq!(shared(&[1, 2, 3], 4), 0);
     }
 
     #[test]

@@ -23,6 +23,10 @@ struct Harness {
     forks: Arc<Mutex<Vec<(i32, i32, usize)>>>,
     /// The LoRA scale set of every decoded batch (parallel to `log`).
     lora_log: Arc<Mutex<Vec<LoraScales>>>,
+    /// (seq, position, positions) of every image decoded.
+    image_log: Arc<Mutex<Vec<(i32, usize, usize)>>>,
+    /// Every batch the draft model decoded.
+    draft_log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
 }
 
 impl Harness {
@@ -57,6 +61,8 @@ impl Harness {
         let embed_log = backend.embed_log.clone();
         let forks = backend.forks.clone();
         let lora_log = backend.lora_log.clone();
+        let image_log = backend.image_log.clone();
+        let draft_log = backend.draft_log.clone();
         let thread = std::thread::spawn(move || setup(Scheduler::new(backend, inbox, slots)).run());
         Self {
             handle,
@@ -65,6 +71,8 @@ impl Harness {
             embed_log,
             forks,
             lora_log,
+            image_log,
+            draft_log,
         }
     }
 
@@ -88,6 +96,7 @@ impl Harness {
             events: tx,
             received: Instant::now(),
             deadline,
+            images: Vec::new(),
         })?;
         Ok(rx)
     }
@@ -1529,5 +1538,7 @@ fn the_slot_table_shows_what_each_request_is_doing() {
     assert_eq!(h.settled_slot(busy.id).activity.phase, SlotPhase::Idle);
 }
 
+mod draft;
+mod images;
 mod lora;
 mod speculative;

@@ -12,6 +12,7 @@ use tokio::sync::mpsc::Receiver;
 
 use super::access::{self, Record};
 use super::error::ApiError;
+use super::image_prompt::{self, ImageSource, Prompt};
 use super::{validate, AppState};
 use crate::chat::{ChatMessage, RenderExtras};
 use crate::engine::{
@@ -82,15 +83,28 @@ pub fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiE
     }
 }
 
+/// A conversation as a request gives it: its messages, each image replaced in its content by
+/// the projector's marker (`image_prompt`), and the images in marker order.
+#[derive(Debug, Default)]
+pub struct Chat {
+    /// The messages.
+    pub messages: Vec<ChatMessage>,
+    /// The images, in the order their markers appear in the rendered conversation.
+    pub images: Vec<ImageSource>,
+}
+
 /// Converts chat messages as clients send them: `content` a string, null, or (OpenAI) an array
-/// of parts whose text parts are joined. Images are refused: no projector is loaded.
-pub fn parse_messages(messages: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+/// of parts whose text parts are joined and whose `image_url` parts become image markers where
+/// they are; a message's `images` (Ollama, base64) are placed as Ollama does
+/// (`image_prompt::ollama_place`).
+pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::InvalidRequest(
             "messages must not be empty".into(),
         ));
     }
-    messages
+    let mut images = Vec::new();
+    let messages = messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
@@ -107,23 +121,33 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError
                     )))
                 }
             };
-            let content = match fields.remove("content") {
+            let mut content = match fields.remove("content") {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s,
-                Some(Value::Array(parts)) => text_of_parts(i, &parts)?,
+                Some(Value::Array(parts)) => text_of_parts(i, &parts, &mut images)?,
                 Some(_) => {
                     return Err(ApiError::InvalidRequest(format!(
                         "messages[{i}].content must be a string or an array of parts"
                     )))
                 }
             };
-            if fields
-                .get("images")
-                .is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))
-            {
-                return Err(ApiError::InvalidRequest(
-                    "images are not supported: no multimodal projector is loaded".into(),
-                ));
+            match fields.remove("images") {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(list)) => {
+                    let list = image_prompt::strings(&format!("messages[{i}].images"), list)?;
+                    let (placed, order) = image_prompt::ollama_place(&content, list.len());
+                    content = placed;
+                    images.extend(
+                        image_prompt::in_order(&list, &order)
+                            .into_iter()
+                            .map(ImageSource::Base64),
+                    );
+                }
+                Some(_) => {
+                    return Err(ApiError::InvalidImage(format!(
+                        "messages[{i}].images must be an array of base64 strings"
+                    )))
+                }
             }
             // Clients send absent fields as null (`"tool_calls": null`); to a template, absent
             // is what they mean (iterating a null fails, iterating an undefined does not).
@@ -134,18 +158,39 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError
                 extra: fields,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Chat { messages, images })
 }
 
-fn text_of_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
+/// The text of a content array; each image part becomes a marker there, its URL in `images`.
+fn text_of_parts(
+    i: usize,
+    parts: &[Value],
+    images: &mut Vec<ImageSource>,
+) -> Result<String, ApiError> {
     let mut text = String::new();
     for part in parts {
         match part.get("type").and_then(Value::as_str) {
             Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or("")),
-            Some("image_url" | "input_image" | "image") => {
-                return Err(ApiError::InvalidRequest(
-                    "images are not supported: no multimodal projector is loaded".into(),
-                ))
+            Some("image_url") => {
+                // `{"image_url": {"url": ...}}`, or the URL itself as some clients send it.
+                let url = match part.get("image_url") {
+                    Some(Value::String(url)) => Some(url.as_str()),
+                    Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                    _ => None,
+                }
+                .ok_or_else(|| {
+                    ApiError::InvalidImage(format!(
+                        "messages[{i}].content: an image_url part needs image_url.url"
+                    ))
+                })?;
+                text.push_str(crate::engine::vision::DEFAULT_MARKER);
+                images.push(ImageSource::Url(url.to_string()));
+            }
+            Some("input_image" | "image") => {
+                return Err(ApiError::InvalidImage(format!(
+                    "messages[{i}].content: give images as image_url parts with a data: URL"
+                )))
             }
             other => {
                 return Err(ApiError::InvalidRequest(format!(
@@ -273,7 +318,7 @@ impl Stream for Generation {
 /// is a proper HTTP error. The generation then yields text and a final `Done` or `Error`.
 pub async fn start_generation(
     state: &AppState,
-    prompt: String,
+    prompt: impl Into<Prompt>,
     params: SamplingParams,
 ) -> Result<Generation, ApiError> {
     let received = Instant::now();
@@ -282,7 +327,30 @@ pub async fn start_generation(
     if params.lora.is_none() {
         params.lora = Some(state.lora.defaults());
     }
-    let valid = validate::generation(&info, &state.limits, prompt, params).await?;
+    let Prompt { text, images } = prompt.into();
+    // Held until the request has a slot (the end of this function): until then its images
+    // are held here or in the queue (`image_prompt::IMAGES_IN_FLIGHT`).
+    image_prompt::check_images(&info, images.len())?;
+    let _images_held = if images.is_empty() {
+        None
+    } else {
+        let n = u32::try_from(images.len()).unwrap_or(u32::MAX);
+        Some(
+            state
+                .images_in_flight
+                .clone()
+                .try_acquire_many_owned(n)
+                .map_err(|_| {
+                    ApiError::Overloaded(format!(
+                        "the server holds {} images of other requests waiting for a slot; \
+                         retry later",
+                        image_prompt::IMAGES_IN_FLIGHT
+                    ))
+                })?,
+        )
+    };
+    let images = image_prompt::decode_images(&info, images).await?;
+    let valid = validate::generation(&info, &state.limits, text, images, params).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     state.engine.submit(Request {
         id: access::current_id(),
@@ -292,6 +360,7 @@ pub async fn start_generation(
         events: tx,
         received,
         deadline: state.limits.timeout.map(|t| received + t),
+        images: valid.images,
     })?;
     match rx.recv().await {
         Some(Event::Started) => Ok(Generation::new(rx)),
@@ -449,24 +518,51 @@ mod tests {
     }
 
     #[test]
-    fn messages_accept_strings_and_text_parts_and_refuse_images() {
+    fn messages_accept_strings_and_text_and_image_parts() {
         let m = parse_messages(vec![
             serde_json::json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
             serde_json::json!({"role": "assistant", "content": null, "name": "x"}),
         ])
-        .unwrap();
+        .unwrap()
+        .messages;
         assert_eq!(m[0].content, "ab");
         assert_eq!(m[1].content, "");
         assert_eq!(m[1].extra["name"], "x");
         let m = parse_messages(vec![
             serde_json::json!({"role": "user", "content": "x", "tool_calls": null, "images": null}),
         ])
-        .unwrap();
+        .unwrap()
+        .messages;
         assert!(m[0].extra.is_empty());
-        assert!(parse_messages(vec![
-            serde_json::json!({"role": "user", "content": [{"type": "image_url"}]})
+        // An image part is a marker where it was; a message's images go before its text.
+        let chat = parse_messages(vec![
+            serde_json::json!({"role": "user", "content": [
+                {"type": "text", "text": "a "},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "text", "text": " b"},
+            ]}),
+            serde_json::json!({"role": "user", "content": "c", "images": ["QUJD"]}),
         ])
-        .is_err());
+        .unwrap();
+        assert_eq!(chat.messages[0].content, "a <__media__> b");
+        assert_eq!(chat.messages[1].content, "<__media__>c");
+        assert!(!chat.messages[1].extra.contains_key("images"));
+        assert_eq!(
+            chat.images,
+            vec![
+                ImageSource::Url("data:image/png;base64,AAAA".into()),
+                ImageSource::Base64("QUJD".into())
+            ]
+        );
+        for bad in [
+            serde_json::json!({"role": "user", "content": [{"type": "image_url"}]}),
+            serde_json::json!({"role": "user", "content": [{"type": "image_url", "image_url": 5}]}),
+            serde_json::json!({"role": "user", "content": "x", "images": "QUJD"}),
+            serde_json::json!({"role": "user", "content": "x", "images": [1]}),
+        ] {
+            let e = parse_messages(vec![bad.clone()]).unwrap_err();
+            assert_eq!(e.kind(), "invalid_image", "{bad}: {e}");
+        }
         assert!(parse_messages(vec![serde_json::json!({"content": "x"})]).is_err());
         assert!(parse_messages(vec![]).is_err());
     }

@@ -24,6 +24,13 @@ pub enum ApiError {
     /// The prompt does not fit in a slot.
     #[error("{0}")]
     ContextLength(String),
+    /// An image that cannot be used: undecodable, too large, too many, a remote URL, or a
+    /// reference to an image the request does not give.
+    #[error("{0}")]
+    InvalidImage(String),
+    /// Images sent to a server without a vision projector (`--mmproj`).
+    #[error("{0}")]
+    ImagesNotSupported(String),
     /// The model is still loading.
     #[error("the model is still loading; retry when /health says ready")]
     Loading,
@@ -95,6 +102,8 @@ impl ApiError {
             | ApiError::InvalidRequest(_)
             | ApiError::InvalidLora(_)
             | ApiError::ContextLength(_)
+            | ApiError::InvalidImage(_)
+            | ApiError::ImagesNotSupported(_)
             | ApiError::InvalidSlotFile(_) => StatusCode::BAD_REQUEST,
             ApiError::Loading | ApiError::Unavailable(_) | ApiError::Timeout(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -122,6 +131,8 @@ impl ApiError {
             ApiError::InvalidRequest(_) => "invalid_request",
             ApiError::InvalidLora(_) => "invalid_lora",
             ApiError::ContextLength(_) => "context_length_exceeded",
+            ApiError::InvalidImage(_) => "invalid_image",
+            ApiError::ImagesNotSupported(_) => "images_not_supported",
             ApiError::Loading => "model_loading",
             ApiError::LoadFailed(_) => "model_load_failed",
             ApiError::Overloaded(_) => "overloaded",

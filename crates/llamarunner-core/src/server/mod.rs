@@ -5,6 +5,8 @@ pub mod access;
 pub mod common;
 pub mod error;
 pub mod format;
+pub mod image_prompt;
+pub mod images;
 pub mod lora;
 pub mod metrics;
 pub mod middleware;
@@ -47,6 +49,10 @@ pub struct AppState {
     pub lora: Arc<lora::LoraTable>,
     /// `<think>` reasoning in chat answers (`--reasoning-format`).
     pub reasoning_format: crate::config::ReasoningFormat,
+    /// Images being decoded, tokenized or queued, at most `image_prompt::IMAGES_IN_FLIGHT`:
+    /// each holds its pixels, then the projector's preprocessed input, until its request has
+    /// a slot.
+    pub images_in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -61,6 +67,7 @@ impl AppState {
             slot_save_path: None,
             lora: Arc::default(),
             reasoning_format: crate::config::ReasoningFormat::Auto,
+            images_in_flight: Arc::new(tokio::sync::Semaphore::new(image_prompt::IMAGES_IN_FLIGHT)),
         }
     }
 

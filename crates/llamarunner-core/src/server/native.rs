@@ -19,6 +19,7 @@ use super::common::{
 };
 use super::error::ApiError;
 use super::format::grammar_for_format;
+use super::image_prompt::{self, Prompt};
 use super::options::Options;
 use super::tool_calls::ToolRequest;
 use super::{validate, AppState};
@@ -64,11 +65,7 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
-        return Err(ApiError::InvalidRequest(
-            "images are not supported: no multimodal projector is loaded".into(),
-        ));
-    }
+    let info = model_info(&state)?;
     let options = req.options.unwrap_or_default();
     let lora = state
         .lora
@@ -90,8 +87,21 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
                 "give either prompt or messages, not both".into(),
             ))
         }
-        Some(messages) => chat_prompt(&state, parse_messages(messages)?, &mut params).await?,
-        None => required("prompt", req.prompt)?,
+        Some(messages) => {
+            if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
+                return Err(ApiError::InvalidImage(
+                    "with messages, images go in the messages (their images or image_url parts)"
+                        .into(),
+                ));
+            }
+            let chat = parse_messages(messages)?;
+            image_prompt::check_images(&info, chat.images.len())?;
+            Prompt {
+                text: chat_prompt(&state, chat.messages, &mut params).await?,
+                images: chat.images,
+            }
+        }
+        None => image_prompt::native_prompt(&info, required("prompt", req.prompt)?, req.images)?,
     };
 
     let generation = start_generation(&state, prompt, params).await?;
@@ -206,7 +216,7 @@ pub async fn apply_template(
 ) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: ApplyTemplateRequest = parse_json(&body)?;
-    let messages = parse_messages(req.messages.unwrap_or_default())?;
+    let messages = parse_messages(req.messages.unwrap_or_default())?.messages;
     let tools = ToolRequest::parse(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
     let history = messages
         .iter()
@@ -335,6 +345,8 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
             "size": info.file_size,
         },
         "slot_save": state.slot_save_path.is_some(),
+        // As llama-server: whether requests may carry images (`--mmproj`) or audio (never).
+        "modalities": {"vision": info.vision.is_some(), "audio": false},
         "build_info": format!("llamarunner {version} (llama-cpp-2 {LLAMA_CPP_2_VERSION})"),
         "version": version,
         "llama_cpp_2_version": LLAMA_CPP_2_VERSION,

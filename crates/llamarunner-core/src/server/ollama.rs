@@ -22,6 +22,7 @@ use super::common::{
 };
 use super::error::{ApiError, OllamaError};
 use super::format::grammar_for_format;
+use super::image_prompt::{self, Prompt};
 use super::options::Options;
 use super::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use super::AppState;
@@ -60,11 +61,6 @@ impl OllamaRequest {
     fn check(&self, state: &AppState) -> Result<(), ApiError> {
         required_model(state, self.model.as_deref())?;
         self.think()?;
-        if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
-            return Err(ApiError::invalid(
-                "images are not supported: no multimodal projector is loaded",
-            ));
-        }
         if self.template.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid(
                 "template overrides are not supported (Ollama's Go templates); start the server with --chat-template",
@@ -186,20 +182,26 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     }
     let prompt = req.prompt.clone().unwrap_or_default();
     let system = req.system.clone().unwrap_or_default();
-    if prompt.is_empty() && system.is_empty() {
+    if prompt.is_empty() && system.is_empty() && req.images.as_ref().is_none_or(Vec::is_empty) {
         return Ok(Json(meta.loaded()).into_response());
     }
+    // The images take their places in the user's text (`image_prompt::ollama_generate`).
+    let user = image_prompt::ollama_generate(&*model_info(&state)?, prompt, req.images.clone())?;
     let text = if req.raw == Some(true) {
-        prompt
+        user.text
     } else {
         let mut messages = Vec::new();
         if !system.is_empty() {
             messages.push(message("system", system));
         }
-        messages.push(message("user", prompt));
+        messages.push(message("user", user.text));
         chat_prompt(&state, messages, &mut params).await?
     };
-    respond(state, text, params, meta, req.stream.unwrap_or(true)).await
+    let prompt = Prompt {
+        text,
+        images: user.images,
+    };
+    respond(state, prompt, params, meta, req.stream.unwrap_or(true)).await
 }
 
 fn message(role: &str, content: String) -> ChatMessage {
@@ -217,13 +219,18 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     if raw_messages.is_empty() {
         return Ok(Json(meta.loaded()).into_response());
     }
-    let messages = parse_messages(raw_messages)?;
+    let chat = parse_messages(raw_messages)?;
+    image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let tools = ToolRequest::parse(req.tools.as_deref(), None, None)?;
     let (text, output) =
-        tool_calls::chat_request(&state, messages, tools, &mut params, req.think()?).await?;
+        tool_calls::chat_request(&state, chat.messages, tools, &mut params, req.think()?).await?;
+    let prompt = Prompt {
+        text,
+        images: chat.images,
+    };
     respond_chat(
         state,
-        text,
+        prompt,
         params,
         meta,
         req.stream.unwrap_or(true),
@@ -245,7 +252,7 @@ fn ollama_calls(calls: &[ToolCall]) -> Value {
 /// split out; streamed, each piece is a line, as Ollama streams them.
 async fn respond_chat(
     state: AppState,
-    prompt: String,
+    prompt: Prompt,
     params: SamplingParams,
     meta: Meta,
     streaming: bool,
@@ -295,7 +302,7 @@ async fn respond_chat(
 
 async fn respond(
     state: AppState,
-    prompt: String,
+    prompt: Prompt,
     params: SamplingParams,
     meta: Meta,
     streaming: bool,

@@ -24,6 +24,7 @@ use super::common::{
 };
 use super::error::{ApiError, OpenAiError};
 use super::format::grammar_for_format;
+use super::image_prompt::{self, Prompt};
 use super::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 use super::AppState;
 use crate::engine::{Completion, DoneReason, Event, TokenLogprob};
@@ -416,11 +417,12 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
-    let messages = parse_messages(
+    let chat = parse_messages(
         req.messages
             .clone()
             .ok_or_else(|| ApiError::invalid("messages is required"))?,
     )?;
+    image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let mut params = req.params(true)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     let tools = ToolRequest::parse(
@@ -428,8 +430,12 @@ pub async fn chat_completions(
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    let (prompt, output) =
-        tool_calls::chat_request(&state, messages, tools, &mut params, None).await?;
+    let (text, output) =
+        tool_calls::chat_request(&state, chat.messages, tools, &mut params, None).await?;
+    let prompt = Prompt {
+        text,
+        images: chat.images,
+    };
     respond(state, &req, prompt, params, Some(output)).await
 }
 
@@ -463,13 +469,13 @@ pub async fn completions(
     }
     let mut params = req.params(false)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
-    respond(state, &req, prompt, params, None).await
+    respond(state, &req, prompt.into(), params, None).await
 }
 
 async fn respond(
     state: AppState,
     req: &OpenAiRequest,
-    prompt: String,
+    prompt: Prompt,
     params: SamplingParams,
     output: Option<ChatOutput>,
 ) -> Result<Response, OpenAiError> {

@@ -12,9 +12,10 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 
 use super::error::ApiError;
-use crate::engine::{grammar, ModelInfo, Token};
+use crate::engine::vision::VisionError;
+use crate::engine::{grammar, ImageInput, ModelInfo, PromptImage, Token};
 use crate::kv;
-use crate::sched::params::SamplingParams;
+use crate::sched::params::{SamplingParams, UNCAPPED_SLOT_CONTEXTS};
 
 /// Most stop strings one request may give (template end-of-turn markers included).
 pub const MAX_STOP_STRINGS: usize = 64;
@@ -49,6 +50,8 @@ pub struct Generation {
     pub params: SamplingParams,
     /// The prompt was cut to fit the slot.
     pub truncated: bool,
+    /// The images whose positions `tokens` hold (`engine::vision`).
+    pub images: Vec<PromptImage>,
 }
 
 /// Runs `f` on the blocking pool, at most `BLOCKING_TASKS` at a time.
@@ -148,6 +151,12 @@ pub fn check_for_model(
         if p.num_predict < 0 || p.num_predict > cap {
             p.num_predict = cap;
         }
+    } else {
+        // Without `--max-tokens`, ten slot contexts, as for -1 (`sched`): a request for 2^31
+        // tokens with `ignore_eos` would otherwise hold its slot for good.
+        let cap =
+            i64::try_from(info.slot_ctx.saturating_mul(UNCAPPED_SLOT_CONTEXTS)).unwrap_or(i64::MAX);
+        p.num_predict = p.num_predict.min(cap);
     }
     let slot = i32::try_from(info.slot_ctx).unwrap_or(i32::MAX);
     if p.repeat_last_n < 0 || p.repeat_last_n > slot {
@@ -281,12 +290,46 @@ pub fn check_token_ids(ids: &[i64], info: &ModelInfo) -> Result<Vec<Token>, ApiE
         .collect()
 }
 
+/// Tokenizes a prompt with images (one marker per image in `text`) with the projector, on the
+/// blocking pool: text tokens and image positions (`engine::vision`). An image the projector
+/// cannot take, or one larger than a decode, is a 400 `invalid_image`.
+pub async fn tokenize_with_images(
+    info: &Arc<ModelInfo>,
+    text: String,
+    images: Vec<ImageInput>,
+) -> Result<(Vec<Token>, Vec<PromptImage>), ApiError> {
+    let Some(vision) = info.vision.clone() else {
+        return Err(ApiError::ImagesNotSupported(
+            "this server has no vision projector: start it with --mmproj FILE to send images"
+                .into(),
+        ));
+    };
+    let max = max_text_bytes(info);
+    if text.len() > max {
+        return Err(ApiError::ContextLength(format!(
+            "the input length exceeds the context length: the prompt has {} bytes of text, at \
+             most {max} are read for a slot of {} tokens (raise --ctx-size)",
+            text.len(),
+            info.slot_ctx
+        )));
+    }
+    let (tokens, images) = blocking(move || vision.tokenize(&text, &images))
+        .await?
+        .map_err(|e| match e {
+            VisionError::InvalidImage(m) => ApiError::InvalidImage(m),
+            VisionError::InvalidPrompt(m) => ApiError::InvalidRequest(m),
+        })?;
+    Ok((tokens, images))
+}
+
 /// Validates a whole generation request: parameters, grammar (compiled against the
-/// vocabulary), and the prompt's tokens fitted into a slot.
+/// vocabulary), and the prompt's tokens (with its images' positions) fitted into a slot; an
+/// image the cut would split goes whole.
 pub async fn generation(
     info: &Arc<ModelInfo>,
     limits: &Limits,
     prompt: String,
+    images: Vec<ImageInput>,
     mut params: SamplingParams,
 ) -> Result<Generation, ApiError> {
     check_for_model(&mut params, info, limits)?;
@@ -296,12 +339,21 @@ pub async fn generation(
             .await?
             .map_err(ApiError::InvalidRequest)?;
     }
-    let mut tokens = tokenize(info, prompt, "prompt").await?;
+    let (mut tokens, mut images) = if images.is_empty() {
+        (tokenize(info, prompt, "prompt").await?, Vec::new())
+    } else {
+        tokenize_with_images(info, prompt, images).await?
+    };
     let truncated = fit_prompt(&mut tokens, &params, info)?;
+    if truncated {
+        // Images the cut dropped (whole) are not sent.
+        images.retain(|im| tokens.contains(&im.token(0)));
+    }
     Ok(Generation {
         tokens,
         params,
         truncated,
+        images,
     })
 }
 
@@ -457,6 +509,27 @@ mod tests {
             };
             check_for_model(&mut p, &info(), &Limits::default()).unwrap();
             assert_eq!(p.repeat_last_n, want, "{given}");
+        }
+    }
+
+    #[test]
+    fn without_max_tokens_num_predict_is_capped_at_ten_slot_contexts() {
+        let cap = i64::try_from(info().slot_ctx * UNCAPPED_SLOT_CONTEXTS).unwrap();
+        for (given, want) in [
+            (-1, -1),
+            (0, 0),
+            (50, 50),
+            (cap, cap),
+            (cap + 1, cap),
+            (i64::from(i32::MAX), cap),
+            (i64::MAX, cap),
+        ] {
+            let mut p = SamplingParams {
+                num_predict: given,
+                ..params()
+            };
+            check_for_model(&mut p, &info(), &Limits::default()).unwrap();
+            assert_eq!(p.num_predict, want, "{given}");
         }
     }
 

@@ -3,24 +3,28 @@
 //! shifts and sliding-window caches behave as without it.
 
 use super::*;
+use crate::sched::adaptive::StepCost;
 use crate::sched::speculative::SpecConfig;
 
-const SPEC: SpecConfig = SpecConfig {
+pub(super) const SPEC: SpecConfig = SpecConfig {
     draft_max: 8,
     draft_min: 1,
     ngram: 3,
+    cost: StepCost::FREE,
+    measure: false,
+    always: false,
 };
 
 /// A harness whose scheduler drafts with `spec`.
-fn speculating(config: FakeConfig, slots: usize, spec: SpecConfig) -> Harness {
+pub(super) fn speculating(config: FakeConfig, slots: usize, spec: SpecConfig) -> Harness {
     Harness::with_scheduler(config, slots, 64, move |s| s.with_speculation(spec))
 }
 
 /// Runs every (prompt, params) at once on `slots` slots; returns each one's text, logprob
 /// entries and final stats, in order.
-type Run = (String, Vec<crate::engine::TokenLogprob>, Completion);
+pub(super) type Run = (String, Vec<crate::engine::TokenLogprob>, Completion);
 
-fn run_all(h: &Harness, jobs: &[(String, SamplingParams)]) -> Vec<Run> {
+pub(super) fn run_all(h: &Harness, jobs: &[(String, SamplingParams)]) -> Vec<Run> {
     let mut rxs: Vec<_> = jobs
         .iter()
         .map(|(p, params)| h.submit(p, params.clone()))
@@ -46,7 +50,7 @@ fn run_all(h: &Harness, jobs: &[(String, SamplingParams)]) -> Vec<Run> {
 
 /// The same jobs without and with speculation: the texts, logprobs, token counts and finish
 /// reasons must be equal. Returns the runs with speculation and its batch log.
-fn same_as_without(
+pub(super) fn same_as_without(
     config: FakeConfig,
     slots: usize,
     spec: SpecConfig,
@@ -68,14 +72,14 @@ fn same_as_without(
     (drafted, log)
 }
 
-fn looping(markov: usize) -> FakeConfig {
+pub(super) fn looping(markov: usize) -> FakeConfig {
     FakeConfig {
         markov: Some(markov),
         ..FakeConfig::default()
     }
 }
 
-fn job(prompt: &str, params: SamplingParams) -> (String, SamplingParams) {
+pub(super) fn job(prompt: &str, params: SamplingParams) -> (String, SamplingParams) {
     (prompt.to_string(), params)
 }
 
@@ -321,7 +325,9 @@ fn drafts_never_take_the_place_of_a_waiting_prompt_or_another_sequence() {
     }
     // The long prompt advanced in every batch it was waiting in: each batch between its first
     // and last chunk carries some of its tokens.
-    let holds_long = |b: &Vec<BatchToken>| b.iter().any(|t| t.seq == 1 && !t.logits);
+    // (Its chunks are the only tokens without logits that are "z": whichever slot it took.)
+    let z = Token::from(b'z');
+    let holds_long = |b: &Vec<BatchToken>| b.iter().any(|t| t.token == z && !t.logits);
     let first = log.iter().position(holds_long).unwrap();
     let last = log.iter().rposition(holds_long).unwrap();
     assert!(log[first..=last].iter().all(holds_long));
@@ -357,4 +363,109 @@ fn sampled_requests_draft_only_when_they_ask_and_draft_min_is_respected() {
     for b in log.iter().skip(1) {
         assert!(b.len() == 1 || b.len() == 9, "batch of {}", b.len());
     }
+}
+
+/// A step cost where each position costs half what a one-token step costs (about what the
+/// default model's extra positions cost on a small CPU).
+fn costly() -> StepCost {
+    StepCost::linear(500, 500)
+}
+
+#[test]
+fn drafts_that_keep_being_rejected_stop_when_they_cost() {
+    // The whole-history hash never loops: lookups propose drafts that are almost all rejected.
+    let prompt = "abcabcabcabc xyzxyz abcabc ".repeat(3);
+    let jobs = [job(&prompt, greedy(120))];
+    let always = SpecConfig {
+        always: true,
+        ..SPEC
+    };
+    let (free, _) = same_as_without(FakeConfig::default(), 1, always, &jobs);
+    let costly = SpecConfig {
+        cost: costly(),
+        ..SPEC
+    };
+    let (adaptive, _) = same_as_without(FakeConfig::default(), 1, costly, &jobs);
+    let (f, a) = (&free[0].2, &adaptive[0].2);
+    assert!(f.draft_count > 100, "{f:?}");
+    // The first rejections and the wrong guesses after them stop the drafts: no probes.
+    assert!(a.draft_count * 10 < f.draft_count, "{a:?} vs {f:?}");
+}
+
+#[test]
+fn a_sequence_drafts_again_once_its_guesses_come_true() {
+    // An order-3 chain over 26 letters wanders before it falls into a loop: lookups guess
+    // wrong, then right. The wrong guesses stop the drafts; the right ones restart them, with
+    // no draft spent on probing.
+    let jobs = [job("q", greedy(400))];
+    let costly = SpecConfig {
+        cost: costly(),
+        ..SPEC
+    };
+    let (runs, log) = same_as_without(looping(3), 1, costly, &jobs);
+    let done = &runs[0].2;
+    assert!(done.draft_accepted_count > 100, "{done:?}");
+    // The widths of its decode steps (1: no draft): before the loop, a few short drafts
+    // at most; in it, full drafts (8 tokens) step after step.
+    let widths: Vec<usize> = log
+        .iter()
+        .filter(|b| b.iter().all(|t| t.logits))
+        .map(|b| b.len())
+        .collect();
+    let (before, after) = widths.split_at(widths.len() / 2);
+    assert!(before.iter().filter(|&&n| n > 1).count() <= 5, "{widths:?}");
+    assert!(
+        after.iter().filter(|&&n| n == 9).count() >= 10,
+        "{widths:?}"
+    );
+}
+
+#[test]
+fn accepted_drafts_stay_long_when_they_cost() {
+    let jobs = [job("the cat sat on the mat", greedy(120))];
+    let costly = SpecConfig {
+        cost: costly(),
+        ..SPEC
+    };
+    let (runs, log) = same_as_without(looping(2), 1, costly, &jobs);
+    let done = &runs[0].2;
+    assert!(done.draft_accepted_count > 60, "{done:?}");
+    // Drafts of several tokens: a step carries more than next token + one draft.
+    assert!(log.iter().any(|b| b.len() > 3), "no long draft");
+}
+
+#[test]
+fn a_fuller_batch_drafts_less_when_positions_cost() {
+    // Sequences in loops (drafts accepted), where a position costs a tenth of a one-token
+    // step: one alone drafts in full, four in one step draft less each (the step is wide
+    // already, so a drafted position must be surer to pay), and the output is unchanged.
+    let per_step = |slots: usize| {
+        let jobs: Vec<_> = (0..slots)
+            .map(|i| job(&format!("{i} the cat sat on the mat"), greedy(60)))
+            .collect();
+        let cheap = SpecConfig {
+            cost: StepCost::linear(900, 100),
+            ..SPEC
+        };
+        let (_, log) = same_as_without(looping(2), slots, cheap, &jobs);
+        // Drafted positions per sequence in each step where every sequence is generating.
+        let widths: Vec<usize> = log
+            .iter()
+            .filter(|b| b.iter().all(|t| t.logits))
+            .map(|b| b.len())
+            .collect();
+        let full: Vec<f64> = widths
+            .iter()
+            .filter(|&&w| w >= slots)
+            .map(|&w| (w - slots) as f64 / slots as f64)
+            .collect();
+        full.iter().copied().fold(0.0, f64::max)
+    };
+    let one = per_step(1);
+    let four = per_step(4);
+    assert_eq!(one, 8.0, "1 slot: {one} drafted per step");
+    assert!(
+        four > 0.0 && four < one,
+        "4 slots: {four} drafted per sequence and step, 1 slot: {one}"
+    );
 }
