@@ -137,13 +137,49 @@ class Neighbour:
         wait_idle(self.url)
 
 
+def openai_stream(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """An OpenAI ``/v1/completions`` SSE stream (with ``stream_options.include_usage``) as the
+    native stream's messages: ``{"done": False, "content": ...}`` per chunk with text, then one
+    ``{"done": True, "usage": ..., "finish_reason": ..., "logprobs": ...}`` whose logprobs
+    gather every chunk's ``tokens`` and ``top_logprobs`` (empty lists without logprobs)."""
+    tokens: list[str] = []
+    top: list[dict[str, float]] = []
+    finish = None
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            yield {
+                "done": True,
+                "usage": chunk["usage"],
+                "finish_reason": finish,
+                "logprobs": {"tokens": tokens, "top_logprobs": top},
+            }
+            continue
+        choice = chunk["choices"][0]
+        finish = choice["finish_reason"] or finish
+        if choice.get("logprobs"):
+            tokens += choice["logprobs"]["tokens"]
+            top += choice["logprobs"]["top_logprobs"]
+        if choice["text"]:
+            yield {"done": False, "content": choice["text"]}
+
+
 def run_together(
-    url: str, bodies: list[dict[str, Any]], path: str = "/completion"
+    url: str,
+    bodies: list[dict[str, Any]],
+    path: str = "/completion",
+    messages: Callable[[httpx.Response], Iterator[dict[str, Any]]] = ndjson,
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
-    """Runs native streamed requests side by side: each thread opens its stream and waits for
-    its first token, then, with every request started, the slot table is read (the caller
-    proves the overlap from it: every request still busy), then the streams are read to the
-    end. Returns (text, final message) per body and that slot table."""
+    """Runs streamed requests side by side (native NDJSON, or another dialect's stream read
+    as native messages by `messages`, e.g. `openai_stream`): each thread opens its stream
+    and waits for its first token, then, with every request started, the slot table is read
+    (the caller proves the overlap from it: every request still busy), then the streams are
+    read to the end. Returns (text, final message) per body and that slot table."""
     n = len(bodies)
     started = threading.Barrier(n + 1, timeout=120)
     snapped = threading.Event()
@@ -156,7 +192,7 @@ def run_together(
                 text: list[str] = []
                 final = None
                 first = True
-                for msg in ndjson(r):
+                for msg in messages(r):
                     if first:
                         first = False
                         assert not msg["done"], msg
