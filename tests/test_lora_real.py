@@ -44,9 +44,16 @@ def texts(url: str, lora: list[dict[str, Any]] | None = None) -> list[str]:
 
 def test_generated_adapters_scale_and_compose(servers: tuple[Server, Server]) -> None:
     adapted, plain = servers
+    # Both servers get the same requests in the same order, so their positions are decoded in
+    # batches of the same shapes: a first request decodes its whole prompt, the same prompt
+    # again only its last token (the rest is cached). Kernels are not batch-invariant (helpers,
+    # NEAR_TIE; " Paris" and " The" are 0.011 nats apart on a machine without AVX2), so a text
+    # is compared with the base text of a request that was decoded as it was.
     base = texts(plain.url)
+    base_cached = texts(plain.url)
     assert texts(adapted.url) == base
-    assert texts(adapted.url, [{"id": 0, "scale": 0}, {"id": 1, "scale": 0}]) == base
+    # The same scale set as the default one (both 0): the prompts' caches are used.
+    assert texts(adapted.url, [{"id": 0, "scale": 0}, {"id": 1, "scale": 0}]) == base_cached
     first = texts(adapted.url, [{"id": 0, "scale": 1}])
     second = texts(adapted.url, [{"id": 1, "scale": 1}])
     both = texts(adapted.url, [{"id": 0, "scale": 1}, {"id": 1, "scale": 1}])

@@ -16,7 +16,17 @@ import pytest
 
 from llamarunner import Server, ServerConfig
 
-from helpers import assert_all_busy, complete, openai_stream, run_together, wait_idle
+from helpers import (
+    assert_all_busy,
+    choice_logprobs,
+    complete,
+    openai_greedy,
+    openai_stream,
+    run_together,
+    same_or_near_tie,
+    text_same_or_near_tie,
+    wait_idle,
+)
 from tinymodel import model_tensors, write_tiny_model
 
 # A prompt that repeats itself: lookups find drafts in it.
@@ -345,92 +355,11 @@ def gemma_prompt(i: int) -> str:
     )
 
 
-# llama.cpp's CPU kernels are not batch-invariant (test_real_model.py explains): the logits of
-# a position differ in their last bits with the number of rows decoded with it, and verifying a
-# draft decodes several rows of one sequence at once. Where the two best tokens are that close,
-# a greedy choice may flip, drafts or not (four streams decoded together part from their
-# sequential texts the same way). Measured on this prompt set: the same position's logprobs move
-# by up to ~0.1 nats between runs whose prompts were decoded in batches of other shapes (one CI
-# machine's plain run had its two best 0.20 nats apart where this machine's had them 0.04
-# apart, and its drafted run flipped them). So the checks are:
-# - exact: every token of a greedy run is the best of its own position's logprobs (what the
-#   verification must guarantee: a draft is kept only where the sampler picks it);
-# - the texts are equal, or part at a flip of a near-tie: the drafted run's token there is the
-#   plain run's second best, and each run had its two best within NEAR_TIE nats. A draft that
-#   leaked into attention, a crossed row or a kept rejection moves logits far past that.
-NEAR_TIE = 0.5
-
-
-def openai_greedy(url: str, prompt: str, n: int, speculative: bool) -> dict[str, Any]:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "logprobs": 2,
-            "speculative": speculative,
-        },
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def best_two(top: dict[str, float]) -> list[tuple[float, str]]:
-    return sorted(((v, k) for k, v in top.items()), reverse=True)[:2]
-
-
-def assert_greedy(logprobs: dict[str, Any]) -> None:
-    """Every token is the best (or tied best) of its position's top logprobs."""
-    for i, (token, top) in enumerate(zip(logprobs["tokens"], logprobs["top_logprobs"])):
-        assert top[token] == max(top.values()), f"token {i} {token!r} is not the best: {top}"
-
-
-def same_or_near_tie(plain: dict[str, Any], drafted: dict[str, Any]) -> bool:
-    """Whether two greedy runs' tokens (each run's `logprobs`: tokens and top 2) are the same;
-    if not, asserts that they part at a flipped near-tie (see NEAR_TIE)."""
-    assert_greedy(plain)
-    assert_greedy(drafted)
-    want, got = plain["tokens"], drafted["tokens"]
-    if want == got:
-        return True
-    k = next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)
-    assert k is not None, f"one text is a prefix of the other:\n{want}\n{got}"
-    ours, theirs = best_two(plain["top_logprobs"][k]), best_two(drafted["top_logprobs"][k])
-    why = f"parted at token {k}: {want[k]!r} {ours} vs {got[k]!r} {theirs}\n{want}\n{got}"
-    assert len(ours) == len(theirs) == 2, why
-    assert ours[1][1] == got[k] and theirs[1][1] == want[k], why
-    assert ours[0][0] - ours[1][0] < NEAR_TIE and theirs[0][0] - theirs[1][0] < NEAR_TIE, why
-    return False
-
-
-def text_same_or_near_tie(plain: dict[str, Any], text: str) -> None:
-    """A text without logprobs (the native dialect's) against a plain OpenAI run: the same, or
-    parted where the plain run's two best tokens were within NEAR_TIE nats and the text went
-    on with the second (its first characters)."""
-    want = plain["choices"][0]["text"]
-    if text == want:
-        return
-    k = next((i for i, (x, y) in enumerate(zip(want, text)) if x != y), min(len(want), len(text)))
-    lp = plain["choices"][0]["logprobs"]
-    at = max(i for i, offset in enumerate(lp["text_offset"]) if offset <= k)
-    ours = best_two(lp["top_logprobs"][at])
-    why = f"parted at token {at} ({lp['tokens'][at]!r}), best two {ours}:\n{want!r}\n{text!r}"
-    assert len(ours) == 2 and ours[0][0] - ours[1][0] < NEAR_TIE, why
-    second = want[: lp["text_offset"][at]] + ours[1][1]
-    assert text.startswith(second) or second.startswith(text), why
-
-
-def choice_logprobs(response: dict[str, Any]) -> dict[str, Any]:
-    return dict(response["choices"][0]["logprobs"])
-
-
 @pytest.mark.real_model
 def test_default_model_greedy_text_with_drafts_is_the_text_without(gemma: Server) -> None:
     prompt = gemma_prompt(0)
-    plain = openai_greedy(gemma.url, prompt, 64, False)
-    drafted = openai_greedy(gemma.url, prompt, 64, True)
+    plain = openai_greedy(gemma.url, prompt, 64, speculative=False)
+    drafted = openai_greedy(gemma.url, prompt, 64, speculative=True)
     same_or_near_tie(choice_logprobs(plain), choice_logprobs(drafted))
     # The model repeats its input: most drafts are right.
     details = drafted["usage"]["completion_tokens_details"]
@@ -446,7 +375,7 @@ def test_default_model_greedy_text_with_drafts_is_the_text_without(gemma: Server
 @pytest.mark.real_model
 def test_default_model_four_concurrent_with_drafts_match_their_plain_text(gemma: Server) -> None:
     prompts = [gemma_prompt(i) for i in range(4)]
-    plain = [openai_greedy(gemma.url, p, 48, False) for p in prompts]
+    plain = [openai_greedy(gemma.url, p, 48, speculative=False) for p in prompts]
     wait_idle(gemma.url)
     body = {
         "max_tokens": 48,
