@@ -949,6 +949,14 @@ impl<B: Backend> Scheduler<B> {
         }
         let now = Instant::now();
         let decoded = now - started;
+        // For the step's trace line: what the cost model expected, and the drafted positions.
+        let expected_us = self.step_cost.time(self.batch.len());
+        let drafted: usize = self
+            .slots
+            .iter()
+            .filter_map(|s| s.seq.as_ref())
+            .map(|seq| seq.spec.draft.len())
+            .sum();
         if self.speculation.measure && self.batch.iter().all(|t| t.logits) {
             let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
             self.step_cost.observe(self.batch.len(), us);
@@ -975,7 +983,9 @@ impl<B: Backend> Scheduler<B> {
         tracing::trace!(
             tokens = self.batch.len(),
             outputs = self.batch.iter().filter(|t| t.logits).count(),
+            drafted,
             decode_us = decoded.as_micros(),
+            expected_us = expected_us.round() as u64,
             sample_us = now.elapsed().as_micros(),
             "step"
         );
