@@ -107,7 +107,7 @@ def test_greedy_output_with_accepted_drafts_is_the_output_without(looper: Server
         assert final["eval_count"] == 100
         # Nearly every token after the loop closed came from an accepted draft.
         assert final["draft_accepted_count"] > 50, final
-    # Greedy requests draft by default (the server's --draft-max is 8).
+    # Greedy requests draft by default (the server's default --draft-max).
     _, final = complete(
         looper.url, "abc", temperature=0, num_predict=40, ignore_eos=True, repeat_penalty=1.0
     )

@@ -131,7 +131,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-max",
         type=int,
         metavar="N",
-        help="most tokens drafted per sequence and step; 0 = speculation off (default 8)",
+        help="most tokens drafted per sequence and step; 0 = speculation off (default 16)",
     )
     spec.add_argument(
         "--draft-min",
@@ -144,7 +144,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="longest tail of a sequence looked up in its prompt and output, then shorter "
-        "ones down to 2 tokens (default 3)",
+        "ones down to 2 tokens (default 6)",
     )
     p.add_argument(
         "--max-queue",

@@ -52,9 +52,9 @@ class ServerConfig:
     mmproj: str | None = None
     multiuser_cache: bool = False
     swa_full: bool = False
-    draft_max: int = 8
+    draft_max: int = 16
     draft_min: int = 1
-    spec_ngram: int = 3
+    spec_ngram: int = 6
     draft_model: str | None = None
     draft_always: bool = False
     verbose: bool = False

@@ -165,9 +165,9 @@ impl Default for RunnerConfig {
             mmproj: None,
             multiuser_cache: false,
             swa_full: false,
-            draft_max: 8,
+            draft_max: 16,
             draft_min: 1,
-            spec_ngram: 3,
+            spec_ngram: 6,
             draft_model: None,
             draft_always: false,
             verbose: false,
@@ -556,7 +556,7 @@ mod tests {
             assert!(err.contains(name), "{max} {min} {ngram}: {err}");
         }
         let spec = RunnerConfig::default().speculation();
-        assert_eq!((spec.draft_max, spec.draft_min, spec.ngram), (8, 1, 3));
+        assert_eq!((spec.draft_max, spec.draft_min, spec.ngram), (16, 1, 6));
     }
 
     #[test]
