@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -40,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from benches.load import Running, _process, free_port, text
+from benches.load import Running, _process, free_port, llama_server, text
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 
@@ -119,29 +120,9 @@ def ours(model: str, mmproj: str, threads: int) -> Iterator[Running]:
 def peer(binary: str, model: str, mmproj: str, threads: int) -> Iterator[Running]:
     # llama-server draws a random image marker per process unless this pins it.
     os.environ["LLAMA_MEDIA_MARKER"] = "<__media__>"
-    port = free_port()
-    cmd = [
-        binary,
-        "--model",
-        model,
-        "--mmproj",
-        mmproj,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--ctx-size",
-        "2048",
-        "--parallel",
-        "1",
-        "--threads",
-        str(threads),
-        "--threads-batch",
-        str(threads),
-        "--no-warmup",
-    ]
-    with _process(cmd, "llama-server", port, "openai") as r:
-        yield r
+    extra = ("--mmproj", mmproj, "--no-warmup")
+    with llama_server(binary, model, 1, 2048, threads, extra) as r:
+        yield dataclasses.replace(r, name="llama-server")
 
 
 def prompt_ms(server: Running, prompt: str, image: str | None) -> tuple[float, int, int]:
