@@ -376,43 +376,36 @@ def test_skewed_load_spills_to_the_idle_replica(skew_app: str) -> None:
     # Alone, the same prefix goes home every time.
     for _ in range(4):
         assert native_chat(app, [{"role": "user", "content": prompt}], num_predict=1)[2] == home
-    # Many at once, each long: home's queue grows past the imbalance, the rest spill over.
-    # Long enough that they all overlap whatever the machine's speed (400 tokens of the tiny
-    # model could end before the last of the eight was routed on a quiet machine: the router
-    # then rightly saw no queue).
+    # Eight at once, each held open (generating) until all eight have answered, so that they
+    # overlap whatever the machine's speed: home's queue grows past the imbalance, the rest
+    # spill over. (The router counts a request when Ray sends it, at once: a CI run of this
+    # burst routed all eight home while it counted them only once a replica had accepted
+    # them, a round trip later.) Closing a stream cancels its request. A request queued
+    # behind home's busy slots may answer only once others close: the wait is bounded, and
+    # its route was chosen before.
+    served: list[str] = []
+    lock = threading.Lock()
+    everyone = threading.Event()
     body = {
         "messages": [{"role": "user", "content": prompt}],
-        "options": {"num_predict": 1500, "ignore_eos": True},
+        "options": {"num_predict": 100_000, "ignore_eos": True},
     }
 
-    def burst() -> list[str]:
-        served: list[str] = []
-        lock = threading.Lock()
+    def one() -> None:
+        with httpx.stream("POST", f"{app}/completion", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            with lock:
+                served.append(r.headers[REPLICA_HEADER])
+                if len(served) == 8:
+                    everyone.set()
+            everyone.wait(15)
 
-        def one() -> None:
-            with httpx.stream("POST", f"{app}/completion", json=body, timeout=300) as r:
-                assert r.status_code == 200
-                with lock:
-                    served.append(r.headers[REPLICA_HEADER])
-                for _ in r.iter_bytes():
-                    pass
-
-        threads = [threading.Thread(target=one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(served) == 8
-        return served
-
-    # What the router sees of a burst depends on Ray's timing (when it reports a streamed
-    # request complete, how fresh the replicas' stats are): one CI run in three routed all
-    # eight home. So up to three bursts, of which one must spill; the policy itself is tested
-    # deterministically in test_ray_affinity.py.
-    for _ in range(3):
-        served = burst()
-        if len(set(served)) == 2:
-            break
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(served) == 8
     assert served.count(home) >= IMBALANCE + 1, served
     assert len(set(served)) == 2, served
 

@@ -6,8 +6,8 @@ own `PrefixTable` of what it sent where. A replica's load is the largest of thre
 the server's own gauges (``requests_running + requests_waiting`` from `/metrics`, delivered
 as the replica's routing stats every ``request_routing_stats_period_s``, so up to that old),
 Ray's queue-length cache of the replica (as fresh as its last probe), and the requests this
-router has sent it that have not completed (exact at once, but blind to other routers'): a
-burst sent within one stats period is still seen.
+router has sent it that have not completed (counted when sent, so exact at once, but blind to
+other routers'): a burst sent within one stats period is still seen.
 """
 
 from __future__ import annotations
@@ -79,14 +79,21 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         )
         return [[by_name[name] for name in rank] for rank in ranks]
 
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # Counted when the request is sent, which Ray reports at once. (`on_request_routed`
+        # comes only once the replica has answered that it accepts the request, a round trip
+        # later: the requests of a burst routed in the meantime all saw the replica idle and
+        # all went to the same one.)
+        super().on_send_request(replica_id)
+        name = replica_id.unique_id
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        name = replica_id.unique_id
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
         req = _proxy_request(pending_request)
         if req is not None and req.routing_key:
-            self.table.insert(name, req.routing_key)
+            self.table.insert(replica_id.unique_id, req.routing_key)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         name = replica_id.unique_id
