@@ -41,7 +41,8 @@ from typing import Any
 
 import httpx
 
-from benches.load import Running, _process, free_port, llama_server, text
+from benches.load import Running, llama_server, text
+from benches.load import ours as load_ours
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 
@@ -96,24 +97,8 @@ def random_png(seed: int, size: int = 64) -> str:
 
 @contextmanager
 def ours(model: str, mmproj: str, threads: int) -> Iterator[Running]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llamarunner",
-        "serve",
-        model,
-        "--mmproj",
-        mmproj,
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-        "--ctx-size",
-        "2048",
-    ]
-    with _process(cmd, "llamarunner", port, "native") as r:
-        yield r
+    with load_ours(model, 1, 2048, threads, ("--mmproj", mmproj)) as r:
+        yield dataclasses.replace(r, name="llamarunner")
 
 
 @contextmanager
