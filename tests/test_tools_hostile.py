@@ -168,7 +168,7 @@ def test_a_schema_that_does_not_convert_names_its_tool(server: WatchedServer) ->
     for parameters, words in [
         ({"type": "object", "properties": {"x": {"type": "banana"}}}, "banana"),
         ({"type": "object", "properties": {"x": nested_schema(40)}}, "deeper"),
-        ({"type": "object", "properties": {f"p{i}": {} for i in range(200)}}, "properties"),
+        ({"type": "object", "properties": {f"p{i}": {} for i in range(600)}}, "properties"),
     ]:
         body = {
             "model": MODEL,

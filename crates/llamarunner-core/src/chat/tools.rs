@@ -4,7 +4,7 @@
 //!
 //! A family is detected from the chat template's source, as the turn markers are. Adding one:
 //! a `ToolFormat` variant, its line in `detect`, its call text in `call_text` / `instructions`,
-//! its wrapper in `wrap_grammar` and trigger in `trigger_pattern`, and its case in `parse`.
+//! its wrapper in `wrap_grammar` and trigger in `trigger`, and its case in `parse`.
 
 use serde_json::{Map, Value};
 
@@ -148,19 +148,18 @@ impl ToolFormat {
         )
     }
 
-    /// The regular expression (searched in the output so far) at which the grammar of a call
-    /// starts constraining in "auto" mode. The families that answer with a bare JSON object
-    /// must start with it (leading whitespace aside), so JSON inside free text stays free.
-    /// Whitespace runs are bounded: llama.cpp searches with `std::regex`, whose libstdc++
-    /// engine recurses once per character a `\s*` takes, so an unbounded run of model-written
-    /// whitespace could overflow the engine thread's stack.
-    pub fn trigger_pattern(self) -> &'static str {
+    /// Where the grammar of a call starts constraining in "auto" mode. The families that
+    /// answer with a bare JSON object must start with it (leading whitespace aside), so JSON
+    /// inside free text stays free.
+    pub fn trigger(self) -> crate::constrain::Trigger {
+        use crate::constrain::Trigger;
         match self {
-            ToolFormat::Generic | ToolFormat::Llama3 => {
-                r#"^[ \t\r\n]{0,32}(\{[ \t\r\n]{0,32}"name")"#
-            }
-            ToolFormat::Hermes => r"<tool_call>",
-            ToolFormat::Mistral => r"\[TOOL_CALLS\]",
+            ToolFormat::Generic | ToolFormat::Llama3 => Trigger::Leading {
+                opener: '{',
+                key: "\"name\"".into(),
+            },
+            ToolFormat::Hermes => Trigger::Literal("<tool_call>".into()),
+            ToolFormat::Mistral => Trigger::Literal("[TOOL_CALLS]".into()),
         }
     }
 
@@ -253,30 +252,41 @@ impl ToolFormat {
             .then_some(ToolCall { name, arguments })
     }
 
-    /// The GBNF of a whole answer made of calls, around `call_rule` (the grammar of one call
-    /// object whose root is renamed `tool-call`): with `parallel`, several calls.
-    pub fn wrap_grammar(self, call_rules: &str, parallel: bool) -> String {
+    /// The grammar (llguidance's Lark syntax) of a whole answer made of calls, around the rule
+    /// `call` (one call object): with `parallel`, several calls. `control` gives the id of a
+    /// control token with that text, when the vocabulary has one (Mistral's `[TOOL_CALLS]`):
+    /// the grammar then takes the token as well as the text.
+    pub fn wrap_grammar(self, parallel: bool, control: impl Fn(&str) -> Option<u32>) -> String {
+        let lit = |text: &str| {
+            let quoted = Value::String(text.to_string()).to_string();
+            match control(text) {
+                Some(id) => format!("({quoted} | <[{id}]>)"),
+                None => quoted,
+            }
+        };
         let more = |sep: &str, item: &str| {
             if parallel {
-                format!("({sep} {item}){{0,{MAX_PARALLEL_CALLS}}}")
+                format!(" ({sep} {item}){{0,{MAX_PARALLEL_CALLS}}}")
             } else {
                 String::new()
             }
         };
-        let root = match self {
+        match self {
             ToolFormat::Generic | ToolFormat::Llama3 => {
-                format!("root ::= tool-call {}", more("\"\\n\"", "tool-call"))
+                format!("start: call{}\n", more("\"\\n\"", "call"))
             }
             ToolFormat::Hermes => format!(
-                "root ::= hermes-call {}\nhermes-call ::= \"<tool_call>\\n\" tool-call \"</tool_call>\"",
-                more("\"\\n\"", "hermes-call")
+                "start: hermes_call{}\nhermes_call: {} \"\\n\" call {}\n",
+                more("\"\\n\"", "hermes_call"),
+                lit("<tool_call>"),
+                lit("</tool_call>")
             ),
             ToolFormat::Mistral => format!(
-                "root ::= \"[TOOL_CALLS][\" tool-call {}\"]\"",
-                more("\", \"", "tool-call")
+                "start: {} \"[\" call{} \"]\"\n",
+                lit("[TOOL_CALLS]"),
+                more("\", \"", "call")
             ),
-        };
-        format!("{root}\n{call_rules}")
+        }
     }
 }
 
@@ -303,18 +313,6 @@ pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> String {
     } else {
         format!(r#"{{"anyOf":[{}]}}"#, alternatives.join(","))
     }
-}
-
-/// Renames a converted schema's `root` rule to `tool-call`, so that a family's wrapper can
-/// be the root. The converter names only the top rule `root`.
-pub fn rename_root(gbnf: &str) -> String {
-    gbnf.lines()
-        .map(|line| match line.strip_prefix("root ::=") {
-            Some(rest) => format!("tool-call ::={rest}"),
-            None => line.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// Where a call written as bare JSON starts: `text` begins (whitespace aside, and between
@@ -615,22 +613,23 @@ mod tests {
 
     #[test]
     fn grammars_wrap_the_call_rule() {
-        let rules = rename_root("root ::= \"{\" space \"}\"\nspace ::= \" \"?");
-        assert_eq!(rules, "tool-call ::= \"{\" space \"}\"\nspace ::= \" \"?");
         for &f in FORMATS {
             for parallel in [false, true] {
-                let g = f.wrap_grammar(&rules, parallel);
-                assert!(g.starts_with("root ::= "), "{g}");
-                assert_eq!(
-                    crate::engine::grammar::explain_gbnf_error(&g),
-                    None,
-                    "{f:?}: {g}"
-                );
+                let g = f.wrap_grammar(parallel, |_| None);
+                assert!(g.starts_with("start: "), "{g}");
+                assert_eq!(g.contains("{0,15}"), parallel, "{g}");
             }
         }
-        assert!(ToolFormat::Hermes
-            .wrap_grammar(&rules, false)
-            .contains("\"<tool_call>\\n\" tool-call \"</tool_call>\""));
+        assert_eq!(
+            ToolFormat::Hermes.wrap_grammar(false, |_| None),
+            "start: hermes_call\nhermes_call: \"<tool_call>\" \"\\n\" call \"</tool_call>\"\n"
+        );
+        let with_token =
+            ToolFormat::Mistral.wrap_grammar(false, |t| (t == "[TOOL_CALLS]").then_some(5));
+        assert!(
+            with_token.starts_with("start: (\"[TOOL_CALLS]\" | <[5]>) \"[\" call"),
+            "{with_token}"
+        );
     }
 
     #[test]

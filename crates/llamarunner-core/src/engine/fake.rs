@@ -81,8 +81,8 @@ impl Default for FakeConfig {
     }
 }
 
-/// The fake's tokenizer for the HTTP side (BOS, then one token per byte) and its grammar check
-/// (the GBNF bounds and our own parser's complaints; there is no llama.cpp to compile with).
+/// The fake's tokenizer for the HTTP side (BOS, then one token per byte) and its vocabulary
+/// (the 256 bytes, `EOS` and `BOS`).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FakeText;
 
@@ -104,11 +104,15 @@ impl TextModel for FakeText {
         }
     }
 
-    fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
-        match super::grammar::explain_gbnf_error(gbnf) {
-            Some(why) => Err(format!("invalid grammar: {why}")),
-            None => Ok(()),
-        }
+    fn vocabulary(&self) -> crate::constrain::Vocabulary {
+        let tokens = (0..=BOS)
+            .map(|t| crate::constrain::VocabToken {
+                bytes: self.piece(t),
+                control: t >= EOS,
+                eog: t == EOS,
+            })
+            .collect();
+        crate::constrain::Vocabulary { tokens }
     }
 }
 
@@ -144,10 +148,21 @@ pub struct FakeBackend {
     pub draft_log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
 }
 
-/// The fake's sampler: it only remembers the seed, which shifts the output.
-#[derive(Debug)]
+/// The fake's sampler: the seed, which shifts the output, and the request's grammar. Under a
+/// grammar the fake's own pick is kept when the grammar allows it; otherwise the first allowed
+/// token in an order that the same pick decides.
 pub struct FakeSampler {
     offset: u64,
+    guide: Option<crate::constrain::Guide>,
+}
+
+impl std::fmt::Debug for FakeSampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeSampler")
+            .field("offset", &self.offset)
+            .field("guide", &self.guide.is_some())
+            .finish()
+    }
 }
 
 impl FakeBackend {
@@ -250,7 +265,17 @@ impl Backend for FakeBackend {
         } else {
             u64::from(params.effective_seed())
         };
-        Ok(FakeSampler { offset })
+        let guide = match &params.grammar {
+            None => None,
+            Some(g) => {
+                let compiled = g
+                    .compiled
+                    .as_ref()
+                    .ok_or_else(|| BackendError::Sampler("the grammar was not compiled".into()))?;
+                Some(crate::constrain::Guide::new(compiled, &g.triggers))
+            }
+        };
+        Ok(FakeSampler { offset, guide })
     }
 
     fn set_lora(&mut self, scales: &LoraScales) -> Result<(), BackendError> {
@@ -356,14 +381,35 @@ impl Backend for FakeBackend {
             .get(&index)
             .expect("sampled a batch index without logits (scheduler bug)");
         let history = &self.kv[&seq][..=pos];
-        if self.config.eos_at.is_some_and(|n| history.len() >= n) {
-            return Some(EOS);
-        }
-        let context = match self.config.markov {
-            Some(n) => &history[history.len().saturating_sub(n)..],
-            None => history,
+        let own = if self.config.eos_at.is_some_and(|n| history.len() >= n) {
+            EOS
+        } else {
+            let context = match self.config.markov {
+                Some(n) => &history[history.len().saturating_sub(n)..],
+                None => history,
+            };
+            Self::next_token(context, sampler.offset)
         };
-        Some(Self::next_token(context, sampler.offset))
+        let Some(guide) = sampler.guide.as_mut() else {
+            return Some(own);
+        };
+        // The logits' order, in the fake: its own pick, then EOS, then the bytes from the pick
+        // on (printable ones first).
+        let order = |mask: &llguidance::toktrie::SimpleVob| {
+            let start = own.clamp(0, 255) as usize;
+            std::iter::once(own)
+                .chain(std::iter::once(EOS))
+                .chain((0..256).map(|i| ((start + i) % 256) as Token))
+                .filter(|&t| (32..127).contains(&t) || t == EOS || t == own)
+                .chain((0..256).map(|i| ((start + i) % 256) as Token))
+                .find(|&t| mask.is_allowed(t as u32))
+        };
+        let token = guide.choose(|mask| match mask {
+            None => Some(own as u32),
+            Some(m) => order(m).map(|t| t as u32),
+        })?;
+        guide.accept(token, &FakeText.piece(token as Token));
+        Some(token as Token)
     }
 
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {

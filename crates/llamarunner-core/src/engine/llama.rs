@@ -16,6 +16,7 @@ use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
+use llama_cpp_2::token_type::LlamaTokenAttr;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
 use super::{
@@ -388,6 +389,7 @@ fn model_info(
         .and_then(|v| v.parse::<u32>().ok())
         .map_or("unknown", super::file_type_name)
         .to_string();
+    let text: std::sync::Arc<dyn TextModel> = std::sync::Arc::new(LlamaText(model.clone()));
     Ok(ModelInfo {
         path: config.model.clone(),
         file_size: file.as_ref().map_or(0, std::fs::Metadata::len),
@@ -410,7 +412,8 @@ fn model_info(
             .map(|t| t.0),
         eos: Some(model.token_eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
         system_info: system_info(),
-        text: std::sync::Arc::new(LlamaText(model.clone())),
+        constraints: super::model::compiler_for(&text),
+        text,
         vision: None,
     })
 }
@@ -434,37 +437,30 @@ impl TextModel for LlamaText {
         piece_bytes(&self.0, LlamaToken(token), true)
     }
 
-    fn check_grammar(&self, gbnf: &str) -> Result<(), String> {
-        compile_grammar(&self.0, gbnf).map(drop)
+    fn vocabulary(&self) -> crate::constrain::Vocabulary {
+        let model = &self.0;
+        let tokens = (0..model.n_vocab())
+            .map(|id| {
+                let token = LlamaToken(id);
+                // llama-cpp-2 panics on an attribute bit it does not know; such a token is
+                // treated as a control token.
+                let control =
+                    std::panic::catch_unwind(|| model.token_attr(token)).map_or(true, |a| {
+                        a.intersects(
+                            LlamaTokenAttr::Control
+                                | LlamaTokenAttr::Unused
+                                | LlamaTokenAttr::Unknown,
+                        )
+                    });
+                crate::constrain::VocabToken {
+                    bytes: piece_bytes(model, token, true),
+                    control,
+                    eog: model.is_eog_token(token),
+                }
+            })
+            .collect();
+        crate::constrain::Vocabulary { tokens }
     }
-}
-
-/// Compiles a GBNF grammar (root rule `root`). The grammar must have passed
-/// `grammar::check_bounds` (the validation layer checks every request's grammar once, before
-/// the queue): llama.cpp's parser recurses once per nesting level. llama.cpp prints its
-/// parser's message to stderr only, so the reason given to the client comes from
-/// `explain_gbnf_error`.
-fn compile_grammar(model: &LlamaModel, text: &str) -> Result<LlamaSampler, String> {
-    LlamaSampler::grammar(model, text, "root").map_err(|e| {
-        let reason = super::grammar::explain_gbnf_error(text)
-            .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
-        format!("invalid grammar: {reason}")
-    })
-}
-
-/// Compiles a grammar that constrains only from the first match of one of `triggers` on
-/// (llama.cpp's lazy grammar). The patterns come from the server's tool-call formats, never
-/// from a request: an invalid pattern is a bug, and the `common` shim turns it into an error.
-fn compile_lazy_grammar(
-    model: &LlamaModel,
-    text: &str,
-    triggers: &[String],
-) -> Result<LlamaSampler, String> {
-    LlamaSampler::grammar_lazy_patterns(model, text, "root", triggers, &[]).map_err(|e| {
-        let reason = super::grammar::explain_gbnf_error(text)
-            .unwrap_or_else(|| format!("llama.cpp could not parse it ({e})"));
-        format!("invalid grammar: {reason}")
-    })
 }
 
 /// The chat template: `--chat-template` (a built-in name or a file), else the GGUF's own, else
@@ -960,15 +956,12 @@ impl<'m> LlamaEngine<'m> {
     }
 }
 
-/// A request's samplers: the chain (penalties, truncation, temperature, selection) and, kept
-/// apart so that prompt tokens seed the penalties without reaching it, the grammar.
+/// A request's samplers: the chain (penalties, truncation, temperature, selection) and the
+/// grammar's guide (`constrain::Guide`), which checks the chain's pick and masks only when
+/// the pick is not allowed.
 pub struct ChainSampler {
     chain: LlamaSampler,
-    grammar: Option<LlamaSampler>,
-    /// The grammar allows nothing more (complete, or at a dead end): every further sample is
-    /// EOS. llama.cpp aborts the process when a grammar with no live stack is used again, so
-    /// it never is.
-    grammar_ended: bool,
+    guide: Option<crate::constrain::Guide>,
 }
 
 impl Backend for LlamaEngine<'_> {
@@ -1103,13 +1096,15 @@ impl Backend for LlamaEngine<'_> {
             stages.push(LlamaSampler::temp(p.temperature));
             stages.push(LlamaSampler::dist(seed));
         }
-        let grammar = match p.grammar.as_deref() {
+        let guide = match &p.grammar {
             None => None,
-            Some(text) if !p.grammar_triggers.is_empty() => Some(
-                compile_lazy_grammar(self.model, text, &p.grammar_triggers)
-                    .map_err(BackendError::Sampler)?,
-            ),
-            Some(text) => Some(compile_grammar(self.model, text).map_err(BackendError::Sampler)?),
+            Some(g) => {
+                let compiled = g
+                    .compiled
+                    .as_ref()
+                    .ok_or_else(|| BackendError::Sampler("the grammar was not compiled".into()))?;
+                Some(crate::constrain::Guide::new(compiled, &g.triggers))
+            }
         };
         let mut chain = LlamaSampler::chain_simple(stages);
         if penalize {
@@ -1121,11 +1116,7 @@ impl Backend for LlamaEngine<'_> {
                     .map(|&t| LlamaToken(t)),
             );
         }
-        Ok(ChainSampler {
-            chain,
-            grammar,
-            grammar_ended: false,
-        })
+        Ok(ChainSampler { chain, guide })
     }
 
     fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError> {
@@ -1168,47 +1159,49 @@ impl Backend for LlamaEngine<'_> {
 
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
         let index = i32::try_from(index).unwrap_or(i32::MAX);
-        let Some(grammar) = sampler.grammar.as_mut() else {
+        let Some(guide) = sampler.guide.as_mut() else {
             // `sample` also accepts the token into the chain (penalty history); no second accept.
             return Some(sampler.chain.sample(&self.ctx, index).0);
         };
-        if sampler.grammar_ended {
-            return None;
-        }
-        // Grammar first (it masks what may not follow), then the chain picks; each is told the
-        // choice exactly once. A token the grammar did not allow is never accepted into it
-        // (llama.cpp aborts on an end-of-generation token the grammar does not expect, and a
-        // grammar left without a live stack aborts at its next use): the sequence ends instead
-        // (`None`; not an EOS id, which some vocabularies do not have).
-        let mut candidates = LlamaTokenDataArray::from_iter(
-            self.logits_ith(index).iter().enumerate().map(|(t, &l)| {
-                LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
-            }),
-            false,
-        );
-        candidates.apply_sampler(grammar);
-        if !candidates.data.iter().any(|d| d.logit().is_finite()) {
-            sampler.grammar_ended = true;
-            return None;
-        }
-        candidates.apply_sampler(&sampler.chain);
-        // All allowed tokens banned by the chain too (the grammar is complete and only an
-        // end-of-generation token may follow, but `ignore_eos` bans those): done.
-        let Some(token) = candidates
-            .selected
-            .and_then(|i| candidates.data.get(i))
-            .filter(|d| d.logit().is_finite())
-            .map(|d| d.id())
-        else {
-            sampler.grammar_ended = true;
-            return None;
+        // The chain picks from all logits; only when the guide refuses that pick does it pick
+        // again among the tokens the grammar allows (the distribution is the masked one's:
+        // a refused pick is redrawn). The chain and the guide are each told the choice once.
+        let logits = self.logits_ith(index);
+        let chain = &sampler.chain;
+        let pick = |mask: Option<&llguidance::toktrie::SimpleVob>| {
+            let data: Vec<LlamaTokenData> = match mask {
+                None => logits
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &l)| {
+                        LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
+                    })
+                    .collect(),
+                Some(m) => logits
+                    .iter()
+                    .enumerate()
+                    .filter(|&(t, _)| u32::try_from(t).is_ok_and(|t| m.is_allowed(t)))
+                    .map(|(t, &l)| {
+                        LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
+                    })
+                    .collect(),
+            };
+            if data.is_empty() {
+                return None;
+            }
+            let mut candidates = LlamaTokenDataArray::new(data, false);
+            candidates.apply_sampler(chain);
+            // A pick the chain banned (`ignore_eos` bans end-of-generation tokens) is none.
+            candidates
+                .selected
+                .and_then(|i| candidates.data.get(i))
+                .filter(|d| d.logit().is_finite())
+                .and_then(|d| u32::try_from(d.id().0).ok())
         };
-        if let Err(e) = grammar.try_accept(token) {
-            tracing::warn!(error = %e, "grammar rejected the sampled token; the sequence ends");
-            sampler.grammar_ended = true;
-            return None;
-        }
+        let token = guide.choose(pick)?;
+        let token = LlamaToken(i32::try_from(token).ok()?);
         sampler.chain.accept(token);
+        guide.accept(token.0 as u32, &piece_bytes(self.model, token, true));
         Some(token.0)
     }
 

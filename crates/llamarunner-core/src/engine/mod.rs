@@ -16,7 +16,6 @@ pub mod backend;
 #[cfg(feature = "portable")]
 mod cpu_backends;
 pub mod fake;
-pub mod grammar;
 pub mod handle;
 #[cfg(feature = "llama")]
 pub mod llama;

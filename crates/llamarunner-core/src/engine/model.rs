@@ -10,7 +10,7 @@ use crate::chat::ChatTemplate;
 
 /// What the HTTP side may do with the loaded model off the engine thread (llama.cpp's
 /// vocabulary is read-only once loaded, so these are safe from any thread): tokenize, and
-/// compile a grammar to check it before a request is queued.
+/// list the vocabulary for the grammar compiler (`constrain`).
 pub trait TextModel: Send + Sync + std::fmt::Debug {
     /// Tokenizes as every prompt is: BOS added when the model wants it, special tokens parsed.
     fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
@@ -23,9 +23,14 @@ pub trait TextModel: Send + Sync + std::fmt::Debug {
     /// UTF-8 character. The token must be inside the vocabulary (`0..n_vocab`): llama.cpp does
     /// not check.
     fn piece(&self, token: Token) -> Vec<u8>;
-    /// Compiles a GBNF grammar (root rule `root`) against the vocabulary; the error says why
-    /// it was refused. The grammar must have passed `grammar::check_bounds`.
-    fn check_grammar(&self, gbnf: &str) -> Result<(), String>;
+    /// Every token's text and kind, for the grammar compiler.
+    fn vocabulary(&self) -> crate::constrain::Vocabulary;
+}
+
+/// The grammar compiler of a model, over its vocabulary (built on first use).
+pub fn compiler_for(text: &Arc<dyn TextModel>) -> Arc<crate::constrain::Compiler> {
+    let text = text.clone();
+    Arc::new(crate::constrain::Compiler::new(move || text.vocabulary()))
 }
 
 /// One slot, as `GET /slots` shows it.
@@ -145,8 +150,10 @@ pub struct ModelInfo {
     pub eos: Option<Token>,
     /// llama.cpp's compute backends and the CPU features its kernels use.
     pub system_info: String,
-    /// Tokenizes and checks grammars off the engine thread.
+    /// Tokenizes off the engine thread.
     pub text: Arc<dyn TextModel>,
+    /// Compiles requests' grammars against the vocabulary (on the blocking pool).
+    pub constraints: Arc<crate::constrain::Compiler>,
     /// Tokenizes prompts with images off the engine thread; None without `--mmproj`.
     pub vision: Option<Arc<dyn super::VisionModel>>,
 }
@@ -176,6 +183,7 @@ impl ModelInfo {
             eos: Some(super::fake::EOS),
             system_info: "fake backend".into(),
             text: Arc::new(super::fake::FakeText),
+            constraints: compiler_for(&(Arc::new(super::fake::FakeText) as Arc<dyn TextModel>)),
             vision: None,
         }
     }

@@ -46,12 +46,9 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
-    /// GBNF grammar constraining the output (the request's top-level `grammar` or `format`).
-    pub grammar: Option<String>,
-    /// With a grammar: regular expressions (searched in the output so far) at whose first
-    /// match the grammar starts constraining, from the match on; empty = from the start. Set
-    /// by the server only (tool calls in "auto" mode), never from a request's text.
-    pub grammar_triggers: Vec<String>,
+    /// The grammar constraining the output (the request's `grammar`, `format`,
+    /// `response_format` or tools), compiled by the validation layer.
+    pub grammar: Option<crate::constrain::Grammar>,
     /// Shift the context when the slot fills (the request's top-level `shift`); false ends the
     /// sequence with "length" instead.
     pub shift: bool,
@@ -90,7 +87,6 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             ignore_eos: false,
             grammar: None,
-            grammar_triggers: Vec::new(),
             shift: true,
             truncate: true,
             logit_bias: Vec::new(),

@@ -1,26 +1,23 @@
 //! The request `format` field (Ollama's `"json"` or a JSON schema, OpenAI's `response_format`)
-//! turned into a GBNF grammar.
+//! turned into a grammar for the constraint compiler (`constrain`), with the bounds a schema
+//! must keep before it is compiled.
 
-/// GBNF for any JSON value whose top level is an object (what `format: "json"` asks for).
-pub const JSON_OBJECT_GBNF: &str = r#"root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt/] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws     ::= | " " | "\n" [ \t]{0,20}
-"#;
+use crate::constrain::{Grammar, GrammarSource};
 
 /// Turns a request's `format` into a grammar: `null`/`""` = none, `"json"` = any JSON object,
 /// an object = that JSON schema. Anything else is an error naming the field.
-pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<String>, String> {
+pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<Grammar>, String> {
     match format {
         serde_json::Value::Null => Ok(None),
         serde_json::Value::String(s) if s.is_empty() => Ok(None),
-        serde_json::Value::String(s) if s == "json" => Ok(Some(JSON_OBJECT_GBNF.to_string())),
+        serde_json::Value::String(s) if s == "json" => {
+            Ok(Some(Grammar::new(GrammarSource::JsonObject)))
+        }
         serde_json::Value::Object(_) => {
             check_schema_bounds(format)?;
-            schema_to_grammar(&format.to_string()).map(Some)
+            Ok(Some(Grammar::new(GrammarSource::JsonSchema(
+                format.clone(),
+            ))))
         }
         other => Err(format!(
             "invalid format: {other}; expected \"json\" or a JSON schema object"
@@ -30,13 +27,12 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<String>, 
 
 /// Most values (objects, arrays, scalars) a JSON schema may have.
 pub const MAX_SCHEMA_NODES: usize = 4096;
-/// Most properties one schema object may list. llama.cpp's converter builds the optional
-/// properties of an object in time cubic in their number, on the thread that converts.
-pub const MAX_SCHEMA_PROPERTIES: usize = 128;
+/// Most properties one schema object may list.
+pub const MAX_SCHEMA_PROPERTIES: usize = 512;
 /// Deepest nesting of a JSON schema.
 pub const MAX_SCHEMA_DEPTH: usize = 32;
 
-/// Checks a schema's size before llama.cpp's converter sees it, without recursing.
+/// Checks a schema's size before it is compiled, without recursing.
 pub fn check_schema_bounds(schema: &serde_json::Value) -> Result<(), String> {
     use serde_json::Value;
     let mut stack = vec![(schema, 1usize)];
@@ -74,54 +70,6 @@ pub fn check_schema_bounds(schema: &serde_json::Value) -> Result<(), String> {
     Ok(())
 }
 
-fn schema_to_grammar(schema: &str) -> Result<String, String> {
-    crate::engine::grammar::schema_to_gbnf(schema).map_err(|e| {
-        // llama-cpp-2 drops llama.cpp's reason ("ffi error -3"); say what we can find.
-        let reason = serde_json::from_str(schema)
-            .ok()
-            .and_then(|v: serde_json::Value| explain_schema_error(&v, "schema"))
-            .unwrap_or_else(|| format!("llama.cpp could not convert it to a grammar ({e})"));
-        format!("invalid JSON schema in format: {reason}")
-    })
-}
-
-/// The JSON Schema types llama.cpp's converter knows.
-const SCHEMA_TYPES: &[&str] = &[
-    "object", "array", "string", "number", "integer", "boolean", "null",
-];
-
-/// Finds the first `type` that is not a JSON Schema type, with its path; consulted only after
-/// llama.cpp refused a schema.
-pub fn explain_schema_error(schema: &serde_json::Value, path: &str) -> Option<String> {
-    use serde_json::Value;
-    let Value::Object(map) = schema else {
-        if let Value::Array(items) = schema {
-            return items
-                .iter()
-                .enumerate()
-                .find_map(|(i, v)| explain_schema_error(v, &format!("{path}[{i}]")));
-        }
-        return None;
-    };
-    if let Some(t) = map.get("type") {
-        let names: Vec<&Value> = match t {
-            Value::Array(v) => v.iter().collect(),
-            other => vec![other],
-        };
-        for name in names {
-            if !name.as_str().is_some_and(|n| SCHEMA_TYPES.contains(&n)) {
-                return Some(format!(
-                    "{path}.type: {name} is not a JSON Schema type (one of {})",
-                    SCHEMA_TYPES.join(", ")
-                ));
-            }
-        }
-    }
-    map.iter()
-        .filter(|(k, _)| k.as_str() != "enum" && k.as_str() != "const" && k.as_str() != "default")
-        .find_map(|(k, v)| explain_schema_error(v, &format!("{path}.{k}")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,10 +79,10 @@ mod tests {
     fn format_values() {
         assert_eq!(grammar_for_format(&json!(null)), Ok(None));
         assert_eq!(grammar_for_format(&json!("")), Ok(None));
-        assert!(grammar_for_format(&json!("json"))
-            .unwrap()
-            .unwrap()
-            .starts_with("root"));
+        assert_eq!(
+            grammar_for_format(&json!("json")),
+            Ok(Some(Grammar::new(GrammarSource::JsonObject)))
+        );
         assert!(grammar_for_format(&json!("xml"))
             .unwrap_err()
             .contains("invalid format"));
@@ -142,7 +90,7 @@ mod tests {
     }
 
     #[test]
-    fn oversized_schemas_are_refused_before_conversion() {
+    fn oversized_schemas_are_refused_before_compilation() {
         let many: serde_json::Map<String, serde_json::Value> = (0..=MAX_SCHEMA_PROPERTIES)
             .map(|i| (format!("p{i}"), json!({})))
             .collect();
@@ -162,17 +110,5 @@ mod tests {
             check_schema_bounds(&json!({"type": "object", "properties": fine})),
             Ok(())
         );
-    }
-
-    #[test]
-    fn a_bad_schema_type_is_named_with_its_path() {
-        let schema = json!({"type": "object", "properties": {"age": {"type": "banana"}}});
-        assert_eq!(
-            explain_schema_error(&schema, "schema").unwrap(),
-            "schema.properties.age.type: \"banana\" is not a JSON Schema type (one of object, \
-             array, string, number, integer, boolean, null)"
-        );
-        let fine = json!({"type": ["string", "null"], "enum": [{"type": "x"}]});
-        assert_eq!(explain_schema_error(&fine, "schema"), None);
     }
 }

@@ -76,7 +76,9 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     params.truncate = req.truncate.unwrap_or(true);
     params.speculative = req.speculative.or(params.speculative);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
-        Some(g) => Some(g),
+        Some(g) => Some(crate::constrain::Grammar::new(
+            crate::constrain::GrammarSource::Gbnf(g),
+        )),
         None => {
             grammar_for_format(&req.format.unwrap_or_default()).map_err(ApiError::InvalidRequest)?
         }

@@ -145,7 +145,9 @@ impl OpenAiRequest {
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
         p.logprobs = self.logprobs(chat)?;
         p.grammar = match self.grammar.as_deref().filter(|g| !g.trim().is_empty()) {
-            Some(g) => Some(g.to_string()),
+            Some(g) => Some(crate::constrain::Grammar::new(
+                crate::constrain::GrammarSource::Gbnf(g.to_string()),
+            )),
             None => response_format_grammar(self.response_format.as_ref())?,
         };
         Ok(p)
@@ -228,7 +230,9 @@ fn logit_bias(bias: Option<&HashMap<String, f32>>) -> Result<Vec<(i32, f32)>, Ap
 
 /// `response_format`: text, `json_object`, or `json_schema` with its schema, through the
 /// grammar path.
-fn response_format_grammar(format: Option<&Value>) -> Result<Option<String>, ApiError> {
+fn response_format_grammar(
+    format: Option<&Value>,
+) -> Result<Option<crate::constrain::Grammar>, ApiError> {
     let Some(format) = format.filter(|f| !f.is_null()) else {
         return Ok(None);
     };

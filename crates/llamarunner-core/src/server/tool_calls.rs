@@ -14,6 +14,7 @@ use crate::chat::reasoning::{Piece, ThinkSplitter, THINK_OPEN};
 use crate::chat::tools::{self, Parsed, Tool, ToolCall, ToolFormat};
 use crate::chat::{ChatMessage, RenderExtras};
 use crate::config::ReasoningFormat;
+use crate::constrain::{Compiler, Grammar, GrammarSource};
 use crate::engine::ModelInfo;
 use crate::sched::params::SamplingParams;
 
@@ -275,11 +276,13 @@ pub async fn prepare(
     };
     let forced = request.choice != ToolChoice::Auto;
     let parallel = request.parallel;
-    let grammar = validate::blocking(move || call_grammar(format, &selected, parallel)).await??;
-    params.grammar = Some(grammar);
+    let compiler = info.constraints.clone();
+    let mut grammar =
+        validate::blocking(move || call_grammar(&compiler, format, &selected, parallel)).await??;
     if !forced {
-        params.grammar_triggers = vec![format.trigger_pattern().to_string()];
+        grammar.triggers = vec![format.trigger()];
     }
+    params.grammar = Some(grammar);
     let extras = RenderExtras {
         tools: renders_tools.then(|| tools::template_tools(&request.tools)),
         enable_thinking: None,
@@ -318,29 +321,46 @@ pub async fn chat_request(
     Ok((prompt, output))
 }
 
-/// The grammar of an answer made of calls to `selected`, in `format`.
-fn call_grammar(format: ToolFormat, selected: &[Tool], parallel: bool) -> Result<String, ApiError> {
+/// The grammar of an answer made of calls to `selected`, in `format`, compiled: each call a
+/// JSON object whose `name` is one of the tools' and whose arguments follow its parameters.
+fn call_grammar(
+    compiler: &Compiler,
+    format: ToolFormat,
+    selected: &[Tool],
+    parallel: bool,
+) -> Result<Grammar, ApiError> {
     // Each schema alone first, so that a bad one is named.
     for t in selected {
-        crate::engine::grammar::schema_to_gbnf(&t.parameters.to_string()).map_err(|e| {
-            let reason = super::format::explain_schema_error(&t.parameters, "parameters")
-                .unwrap_or_else(|| format!("llama.cpp could not convert it to a grammar ({e})"));
+        let invalid = |reason: String| {
             ApiError::invalid(format!(
                 "tools: the parameters schema of {:?} is invalid: {reason}",
                 t.name
             ))
-        })?;
+        };
+        check_schema_bounds(&t.parameters).map_err(invalid)?;
+        compiler
+            .compile(&GrammarSource::JsonSchema(t.parameters.clone()))
+            .map_err(|e| {
+                invalid(
+                    crate::constrain::explain_schema_error(&t.parameters, "parameters")
+                        .unwrap_or(e),
+                )
+            })?;
     }
     let refs: Vec<&Tool> = selected.iter().collect();
-    let schema = tools::call_schema(format, &refs);
-    let rules = crate::engine::grammar::schema_to_gbnf(&schema).map_err(|e| {
+    let schema: Value = serde_json::from_str(&tools::call_schema(format, &refs))
+        .map_err(|e| ApiError::invalid(format!("tools: {e}")))?;
+    let wrapper = format.wrap_grammar(parallel, |text| compiler.control_token(text));
+    let lark = format!(
+        "{wrapper}call: %json {}\n",
+        crate::constrain::with_json_options(schema)
+    );
+    let mut grammar = Grammar::new(GrammarSource::Lark(lark));
+    compiler.compile_into(&mut grammar).map_err(|e| {
         ApiError::invalid(format!(
             "tools: the tools' schemas do not combine into a grammar ({e})"
         ))
     })?;
-    let grammar = format.wrap_grammar(&tools::rename_root(&rules), parallel);
-    crate::engine::grammar::check_bounds(&grammar)
-        .map_err(|e| ApiError::invalid(format!("tools: {e}")))?;
     Ok(grammar)
 }
 

@@ -13,7 +13,7 @@ use tokio::sync::Semaphore;
 
 use super::error::ApiError;
 use crate::engine::vision::VisionError;
-use crate::engine::{grammar, ImageInput, ModelInfo, PromptImage, Token};
+use crate::engine::{ImageInput, ModelInfo, PromptImage, Token};
 use crate::kv;
 use crate::sched::params::{SamplingParams, UNCAPPED_SLOT_CONTEXTS};
 
@@ -184,8 +184,8 @@ pub fn check_for_model(
             "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
         )));
     }
-    if let Some(g) = &p.grammar {
-        grammar::check_bounds(g).map_err(ApiError::InvalidRequest)?;
+    if let Some(g) = p.grammar.as_ref().and_then(crate::constrain::Grammar::gbnf) {
+        crate::constrain::gbnf::check_size(g).map_err(ApiError::InvalidRequest)?;
     }
     Ok(())
 }
@@ -322,6 +322,25 @@ pub async fn tokenize_with_images(
     Ok((tokens, images))
 }
 
+/// Compiles the request's grammar (if any, and not compiled yet) against the vocabulary, on
+/// the blocking pool: the engine thread receives a ready matcher.
+pub async fn compile_grammar(
+    info: &ModelInfo,
+    params: &mut SamplingParams,
+) -> Result<(), ApiError> {
+    let Some(mut grammar) = params.grammar.take() else {
+        return Ok(());
+    };
+    if grammar.compiled.is_none() {
+        let compiler = info.constraints.clone();
+        grammar = blocking(move || compiler.compile_into(&mut grammar).map(|()| grammar))
+            .await?
+            .map_err(ApiError::InvalidRequest)?;
+    }
+    params.grammar = Some(grammar);
+    Ok(())
+}
+
 /// Validates a whole generation request: parameters, grammar (compiled against the
 /// vocabulary), and the prompt's tokens (with its images' positions) fitted into a slot; an
 /// image the cut would split goes whole.
@@ -333,12 +352,7 @@ pub async fn generation(
     mut params: SamplingParams,
 ) -> Result<Generation, ApiError> {
     check_for_model(&mut params, info, limits)?;
-    if let Some(g) = params.grammar.clone() {
-        let model = info.text.clone();
-        blocking(move || model.check_grammar(&g))
-            .await?
-            .map_err(ApiError::InvalidRequest)?;
-    }
+    compile_grammar(info, &mut params).await?;
     let (mut tokens, mut images) = if images.is_empty() {
         (tokenize(info, prompt, "prompt").await?, Vec::new())
     } else {
@@ -598,14 +612,16 @@ mod tests {
     }
 
     #[test]
-    fn deep_or_huge_grammars_are_refused_before_any_parser_sees_them() {
-        let deep = format!("root ::= {}\"a\"{}", "(".repeat(50_000), ")".repeat(50_000));
+    fn huge_grammars_are_refused_before_any_parser_sees_them() {
+        let huge = format!("root ::= {}\"a\"{}", "(".repeat(70_000), ")".repeat(70_000));
         let mut p = SamplingParams {
-            grammar: Some(deep),
+            grammar: Some(crate::constrain::Grammar::new(
+                crate::constrain::GrammarSource::Gbnf(huge),
+            )),
             ..params()
         };
         let err = check_for_model(&mut p, &info(), &Limits::default()).unwrap_err();
-        assert!(err.to_string().contains("nest deeper"), "{err}");
+        assert!(err.to_string().contains("bytes"), "{err}");
     }
 
     #[test]
