@@ -175,6 +175,9 @@ impl Runner {
         };
         let engine_thread = std::thread::Builder::new()
             .name("llamarunner-engine".into())
+            // Grammar matchers recurse along rule references (a chain of rules is as deep as
+            // it is long); the stack is reserved, not touched, until used.
+            .stack_size(crate::constrain::GRAMMAR_STACK)
             .spawn(move || run_engine(engine, inbox))?;
 
         let runtime = tokio::runtime::Builder::new_multi_thread()

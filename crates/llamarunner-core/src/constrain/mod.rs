@@ -97,6 +97,10 @@ pub struct Compiled {
     pub(crate) matcher: Matcher,
 }
 
+/// Stack of the threads that compile and run grammars (reserved address space; only what a
+/// grammar's depth needs is touched).
+pub const GRAMMAR_STACK: usize = 256 << 20;
+
 /// Whitespace a JSON value may have between its items: one space, or a line break or two and
 /// an indent of at most 20, as llama.cpp's converter allows; bounded, so that a model cannot
 /// loop in whitespace.
@@ -143,8 +147,22 @@ impl Compiler {
         factory.tok_env().tok_trie().get_special_token(name)
     }
 
-    /// Compiles `source`; the error is a sentence for a 400.
+    /// Compiles `source`; the error is a sentence for a 400. Runs on a thread of its own with
+    /// a deep stack: llguidance recurses along rule references, and a GBNF chain of thousands
+    /// of rules would overflow a blocking-pool thread's.
     pub fn compile(&self, source: &GrammarSource) -> Result<Compiled, String> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("llamarunner-grammar".into())
+                .stack_size(GRAMMAR_STACK)
+                .spawn_scoped(scope, || self.compile_here(source))
+                .map_err(|e| format!("could not start the grammar compiler: {e}"))?
+                .join()
+                .map_err(|_| "the grammar compiler failed".to_string())?
+        })
+    }
+
+    fn compile_here(&self, source: &GrammarSource) -> Result<Compiled, String> {
         let factory = self.factory()?;
         let (grammar, what) = match source {
             GrammarSource::Gbnf(text) => {

@@ -1,0 +1,192 @@
+"""Constrained decoding beside llama.cpp's llama-server, in one run: JSON schemas through
+``response_format`` (a small object, a realistic nested schema, a 3,000-value enum), one GBNF
+grammar through ``grammar``, and the same prompt unconstrained, at 1 and 4 clients.
+
+    python -m benches.structured --llama-server PATH [--model M.gguf] [--requests 3]
+
+Both servers get the same slots, context per slot, threads and chat requests (each renders
+the model's template), greedy, streamed with usage. Reported per row: aggregate generated
+tokens/s over the wall time, median time to first token (which includes compiling the grammar:
+the constrained row's TTFT minus the unconstrained row's is the compile time), and for ours the
+ratio to llama-server and to our own unconstrained speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from benches.load import Running, llama_server, ours
+
+COUNTRIES = [f"Country{i:03d}" for i in range(150)]
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "small object": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "people": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 40},
+                        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                        "country": {"enum": COUNTRIES},
+                        "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
+                        "address": {
+                            "type": "object",
+                            "properties": {
+                                "city": {"type": "string", "maxLength": 30},
+                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                            },
+                            "required": ["city", "zip"],
+                        },
+                    },
+                    "required": ["name", "age", "country", "email", "address"],
+                },
+            }
+        },
+        "required": ["people"],
+    },
+    "enum 3000": {
+        "type": "object",
+        "properties": {
+            "code": {"enum": [f"item-{i}" for i in range(3000)]},
+            "note": {"type": "string", "maxLength": 200},
+        },
+        "required": ["code", "note"],
+    },
+}
+GBNF = 'root ::= item{1,8}\nitem ::= "- " [a-zA-Z ,]{1,60} "\\n"'
+PROMPT = "List some people with their name, age, country, email and address, as JSON."
+
+
+def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, int]:
+    """One streamed chat request: (seconds to first token, seconds in all, tokens)."""
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if kind == "gbnf":
+        body["grammar"] = GBNF
+    elif kind != "plain":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": SCHEMAS[kind]},
+        }
+    started = time.monotonic()
+    first = None
+    tokens = 0
+    pieces = 0
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=600
+    ) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{server.name} {kind}: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    pieces += 1
+                    if first is None:
+                        first = time.monotonic() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"].get("completion_tokens", tokens)
+    return first or 0.0, time.monotonic() - started, tokens or pieces
+
+
+def run(server: Running, kind: str, clients: int, requests: int, max_tokens: int) -> dict[str, float]:
+    results: list[tuple[float, float, int]] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        for _ in range(requests):
+            r = request(server, kind, max_tokens)
+            with lock:
+                results.append(r)
+
+    request(server, kind, 8)  # warm up (and compile once: the cache is not what is measured)
+    started = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    return {
+        "tok_s": sum(r[2] for r in results) / wall,
+        "ttft_ms": statistics.median(r[0] for r in results) * 1000,
+        "tokens": statistics.mean(r[2] for r in results),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-server", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--kinds", default="plain,small object,nested,enum 3000,gbnf")
+    a = p.parse_args()
+    model = a.model
+    if model is None:
+        from llamarunner import default_model_path
+
+        model = str(default_model_path())
+    kinds = a.kinds.split(",")
+    rows: dict[tuple[str, str, int], dict[str, float]] = {}
+    for clients in (1, 4):
+        for name, start in (
+            ("llamarunner", lambda: ours(model, 4, a.ctx, a.threads, dialect="openai")),
+            ("llama-server", lambda: llama_server(a.llama_server, model, 4, a.ctx, a.threads)),
+        ):
+            with start() as server:
+                for kind in kinds:
+                    try:
+                        rows[(name, kind, clients)] = run(
+                            server, kind, clients, a.requests, a.max_tokens
+                        )
+                    except Exception as e:  # noqa: BLE001 - a refused schema is a result
+                        print(f"{name} {kind} x{clients}: {e}")
+    print(
+        f"\n| scenario | clients | ours tok/s | llama-server tok/s | ours / peer "
+        f"| ours / ours unconstrained | TTFT ms ours | TTFT ms peer | tokens/request ours, peer |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for clients in (1, 4):
+        for kind in kinds:
+            o = rows.get(("llamarunner", kind, clients))
+            q = rows.get(("llama-server", kind, clients))
+            plain = rows.get(("llamarunner", "plain", clients))
+            f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if r else "failed"  # noqa: E731
+            ratio = f"{o['tok_s'] / q['tok_s']:.2f}x" if o and q else "-"
+            own = f"{o['tok_s'] / plain['tok_s']:.2f}x" if o and plain else "-"
+            print(
+                f"| {kind} | {clients} | {f(o, 'tok_s')} | {f(q, 'tok_s')} | {ratio} | {own} "
+                f"| {f(o, 'ttft_ms', '{:.0f}')} | {f(q, 'ttft_ms', '{:.0f}')} "
+                f"| {f(o, 'tokens', '{:.0f}')}, {f(q, 'tokens', '{:.0f}')} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
