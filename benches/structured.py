@@ -94,9 +94,7 @@ def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, 
     first = None
     tokens = 0
     pieces = 0
-    with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=600
-    ) as r:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{server.name} {kind}: {r.status_code} {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -113,7 +111,9 @@ def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, 
     return first or 0.0, time.monotonic() - started, tokens or pieces
 
 
-def run(server: Running, kind: str, clients: int, requests: int, max_tokens: int) -> dict[str, float]:
+def run(
+    server: Running, kind: str, clients: int, requests: int, max_tokens: int
+) -> dict[str, float]:
     results: list[tuple[float, float, int]] = []
     lock = threading.Lock()
 
@@ -147,6 +147,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--kinds", default="plain,small object,nested,enum 3000,gbnf")
+    p.add_argument(
+        "--peer-flag",
+        action="append",
+        default=[],
+        help="an extra llama-server flag (repeatable), e.g. --peer-flag=--no-repack",
+    )
     a = p.parse_args()
     model = a.model
     if model is None:
@@ -157,8 +163,16 @@ def main() -> None:
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
     for clients in (1, 4):
         for name, start in (
-            ("llamarunner", lambda: ours(model, 4, a.ctx, a.threads, dialect="openai")),
-            ("llama-server", lambda: llama_server(a.llama_server, model, 4, a.ctx, a.threads)),
+            (
+                "llamarunner",
+                lambda: ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai"),
+            ),
+            (
+                "llama-server",
+                lambda: llama_server(
+                    a.llama_server, model, 4, a.ctx, a.threads, tuple(a.peer_flag)
+                ),
+            ),
         ):
             with start() as server:
                 for kind in kinds:
@@ -166,11 +180,11 @@ def main() -> None:
                         rows[(name, kind, clients)] = run(
                             server, kind, clients, a.requests, a.max_tokens
                         )
-                    except Exception as e:  # noqa: BLE001 - a refused schema is a result
+                    except Exception as e:
                         print(f"{name} {kind} x{clients}: {e}")
     print(
-        f"\n| scenario | clients | ours tok/s | llama-server tok/s | ours / peer "
-        f"| ours / ours unconstrained | TTFT ms ours | TTFT ms peer | tokens/request ours, peer |"
+        "\n| scenario | clients | ours tok/s | llama-server tok/s | ours / peer "
+        "| ours / ours unconstrained | TTFT ms ours | TTFT ms peer | tokens/request ours, peer |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for clients in (1, 4):
