@@ -329,29 +329,22 @@ def plain_request_answers(client: httpx.Client, srv: WatchedServer) -> None:
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("route", sorted(SCHEMA_ROUTES))
-def test_generated_schemas_get_a_200_or_a_400(target: Target, route: str) -> None:
+GENERATED: dict[str, tuple[Body, st.SearchStrategy[Any]]] = {
+    **{route: (body, ANY_SCHEMA) for route, body in SCHEMA_ROUTES.items()},
+    **{route: (body, GRAMMARS) for route, body in GRAMMAR_ROUTES.items()},
+}
+
+
+@pytest.mark.parametrize("route", sorted(GENERATED))
+def test_generated_schemas_and_grammars_get_a_200_or_a_400(target: Target, route: str) -> None:
     srv = target.ensure()
+    body, strategy = GENERATED[route]
     with httpx.Client() as client:
 
         @SETTINGS
-        @given(schema=ANY_SCHEMA)
-        def one(schema: Any) -> None:
-            send(client, srv, route, SCHEMA_ROUTES[route](schema))
-
-        one()
-        plain_request_answers(client, srv)
-
-
-@pytest.mark.parametrize("route", sorted(GRAMMAR_ROUTES))
-def test_generated_grammars_get_a_200_or_a_400(target: Target, route: str) -> None:
-    srv = target.ensure()
-    with httpx.Client() as client:
-
-        @SETTINGS
-        @given(grammar=GRAMMARS)
-        def one(grammar: str) -> None:
-            send(client, srv, route, GRAMMAR_ROUTES[route](grammar))
+        @given(value=strategy)
+        def one(value: Any) -> None:
+            send(client, srv, route, body(value))
 
         one()
         plain_request_answers(client, srv)

@@ -294,24 +294,28 @@ impl ToolFormat {
 pub const MAX_PARALLEL_CALLS: usize = 15;
 
 /// The JSON schema of one call object of this family: `name` one of the tools' names, the
-/// arguments the chosen tool's parameters. Written by hand so that `name` comes first (the
-/// schema converter keeps the order of `properties`).
-pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> String {
+/// arguments the chosen tool's parameters, `name` first (JSON objects keep their order, and
+/// so does the compiled grammar).
+pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> Value {
     let key = format.arguments_key();
-    let alternatives: Vec<String> = tools
+    let mut alternatives: Vec<Value> = tools
         .iter()
         .map(|t| {
-            format!(
-                r#"{{"type":"object","properties":{{"name":{{"const":{}}},"{key}":{}}},"required":["name","{key}"],"additionalProperties":false}}"#,
-                Value::String(t.name.clone()),
-                t.parameters
-            )
+            let mut properties = Map::new();
+            properties.insert("name".into(), serde_json::json!({"const": t.name}));
+            properties.insert(key.into(), t.parameters.clone());
+            serde_json::json!({
+                "type": "object",
+                "properties": properties,
+                "required": ["name", key],
+                "additionalProperties": false,
+            })
         })
         .collect();
     if alternatives.len() == 1 {
-        alternatives.into_iter().next().unwrap_or_default()
+        alternatives.remove(0)
     } else {
-        format!(r#"{{"anyOf":[{}]}}"#, alternatives.join(","))
+        serde_json::json!({ "anyOf": alternatives })
     }
 }
 
@@ -639,12 +643,12 @@ mod tests {
             description: String::new(),
             parameters: json!({"type": "object"}),
         };
-        let s = call_schema(ToolFormat::Llama3, &[&t]);
+        let s = call_schema(ToolFormat::Llama3, &[&t]).to_string();
         assert_eq!(
             s,
             r#"{"type":"object","properties":{"name":{"const":"add"},"parameters":{"type":"object"}},"required":["name","parameters"],"additionalProperties":false}"#
         );
-        let two = call_schema(ToolFormat::Generic, &[&t, &t]);
+        let two = call_schema(ToolFormat::Generic, &[&t, &t]).to_string();
         assert!(two.starts_with(r#"{"anyOf":[{"#));
         assert!(serde_json::from_str::<Value>(&two).is_ok());
     }

@@ -11,7 +11,7 @@ use llguidance::toktrie::{SimpleVob, TokEnv};
 use llguidance::Matcher;
 
 use super::trigger::Found;
-use super::{Compiled, Trigger};
+use super::{Compiled, Grammar, Trigger};
 
 /// Keep at most this much recent output for a lazy grammar's triggers (a literal trigger, or
 /// the start of a call that began a few tokens ago, is far shorter).
@@ -50,6 +50,19 @@ pub struct Guide {
 }
 
 impl Guide {
+    /// The guide of a request's grammar, if it has one. The validation layer compiles every
+    /// grammar before the request is queued; one that reaches a backend uncompiled is an error.
+    pub fn for_request(grammar: Option<&Grammar>) -> Result<Option<Self>, String> {
+        grammar
+            .map(|g| {
+                g.compiled
+                    .as_ref()
+                    .map(|c| Self::new(c, &g.triggers))
+                    .ok_or_else(|| "the grammar was not compiled".to_string())
+            })
+            .transpose()
+    }
+
     /// A guide for one sequence, constraining from the first token or, with `triggers`, from
     /// the first trigger in the output.
     pub fn new(compiled: &Compiled, triggers: &[Trigger]) -> Self {

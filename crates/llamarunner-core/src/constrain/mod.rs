@@ -240,7 +240,7 @@ pub(crate) fn with_json_options(mut schema: Value) -> Value {
     }
 }
 
-/// The JSON Schema types llama.cpp's converter knows.
+/// The JSON Schema types.
 const SCHEMA_TYPES: &[&str] = &[
     "object", "array", "string", "number", "integer", "boolean", "null",
 ];
@@ -459,6 +459,15 @@ mod tests {
         assert!(!accepts(&c, &open, "{\"properties\":{\"type\":1},\"x\":1}"));
         assert!(!accepts(&c, &open, "{\"properties\":{\"type\":1,\"x\":1}}"));
         assert!(!accepts(&c, &schema, "{\"alpha\":true,\"zeta\":1}"));
+        // A request's own layout options are replaced: whitespace stays bounded.
+        let loose = GrammarSource::JsonSchema(serde_json::json!({
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "x-guidance": {"whitespace_pattern": "[ ]*", "lenient": true}
+        }));
+        assert!(accepts(&c, &loose, "{\"a\": 1}"));
+        assert!(!accepts(&c, &loose, &format!("{{{}\"a\":1}}", " ".repeat(30))));
         let long_enum: Vec<String> = (0..3000).map(|i| format!("value-{i}")).collect();
         let e = GrammarSource::JsonSchema(serde_json::json!({"enum": long_enum}));
         assert!(accepts(&c, &e, "\"value-2999\""));

@@ -265,16 +265,8 @@ impl Backend for FakeBackend {
         } else {
             u64::from(params.effective_seed())
         };
-        let guide = match &params.grammar {
-            None => None,
-            Some(g) => {
-                let compiled = g
-                    .compiled
-                    .as_ref()
-                    .ok_or_else(|| BackendError::Sampler("the grammar was not compiled".into()))?;
-                Some(crate::constrain::Guide::new(compiled, &g.triggers))
-            }
-        };
+        let guide = crate::constrain::Guide::for_request(params.grammar.as_ref())
+            .map_err(BackendError::Sampler)?;
         Ok(FakeSampler { offset, guide })
     }
 

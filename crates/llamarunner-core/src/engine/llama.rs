@@ -1096,16 +1096,8 @@ impl Backend for LlamaEngine<'_> {
             stages.push(LlamaSampler::temp(p.temperature));
             stages.push(LlamaSampler::dist(seed));
         }
-        let guide = match &p.grammar {
-            None => None,
-            Some(g) => {
-                let compiled = g
-                    .compiled
-                    .as_ref()
-                    .ok_or_else(|| BackendError::Sampler("the grammar was not compiled".into()))?;
-                Some(crate::constrain::Guide::new(compiled, &g.triggers))
-            }
-        };
+        let guide = crate::constrain::Guide::for_request(p.grammar.as_ref())
+            .map_err(BackendError::Sampler)?;
         let mut chain = LlamaSampler::chain_simple(stages);
         if penalize {
             // The prompt seeds the penalty window, as in llama.cpp's common sampler.

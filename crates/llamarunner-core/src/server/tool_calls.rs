@@ -323,45 +323,41 @@ pub async fn chat_request(
 
 /// The grammar of an answer made of calls to `selected`, in `format`, compiled: each call a
 /// JSON object whose `name` is one of the tools' and whose arguments follow its parameters.
+/// When it does not compile, each tool's schema is compiled alone to name the bad one.
 fn call_grammar(
     compiler: &Compiler,
     format: ToolFormat,
     selected: &[Tool],
     parallel: bool,
 ) -> Result<Grammar, ApiError> {
-    // Each schema alone first, so that a bad one is named.
+    let invalid = |t: &Tool, reason: String| {
+        ApiError::invalid(format!(
+            "tools: the parameters schema of {:?} is invalid: {reason}",
+            t.name
+        ))
+    };
     for t in selected {
-        let invalid = |reason: String| {
-            ApiError::invalid(format!(
-                "tools: the parameters schema of {:?} is invalid: {reason}",
-                t.name
-            ))
-        };
-        check_schema_bounds(&t.parameters).map_err(invalid)?;
-        compiler
-            .compile(&GrammarSource::JsonSchema(t.parameters.clone()))
-            .map_err(|e| {
-                invalid(
-                    crate::constrain::explain_schema_error(&t.parameters, "parameters")
-                        .unwrap_or(e),
-                )
-            })?;
+        check_schema_bounds(&t.parameters).map_err(|e| invalid(t, e))?;
     }
     let refs: Vec<&Tool> = selected.iter().collect();
-    let schema: Value = serde_json::from_str(&tools::call_schema(format, &refs))
-        .map_err(|e| ApiError::invalid(format!("tools: {e}")))?;
     let wrapper = format.wrap_grammar(parallel, |text| compiler.control_token(text));
     let lark = format!(
         "{wrapper}call: %json {}\n",
-        crate::constrain::with_json_options(schema)
+        crate::constrain::with_json_options(tools::call_schema(format, &refs))
     );
     let mut grammar = Grammar::new(GrammarSource::Lark(lark));
-    compiler.compile_into(&mut grammar).map_err(|e| {
-        ApiError::invalid(format!(
-            "tools: the tools' schemas do not combine into a grammar ({e})"
-        ))
-    })?;
-    Ok(grammar)
+    let Err(combined) = compiler.compile_into(&mut grammar) else {
+        return Ok(grammar);
+    };
+    for t in selected {
+        if let Err(e) = compiler.compile(&GrammarSource::JsonSchema(t.parameters.clone())) {
+            let why = crate::constrain::explain_schema_error(&t.parameters, "parameters");
+            return Err(invalid(t, why.unwrap_or(e)));
+        }
+    }
+    Err(ApiError::invalid(format!(
+        "tools: the tools' schemas do not combine into a grammar ({combined})"
+    )))
 }
 
 /// A piece of a chat answer, dialect-neutral.
