@@ -3,6 +3,7 @@
 grammar through ``grammar``, and the same prompt unconstrained, at 1 and 4 clients.
 
     python -m benches.structured --llama-server PATH [--model M.gguf] [--requests 3]
+        [--clients 1,4,8] [--ours old=/path/to/an/unpacked/older/wheel]
 
 Both servers get the same slots, context per slot, threads and chat requests (each renders
 the model's template), greedy, streamed with usage. Reported per row: aggregate generated
@@ -15,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -73,8 +77,11 @@ GBNF = 'root ::= item{1,8}\nitem ::= "- " [a-zA-Z ,]{1,60} "\\n"'
 PROMPT = "List some people with their name, age, country, email and address, as JSON."
 
 
-def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, int]:
-    """One streamed chat request: (seconds to first token, seconds in all, tokens)."""
+def request(
+    server: Running, kind: str, max_tokens: int, drafts: bool = True
+) -> tuple[float, float, int]:
+    """One streamed chat request: (seconds to first token, seconds in all, tokens). Without
+    `drafts`, our server is asked not to draft (llama-server drafts only when told to)."""
     body: dict[str, Any] = {
         "model": "m",
         "messages": [{"role": "user", "content": PROMPT}],
@@ -83,6 +90,8 @@ def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if not drafts:
+        body["speculative"] = False
     if kind == "gbnf":
         body["grammar"] = GBNF
     elif kind != "plain":
@@ -112,18 +121,20 @@ def request(server: Running, kind: str, max_tokens: int) -> tuple[float, float, 
 
 
 def run(
-    server: Running, kind: str, clients: int, requests: int, max_tokens: int
+    server: Running, kind: str, clients: int, requests: int, max_tokens: int, drafts: bool
 ) -> dict[str, float]:
     results: list[tuple[float, float, int]] = []
     lock = threading.Lock()
 
     def client() -> None:
         for _ in range(requests):
-            r = request(server, kind, max_tokens)
+            r = request(server, kind, max_tokens, drafts)
             with lock:
                 results.append(r)
 
-    request(server, kind, 8)  # warm up (and compile once: the cache is not what is measured)
+    request(
+        server, kind, 8, drafts
+    )  # warm up (and compile once: the cache is not what is measured)
     started = time.monotonic()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -138,6 +149,21 @@ def run(
     }
 
 
+@contextmanager
+def pythonpath(path: str | None) -> Iterator[None]:
+    """Starts our server from another build of the package (a wheel unpacked at `path`)."""
+    old = os.environ.get("PYTHONPATH")
+    if path is not None:
+        os.environ["PYTHONPATH"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", required=True)
@@ -146,12 +172,26 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--clients", default="1,4")
+    p.add_argument(
+        "--no-drafts",
+        action="store_true",
+        help="ask our server not to draft (its prompt-lookup drafts copy the prompt, which the "
+        "plain rows' output often does: the unconstrained baseline then measures drafting)",
+    )
     p.add_argument("--kinds", default="plain,small object,nested,enum 3000,gbnf")
     p.add_argument(
         "--peer-flag",
         action="append",
         default=[],
         help="an extra llama-server flag (repeatable), e.g. --peer-flag=--no-repack",
+    )
+    p.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also run our server from the package unpacked at PATH (another build), as LABEL",
     )
     a = p.parse_args()
     model = a.model
@@ -160,45 +200,50 @@ def main() -> None:
 
         model = str(default_model_path())
     kinds = a.kinds.split(",")
+    counts = [int(c) for c in a.clients.split(",")]
+    builds: list[tuple[str, str | None]] = [("llamarunner", None)]
+    builds += [(spec.split("=", 1)[0], spec.split("=", 1)[1]) for spec in a.ours]
+    labels = [label for label, _ in builds] + ["llama-server"]
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
-    for clients in (1, 4):
-        for name, start in (
-            (
-                "llamarunner",
-                lambda: ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai"),
-            ),
-            (
-                "llama-server",
-                lambda: llama_server(
-                    a.llama_server, model, 4, a.ctx, a.threads, tuple(a.peer_flag)
-                ),
-            ),
-        ):
-            with start() as server:
+    for clients in counts:
+        for label in labels:
+            path = dict(builds).get(label)
+            if label == "llama-server":
+                start = llama_server(a.llama_server, model, 4, a.ctx, a.threads, tuple(a.peer_flag))
+            else:
+                start = ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai")
+            with pythonpath(path), start as server:
                 for kind in kinds:
                     try:
-                        rows[(name, kind, clients)] = run(
-                            server, kind, clients, a.requests, a.max_tokens
+                        rows[(label, kind, clients)] = run(
+                            server, kind, clients, a.requests, a.max_tokens, not a.no_drafts
                         )
                     except Exception as e:
-                        print(f"{name} {kind} x{clients}: {e}")
+                        print(f"{label} {kind} x{clients}: {e}")
+    head = " | ".join(f"{label} tok/s" for label in labels)
+    ratios = " | ".join(f"ours / {label}" for label in labels[1:])
     print(
-        "\n| scenario | clients | ours tok/s | llama-server tok/s | ours / peer "
-        "| ours / ours unconstrained | TTFT ms ours | TTFT ms peer | tokens/request ours, peer |"
+        f"\n| scenario | clients | {head} | {ratios} | ours / ours unconstrained "
+        f"| TTFT ms {' / '.join(labels)} | tokens/request {' / '.join(labels)} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for clients in (1, 4):
+    print("|---" * (4 + 2 * len(labels)) + "|")
+    for clients in counts:
         for kind in kinds:
-            o = rows.get(("llamarunner", kind, clients))
-            q = rows.get(("llama-server", kind, clients))
+            got = [rows.get((label, kind, clients)) for label in labels]
+            ours_row = got[0]
             plain = rows.get(("llamarunner", "plain", clients))
-            f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if r else "failed"  # noqa: E731
-            ratio = f"{o['tok_s'] / q['tok_s']:.2f}x" if o and q else "-"
-            own = f"{o['tok_s'] / plain['tok_s']:.2f}x" if o and plain else "-"
+
+            def cell(r: dict[str, float] | None, k: str, fmt: str = "{:.1f}") -> str:
+                return fmt.format(r[k]) if r else "failed"
+
+            vs = " | ".join(
+                f"{ours_row['tok_s'] / r['tok_s']:.2f}x" if ours_row and r else "-" for r in got[1:]
+            )
+            own = f"{ours_row['tok_s'] / plain['tok_s']:.2f}x" if ours_row and plain else "-"
             print(
-                f"| {kind} | {clients} | {f(o, 'tok_s')} | {f(q, 'tok_s')} | {ratio} | {own} "
-                f"| {f(o, 'ttft_ms', '{:.0f}')} | {f(q, 'ttft_ms', '{:.0f}')} "
-                f"| {f(o, 'tokens', '{:.0f}')}, {f(q, 'tokens', '{:.0f}')} |"
+                f"| {kind} | {clients} | {' | '.join(cell(r, 'tok_s') for r in got)} | {vs} "
+                f"| {own} | {' / '.join(cell(r, 'ttft_ms', '{:.0f}') for r in got)} "
+                f"| {' / '.join(cell(r, 'tokens', '{:.0f}') for r in got)} |"
             )
 
 

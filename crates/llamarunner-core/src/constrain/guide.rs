@@ -36,11 +36,23 @@ pub struct GuideStats {
     pub mask_time: Duration,
 }
 
+impl Drop for Guide {
+    fn drop(&mut self) {
+        let s = self.stats;
+        tracing::debug!(
+            checks = s.checks,
+            masks = s.masks,
+            mask_ms = s.mask_time.as_secs_f64() * 1000.0,
+            "grammar work of a finished sequence"
+        );
+    }
+}
+
 /// A sequence's grammar state.
 pub struct Guide {
     matcher: Matcher,
     env: Option<TokEnv>,
-    eog: Vec<u32>,
+    eog: std::sync::Arc<[u32]>,
     watch: Option<Watch>,
     /// A lazy grammar none of whose triggers can match any more: the output is free text.
     free: bool,
@@ -68,10 +80,7 @@ impl Guide {
     pub fn new(compiled: &Compiled, triggers: &[Trigger]) -> Self {
         let matcher = compiled.matcher.clone();
         let env = matcher.tok_env().ok();
-        let eog = env
-            .as_ref()
-            .map(|e| e.tok_trie().eos_tokens().to_vec())
-            .unwrap_or_default();
+        let eog = compiled.eog.clone();
         let watch = (!triggers.is_empty()).then(|| Watch {
             triggers: triggers.to_vec(),
             text: Vec::new(),
@@ -129,7 +138,7 @@ impl Guide {
             }
         };
         let accepting = self.matcher.is_accepting().unwrap_or(false);
-        for &t in &self.eog {
+        for &t in self.eog.iter() {
             if (t as usize) < mask.len() {
                 mask.set(t as usize, accepting);
             }

@@ -95,6 +95,9 @@ impl PartialEq for Grammar {
 #[derive(Clone)]
 pub struct Compiled {
     pub(crate) matcher: Matcher,
+    /// The vocabulary's end-of-generation tokens (none when it has none: llguidance's own EOS
+    /// id is a stand-in then).
+    pub(crate) eog: Arc<[u32]>,
 }
 
 /// Stack of the threads that compile and run grammars (reserved address space; only what a
@@ -106,11 +109,15 @@ pub const GRAMMAR_STACK: usize = 256 << 20;
 /// loop in whitespace.
 const JSON_WHITESPACE: &str = r"( |\n{1,2}[ \t]{0,20})";
 
+/// What the compiler builds from the vocabulary on first use: llguidance's factory (the token
+/// trie and its lexer caches) and the end-of-generation tokens.
+type Prepared = (ParserFactory, Arc<[u32]>);
+
 /// Compiles grammars against one model's vocabulary. The vocabulary's trie is built on first
 /// use (on the blocking pool), so that servers that never constrain never pay for it.
 pub struct Compiler {
     vocabulary: Box<dyn Fn() -> Vocabulary + Send + Sync>,
-    factory: OnceLock<Result<ParserFactory, String>>,
+    factory: OnceLock<Result<Prepared, String>>,
 }
 
 impl std::fmt::Debug for Compiler {
@@ -128,14 +135,15 @@ impl Compiler {
         }
     }
 
-    fn factory(&self) -> Result<&ParserFactory, String> {
+    fn factory(&self) -> Result<&Prepared, String> {
         self.factory
             .get_or_init(|| {
-                let env = (self.vocabulary)().tok_env()?;
+                let vocabulary = (self.vocabulary)();
+                let env = vocabulary.tok_env()?;
                 let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
                 factory.quiet();
                 *factory.limits_mut() = limits();
-                Ok(factory)
+                Ok((factory, vocabulary.eog().into()))
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -143,7 +151,7 @@ impl Compiler {
 
     /// The id of the control token whose text is `name`, if the vocabulary has one.
     pub fn control_token(&self, name: &str) -> Option<u32> {
-        let factory = self.factory().ok()?;
+        let (factory, _) = self.factory().ok()?;
         factory.tok_env().tok_trie().get_special_token(name)
     }
 
@@ -163,7 +171,7 @@ impl Compiler {
     }
 
     fn compile_here(&self, source: &GrammarSource) -> Result<Compiled, String> {
-        let factory = self.factory()?;
+        let (factory, eog) = self.factory()?;
         let (grammar, what) = match source {
             GrammarSource::Gbnf(text) => {
                 let lark = gbnf::to_lark(text).map_err(|e| format!("invalid grammar: {e}"))?;
@@ -197,7 +205,10 @@ impl Compiler {
         if let Some(e) = matcher.get_error() {
             return Err(explain(&e));
         }
-        Ok(Compiled { matcher })
+        Ok(Compiled {
+            matcher,
+            eog: eog.clone(),
+        })
     }
 
     /// Compiles a request's grammar in place (a no-op when it is compiled already).
@@ -467,7 +478,11 @@ mod tests {
             "x-guidance": {"whitespace_pattern": "[ ]*", "lenient": true}
         }));
         assert!(accepts(&c, &loose, "{\"a\": 1}"));
-        assert!(!accepts(&c, &loose, &format!("{{{}\"a\":1}}", " ".repeat(30))));
+        assert!(!accepts(
+            &c,
+            &loose,
+            &format!("{{{}\"a\":1}}", " ".repeat(30))
+        ));
         let long_enum: Vec<String> = (0..3000).map(|i| format!("value-{i}")).collect();
         let e = GrammarSource::JsonSchema(serde_json::json!({"enum": long_enum}));
         assert!(accepts(&c, &e, "\"value-2999\""));

@@ -43,8 +43,9 @@ impl Vocabulary {
             return Err("the vocabulary is empty".into());
         }
         let eog = self.eog();
-        // llguidance wants one EOS id; a vocabulary without one gets id 0, never allowed: the
-        // guide decides about end-of-generation tokens itself.
+        // llguidance wants one EOS id; a vocabulary without one gets id 0 as a stand-in. The
+        // guide decides about end-of-generation tokens itself, from `eog`, and sets or clears
+        // their mask bits.
         let eos = eog.first().copied().unwrap_or(0);
         let words: Vec<Vec<u8>> = self
             .tokens
