@@ -247,3 +247,27 @@ def test_hostile_images(server: WatchedServer, path: str) -> None:
     # The generator reached both outcomes: valid images were served, bad ones refused.
     assert statuses.get(200) and statuses.get(400), statuses
     still_serves_images(server)
+
+
+def test_tag_heavy_messages_are_refused_before_placement(server: WatchedServer) -> None:
+    """Image tags are counted before anything is placed or copied: a native prompt naming one
+    image by more tags than a request may place, and an Ollama message with more images than
+    a request may have (and a text of 10,000 ``[img]`` tags), are 400s."""
+    image = b64(VALID_FILES[0])
+    for path, body in [
+        (
+            "/completion",
+            {"prompt": "[img-0]" * 17, "images": [{"id": 0, "data": image}]},
+        ),
+        (
+            "/api/chat",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "[img]" * 10_000, "images": [""] * 17}],
+            },
+        ),
+    ]:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 400, r.text[:300]
+        assert "at most 16 images" in r.text, r.text[:300]
+    still_serves_images(server)

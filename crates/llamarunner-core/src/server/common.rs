@@ -135,6 +135,14 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
                 None | Some(Value::Null) => {}
                 Some(Value::Array(list)) => {
                     let list = image_prompt::strings(&format!("messages[{i}].images"), list)?;
+                    // Counted before they are placed (the request's total is checked again
+                    // with the projector's presence once all messages are read).
+                    if images.len() + list.len() > super::images::MAX_IMAGES_PER_REQUEST {
+                        return Err(ApiError::InvalidImage(format!(
+                            "at most {} images per request",
+                            super::images::MAX_IMAGES_PER_REQUEST
+                        )));
+                    }
                     let (placed, order) = image_prompt::ollama_place(&content, list.len());
                     content = placed;
                     images.extend(

@@ -171,7 +171,8 @@ pub fn native_prompt(
     })
 }
 
-/// Replaces every `[img-N]` tag with the marker; returns the text and the ids in order.
+/// Replaces every `[img-N]` tag with the marker; returns the text and the ids in order. More
+/// than `MAX_IMAGES_PER_REQUEST` tags is a 400: each tag places (and copies) its image.
 fn replace_tags(prompt: &str) -> Result<(String, Vec<i64>), ApiError> {
     let mut text = String::with_capacity(prompt.len());
     let mut ids = Vec::new();
@@ -187,6 +188,12 @@ fn replace_tags(prompt: &str) -> Result<(String, Vec<i64>), ApiError> {
         let id: i64 = after[..digits]
             .parse()
             .map_err(|_| invalid(format!("[img-{}]: the id is too large", &after[..digits])))?;
+        if ids.len() == MAX_IMAGES_PER_REQUEST {
+            return Err(invalid(format!(
+                "at most {MAX_IMAGES_PER_REQUEST} images per request: the prompt has more \
+                 [img-N] tags"
+            )));
+        }
         text.push_str(&rest[..at]);
         text.push_str(DEFAULT_MARKER);
         ids.push(id);
@@ -201,15 +208,17 @@ fn replace_tags(prompt: &str) -> Result<(String, Vec<i64>), ApiError> {
 /// the images' markers appear in it (indices into the message's images): the leftovers, put
 /// before the text, come first.
 pub fn ollama_place(content: &str, n: usize) -> (String, Vec<usize>) {
-    let mut text = content.to_string();
+    // One pass over the text: each of the first `n` tags is replaced where it stands.
+    let mut text = String::with_capacity(content.len() + n * DEFAULT_MARKER.len());
     let mut tagged = 0;
-    while tagged < n {
-        let Some(at) = text.find("[img]") else {
-            break;
-        };
-        text.replace_range(at..at + 5, DEFAULT_MARKER);
+    let mut from = 0;
+    for (at, tag) in content.match_indices("[img]").take(n) {
+        text.push_str(&content[from..at]);
+        text.push_str(DEFAULT_MARKER);
+        from = at + tag.len();
         tagged += 1;
     }
+    text.push_str(&content[from..]);
     let order = (tagged..n).chain(0..tagged).collect();
     (DEFAULT_MARKER.repeat(n - tagged) + &text, order)
 }
@@ -344,6 +353,16 @@ mod tests {
             images(&[1]),
         ));
         assert!(huge.starts_with("invalid_image"), "{huge}");
+        // One image named by more tags than a request may place: refused before any copy.
+        let tags = "[img-1]".repeat(MAX_IMAGES_PER_REQUEST + 1);
+        let copies = kind(native_prompt(&info, tags, images(&[1])));
+        assert!(copies.contains("tags"), "{copies}");
+        let fine = native_prompt(
+            &info,
+            "[img-1]".repeat(MAX_IMAGES_PER_REQUEST),
+            images(&[1]),
+        );
+        assert_eq!(fine.unwrap().images.len(), MAX_IMAGES_PER_REQUEST);
     }
 
     #[test]
@@ -379,6 +398,12 @@ mod tests {
             (format!("{m}{m}{m} {m}"), vec![3, 0, 1, 2])
         );
         assert_eq!(ollama_place("x", 0), ("x".to_string(), vec![]));
+        // Only the first `n` tags are placed, in one pass, however many the text has.
+        let many = "[img]".repeat(200_000);
+        let (placed, order) = ollama_place(&many, 3);
+        assert_eq!(order, vec![0, 1, 2]);
+        assert!(placed.starts_with(&m.repeat(3)));
+        assert_eq!(placed.matches("[img]").count(), 200_000 - 3);
         assert_eq!(in_order(&["a", "b", "c"], &[2, 0, 1]), vec!["c", "a", "b"]);
         let info = vision_info();
         let p = ollama_generate(
