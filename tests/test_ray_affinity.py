@@ -306,3 +306,39 @@ def test_the_autoscaling_policy_reads_the_gauges() -> None:
     assert want(full) == 5
     # No gauges yet: Ray's own count of ongoing requests.
     assert want({}, target=2, total=7) == 4
+
+
+def test_only_authenticated_requests_get_a_routing_key() -> None:
+    """The ingress computes (and the router stores) a prefix key only for a request that
+    carries one of the server's keys: an unauthenticated client leaves nothing behind."""
+    from llamarunner.ray.ingress import key_digest, request_key
+
+    body = json.dumps({"prompt": "a long shared prefix"}).encode()
+    keys = [key_digest("k1"), key_digest("k2")]
+    assert request_key("POST", "/completion", [], body, []) is not None  # no key needed
+    assert request_key("GET", "/completion", [], body, []) is None
+    for headers in (
+        [(b"authorization", b"Bearer k2")],
+        [(b"Authorization", b"  bearer   k1 ")],
+        [(b"x-api-key", b"k1")],
+        [(b"x-api-key", b"wrong"), (b"authorization", b"Bearer k1")],
+    ):
+        assert request_key("POST", "/completion", headers, body, keys) is not None, headers
+    for headers in (
+        [],
+        [(b"authorization", b"Bearer wrong")],
+        [(b"authorization", b"Basic k1")],
+        [(b"authorization", b"Bearerk1")],
+        [(b"x-api-key", b"")],
+    ):
+        assert request_key("POST", "/completion", headers, body, keys) is None, headers
+
+
+def test_build_app_gives_the_ingress_key_digests_not_keys() -> None:
+    from llamarunner.ray import build_app
+    from llamarunner.ray.ingress import key_digest
+
+    app = build_app("m.gguf", replicas=1, api_key=["secret"])
+    ingress = app._bound_deployment  # type: ignore[attr-defined]
+    assert ingress.init_args[2] == [key_digest("secret")]
+    assert "secret" not in repr(ingress.init_args[1:])

@@ -116,22 +116,27 @@ class ServerConfig:
             if value is not None:
                 setattr(self, name, str(value))
 
-    def first_api_key(self) -> str | None:
-        """The key a client of this server should send: the first of ``api_key``, else the
-        first in ``api_key_file``; None when the server needs none (or the file is unreadable,
+    def api_keys(self) -> list[str]:
+        """Every key the server takes: ``api_key``, then the lines of ``api_key_file`` (blank
+        lines and ``#`` comments aside); empty when it needs none (or the file is unreadable,
         which the server reports when it starts)."""
-        if self.api_key:
-            return self.api_key[0]
+        keys = list(self.api_key)
         if self.api_key_file:
             try:
                 text = Path(self.api_key_file).expanduser().read_text()
             except OSError:
-                return None
+                return keys
             for line in text.splitlines():
                 line = line.strip()
                 if line and not line.startswith("#"):
-                    return line
-        return None
+                    keys.append(line)
+        return keys
+
+    def first_api_key(self) -> str | None:
+        """The key a client of this server should send: the first of ``api_keys``; None when
+        the server needs none."""
+        keys = self.api_keys()
+        return keys[0] if keys else None
 
     def with_model_resolved(self) -> ServerConfig:
         """A copy whose ``model`` is a path: the given one, or the default model's."""

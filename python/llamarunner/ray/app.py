@@ -11,7 +11,7 @@ from ray.serve import Application, Deployment
 
 from ..config import ServerConfig
 from .affinity import AffinityPolicy
-from .ingress import Ingress
+from .ingress import Ingress, key_digest
 from .replica import LlamaReplica
 
 ROUTERS = ("affinity", "pow2")
@@ -108,7 +108,11 @@ def build_app(
         max_ongoing_requests=config.max_connections,
     )(Ingress)
     replica_config = dataclasses.asdict(config)
-    app: Application = ingress.bind(replica.bind(replica_config), config.max_body)
+    app: Application = ingress.bind(
+        replica.bind(replica_config),
+        config.max_body,
+        [key_digest(k) for k in config.api_keys()],
+    )
     return app
 
 

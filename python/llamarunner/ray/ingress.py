@@ -3,12 +3,15 @@ dialect (native, OpenAI, Ollama; streaming or not), to a replica chosen by the r
 router, and streams the replica's answer back unchanged. The replicas do all validation and
 answer every error in their dialect's shape; the ingress only reads the body (at most
 ``max_body + 1`` bytes, so that a larger one still gets the replica's 413) and derives its
-routing key.
+routing key, for requests that carry one of the server's API keys only (an unauthenticated
+client gets the replica's 401 and leaves nothing in the router's prefix table).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import hashlib
+import hmac
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -29,12 +32,57 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+def key_digest(value: str | bytes) -> bytes:
+    """The SHA-256 digest a key is compared by (the ingress holds digests, not keys)."""
+    raw = value.encode("latin-1", errors="replace") if isinstance(value, str) else value
+    return hashlib.sha256(raw).digest()
+
+
+def authenticated(headers: Iterable[tuple[bytes, bytes]], key_digests: Sequence[bytes]) -> bool:
+    """Whether the request carries one of the keys (their SHA-256 digests), as the server
+    takes them: ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``. Every presented value is
+    compared with every key in constant time. True when the server needs no key."""
+    if not key_digests:
+        return True
+    presented = []
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization":
+            v = value.strip()
+            if len(v) > 6 and v[:6].lower() == b"bearer" and v[6:7].isspace():
+                presented.append(v[6:].strip())
+        elif name == b"x-api-key":
+            presented.append(value.strip())
+    ok = False
+    for p in presented:
+        d = key_digest(p)
+        for k in key_digests:
+            ok |= hmac.compare_digest(d, k)
+    return ok
+
+
+def request_key(
+    method: str,
+    path: str,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: bytes,
+    key_digests: Sequence[bytes],
+) -> str | None:
+    """The routing key of a request: of POSTs that carry a key (any when none is needed)."""
+    if method != "POST" or not authenticated(headers, key_digests):
+        return None
+    return routing_key(path, body)
+
+
 class Ingress:
     """The HTTP ingress deployment class (`build_app` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, replicas: DeploymentHandle[Any], max_body: int) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle[Any], max_body: int, key_digests: Sequence[bytes] = ()
+    ) -> None:
         self._replicas = replicas.options(stream=True, method_name="handle")
         self._max_body = max_body
+        self._key_digests = list(key_digests)
 
     async def __call__(self, request: Request) -> Response:
         body = await read_body(request, self._max_body)
@@ -47,7 +95,7 @@ class Ingress:
             path = path[len(root) :] or "/"
         query = request.scope.get("query_string", b"").decode("latin-1")
         target = path + ("?" + query if query else "")
-        key = routing_key(path, body) if request.method == "POST" else None
+        key = request_key(request.method, path, request.headers.raw, body, self._key_digests)
         req = ProxyRequest(
             method=request.method,
             path=target,
