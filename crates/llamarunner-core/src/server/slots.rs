@@ -115,6 +115,10 @@ pub async fn action(
         validate::blocking(move || slot_file::model_identity(&info)).await?
     };
     if action == Action::Save {
+        let quota = (dir.clone(), name.clone());
+        validate::blocking(move || check_quota(&quota.0, &quota.1))
+            .await?
+            .map_err(ApiError::InvalidRequest)?;
         let (tokens, saved, lora) = match run(&state, slot, SlotAction::Save).await? {
             SlotOutcome::Saved {
                 tokens,
@@ -204,6 +208,40 @@ fn unexpected(outcome: &SlotOutcome) -> ApiError {
     ApiError::Internal(format!(
         "the engine answered the wrong slot action ({what})"
     ))
+}
+
+/// Most slot files the directory may hold. A save under a name that is not there yet is
+/// refused past it (saving over an existing file is always allowed): each file can hold a
+/// whole slot's state, and a client naming a new file on every save would fill the disk.
+pub const MAX_SLOT_FILES: usize = 256;
+
+/// Checks that saving `name` into `dir` keeps it within `MAX_SLOT_FILES` slot files (files
+/// whose names a request could give; hidden temporaries and others do not count). Runs under
+/// the one-at-a-time slot file lock, so two saves cannot both take the last place.
+fn check_quota(dir: &Path, name: &str) -> Result<(), String> {
+    if dir.join(name).is_file() {
+        return Ok(());
+    }
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("cannot read the slot directory: {e}"))?;
+    let mut count = 0;
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let counts = file_name
+            .to_str()
+            .is_some_and(|n| slot_file::check_file_name(n).is_ok())
+            && entry.file_type().is_ok_and(|t| t.is_file());
+        if counts {
+            count += 1;
+            if count >= MAX_SLOT_FILES {
+                return Err(format!(
+                    "the slot directory holds {MAX_SLOT_FILES} slot files, the most allowed: \
+                     save over an existing one, or remove some"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes a slot file: to a hidden temporary file beside it first, then renamed over it, so a
@@ -348,6 +386,24 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn new_slot_files_are_refused_past_the_quota() {
+        let dir = std::env::temp_dir().join(format!("llamarunner-quota-{}", std::process::id()));
+        let dir = prepare_dir(&dir).unwrap();
+        for i in 0..MAX_SLOT_FILES - 1 {
+            std::fs::write(dir.join(format!("f{i}.bin")), b"x").unwrap();
+        }
+        // Hidden files (a save's temporaries) do not count.
+        std::fs::write(dir.join(".tmp.1.tmp"), b"x").unwrap();
+        assert_eq!(check_quota(&dir, "new.bin"), Ok(()));
+        std::fs::write(dir.join("new.bin"), b"x").unwrap();
+        let err = check_quota(&dir, "another.bin").unwrap_err();
+        assert!(err.contains("256 slot files"), "{err}");
+        // Saving over an existing file is always allowed.
+        assert_eq!(check_quota(&dir, "f3.bin"), Ok(()));
+        std::fs::remove_dir_all(&*dir).unwrap();
     }
 
     #[test]
