@@ -315,7 +315,7 @@ def bad_images() -> dict[str, list[str]]:
         "empty": [""],
         "bomb": [b64(bytes(bomb))],
         "too-many": [b64(RED)] * 17,
-        # One side more than 200 times the other (server/images.rs MAX_ASPECT_RATIO).
+        # One side more than 200 times the other (requests/images.rs MAX_ASPECT_RATIO).
         "thin": [b64(image_bytes(size=(1, 201)))],
     }
 

@@ -76,7 +76,7 @@ pub struct RunnerConfig {
     pub tensor_split: Option<String>,
     /// LoRA adapters to load, each `PATH[:SCALE]` (`engine::LoraSpec`: the scale, 1 unless
     /// given, applies to requests that name none; `POST /lora-adapters` changes it).
-    pub lora: Vec<crate::engine::LoraSpec>,
+    pub lora: Vec<crate::protocol::LoraSpec>,
     /// Vision projector GGUF (`--mmproj`), loaded with the model: requests may then carry
     /// images (`engine/vision.rs`).
     pub mmproj: Option<PathBuf>,
@@ -209,7 +209,7 @@ pub enum ConfigError {
     #[error("kv-cache-type must be one of f16, q8_0, q4_0 (got {0:?})")]
     KvCacheType(String),
     /// More LoRA adapters than `engine::lora::MAX_LORA_ADAPTERS`.
-    #[error("at most {max} --lora adapters may be loaded (got {0})", max = crate::engine::lora::MAX_LORA_ADAPTERS)]
+    #[error("at most {max} --lora adapters may be loaded (got {0})", max = crate::protocol::lora::MAX_LORA_ADAPTERS)]
     TooManyLoras(usize),
     /// No model path.
     #[error("no model given")]
@@ -322,7 +322,7 @@ impl RunnerConfig {
         if !matches!(self.kv_cache_type.as_str(), "f16" | "q8_0" | "q4_0") {
             return Err(ConfigError::KvCacheType(self.kv_cache_type.clone()));
         }
-        if self.lora.len() > crate::engine::lora::MAX_LORA_ADAPTERS {
+        if self.lora.len() > crate::protocol::lora::MAX_LORA_ADAPTERS {
             return Err(ConfigError::TooManyLoras(self.lora.len()));
         }
         if let Some(t) = &self.chat_template {

@@ -31,11 +31,12 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tower::ServiceExt;
 
 use crate::config::{ConfigError, RunnerConfig};
-use crate::engine::{EngineHandle, EngineInbox, Health, LoadState};
-use crate::server::metrics::Metrics;
-use crate::server::middleware::HttpPolicy;
-use crate::server::validate::Limits;
-use crate::server::{router, AppState};
+use crate::http::metrics::Metrics;
+use crate::http::middleware::HttpPolicy;
+use crate::http::AppState;
+use crate::http::Limits;
+use crate::protocol::{EngineHandle, EngineInbox, Health, LoadState};
+use crate::routes::router;
 
 /// Why a runner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -116,7 +117,7 @@ impl Runner {
         }
         let engine_config = config.clone();
         Self::start_with(&config, move |inbox| {
-            crate::engine::llama::run(&engine_config, inbox)
+            crate::engine::run(&engine_config, inbox)
         })
     }
 
@@ -129,7 +130,7 @@ impl Runner {
         config.validate_http()?;
         let slot_save_path = match &config.slot_save_path {
             None => None,
-            Some(dir) => Some(crate::server::slots::prepare_dir(dir).map_err(|reason| {
+            Some(dir) => Some(crate::ops::slots::prepare_dir(dir).map_err(|reason| {
                 ConfigError::SlotSavePath {
                     path: dir.display().to_string(),
                     reason,
@@ -194,7 +195,7 @@ impl Runner {
             .with_policy(policy)
             .with_limits(limits)
             .with_slot_save_path(slot_save_path)
-            .with_lora(crate::server::lora::LoraTable::new(&config.lora))
+            .with_lora(crate::protocol::lora::LoraTable::new(&config.lora))
             .with_reasoning_format(config.reasoning_format);
         if let Some(m) = metrics {
             state = state.with_metrics(m);

@@ -3,10 +3,11 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use llamarunner_core::engine::fake::{FakeBackend, FakeConfig};
-use llamarunner_core::engine::EngineHandle;
+use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::http::AppState;
+use llamarunner_core::protocol::EngineHandle;
+use llamarunner_core::routes::router;
 use llamarunner_core::sched::Scheduler;
-use llamarunner_core::server::{router, AppState};
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -16,7 +17,7 @@ use common::{open_stream, post_to};
 fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
     std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
-    while handle.health.state() != llamarunner_core::engine::LoadState::Ready {
+    while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
         std::thread::yield_now();
     }
     (router(AppState::new(handle.clone(), "fake")), handle)
@@ -124,7 +125,7 @@ async fn a_full_queue_is_429() {
     let (handle, _inbox) = EngineHandle::new(1);
     handle
         .health
-        .set_model_info(llamarunner_core::engine::ModelInfo::placeholder(64));
+        .set_model_info(llamarunner_core::backend::fake::model_info(64));
     handle.health.set_ready(1);
     let app = router(AppState::new(handle.clone(), "fake"));
     let first = tokio::spawn({

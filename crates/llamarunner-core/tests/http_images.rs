@@ -7,11 +7,12 @@ use std::sync::Arc;
 
 use axum::http::StatusCode;
 use base64::Engine;
-use llamarunner_core::engine::fake::{FakeBackend, FakeConfig};
-use llamarunner_core::engine::vision::FakeVision;
-use llamarunner_core::engine::{EngineHandle, ModelInfo};
+use llamarunner_core::backend::fake::FakeVision;
+use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::http::AppState;
+use llamarunner_core::protocol::EngineHandle;
+use llamarunner_core::routes::router;
 use llamarunner_core::sched::Scheduler;
-use llamarunner_core::server::{router, AppState};
 use serde_json::{json, Value};
 
 mod common;
@@ -25,14 +26,14 @@ fn app() -> (axum::Router, EngineHandle) {
 
 fn app_with(config: FakeConfig) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
-    let mut info = ModelInfo::placeholder(config.slot_ctx);
+    let mut info = llamarunner_core::backend::fake::model_info(config.slot_ctx);
     info.vision = Some(Arc::new(FakeVision {
         positions: POSITIONS,
         max_positions: config.batch_capacity,
     }));
     handle.health.set_model_info(info);
     std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
-    while handle.health.state() != llamarunner_core::engine::LoadState::Ready {
+    while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
         std::thread::yield_now();
     }
     (router(AppState::new(handle.clone(), "fake")), handle)
@@ -203,7 +204,7 @@ async fn bad_images_are_400s_before_the_queue() {
 
 #[tokio::test]
 async fn images_waiting_for_a_slot_are_bounded_and_a_request_past_that_is_a_429() {
-    use llamarunner_core::server::image_prompt::IMAGES_IN_FLIGHT;
+    use llamarunner_core::http::IMAGES_IN_FLIGHT;
     let (app, handle) = app_with(FakeConfig {
         slot_ctx: 512,
         batch_capacity: 128,

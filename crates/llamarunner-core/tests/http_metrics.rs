@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use llamarunner_core::engine::fake::{FakeBackend, FakeConfig};
-use llamarunner_core::engine::{EngineHandle, LoadState};
+use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::http::metrics::Metrics;
+use llamarunner_core::http::middleware::HttpPolicy;
+use llamarunner_core::http::AppState;
+use llamarunner_core::protocol::{EngineHandle, LoadState};
+use llamarunner_core::routes::router;
 use llamarunner_core::sched::Scheduler;
-use llamarunner_core::server::metrics::Metrics;
-use llamarunner_core::server::middleware::HttpPolicy;
-use llamarunner_core::server::{router, AppState};
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -420,7 +421,7 @@ async fn a_full_queue_counts_as_queue_full() {
     let (handle, _inbox) = EngineHandle::with_observer(1, metrics.clone());
     handle
         .health
-        .set_model_info(llamarunner_core::engine::ModelInfo::placeholder(64));
+        .set_model_info(llamarunner_core::backend::fake::model_info(64));
     handle.health.set_ready(1);
     let app = router(AppState::new(handle.clone(), "fake").with_metrics(metrics));
     let first = tokio::spawn({

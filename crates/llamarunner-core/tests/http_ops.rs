@@ -7,10 +7,12 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use llamarunner_core::engine::fake::{FakeBackend, FakeConfig};
-use llamarunner_core::engine::EngineHandle;
+use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::http::AppState;
+use llamarunner_core::ops::slots;
+use llamarunner_core::protocol::EngineHandle;
+use llamarunner_core::routes::router;
 use llamarunner_core::sched::Scheduler;
-use llamarunner_core::server::{router, slots, AppState};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
@@ -18,7 +20,7 @@ use tower::ServiceExt;
 fn app(config: FakeConfig, dir: Option<&Path>) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
     std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
-    while handle.health.state() != llamarunner_core::engine::LoadState::Ready {
+    while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
         std::thread::yield_now();
     }
     let dir = dir.map(|d| slots::prepare_dir(d).unwrap());
@@ -333,11 +335,11 @@ async fn a_busy_slot_is_409_and_slot_files_without_a_directory_are_501() {
 async fn a_slot_file_of_another_model_is_refused() {
     let dir = temp_dir("foreign");
     let prepared: Arc<Path> = slots::prepare_dir(&dir).unwrap();
-    let mut other = llamarunner_core::engine::ModelInfo::placeholder(256);
+    let mut other = llamarunner_core::backend::fake::model_info(256);
     other.architecture = "other".into();
-    let identity = llamarunner_core::server::slot_file::model_identity(&other);
+    let identity = llamarunner_core::ops::slot_file::model_identity(&other);
     let mut bytes = Vec::new();
-    llamarunner_core::server::slot_file::write(&mut bytes, &identity, &[1, 2], &[0; 8]).unwrap();
+    llamarunner_core::ops::slot_file::write(&mut bytes, &identity, &[1, 2], &[0; 8]).unwrap();
     std::fs::write(prepared.join("other.bin"), bytes).unwrap();
     let (app, handle) = app(FakeConfig::default(), Some(&dir));
     let (status, v) = call(

@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use llamarunner_core::engine::fake::{FakeBackend, FakeConfig};
-use llamarunner_core::engine::{EngineHandle, LoadState, ModelInfo};
+use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::http::middleware::HttpPolicy;
+use llamarunner_core::http::AppState;
+use llamarunner_core::protocol::{EngineHandle, LoadState};
+use llamarunner_core::routes::router;
 use llamarunner_core::sched::Scheduler;
-use llamarunner_core::server::middleware::HttpPolicy;
-use llamarunner_core::server::{router, AppState};
 use llamarunner_core::{Runner, RunnerConfig};
 use serde_json::Value;
 use tower::ServiceExt;
@@ -682,8 +683,10 @@ fn an_engine_that_panics_or_returns_shows_in_health() {
         ..RunnerConfig::default()
     };
     let ready_then = |end: fn()| {
-        move |inbox: llamarunner_core::engine::EngineInbox| {
-            inbox.health.set_model_info(ModelInfo::placeholder(64));
+        move |inbox: llamarunner_core::protocol::EngineInbox| {
+            inbox
+                .health
+                .set_model_info(llamarunner_core::backend::fake::model_info(64));
             inbox.health.set_ready(1);
             std::thread::sleep(Duration::from_millis(200));
             end();

@@ -1,11 +1,16 @@
 //! `Backend`: the narrow surface the scheduler needs from llama.cpp (a model plus a context),
-//! implemented by `llama.rs` and by the deterministic `fake.rs`. Lives on the engine thread only.
+//! implemented by `llama/` (the only code on llama-cpp-2: context, batch, samplers, mtmd, LoRA,
+//! CPU variants) and by the deterministic `fake/` (tests and the `--no-default-features`
+//! build). Lives on the engine thread only.
 
-use super::protocol::TokenLogprob;
-use crate::sched::params::SamplingParams;
+pub mod fake;
+#[cfg(feature = "llama")]
+pub mod llama;
 
-/// A vocabulary token id.
-pub type Token = i32;
+pub use crate::protocol::{BackendError, Token};
+
+use crate::protocol::params::SamplingParams;
+use crate::protocol::TokenLogprob;
 
 /// One token placed in a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,26 +23,6 @@ pub struct BatchToken {
     pub seq: i32,
     /// Whether logits are needed for this position.
     pub logits: bool,
-}
-
-/// Failures of the llama.cpp layer.
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum BackendError {
-    /// The text could not be tokenized.
-    #[error("tokenization failed: {0}")]
-    Tokenize(String),
-    /// The sampler could not be built from the request's parameters.
-    #[error("{0}")]
-    Sampler(String),
-    /// llama.cpp found no room in the KV cache for the batch.
-    #[error("no KV cache slot available for the batch")]
-    NoKvSlot,
-    /// Any other decode failure.
-    #[error("llama_decode failed: {0}")]
-    Decode(String),
-    /// A sequence's state could not be copied out or in.
-    #[error("{0}")]
-    State(String),
 }
 
 /// What the scheduler needs from a model + context. Implementations live on the engine thread
@@ -67,7 +52,7 @@ pub trait Backend {
     ) -> Result<Self::Sampler, BackendError>;
     /// Applies these LoRA adapter scales to the decodes that follow (one per `--lora` adapter,
     /// in order); a no-op when they are applied already.
-    fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError>;
+    fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError>;
     /// Decodes one batch.
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
     /// Encodes an image with the projector and decodes its positions `pos..pos + n_tokens`
@@ -80,7 +65,7 @@ pub trait Backend {
         &mut self,
         seq: i32,
         pos: usize,
-        image: &super::PromptImage,
+        image: &crate::protocol::PromptImage,
         logits: bool,
     ) -> Result<(), BackendError>;
     /// Samples (and accepts) the next token from the logits of batch position `index`.
@@ -124,6 +109,11 @@ pub trait Backend {
     }
     /// The beginning-of-sequence token, if the tokenizer adds one.
     fn bos(&self) -> Option<Token>;
+    /// The model's description, for a backend whose loader did not publish one (the fake has
+    /// no file to describe); the scheduler publishes it before it says ready.
+    fn describe(&self) -> Option<crate::protocol::ModelInfo> {
+        None
+    }
     /// Most tokens one embedding input may have.
     fn embed_capacity(&self) -> usize;
     /// Most tokens of one embedding input decoded in one step (an input is embedded piece by

@@ -8,6 +8,7 @@
 
 pub mod reasoning;
 pub mod tools;
+pub mod utf8;
 
 use minijinja::value::Serde;
 use minijinja::{Environment, ErrorKind, Value};

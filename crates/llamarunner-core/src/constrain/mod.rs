@@ -352,10 +352,10 @@ fn clean_error(e: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::TextModel;
+    use crate::protocol::TextModel;
 
     fn compiler() -> Compiler {
-        Compiler::new(|| crate::engine::fake::FakeText.vocabulary())
+        Compiler::new(|| crate::backend::fake::FakeText.vocabulary())
     }
 
     /// Whether the grammar takes exactly `text` (byte tokens, as the fake's) and then may end.

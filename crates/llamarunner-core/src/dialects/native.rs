@@ -13,17 +13,18 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::common::{
+use crate::http::error::ApiError;
+use crate::http::AppState;
+use crate::protocol::{Event, LoadState, Token, LLAMA_CPP_2_VERSION};
+use crate::requests::common::{
     chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, render_chat,
     start_generation,
 };
-use super::error::ApiError;
-use super::format::grammar_for_format;
-use super::image_prompt::{self, Prompt};
-use super::options::Options;
-use super::tool_calls::ToolRequest;
-use super::{validate, AppState};
-use crate::engine::{Event, LoadState, Token, LLAMA_CPP_2_VERSION};
+use crate::requests::format::grammar_for_format;
+use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::options::Options;
+use crate::requests::tool_calls::ToolRequest;
+use crate::requests::validate;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
 /// runner's capitalized keys are accepted too.
@@ -225,9 +226,10 @@ pub async fn apply_template(
         .any(|m| m.role == "tool" || m.extra.contains_key("tool_calls"));
     if tools.is_some() || history {
         // As the chat endpoints prepare it: tools in the prompt, earlier calls and results.
-        let mut params = crate::sched::params::SamplingParams::default();
+        let mut params = crate::protocol::params::SamplingParams::default();
         let (prompt, _) =
-            super::tool_calls::chat_request(&state, messages, tools, &mut params, None).await?;
+            crate::requests::tool_calls::chat_request(&state, messages, tools, &mut params, None)
+                .await?;
         return Ok(Json(json!({ "prompt": prompt })).into_response());
     }
     let prompt = render_chat(&state, messages, req.add_generation_prompt.unwrap_or(true)).await?;

@@ -16,21 +16,21 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::common::{
+use crate::chat::tools::ToolCall;
+use crate::chat::ChatMessage;
+use crate::http::error::{ApiError, OllamaError};
+use crate::http::state::AppState;
+use crate::protocol::nanos;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{Completion, Event, ModelInfo};
+use crate::requests::common::{
     chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
     parse_json, parse_messages, rfc3339, start_generation,
 };
-use super::error::{ApiError, OllamaError};
-use super::format::grammar_for_format;
-use super::image_prompt::{self, Prompt};
-use super::options::Options;
-use super::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
-use super::AppState;
-use crate::chat::tools::ToolCall;
-use crate::chat::ChatMessage;
-use crate::engine::{Completion, Event, ModelInfo};
-use crate::sched::nanos;
-use crate::sched::params::SamplingParams;
+use crate::requests::format::grammar_for_format;
+use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::options::Options;
+use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 
 /// The Ollama API version this dialect follows (what `/api/version` answers).
 pub const OLLAMA_API_VERSION: &str = "0.12.0";

@@ -18,17 +18,17 @@ use futures_util::{stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::common::{
+use crate::http::error::{ApiError, OpenAiError};
+use crate::http::state::AppState;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{Completion, DoneReason, Event, TokenLogprob};
+use crate::requests::common::{
     check_dimensions, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
     parse_messages, start_generation, unix_seconds,
 };
-use super::error::{ApiError, OpenAiError};
-use super::format::grammar_for_format;
-use super::image_prompt::{self, Prompt};
-use super::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
-use super::AppState;
-use crate::engine::{Completion, DoneReason, Event, TokenLogprob};
-use crate::sched::params::SamplingParams;
+use crate::requests::format::grammar_for_format;
+use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
 const MAX_TOP_LOGPROBS: u32 = 20;
@@ -138,7 +138,7 @@ impl OpenAiRequest {
             speculative: self.speculative,
             ..defaults
         };
-        super::validate::check_options(&p)
+        crate::requests::validate::check_options(&p)
             .map_err(|e| ApiError::invalid(e.replace("options.", "")))?;
         // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
@@ -283,7 +283,7 @@ impl TextOffsets {
         let at = self.chars;
         self.tail.extend_from_slice(bytes);
         let mut complete = String::new();
-        let used = crate::sched::text::decode_utf8(&self.tail, &mut complete);
+        let used = crate::chat::utf8::decode_utf8(&self.tail, &mut complete);
         self.chars += complete.chars().count();
         self.tail.drain(..used);
         at
@@ -297,7 +297,7 @@ impl Meta {
             id: format!(
                 "{}-{}",
                 if chat { "chatcmpl" } else { "cmpl" },
-                super::access::current_id()
+                crate::http::access::current_id()
             ),
             created: unix_seconds(SystemTime::now()),
             model: state.model_name.to_string(),

@@ -1,57 +1,77 @@
-//! The engine: the one OS thread that owns llama.cpp, and the handle the HTTP side uses to reach
-//! it. `Backend` is the narrow surface the scheduler needs from llama.cpp, so that `sched/` can
-//! be tested against `fake::FakeBackend`. Only `llama.rs` touches `llama-cpp-2`.
-//!
-//! - `backend.rs`: the `Backend` trait and its token/batch types;
-//! - `protocol.rs`: requests, events, results and errors exchanged with the HTTP side;
-//! - `model.rs`: the model description, load state and slot table (`Health`);
-//! - `handle.rs`: `EngineHandle` (HTTP side) and `EngineInbox` (engine side);
-//! - `cpu_backends.rs` (portable builds only): finds and loads the CPU variant that fits;
-//! - `lora.rs`: `--lora` specs and the LoRA scale set a sequence is decoded under;
-//! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics;
-//! - `vision.rs`: images through a vision projector (`--mmproj`), as token lists hold them;
-//! - `mtmd_llama.rs`: the projector on llama.cpp's `mtmd`.
+//! The engine: the one OS thread that owns a `Backend` and the `Scheduler` and runs the loop.
+//! The backend is loaded here (llama.cpp, `backend/llama/`), the drafting policy fitted to it
+//! (a step's cost by width, measured before any request), and the scheduler serves the inbox
+//! until the runner stops.
 
-pub mod backend;
-#[cfg(feature = "portable")]
-mod cpu_backends;
-pub mod fake;
-pub mod handle;
 #[cfg(feature = "llama")]
-pub mod llama;
-pub mod lora;
+use crate::backend::llama;
 #[cfg(feature = "llama")]
-mod lora_llama;
-pub mod model;
+use crate::config::RunnerConfig;
 #[cfg(feature = "llama")]
-mod mtmd_llama;
-pub mod observer;
-pub mod protocol;
-pub mod vision;
+use crate::protocol::EngineInbox;
+#[cfg(feature = "llama")]
+use crate::sched::adaptive::{StepCost, MEASURED_WIDTHS};
+#[cfg(feature = "llama")]
+use crate::sched::speculative::SpecConfig;
+#[cfg(feature = "llama")]
+use crate::sched::Scheduler;
 
-/// The `llama-cpp-2` crate this build is pinned to (`=` in the workspace's Cargo.toml; a
-/// test keeps the two equal), for `GET /props`.
-pub const LLAMA_CPP_2_VERSION: &str = "0.1.154";
+/// The engine thread's body: load the model, create the context, run the scheduler. A load
+/// that fails is logged and shown by `/health`.
+#[cfg(feature = "llama")]
+pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
+    let health = inbox.health.clone();
+    let stop = inbox.shutdown.clone();
+    let served = llama::load(config, &health, stop, |mut backend, loaded| {
+        let speculation = speculation(config, loaded.recurrent, |widths| {
+            llama::step_times(&mut backend, widths)
+        });
+        Scheduler::new(backend, inbox, config.parallel as usize)
+            .with_multiuser_cache(config.multiuser_cache)
+            .with_speculation(speculation)
+            .run();
+    });
+    if let Err(message) = served {
+        // The log names the file in full; `/health`, which anyone may read, names only the
+        // file (an absolute path tells a client about the server's file system).
+        tracing::error!(model = %config.model.display(), "{message}");
+        health.set_error(message);
+    }
+}
 
-pub use backend::{Backend, BackendError, BatchToken, Token};
-pub use handle::{EngineHandle, EngineInbox, SubmitError};
-pub use lora::{LoraScales, LoraSpec};
-pub use model::{
-    file_type_name, Health, LoadState, ModelInfo, SlotActivity, SlotInfo, SlotPhase, TextModel,
-};
-pub use observer::{EngineObserver, NoObserver};
-pub use protocol::*;
-pub use vision::{ImageInput, PromptImage, VisionModel};
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_llama_cpp_2_version_is_the_pinned_one() {
-        let manifest = include_str!("../../../../Cargo.toml");
-        let pin = format!(
-            "llama-cpp-2 = {{ version = \"={}\"",
-            super::LLAMA_CPP_2_VERSION
-        );
-        assert!(manifest.contains(&pin), "Cargo.toml does not pin {pin}");
+/// The drafting settings for this model: off for a recurrent or hybrid one (its state cannot
+/// drop the cells of rejected drafts: llama.cpp keeps one state per sequence, so each rejection
+/// would decode the whole slot again); otherwise the configured ones with the cost of a step
+/// by width, which `sched/adaptive.rs` decides from how much drafting pays (`step_times` gives
+/// microseconds for widths 1, 2, ...; None counts positions as free: every draft found is
+/// verified, as without the measurement).
+#[cfg(feature = "llama")]
+fn speculation(
+    config: &RunnerConfig,
+    recurrent: bool,
+    step_times: impl FnOnce(usize) -> Option<Vec<u64>>,
+) -> SpecConfig {
+    let configured = config.speculation();
+    if recurrent {
+        if configured.draft_max > 0 {
+            tracing::info!(
+                "speculative decoding is off: a recurrent model cannot roll back drafts"
+            );
+        }
+        return SpecConfig::OFF;
+    }
+    if configured.draft_max == 0 {
+        return configured;
+    }
+    let widths = (1 + configured.draft_max).min(MEASURED_WIDTHS);
+    let cost = step_times(widths).map_or(StepCost::FREE, |times| StepCost::from_times(&times));
+    tracing::info!(
+        step_us = ?cost.times(),
+        "measured the decode step's cost by width (how much drafting pays)"
+    );
+    SpecConfig {
+        cost,
+        measure: true,
+        ..configured
     }
 }

@@ -26,8 +26,8 @@ use axum::Router;
 use hyper::body::{Frame, SizeHint};
 use tracing::Instrument;
 
-use super::metrics::{rejection_reason, Metrics, Outcome};
-use crate::engine::Completion;
+use crate::http::metrics::{rejection_reason, Metrics, Outcome};
+use crate::protocol::Completion;
 
 /// The request id header, read and echoed.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -417,7 +417,7 @@ mod tests {
 
     #[test]
     fn outcomes_follow_what_the_handler_noted() {
-        use crate::engine::DoneReason;
+        use crate::protocol::DoneReason;
         let done = Completion {
             done_reason: DoneReason::Stop,
             prompt_eval_count: 3,

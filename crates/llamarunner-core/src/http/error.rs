@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::engine::{EngineError, EngineErrorKind, SubmitError};
+use crate::protocol::{EngineError, EngineErrorKind, SubmitError};
 
 /// An error answered to an HTTP request.
 #[derive(Debug, thiserror::Error)]
@@ -171,7 +171,7 @@ impl ApiError {
     /// Every error answered passes here (in each dialect's shape): the request's record notes
     /// its type, and internal errors are logged.
     fn log(&self) {
-        super::access::note_error(self.kind());
+        crate::http::access::note_error(self.kind());
         if matches!(self, ApiError::Internal(_)) {
             tracing::error!(error = %self, "request failed");
         }

@@ -24,17 +24,12 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::header::CONTENT_TYPE;
-use axum::response::{IntoResponse, Response};
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
 };
 
-use super::error::ApiError;
-use super::AppState;
-use crate::engine::{Completion, EngineHandle, EngineObserver};
+use crate::protocol::{Completion, EngineHandle, EngineObserver};
 
 /// The prefix of every metric name.
 pub const PREFIX: &str = "llamarunner:";
@@ -421,25 +416,10 @@ impl EngineObserver for Metrics {
     }
 }
 
-/// `GET /metrics`: the Prometheus text format (version 0.0.4).
-pub async fn handler(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let Some(metrics) = state.metrics.as_ref() else {
-        return Err(ApiError::NotFound("metrics are off (--no-metrics)".into()));
-    };
-    let text = metrics
-        .render(&state.engine)
-        .map_err(|e| ApiError::Internal(format!("cannot encode the metrics: {e}")))?;
-    Ok((
-        [(CONTENT_TYPE, TextEncoder::new().format_type().to_string())],
-        text,
-    )
-        .into_response())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::DoneReason;
+    use crate::protocol::DoneReason;
 
     fn done(reason: DoneReason, prompt: usize, generated: usize) -> Completion {
         Completion {

@@ -23,8 +23,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::error::{ApiError, Dialect};
 use crate::config::{ConfigError, RunnerConfig, DEFAULT_MAX_BODY};
+use crate::http::error::{ApiError, Dialect};
 
 /// Schemes of pages that run on the user's machine (desktop apps, extensions' views, local
 /// files), allowed as Ollama allows them.

@@ -2,8 +2,8 @@
 //! of its cache is reused, how a too-long prompt is truncated and how much a full slot discards
 //! when it shifts. The scheduler applies them; nothing here touches llama.cpp.
 
-use crate::engine::vision::is_image_continuation;
-use crate::engine::Token;
+use crate::protocol::vision::is_image_continuation;
+use crate::protocol::Token;
 
 /// Longest common prefix of two token lists.
 pub fn common_prefix(a: &[Token], b: &[Token]) -> usize {
@@ -228,7 +228,7 @@ pub fn fit_input(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::vision::image_token;
+    use crate::protocol::vision::image_token;
 
     /// `text` tokens, then an image of `n` positions (key `key`), then `text` tokens.
     fn with_image(before: usize, key: u64, n: usize, after: usize) -> Vec<Token> {

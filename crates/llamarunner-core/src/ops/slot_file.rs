@@ -24,7 +24,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::engine::{ModelInfo, Token};
+use crate::protocol::{ModelInfo, Token};
 
 /// Longest slot file name, in bytes.
 pub const MAX_FILE_NAME: usize = 128;
@@ -130,7 +130,7 @@ pub fn model_identity(info: &ModelInfo) -> ModelIdentity {
 impl ModelIdentity {
     /// The identity of the model with these LoRA scales applied: a cache computed under other
     /// scales means nothing to it (the base model, every adapter off, is the model's own).
-    pub fn with_lora(self, lora: &crate::engine::LoraScales, n_adapters: usize) -> Self {
+    pub fn with_lora(self, lora: &crate::protocol::LoraScales, n_adapters: usize) -> Self {
         if lora.is_base() {
             return self;
         }
@@ -416,12 +416,12 @@ mod tests {
     }
 
     fn identity() -> ModelIdentity {
-        model_identity(&ModelInfo::placeholder(64))
+        model_identity(&crate::backend::fake::model_info(64))
     }
 
     #[test]
     fn lora_scales_are_part_of_the_identity() {
-        use crate::engine::LoraScales;
+        use crate::protocol::LoraScales;
         let base = identity();
         let off = identity().with_lora(&LoraScales::new(vec![0.0, 0.0]), 2);
         assert_eq!(
@@ -524,14 +524,14 @@ mod tests {
 
     #[test]
     fn the_identity_follows_the_metadata_and_the_weights_not_the_name() {
-        let base = ModelInfo::placeholder(64);
-        let mut renamed = ModelInfo::placeholder(64);
+        let base = crate::backend::fake::model_info(64);
+        let mut renamed = crate::backend::fake::model_info(64);
         renamed.path = "elsewhere/renamed.gguf".into();
         assert_eq!(
             model_identity(&base).fingerprint,
             model_identity(&renamed).fingerprint
         );
-        let mut tuned = ModelInfo::placeholder(64);
+        let mut tuned = crate::backend::fake::model_info(64);
         tuned.metadata = vec![("general.name".into(), "a fine-tune".into())];
         assert_ne!(
             model_identity(&base).fingerprint,
@@ -544,7 +544,10 @@ mod tests {
         );
         std::fs::write(&a, [1u8; 100]).unwrap();
         std::fs::write(&b, [2u8; 100]).unwrap();
-        let (mut one, mut two) = (ModelInfo::placeholder(64), ModelInfo::placeholder(64));
+        let (mut one, mut two) = (
+            crate::backend::fake::model_info(64),
+            crate::backend::fake::model_info(64),
+        );
         one.path = a.clone();
         two.path = b.clone();
         assert_ne!(
@@ -557,7 +560,7 @@ mod tests {
 
     #[test]
     fn the_size_cap_allows_a_full_slot() {
-        let info = ModelInfo::placeholder(64);
+        let info = crate::backend::fake::model_info(64);
         // The fake's state: 4 bytes a token.
         let full = file(&vec![1; 64], &vec![0; 64 * 4]);
         assert!((full.len() as u64) < max_file_bytes(&info));

@@ -15,11 +15,12 @@ use axum::Json;
 use serde_json::json;
 use tokio::sync::Semaphore;
 
-use super::common::{model_info, parse_json};
-use super::error::ApiError;
-use super::slot_file::{self, ModelIdentity, SlotFileError};
-use super::{validate, AppState};
-use crate::engine::{SlotAction, SlotCommand, SlotOutcome, Token};
+use crate::http::error::ApiError;
+use crate::http::AppState;
+use crate::ops::slot_file::{self, ModelIdentity, SlotFileError};
+use crate::protocol::{SlotAction, SlotCommand, SlotOutcome, Token};
+use crate::requests::common::{model_info, parse_json};
+use crate::requests::validate;
 
 /// One slot file operation at a time (a state can take hundreds of megabytes).
 static SLOT_FILES: Semaphore = Semaphore::const_new(1);
@@ -410,7 +411,7 @@ mod tests {
     fn a_save_replaces_the_file_whole_and_leaves_no_temporary() {
         let dir = std::env::temp_dir().join(format!("llamarunner-slots-{}", std::process::id()));
         let dir = prepare_dir(&dir).unwrap();
-        let id = slot_file::model_identity(&crate::engine::ModelInfo::placeholder(64));
+        let id = slot_file::model_identity(&crate::backend::fake::model_info(64));
         let path = dir.join("a.bin");
         let n = write_file(&path, &id, &[1, 2], b"one").unwrap();
         let n2 = write_file(&path, &id, &[1, 2, 3], b"two").unwrap();

@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 
-use super::model::Health;
-use super::observer::{EngineObserver, NoObserver};
-use super::protocol::{EmbedRequest, Message, Request, SlotCommand};
+use crate::protocol::model::Health;
+use crate::protocol::observer::{EngineObserver, NoObserver};
+use crate::protocol::{EmbedRequest, Message, Request, SlotCommand};
 
 /// Why a request could not be queued.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -5,6 +5,7 @@
 //! decodes one set per batch and keys cached prefixes by it (`sched/lora.rs`).
 
 use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 
 /// Largest scale magnitude accepted (on the command line, per request and by
 /// `POST /lora-adapters`). Adapters are trained for about 1; far larger scales only push the
@@ -125,6 +126,57 @@ impl LoraScales {
     /// The scales of `n` adapters, zeros included.
     pub fn to_vec(&self, n: usize) -> Vec<f32> {
         (0..n).map(|i| self.get(i)).collect()
+    }
+}
+
+/// The adapters this server loaded (`--lora`), by id, and their current default scales.
+#[derive(Debug, Default)]
+pub struct LoraTable {
+    /// Each adapter's file name (not its directories: a client learns nothing of the file
+    /// system), by id.
+    pub(crate) names: Vec<String>,
+    /// The scales of requests that name none.
+    pub(crate) defaults: RwLock<Vec<f32>>,
+}
+
+impl LoraTable {
+    /// The table for these `--lora` specs.
+    pub fn new(specs: &[LoraSpec]) -> Arc<Self> {
+        let names = specs
+            .iter()
+            .map(|s| {
+                s.path.file_name().map_or_else(
+                    || s.path.display().to_string(),
+                    |f| f.to_string_lossy().into_owned(),
+                )
+            })
+            .collect();
+        Arc::new(Self {
+            names,
+            defaults: RwLock::new(specs.iter().map(|s| s.scale).collect()),
+        })
+    }
+
+    /// How many adapters are loaded.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// The scales of requests that name none.
+    pub fn defaults(&self) -> LoraScales {
+        LoraScales::new(self.default_scales())
+    }
+
+    /// The current default scales, by adapter id.
+    pub fn default_scales(&self) -> Vec<f32> {
+        self.defaults
+            .read()
+            .map_or_else(|e| e.into_inner().clone(), |d| d.clone())
     }
 }
 

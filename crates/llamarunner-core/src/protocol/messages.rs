@@ -3,8 +3,8 @@
 
 use std::time::Instant;
 
-use super::backend::Token;
-use crate::sched::params::SamplingParams;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::Token;
 
 /// A token with its log-probability (log-softmax of the raw logits).
 #[derive(Clone, Debug, PartialEq)]
@@ -173,7 +173,7 @@ pub struct Request {
     pub deadline: Option<Instant>,
     /// The images whose positions the prompt's tokens hold (`vision::image_token`), each
     /// once, in any order; empty for a text prompt.
-    pub images: Vec<super::vision::PromptImage>,
+    pub images: Vec<crate::protocol::vision::PromptImage>,
 }
 
 /// An embedding request as the engine receives it.
@@ -228,7 +228,7 @@ pub enum SlotOutcome {
         /// llama.cpp's state of its sequence.
         state: Vec<u8>,
         /// The LoRA scale set the cache was computed under.
-        lora: crate::engine::LoraScales,
+        lora: crate::protocol::LoraScales,
     },
     /// This many tokens are now cached in the slot.
     Restored(usize),

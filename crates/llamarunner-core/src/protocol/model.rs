@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::backend::{BackendError, Token};
 use crate::chat::ChatTemplate;
+use crate::protocol::{BackendError, Token};
 
 /// What the HTTP side may do with the loaded model off the engine thread (llama.cpp's
 /// vocabulary is read-only once loaded, so these are safe from any thread): tokenize, and
@@ -156,37 +156,6 @@ pub struct ModelInfo {
     pub constraints: Arc<crate::constrain::Compiler>,
     /// Tokenizes prompts with images off the engine thread; None without `--mmproj`.
     pub vision: Option<Arc<dyn super::VisionModel>>,
-}
-
-impl ModelInfo {
-    /// A description for a model without a file (the fake backend), with a ChatML template and
-    /// the fake's byte tokenizer.
-    pub fn placeholder(slot_ctx: usize) -> Self {
-        let template = crate::chat::builtin("chatml")
-            .and_then(|t| ChatTemplate::new("chatml", t, "", "").ok())
-            .expect("the built-in ChatML template compiles");
-        Self {
-            path: "fake.gguf".into(),
-            file_size: 0,
-            modified: None,
-            architecture: "fake".into(),
-            n_params: 0,
-            n_ctx_train: u32::try_from(slot_ctx).unwrap_or(u32::MAX),
-            n_embd: 8,
-            n_layer: 1,
-            n_vocab: 258,
-            slot_ctx,
-            quantization: "F32".into(),
-            metadata: Vec::new(),
-            template: Arc::new(template),
-            bos: Some(super::fake::BOS),
-            eos: Some(super::fake::EOS),
-            system_info: "fake backend".into(),
-            text: Arc::new(super::fake::FakeText),
-            constraints: compiler_for(&(Arc::new(super::fake::FakeText) as Arc<dyn TextModel>)),
-            vision: None,
-        }
-    }
 }
 
 /// The three load states.

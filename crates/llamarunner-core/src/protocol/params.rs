@@ -55,12 +55,12 @@ pub struct SamplingParams {
     /// Truncate a prompt that does not fit the slot (top-level `truncate`); false rejects it.
     pub truncate: bool,
     /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`).
-    pub logit_bias: Vec<(crate::engine::Token, f32)>,
+    pub logit_bias: Vec<(crate::protocol::Token, f32)>,
     /// Report each sampled token's log-probability and this many alternatives (None = off).
     pub logprobs: Option<usize>,
     /// LoRA adapter scales (None: the server's defaults, which the HTTP side fills in before
     /// the queue; the engine reads None as the base model).
-    pub lora: Option<crate::engine::LoraScales>,
+    pub lora: Option<crate::protocol::LoraScales>,
     /// Draft tokens by prompt lookup (the request's top-level `speculative`); None: the
     /// server's default, on for greedy requests when `--draft-max` is above 0.
     pub speculative: Option<bool>,

@@ -14,8 +14,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::backend::{BackendError, Token};
-use super::model::TextModel;
+use crate::protocol::Token;
 
 /// One decoded image, ready for the projector (made by `server/images.rs`).
 #[derive(Clone, PartialEq, Eq)]
@@ -145,76 +144,8 @@ pub trait VisionModel: Send + Sync + std::fmt::Debug {
     ) -> Result<(Vec<Token>, Vec<PromptImage>), VisionError>;
 }
 
-/// The fake backend's projector: each image takes `positions` positions; its text is tokenized
-/// by `FakeText`.
-#[derive(Clone, Copy, Debug)]
-pub struct FakeVision {
-    /// Positions per image.
-    pub positions: usize,
-    /// Most positions one image may take (the batch size).
-    pub max_positions: usize,
-}
-
-/// The fake projector's chunk: nothing to encode (the fake's KV holds the synthetic ids).
-#[derive(Debug)]
-struct FakeChunk;
-
-impl ImageChunk for FakeChunk {
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 /// The marker llama.cpp's mtmd uses by default.
 pub const DEFAULT_MARKER: &str = "<__media__>";
-
-impl VisionModel for FakeVision {
-    fn marker(&self) -> &str {
-        DEFAULT_MARKER
-    }
-
-    fn tokenize(
-        &self,
-        text: &str,
-        images: &[ImageInput],
-    ) -> Result<(Vec<Token>, Vec<PromptImage>), VisionError> {
-        let parts: Vec<&str> = text.split(DEFAULT_MARKER).collect();
-        if parts.len() != images.len() + 1 {
-            return Err(VisionError::InvalidImage(format!(
-                "the prompt marks {} images but {} were given",
-                parts.len() - 1,
-                images.len()
-            )));
-        }
-        if self.positions > self.max_positions {
-            return Err(VisionError::InvalidImage(format!(
-                "an image takes {} positions, one decode holds {} (raise --batch-size)",
-                self.positions, self.max_positions
-            )));
-        }
-        let mut tokens = Vec::new();
-        let mut out: Vec<PromptImage> = Vec::new();
-        for (i, part) in parts.iter().enumerate() {
-            tokens.extend(
-                super::fake::FakeText
-                    .tokenize_with(part, i == 0)
-                    .map_err(|e: BackendError| VisionError::InvalidPrompt(e.to_string()))?,
-            );
-            if let Some(image) = images.get(i) {
-                let image = PromptImage {
-                    key: image.key(),
-                    n_tokens: self.positions,
-                    chunk: Arc::new(FakeChunk),
-                };
-                tokens.extend(image.tokens());
-                if !out.iter().any(|o| o.key == image.key) {
-                    out.push(image);
-                }
-            }
-        }
-        Ok((tokens, out))
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -238,32 +169,5 @@ mod tests {
         let a: Vec<Token> = (0..64).map(|i| image_token(1, i)).collect();
         let b: Vec<Token> = (0..64).map(|i| image_token(2, i)).collect();
         assert!(a.iter().zip(&b).all(|(x, y)| x != y));
-    }
-
-    #[test]
-    fn the_fake_projector_places_images_at_their_markers() {
-        let vision = FakeVision {
-            positions: 4,
-            max_positions: 32,
-        };
-        let image = |b: u8| ImageInput {
-            width: 1,
-            height: 1,
-            rgb: Arc::from(vec![b; 3]),
-            hash: [b; 32],
-        };
-        let (tokens, images) = vision
-            .tokenize("a<__media__>b<__media__>", &[image(1), image(1)])
-            .unwrap();
-        assert_eq!(images.len(), 1, "the same image twice is one image");
-        assert_eq!(tokens.len(), 1 + 1 + 4 + 1 + 4);
-        assert!(is_image_start(tokens[2]) && is_image_start(tokens[7]));
-        assert_eq!(tokens[2..6], tokens[7..11]);
-        assert!(vision.tokenize("a<__media__>", &[]).is_err());
-        let too_big = FakeVision {
-            positions: 40,
-            max_positions: 32,
-        };
-        assert!(too_big.tokenize("<__media__>", &[image(1)]).is_err());
     }
 }

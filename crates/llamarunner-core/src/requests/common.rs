@@ -10,16 +10,17 @@ use futures_util::Stream;
 use serde_json::Value;
 use tokio::sync::mpsc::Receiver;
 
-use super::access::{self, Record};
-use super::error::ApiError;
-use super::image_prompt::{self, ImageSource, Prompt};
-use super::{validate, AppState};
 use crate::chat::{ChatMessage, RenderExtras};
-use crate::engine::{
+use crate::http::access::{self, Record};
+use crate::http::error::ApiError;
+use crate::http::AppState;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{
     Completion, EmbedRequest, Embedding, Event, Input, LoadState, ModelInfo, Request, TokenLogprob,
     EVENT_CHANNEL_CAPACITY,
 };
-use crate::sched::params::SamplingParams;
+use crate::requests::image_prompt::{self, ImageSource, Prompt};
+use crate::requests::validate;
 
 /// Parses a JSON body, naming the offending field in the error.
 pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -137,10 +138,10 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
                     let list = image_prompt::strings(&format!("messages[{i}].images"), list)?;
                     // Counted before they are placed (the request's total is checked again
                     // with the projector's presence once all messages are read).
-                    if images.len() + list.len() > super::images::MAX_IMAGES_PER_REQUEST {
+                    if images.len() + list.len() > crate::requests::images::MAX_IMAGES_PER_REQUEST {
                         return Err(ApiError::InvalidImage(format!(
                             "at most {} images per request",
-                            super::images::MAX_IMAGES_PER_REQUEST
+                            crate::requests::images::MAX_IMAGES_PER_REQUEST
                         )));
                     }
                     let (placed, order) = image_prompt::ollama_place(&content, list.len());
@@ -192,7 +193,7 @@ fn text_of_parts(
                         "messages[{i}].content: an image_url part needs image_url.url"
                     ))
                 })?;
-                text.push_str(crate::engine::vision::DEFAULT_MARKER);
+                text.push_str(crate::protocol::vision::DEFAULT_MARKER);
                 images.push(ImageSource::Url(url.to_string()));
             }
             Some("input_image" | "image") => {

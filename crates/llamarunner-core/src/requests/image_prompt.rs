@@ -17,11 +17,11 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::error::ApiError;
-use super::images::{self, MAX_IMAGES_PER_REQUEST};
-use super::validate;
-use crate::engine::vision::DEFAULT_MARKER;
-use crate::engine::{ImageInput, ModelInfo};
+use crate::http::error::ApiError;
+use crate::protocol::vision::DEFAULT_MARKER;
+use crate::protocol::{ImageInput, ModelInfo};
+use crate::requests::images::{self, MAX_IMAGES_PER_REQUEST};
+use crate::requests::validate;
 
 /// An image as a request gives it, not decoded yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,12 +79,7 @@ pub fn check_images(info: &ModelInfo, count: usize) -> Result<(), ApiError> {
 /// tokenized; this keeps a request's decoded images inside a bound whatever their count.
 pub const MAX_PIXELS_PER_REQUEST: u64 = 4 * images::MAX_IMAGE_PIXELS;
 
-/// Images the server holds at once between a request's arrival and its admission into a slot
-/// (decoded pixels, then the projector's preprocessed input, which is float and can be larger):
-/// with the per-request pixel bound, this bounds what clients sending images in parallel can
-/// make the server hold. A request that would pass it is refused with a 429 (`overloaded`),
-/// as a full queue is.
-pub const IMAGES_IN_FLIGHT: usize = 32;
+pub use crate::http::IMAGES_IN_FLIGHT;
 
 /// Decodes a prompt's images on the blocking pool (after `check_images`), one after another,
 /// stopping at the first bad one or once they pass `MAX_PIXELS_PER_REQUEST` together.
@@ -278,10 +273,10 @@ pub fn strings(field: &str, values: Vec<Value>) -> Result<Vec<String>, ApiError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::vision::FakeVision;
+    use crate::backend::fake::FakeVision;
 
     fn vision_info() -> ModelInfo {
-        let mut info = ModelInfo::placeholder(64);
+        let mut info = crate::backend::fake::model_info(64);
         info.vision = Some(Arc::new(FakeVision {
             positions: 4,
             max_positions: 32,
@@ -367,7 +362,7 @@ mod tests {
 
     #[test]
     fn without_a_projector_images_are_refused_and_tags_are_text() {
-        let info = ModelInfo::placeholder(64);
+        let info = crate::backend::fake::model_info(64);
         let p = native_prompt(&info, "[img-0]".into(), None).unwrap();
         assert_eq!(p.text, "[img-0]");
         let r = kind(native_prompt(

@@ -75,7 +75,7 @@ const BASE64: GeneralPurpose = GeneralPurpose::new(
 
 /// One decoded image, ready for the projector: the engine's type (`engine/vision.rs`), since
 /// the engine must not depend on `server/`.
-pub use crate::engine::ImageInput;
+pub use crate::protocol::ImageInput;
 
 /// Why an image was refused. Every variant is the client's fault (a 400 `invalid_image`).
 #[derive(Debug, thiserror::Error)]

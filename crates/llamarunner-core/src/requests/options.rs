@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use crate::sched::params::SamplingParams;
+use crate::protocol::params::SamplingParams;
 
 /// The `options` object of native and Ollama requests: Ollama's names and defaults. Unknown
 /// fields (Ollama's load-time options such as `num_ctx`) are ignored.

@@ -6,17 +6,17 @@
 
 use serde_json::Value;
 
-use super::error::ApiError;
-use super::format::check_schema_bounds;
-use super::validate;
-use super::AppState;
 use crate::chat::reasoning::{Piece, ThinkSplitter, THINK_OPEN};
 use crate::chat::tools::{self, Parsed, Tool, ToolCall, ToolFormat};
 use crate::chat::{ChatMessage, RenderExtras};
 use crate::config::ReasoningFormat;
 use crate::constrain::{Compiler, Grammar, GrammarSource};
-use crate::engine::ModelInfo;
-use crate::sched::params::SamplingParams;
+use crate::http::error::ApiError;
+use crate::http::state::AppState;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::ModelInfo;
+use crate::requests::format::check_schema_bounds;
+use crate::requests::validate;
 
 /// Most tools one request may offer.
 pub const MAX_TOOLS: usize = 128;
@@ -311,12 +311,17 @@ pub async fn chat_request(
     params: &mut SamplingParams,
     think: Option<bool>,
 ) -> Result<(String, ChatOutput), ApiError> {
-    let info = super::common::model_info(state)?;
+    let info = crate::requests::common::model_info(state)?;
     let reasoning = reasoning_enabled(state, &info, think);
     let mut prepared = prepare(&info, tools, messages, params, reasoning).await?;
     prepared.extras.enable_thinking = think;
-    let prompt =
-        super::common::chat_prompt_with(state, prepared.messages, params, prepared.extras).await?;
+    let prompt = crate::requests::common::chat_prompt_with(
+        state,
+        prepared.messages,
+        params,
+        prepared.extras,
+    )
+    .await?;
     let output = ChatOutput::new(&prepared.output, &prompt);
     Ok((prompt, output))
 }

@@ -7,15 +7,14 @@
 //! `BLOCKING_TASKS` at a time, so a burst of long prompts cannot occupy every thread.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use super::error::ApiError;
-use crate::engine::vision::VisionError;
-use crate::engine::{ImageInput, ModelInfo, PromptImage, Token};
+use crate::http::error::ApiError;
 use crate::kv;
-use crate::sched::params::{SamplingParams, UNCAPPED_SLOT_CONTEXTS};
+use crate::protocol::params::{SamplingParams, UNCAPPED_SLOT_CONTEXTS};
+use crate::protocol::vision::VisionError;
+use crate::protocol::{ImageInput, ModelInfo, PromptImage, Token};
 
 /// Most stop strings one request may give (template end-of-turn markers included).
 pub const MAX_STOP_STRINGS: usize = 64;
@@ -32,14 +31,7 @@ pub const BLOCKING_TASKS: usize = 4;
 
 static BLOCKING: Semaphore = Semaphore::const_new(BLOCKING_TASKS);
 
-/// Server-wide limits on one request (`--max-tokens`, `--timeout`).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Limits {
-    /// Most tokens one request may generate; 0 = no cap (beyond ten slot contexts).
-    pub max_tokens: u32,
-    /// Wall time a request may take from arrival, queueing included; None = no limit.
-    pub timeout: Option<Duration>,
-}
+pub use crate::http::Limits;
 
 /// A generation request that passed every check: what the engine gets.
 #[derive(Debug)]
@@ -391,7 +383,7 @@ mod tests {
     use super::*;
 
     fn info() -> ModelInfo {
-        ModelInfo::placeholder(64)
+        crate::backend::fake::model_info(64)
     }
 
     fn params() -> SamplingParams {

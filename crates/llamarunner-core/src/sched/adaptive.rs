@@ -25,7 +25,7 @@
 //! probes with one token.
 
 use super::{Phase, Scheduler};
-use crate::engine::Backend;
+use crate::backend::Backend;
 
 /// Widths (positions with logits) whose decode time the load-time measurement may give.
 pub const MEASURED_WIDTHS: usize = 17;
@@ -537,7 +537,7 @@ impl<B: Backend> Scheduler<B> {
             // that no context shift can happen before the last drafted position is sampled).
             let room = ctx.saturating_sub(slot.cached.len() + 1);
             let limit = match seq.params.num_predict {
-                p if p < 0 => super::params::UNCAPPED_SLOT_CONTEXTS * ctx,
+                p if p < 0 => crate::protocol::params::UNCAPPED_SLOT_CONTEXTS * ctx,
                 p => usize::try_from(p).unwrap_or(usize::MAX),
             };
             // The next token's logits give one more token; each accepted draft one more.

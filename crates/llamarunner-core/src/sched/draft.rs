@@ -17,7 +17,8 @@
 //! and the draft caches of the sequences in it are cleared (one warning per server).
 
 use super::Scheduler;
-use crate::engine::{Backend, BatchToken, Token};
+use crate::backend::{Backend, BatchToken};
+use crate::protocol::Token;
 
 /// A drafted token whose probability (among the draft model's ten likeliest) is below this
 /// ends the draft (llama.cpp's `p_min`; llama-server's default is 0 now, 0.75 in earlier

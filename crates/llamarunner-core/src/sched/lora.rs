@@ -9,7 +9,7 @@
 //! so each stream runs about k times slower than with one set, and a change of set between two
 //! decodes makes llama.cpp rebuild its compute graph.
 
-use crate::engine::LoraScales;
+use crate::protocol::LoraScales;
 
 /// The set to decode this step: the first of `ready` (the sets of sequences that have tokens
 /// to decode, in slot order, repeats allowed) after `last`, cycling; `None` when nothing is
@@ -33,10 +33,10 @@ pub(super) fn next_turn<'a>(
 /// What of a slot's cache a prompt of set `lora` may reuse: all of it when it was computed
 /// under that set, nothing otherwise.
 pub(super) fn reusable<'a>(
-    cached: &'a [crate::engine::Token],
+    cached: &'a [crate::protocol::Token],
     cached_under: &LoraScales,
     lora: &LoraScales,
-) -> &'a [crate::engine::Token] {
+) -> &'a [crate::protocol::Token] {
     if cached_under == lora {
         cached
     } else {

@@ -9,7 +9,6 @@
 pub mod adaptive;
 mod draft;
 mod lora;
-pub mod params;
 pub mod speculative;
 pub mod text;
 
@@ -20,15 +19,17 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
-use crate::engine::vision::{is_image_continuation, is_image_start, is_image_token};
-use crate::engine::{
-    Backend, BackendError, BatchToken, Completion, DoneReason, EmbedRequest, Embedding,
-    EngineError, EngineErrorKind, EngineInbox, Event, Input, LoraScales, Message, PromptImage,
-    Request, SlotAction, SlotActivity, SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
-};
+use crate::backend::{Backend, BatchToken};
 use crate::kv;
+use crate::protocol::nanos;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::vision::{is_image_continuation, is_image_start, is_image_token};
+use crate::protocol::{
+    BackendError, Completion, DoneReason, EmbedRequest, Embedding, EngineError, EngineErrorKind,
+    EngineInbox, Event, Input, LoraScales, Message, PromptImage, Request, SlotAction, SlotActivity,
+    SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
+};
 use adaptive::CostModel;
-use params::SamplingParams;
 use speculative::{SpecConfig, SpecState};
 use text::TextStream;
 
@@ -258,11 +259,9 @@ impl<B: Backend> Scheduler<B> {
         let total = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
         if self.inbox.health.model_info().is_none() {
             // A backend without a model file (the fake) still gets a description.
-            self.inbox
-                .health
-                .set_model_info(crate::engine::ModelInfo::placeholder(
-                    self.backend.slot_ctx(),
-                ));
+            if let Some(info) = self.backend.describe() {
+                self.inbox.health.set_model_info(info);
+            }
         }
         // The table is there from the first moment the server says ready.
         self.publish_slots();
@@ -285,7 +284,7 @@ impl<B: Backend> Scheduler<B> {
         let table = self
             .slots
             .iter()
-            .map(|s| crate::engine::SlotInfo {
+            .map(|s| crate::protocol::SlotInfo {
                 id: s.id,
                 busy: s.seq.is_some(),
                 cached_tokens: s.cached.len(),
@@ -1118,7 +1117,7 @@ impl<B: Backend> Scheduler<B> {
         // -1 means "until done", bounded (as Ollama's server does) at ten slot contexts so a
         // model stuck in a loop with context shift cannot run forever.
         let limit = match seq.params.num_predict {
-            n if n < 0 => params::UNCAPPED_SLOT_CONTEXTS * ctx,
+            n if n < 0 => crate::protocol::params::UNCAPPED_SLOT_CONTEXTS * ctx,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
         if seq.n_generated >= limit {
@@ -1331,11 +1330,6 @@ fn too_long(e: kv::TooLong) -> EngineError {
 
 fn pos_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-/// A duration in nanoseconds (saturating), as the wire formats report durations.
-pub(crate) fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

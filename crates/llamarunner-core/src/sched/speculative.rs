@@ -20,7 +20,8 @@ use std::time::Instant;
 
 use super::adaptive::{match_class, Acceptance, StepCost};
 use super::{Phase, Scheduler};
-use crate::engine::{Backend, DoneReason, Token};
+use crate::backend::Backend;
+use crate::protocol::{DoneReason, Token};
 
 /// The server's speculation settings (`--draft-max`, `--draft-min`, `--spec-ngram`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +56,7 @@ impl SpecConfig {
     /// Whether a request with these parameters gets drafts: as it asks (`speculative`), else
     /// for greedy requests only (sampled text repeats its context less, and its drafts are
     /// accepted less often).
-    pub fn enabled_for(&self, params: &super::params::SamplingParams) -> bool {
+    pub fn enabled_for(&self, params: &crate::protocol::params::SamplingParams) -> bool {
         self.draft_max > 0 && params.speculative.unwrap_or_else(|| params.greedy())
     }
 }

@@ -6,12 +6,13 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::Receiver;
 
-use super::params::SamplingParams;
 use super::Scheduler;
-use crate::engine::fake::{FakeBackend, FakeConfig, BOS};
-use crate::engine::{
-    BatchToken, Completion, DoneReason, EngineErrorKind, EngineHandle, EngineObserver, Event,
-    LoraScales, NoObserver, Request, Token,
+use crate::backend::fake::{FakeBackend, FakeConfig, BOS};
+use crate::backend::BatchToken;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{
+    Completion, DoneReason, EngineErrorKind, EngineHandle, EngineObserver, Event, LoraScales,
+    NoObserver, Request, Token,
 };
 
 struct Harness {
@@ -86,8 +87,8 @@ impl Harness {
         prompt: &str,
         params: SamplingParams,
         deadline: Option<Instant>,
-    ) -> Result<Receiver<Event>, crate::engine::SubmitError> {
-        let (tx, rx) = tokio::sync::mpsc::channel(crate::engine::EVENT_CHANNEL_CAPACITY);
+    ) -> Result<Receiver<Event>, crate::protocol::SubmitError> {
+        let (tx, rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
         self.handle.submit(Request {
             id: format!("test-{prompt}"),
             prompt: prompt.into(),
@@ -102,7 +103,7 @@ impl Harness {
     }
 
     /// Waits until the slot table shows every slot free; returns it.
-    fn settled(&self) -> Vec<crate::engine::SlotInfo> {
+    fn settled(&self) -> Vec<crate::protocol::SlotInfo> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let table = self.handle.health.slot_table();
@@ -635,10 +636,10 @@ fn embed(
     h: &Harness,
     content: &str,
     truncate: bool,
-) -> Result<crate::engine::Embedding, crate::engine::EngineError> {
+) -> Result<crate::protocol::Embedding, crate::protocol::EngineError> {
     let (reply, rx) = tokio::sync::oneshot::channel();
     h.handle
-        .submit_embed(crate::engine::EmbedRequest {
+        .submit_embed(crate::protocol::EmbedRequest {
             content: content.into(),
             truncate,
             reply,
@@ -796,7 +797,7 @@ fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
 }
 
 /// Reads a sequence to its end, keeping each text chunk with its log-probability entries.
-fn collect_logprobs(rx: &mut Receiver<Event>) -> Vec<(String, Vec<crate::engine::TokenLogprob>)> {
+fn collect_logprobs(rx: &mut Receiver<Event>) -> Vec<(String, Vec<crate::protocol::TokenLogprob>)> {
     let mut chunks = Vec::new();
     assert_eq!(rx.blocking_recv(), Some(Event::Started));
     loop {
@@ -876,7 +877,7 @@ fn cancelled_queued_requests_give_their_places_back_at_once() {
     let b = h.submit("b", greedy(1));
     assert_eq!(
         h.try_submit("c", greedy(1), None).unwrap_err(),
-        crate::engine::SubmitError::QueueFull
+        crate::protocol::SubmitError::QueueFull
     );
     drop((a, b));
     // The engine drains the queue every step: both places come back while the slot is busy.
@@ -1091,7 +1092,7 @@ fn a_client_that_does_not_read_pauses_its_sequence_instead_of_growing_buffers() 
         last = now;
         assert!(Instant::now() < deadline, "the sequence never paused");
     }
-    let bound = crate::engine::EVENT_CHANNEL_CAPACITY + super::OUTBOX_CAP_BYTES + 8;
+    let bound = crate::protocol::EVENT_CHANNEL_CAPACITY + super::OUTBOX_CAP_BYTES + 8;
     assert!(
         last < bound,
         "{last} decode steps for an unread stream (bound {bound})"
@@ -1314,11 +1315,11 @@ impl Harness {
     fn slot(
         &self,
         slot: usize,
-        action: crate::engine::SlotAction,
-    ) -> Result<crate::engine::SlotOutcome, crate::engine::EngineError> {
+        action: crate::protocol::SlotAction,
+    ) -> Result<crate::protocol::SlotOutcome, crate::protocol::EngineError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         self.handle
-            .submit_slot(crate::engine::SlotCommand {
+            .submit_slot(crate::protocol::SlotCommand {
                 slot,
                 action,
                 reply,
@@ -1328,7 +1329,7 @@ impl Harness {
     }
 
     /// The slot table once every slot is free, and the entry of slot `id`.
-    fn settled_slot(&self, id: i32) -> crate::engine::SlotInfo {
+    fn settled_slot(&self, id: i32) -> crate::protocol::SlotInfo {
         self.settled()
             .into_iter()
             .find(|s| s.id == id)
@@ -1336,7 +1337,7 @@ impl Harness {
     }
 }
 
-use crate::engine::{SlotAction, SlotOutcome, SlotPhase};
+use crate::protocol::{SlotAction, SlotOutcome, SlotPhase};
 
 /// Saves slot `slot` and returns its tokens and state.
 fn save(h: &Harness, slot: usize) -> (Vec<Token>, Vec<u8>) {
@@ -1507,7 +1508,7 @@ fn the_slot_table_shows_what_each_request_is_doing() {
         2,
     );
     let idle = h.settled_slot(1);
-    assert_eq!(idle.activity, crate::engine::SlotActivity::default());
+    assert_eq!(idle.activity, crate::protocol::SlotActivity::default());
     let mut rx = h.submit("watch this", greedy(100_000));
     assert_eq!(rx.blocking_recv(), Some(Event::Started));
     let mut received = 0;

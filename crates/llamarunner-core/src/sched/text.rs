@@ -1,33 +1,7 @@
 //! Turns token bytes into the text a client may see: whole UTF-8 characters only, stop strings
 //! cut out, and text that could still become a stop string held back until it cannot.
 
-/// Appends the complete UTF-8 characters at the start of `bytes` to `out`, each invalid
-/// sequence as one U+FFFD; returns how many bytes it used (an incomplete character at the end
-/// is left for more bytes to complete).
-pub fn decode_utf8(bytes: &[u8], out: &mut String) -> usize {
-    let mut rest = bytes;
-    let mut used = 0;
-    loop {
-        match std::str::from_utf8(rest) {
-            Ok(s) => {
-                out.push_str(s);
-                return used + rest.len();
-            }
-            Err(e) => {
-                let valid = e.valid_up_to();
-                out.push_str(std::str::from_utf8(&rest[..valid]).unwrap_or_default());
-                match e.error_len() {
-                    Some(bad) => {
-                        out.push(char::REPLACEMENT_CHARACTER);
-                        used += valid + bad;
-                        rest = &rest[valid + bad..];
-                    }
-                    None => return used + valid,
-                }
-            }
-        }
-    }
-}
+use crate::chat::utf8::decode_utf8;
 
 /// Per-sequence output text state.
 #[derive(Debug, Default)]

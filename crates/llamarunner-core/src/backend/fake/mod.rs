@@ -10,14 +10,19 @@
 //! every cached position was decoded under. A sequence decoded in a batch of another set, or
 //! reusing a prefix cached under another set, answers differently than it does alone.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::vision::is_image_continuation;
-use super::{
-    Backend, BackendError, BatchToken, LoraScales, TextModel, Token, TokenLogprob, TopLogprob,
+use crate::backend::{Backend, BatchToken};
+use crate::protocol::params::SamplingParams;
+use crate::protocol::vision::{
+    is_image_continuation, ImageChunk, ImageInput, PromptImage, VisionError, VisionModel,
+    DEFAULT_MARKER,
 };
-use crate::sched::params::SamplingParams;
+use crate::protocol::{
+    BackendError, LoraScales, ModelInfo, TextModel, Token, TokenLogprob, TopLogprob,
+};
 
 /// End of sequence.
 pub const EOS: Token = 256;
@@ -323,7 +328,7 @@ impl Backend for FakeBackend {
         &mut self,
         seq: i32,
         pos: usize,
-        image: &super::PromptImage,
+        image: &crate::protocol::PromptImage,
         logits: bool,
     ) -> Result<(), BackendError> {
         self.decodes += 1;
@@ -557,6 +562,10 @@ impl Backend for FakeBackend {
         true
     }
 
+    fn describe(&self) -> Option<ModelInfo> {
+        Some(model_info(self.slot_ctx()))
+    }
+
     fn bos(&self) -> Option<Token> {
         Some(BOS)
     }
@@ -603,4 +612,135 @@ fn window_intact(window: Option<usize>, len: usize, cut: usize) -> bool {
         return true;
     };
     cut == 0 || len.saturating_sub(2 * w) <= cut.saturating_sub(w)
+}
+/// A description of the fake model (it has no file), with a ChatML template and the fake's
+/// byte tokenizer: what `FakeBackend::describe` publishes.
+pub fn model_info(slot_ctx: usize) -> ModelInfo {
+    let template = crate::chat::builtin("chatml")
+        .and_then(|t| crate::chat::ChatTemplate::new("chatml", t, "", "").ok())
+        .expect("the built-in ChatML template compiles");
+    ModelInfo {
+        path: "fake.gguf".into(),
+        file_size: 0,
+        modified: None,
+        architecture: "fake".into(),
+        n_params: 0,
+        n_ctx_train: u32::try_from(slot_ctx).unwrap_or(u32::MAX),
+        n_embd: 8,
+        n_layer: 1,
+        n_vocab: 258,
+        slot_ctx,
+        quantization: "F32".into(),
+        metadata: Vec::new(),
+        template: Arc::new(template),
+        bos: Some(BOS),
+        eos: Some(EOS),
+        system_info: "fake backend".into(),
+        text: Arc::new(FakeText),
+        constraints: crate::protocol::model::compiler_for(
+            &(Arc::new(FakeText) as Arc<dyn TextModel>),
+        ),
+        vision: None,
+    }
+}
+
+/// The fake backend's projector: each image takes `positions` positions; its text is tokenized
+/// by `FakeText`.
+#[derive(Clone, Copy, Debug)]
+pub struct FakeVision {
+    /// Positions per image.
+    pub positions: usize,
+    /// Most positions one image may take (the batch size).
+    pub max_positions: usize,
+}
+
+/// The fake projector's chunk: nothing to encode (the fake's KV holds the synthetic ids).
+#[derive(Debug)]
+struct FakeChunk;
+
+impl ImageChunk for FakeChunk {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl VisionModel for FakeVision {
+    fn marker(&self) -> &str {
+        DEFAULT_MARKER
+    }
+
+    fn tokenize(
+        &self,
+        text: &str,
+        images: &[ImageInput],
+    ) -> Result<(Vec<Token>, Vec<PromptImage>), VisionError> {
+        let parts: Vec<&str> = text.split(DEFAULT_MARKER).collect();
+        if parts.len() != images.len() + 1 {
+            return Err(VisionError::InvalidImage(format!(
+                "the prompt marks {} images but {} were given",
+                parts.len() - 1,
+                images.len()
+            )));
+        }
+        if self.positions > self.max_positions {
+            return Err(VisionError::InvalidImage(format!(
+                "an image takes {} positions, one decode holds {} (raise --batch-size)",
+                self.positions, self.max_positions
+            )));
+        }
+        let mut tokens = Vec::new();
+        let mut out: Vec<PromptImage> = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            tokens.extend(
+                FakeText
+                    .tokenize_with(part, i == 0)
+                    .map_err(|e: BackendError| VisionError::InvalidPrompt(e.to_string()))?,
+            );
+            if let Some(image) = images.get(i) {
+                let image = PromptImage {
+                    key: image.key(),
+                    n_tokens: self.positions,
+                    chunk: Arc::new(FakeChunk),
+                };
+                tokens.extend(image.tokens());
+                if !out.iter().any(|o| o.key == image.key) {
+                    out.push(image);
+                }
+            }
+        }
+        Ok((tokens, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::vision::is_image_start;
+
+    #[test]
+    fn the_fake_projector_places_images_at_their_markers() {
+        let vision = FakeVision {
+            positions: 4,
+            max_positions: 32,
+        };
+        let image = |b: u8| ImageInput {
+            width: 1,
+            height: 1,
+            rgb: Arc::from(vec![b; 3]),
+            hash: [b; 32],
+        };
+        let (tokens, images) = vision
+            .tokenize("a<__media__>b<__media__>", &[image(1), image(1)])
+            .unwrap();
+        assert_eq!(images.len(), 1, "the same image twice is one image");
+        assert_eq!(tokens.len(), 1 + 1 + 4 + 1 + 4);
+        assert!(is_image_start(tokens[2]) && is_image_start(tokens[7]));
+        assert_eq!(tokens[2..6], tokens[7..11]);
+        assert!(vision.tokenize("a<__media__>", &[]).is_err());
+        let too_big = FakeVision {
+            positions: 40,
+            max_positions: 32,
+        };
+        assert!(too_big.tokenize("<__media__>", &[image(1)]).is_err());
+    }
 }

@@ -14,8 +14,8 @@ use std::fmt::Debug;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::model::{LlamaLoraAdapter, LlamaModel};
 
-use super::lora::{LoraScales, LoraSpec};
 use super::BackendError;
+use crate::protocol::lora::{LoraScales, LoraSpec};
 
 /// The loaded adapters and the scales applied now.
 pub(super) struct LoraAdapters {
@@ -149,7 +149,7 @@ pub(super) fn context_pointer(
 
 #[cfg(test)]
 mod tests {
-    use super::debug_pointer;
+    use crate::backend::llama::lora::debug_pointer;
 
     #[derive(Debug)]
     struct Probe {

@@ -1,8 +1,14 @@
 //! The llama.cpp backend: the only code that touches `llama-cpp-2`. Everything here lives on the
 //! engine thread (the context, batch and samplers are not `Send`).
 
+#[cfg(feature = "portable")]
+mod cpu_variants;
+mod lora;
+mod mtmd;
+
 use std::num::NonZeroU32;
-use std::sync::OnceLock;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
 
 use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams, LlamaPoolingType};
 use llama_cpp_2::context::session::LlamaStateSeqFlags;
@@ -19,15 +25,13 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::token_type::LlamaTokenAttr;
 use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
 
-use super::{
-    Backend, BackendError, BatchToken, EngineInbox, ModelInfo, TextModel, Token, TokenLogprob,
-    TopLogprob,
-};
+use crate::backend::{Backend, BatchToken};
 use crate::chat::{self, ChatTemplate, Vocabulary};
 use crate::config::{FlashAttn, RunnerConfig};
-use crate::sched::adaptive::{StepCost, MEASURED_WIDTHS};
-use crate::sched::params::SamplingParams;
-use crate::sched::Scheduler;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{
+    BackendError, Health, ModelInfo, TextModel, Token, TokenLogprob, TopLogprob,
+};
 
 /// llama.cpp's backend may be initialized once per process; every runner shares it.
 fn llama_backend() -> Result<&'static LlamaBackend, String> {
@@ -39,24 +43,13 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
             llama_cpp_2::send_logs_to_tracing(LogOptions::default().with_logs_enabled(true));
             #[cfg(feature = "portable")]
             {
-                let cpu = super::cpu_backends::load()?;
+                let cpu = crate::backend::llama::cpu_variants::load()?;
                 tracing::info!(cpu_backend = %cpu, "loaded the CPU backend that fits this processor");
             }
             LlamaBackend::init().map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(Clone::clone)
-}
-
-/// The engine thread's body: load the model, create the context, run the scheduler.
-pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
-    let health = inbox.health.clone();
-    if let Err(message) = load_and_serve(config, inbox) {
-        // The log names the file in full; `/health`, which anyone may read, names only the
-        // file (an absolute path tells a client about the server's file system).
-        tracing::error!(model = %config.model.display(), "{message}");
-        health.set_error(message);
-    }
 }
 
 /// The model file's name without its directories, for messages clients may read.
@@ -67,10 +60,24 @@ fn file_name(path: &std::path::Path) -> String {
     )
 }
 
-fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), String> {
+/// What the engine needs to know of a loaded model beyond the `Backend` itself.
+#[derive(Clone, Copy, Debug)]
+pub struct Loaded {
+    /// A recurrent or hybrid model: its state cannot drop the cells of rejected drafts.
+    pub recurrent: bool,
+}
+
+/// Loads the model in `config` (its progress and then its facts published in `health`; a
+/// load stops early once `stop` is set), creates its context and hands the backend to `serve`
+/// on this thread, which owns it for as long as `serve` runs.
+pub fn load<R>(
+    config: &RunnerConfig,
+    health: &Arc<Health>,
+    stop: Arc<AtomicBool>,
+    serve: impl FnOnce(LlamaEngine<'_>, Loaded) -> R,
+) -> Result<R, String> {
     let backend = llama_backend()?;
-    let progress_health = inbox.health.clone();
-    let stop = inbox.shutdown.clone();
+    let progress_health = health.clone();
     let n_gpu_layers = u32::try_from(config.n_gpu_layers).unwrap_or(u32::MAX);
     let model_params = LlamaModelParams::default()
         .with_n_gpu_layers(n_gpu_layers)
@@ -145,21 +152,22 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
         format!("llama.cpp could not create a context of {n_ctx} tokens: {why}")
     })?;
 
-    let lora = super::lora_llama::LoraAdapters::load(&model, &ctx, &config.lora, |path| {
-        let (adapter, llama_errors) = with_llama_errors(|| model.lora_adapter_init(path));
-        adapter.map_err(|e| {
-            let why = if llama_errors.is_empty() {
-                e.to_string()
-            } else {
-                llama_errors.join("; ")
-            };
-            format!("cannot load LoRA adapter {}: {why}", file_name(path))
-        })
-    })?;
+    let lora =
+        crate::backend::llama::lora::LoraAdapters::load(&model, &ctx, &config.lora, |path| {
+            let (adapter, llama_errors) = with_llama_errors(|| model.lora_adapter_init(path));
+            adapter.map_err(|e| {
+                let why = if llama_errors.is_empty() {
+                    e.to_string()
+                } else {
+                    llama_errors.join("; ")
+                };
+                format!("cannot load LoRA adapter {}: {why}", file_name(path))
+            })
+        })?;
 
     let vision = match &config.mmproj {
         Some(path) => {
-            let projector = super::mtmd_llama::Projector::load(
+            let projector = crate::backend::llama::mtmd::Projector::load(
                 path,
                 &model,
                 &ctx,
@@ -176,7 +184,7 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
                     })
                 },
             )?;
-            let raw_ctx = super::lora_llama::context_pointer(&model, &ctx)?;
+            let raw_ctx = crate::backend::llama::lora::context_pointer(&model, &ctx)?;
             tracing::info!(mmproj = %path.display(), "vision projector loaded");
             Some((std::sync::Arc::new(projector), raw_ctx))
         }
@@ -224,10 +232,10 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
     let mut info = model_info(&model, config, slot_ctx)?;
     info.vision = vision.as_ref().map(|(projector, _)| {
-        std::sync::Arc::new(super::mtmd_llama::LlamaVision(projector.clone()))
-            as std::sync::Arc<dyn super::VisionModel>
+        std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
+            as std::sync::Arc<dyn crate::protocol::VisionModel>
     });
-    inbox.health.set_model_info(info);
+    health.set_model_info(info);
     let model: &LlamaModel = &model;
     let embed_params = EmbedParams {
         threads,
@@ -247,52 +255,18 @@ fn load_and_serve(config: &RunnerConfig, inbox: EngineInbox) -> Result<(), Strin
     .with_vision(vision)
     .with_draft(draft);
     tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
-    // A recurrent or hybrid model's state cannot drop the cells of rejected drafts (llama.cpp
-    // keeps one state per sequence): each rejection would decode the whole slot again.
-    let speculation = if model.is_recurrent() || model.is_hybrid() {
-        if config.speculation().draft_max > 0 {
-            tracing::info!(
-                "speculative decoding is off: a recurrent model cannot roll back drafts"
-            );
-        }
-        crate::sched::speculative::SpecConfig::OFF
-    } else {
-        config.speculation()
-    };
-    let mut engine = engine;
-    let speculation = if speculation.draft_max > 0 {
-        let cost = measure_step_cost(&mut engine, speculation.draft_max);
-        tracing::info!(
-            step_us = ?cost.times(),
-            "measured the decode step's cost by width (how much drafting pays)"
-        );
-        crate::sched::speculative::SpecConfig {
-            cost,
-            measure: true,
-            ..speculation
-        }
-    } else {
-        speculation
-    };
-    Scheduler::new(engine, inbox, parallel as usize)
-        .with_multiuser_cache(config.multiuser_cache)
-        .with_speculation(speculation)
-        .run();
-    Ok(())
+    let recurrent = model.is_recurrent() || model.is_hybrid();
+    Ok(serve(engine, Loaded { recurrent }))
 }
 
-/// Times decode steps of 1, 2, ... `1 + drafts` positions (each with logits, as a drafted step
-/// has; at most `MEASURED_WIDTHS`) in sequence 0, before any request: what a step costs by its
-/// width (`sched/adaptive.rs` decides from it how much to draft). The best of two rounds, after a
-/// step of the widest that warms up the graphs. On a failure, positions count as free (every
-/// draft found is verified, as without the measurement).
-fn measure_step_cost(engine: &mut LlamaEngine<'_>, drafts: usize) -> StepCost {
-    let n = (1 + drafts)
-        .min(MEASURED_WIDTHS)
-        .min(engine.batch_capacity)
-        .min(engine.slot_ctx);
+/// Times decode steps of 1, 2, ... `widths` positions (each with logits, as a drafted step has)
+/// in sequence 0, before any request: what a step costs by its width, in microseconds. The best
+/// of two rounds, after a step of the widest that warms up the graphs. None on a failure, or
+/// when fewer than two widths fit the batch or the slot.
+pub fn step_times(engine: &mut LlamaEngine<'_>, widths: usize) -> Option<Vec<u64>> {
+    let n = widths.min(engine.batch_capacity).min(engine.slot_ctx);
     if n < 2 {
-        return StepCost::FREE;
+        return None;
     }
     let vocab = engine.model.n_vocab().max(1);
     let tokens: Vec<BatchToken> = (0..n)
@@ -310,19 +284,14 @@ fn measure_step_cost(engine: &mut LlamaEngine<'_>, drafts: usize) -> StepCost {
         engine.kv_truncate(0, 0);
         ok.then(|| u64::try_from(spent.as_micros()).unwrap_or(u64::MAX))
     };
-    if time(&tokens).is_none() {
-        return StepCost::FREE;
-    }
+    time(&tokens)?;
     let mut best = vec![u64::MAX; n];
     for _ in 0..2 {
         for (width, b) in best.iter_mut().enumerate() {
-            let Some(t) = time(&tokens[..=width]) else {
-                return StepCost::FREE;
-            };
-            *b = (*b).min(t);
+            *b = (*b).min(time(&tokens[..=width])?);
         }
     }
-    StepCost::from_times(&best)
+    Some(best)
 }
 
 /// The attention window of a model with sliding-window layers (the GGUF key
@@ -387,7 +356,7 @@ fn model_info(
         .meta_val_str("general.file_type")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
-        .map_or("unknown", super::file_type_name)
+        .map_or("unknown", crate::protocol::file_type_name)
         .to_string();
     let text: std::sync::Arc<dyn TextModel> = std::sync::Arc::new(LlamaText(model.clone()));
     Ok(ModelInfo {
@@ -412,7 +381,7 @@ fn model_info(
             .map(|t| t.0),
         eos: Some(model.token_eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
         system_info: system_info(),
-        constraints: super::model::compiler_for(&text),
+        constraints: crate::protocol::model::compiler_for(&text),
         text,
         vision: None,
     })
@@ -642,7 +611,7 @@ fn kv_cache_type(name: &str) -> KvCacheType {
 }
 
 /// One model + context + batch, as a `Backend`.
-struct LlamaEngine<'m> {
+pub struct LlamaEngine<'m> {
     model: &'m LlamaModel,
     ctx: LlamaContext<'m>,
     batch: LlamaBatch<'static>,
@@ -667,13 +636,13 @@ struct LlamaEngine<'m> {
     /// The sum of the per-token embeddings of the input being embedded in pieces.
     embed_sum: Vec<f64>,
     /// The `--lora` adapters on `ctx` (the embedding context has none).
-    lora: super::lora_llama::LoraAdapters,
+    lora: crate::backend::llama::lora::LoraAdapters,
     /// The batch index whose logits an image decode kept (`decode_image` with logits); the
     /// crate does not know of that decode, so they are read through the raw context.
     raw_logits: Option<i32>,
     /// The `--mmproj` projector, with `ctx`'s raw pointer its decodes go through.
     vision: Option<(
-        std::sync::Arc<super::mtmd_llama::Projector>,
+        std::sync::Arc<crate::backend::llama::mtmd::Projector>,
         *mut llama_cpp_sys_2::llama_context,
     )>,
     /// The draft model's context (`--draft-model`).
@@ -842,7 +811,7 @@ impl<'m> LlamaEngine<'m> {
             embed_params,
             embed_ctx: None,
             embed_sum: Vec::new(),
-            lora: super::lora_llama::LoraAdapters::none(),
+            lora: crate::backend::llama::lora::LoraAdapters::none(),
             raw_logits: None,
             vision: None,
             draft: None,
@@ -873,7 +842,7 @@ impl<'m> LlamaEngine<'m> {
     fn with_vision(
         mut self,
         vision: Option<(
-            std::sync::Arc<super::mtmd_llama::Projector>,
+            std::sync::Arc<crate::backend::llama::mtmd::Projector>,
             *mut llama_cpp_sys_2::llama_context,
         )>,
     ) -> Self {
@@ -888,7 +857,7 @@ impl<'m> LlamaEngine<'m> {
     }
 
     /// The same engine with these adapters on its context (loaded for it).
-    fn with_lora(mut self, lora: super::lora_llama::LoraAdapters) -> Self {
+    fn with_lora(mut self, lora: crate::backend::llama::lora::LoraAdapters) -> Self {
         self.lora = lora;
         self
     }
@@ -1111,7 +1080,7 @@ impl Backend for LlamaEngine<'_> {
         Ok(ChainSampler { chain, guide })
     }
 
-    fn set_lora(&mut self, scales: &super::LoraScales) -> Result<(), BackendError> {
+    fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError> {
         self.lora.apply(&self.ctx, scales)
     }
 
@@ -1134,7 +1103,7 @@ impl Backend for LlamaEngine<'_> {
         &mut self,
         seq: i32,
         pos: usize,
-        image: &super::PromptImage,
+        image: &crate::protocol::PromptImage,
         logits: bool,
     ) -> Result<(), BackendError> {
         let (projector, raw_ctx) = self

@@ -28,9 +28,9 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::mtmd::{MtmdContext, MtmdContextParams};
 use llama_cpp_sys_2 as sys;
 
-use super::backend::{BackendError, Token};
-use super::lora_llama::{context_pointer, debug_pointer};
-use super::vision::{ImageChunk, ImageInput, PromptImage, VisionError, VisionModel};
+use crate::backend::llama::lora::{context_pointer, debug_pointer};
+use crate::backend::{BackendError, Token};
+use crate::protocol::vision::{ImageChunk, ImageInput, PromptImage, VisionError, VisionModel};
 
 /// The loaded projector.
 pub(super) struct Projector {

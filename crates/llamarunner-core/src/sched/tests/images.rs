@@ -3,8 +3,9 @@
 //! and its KV bookkeeping asserts that no cut or shift ever falls inside an image.
 
 use super::*;
-use crate::engine::vision::{is_image_token, FakeVision, ImageInput, VisionModel};
-use crate::engine::{Input, PromptImage, SlotAction};
+use crate::backend::fake::FakeVision;
+use crate::protocol::vision::{is_image_token, ImageInput, VisionModel};
+use crate::protocol::{Input, PromptImage, SlotAction};
 
 /// Positions each fake image takes.
 const POSITIONS: usize = 6;
@@ -48,7 +49,7 @@ impl Harness {
         images: Vec<PromptImage>,
         params: SamplingParams,
     ) -> Receiver<Event> {
-        let (tx, rx) = tokio::sync::mpsc::channel(crate::engine::EVENT_CHANNEL_CAPACITY);
+        let (tx, rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
         self.handle
             .submit(Request {
                 id: "test-image".into(),
@@ -70,7 +71,7 @@ impl Harness {
 }
 
 /// The error a request ends with.
-fn error_of(rx: &mut Receiver<Event>) -> crate::engine::EngineError {
+fn error_of(rx: &mut Receiver<Event>) -> crate::protocol::EngineError {
     loop {
         match rx.blocking_recv().expect("an event") {
             Event::Error(e) => return e,

@@ -3,7 +3,7 @@
 //! cached under another set, answers differently than the reference computed here.
 
 use super::*;
-use crate::engine::LoraScales;
+use crate::protocol::LoraScales;
 
 fn set(scales: &[f32]) -> LoraScales {
     LoraScales::new(scales.to_vec())

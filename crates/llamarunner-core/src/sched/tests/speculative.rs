@@ -22,7 +22,7 @@ pub(super) fn speculating(config: FakeConfig, slots: usize, spec: SpecConfig) ->
 
 /// Runs every (prompt, params) at once on `slots` slots; returns each one's text, logprob
 /// entries and final stats, in order.
-pub(super) type Run = (String, Vec<crate::engine::TokenLogprob>, Completion);
+pub(super) type Run = (String, Vec<crate::protocol::TokenLogprob>, Completion);
 
 pub(super) fn run_all(h: &Harness, jobs: &[(String, SamplingParams)]) -> Vec<Run> {
     let mut rxs: Vec<_> = jobs

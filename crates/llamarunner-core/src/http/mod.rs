@@ -1,0 +1,14 @@
+//! HTTP plumbing under every route: the request policy (`middleware.rs`: auth, hosts, origins,
+//! body limits), request ids and the access log (`access.rs`), the Prometheus registry
+//! (`metrics.rs`), the mapping of errors to statuses and dialect shapes (`error.rs`), the 404
+//! and 405 answers (`fallback.rs`) and the state every handler reaches (`state.rs`). It knows no
+//! route: `routes.rs` at the crate root assembles them.
+
+pub mod access;
+pub mod error;
+pub mod fallback;
+pub mod metrics;
+pub mod middleware;
+pub mod state;
+
+pub use state::{AppState, Limits, IMAGES_IN_FLIGHT};

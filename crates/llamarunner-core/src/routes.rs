@@ -1,0 +1,50 @@
+//! The route table: every path and method, to the dialect or operator handler that serves it.
+
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::dialects::{native, ollama, openai};
+use crate::http::fallback::{method_not_allowed, not_found};
+use crate::http::{access, middleware, AppState};
+use crate::ops::{lora, metrics, slots};
+
+/// All routes, behind the request policy's layers (`middleware.rs`), all behind the access
+/// layer (`access.rs`: request ids, outcomes, access lines).
+pub fn router(state: AppState) -> Router {
+    let policy = state.policy.clone();
+    let metrics = state.metrics.clone();
+    let mut routes = Router::new();
+    if metrics.is_some() {
+        routes = routes.route("/metrics", get(metrics::handler));
+    }
+    let routes = routes
+        .route("/completion", post(native::completion))
+        .route("/embedding", post(native::embedding))
+        .route("/health", get(native::health))
+        .route("/slots", get(native::slots))
+        .route("/slots/{id}", post(slots::action))
+        .route("/tokenize", post(native::tokenize))
+        .route("/detokenize", post(native::detokenize))
+        .route("/props", get(native::props))
+        .route("/lora-adapters", get(lora::list).post(lora::set))
+        .route("/apply-template", post(native::apply_template))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*model}", get(openai::model))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/version", get(ollama::version))
+        .route("/", get(ollama::root))
+        // Keep this after the last route: it applies to the routes registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .with_state(state);
+    access::layer(middleware::apply(routes, policy), metrics)
+}

@@ -1,0 +1,418 @@
+//! The crate's layout rules (docs/architecture.md), read from the source: every `crate::...`
+//! path and every use of llama-cpp-2 outside comments and test modules. A failure names the file,
+//! the line and the rule.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// One non-test, non-comment line of a source file.
+struct Line {
+    number: usize,
+    text: String,
+    /// Whether the item on this line is compiled only without llama.cpp (the fake build) or only
+    /// for tests: `#[cfg(test)]` or `#[cfg(not(feature = "llama"))]` just above it.
+    gated: bool,
+}
+
+struct Source {
+    /// The path below `src/`, with `/` separators.
+    path: String,
+    lines: Vec<Line>,
+}
+
+impl Source {
+    /// The top-level module the file belongs to: its folder, or its own name for a file at the
+    /// crate root (`config`, `runner`, ...).
+    fn module(&self) -> &str {
+        let first = self.path.split('/').next().unwrap_or("");
+        first.strip_suffix(".rs").unwrap_or(first)
+    }
+
+    fn is_folder(&self) -> bool {
+        self.path.contains('/')
+    }
+}
+
+fn src_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .map(|e| e.expect("a directory entry").path())
+        .collect();
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// A file's lines that production code compiles: comments dropped, and everything from a
+/// `#[cfg(test)]` module on (test modules sit at the end of their files). Files that are test
+/// modules themselves (`tests.rs`, `tests/...`) hold no production lines.
+fn production_lines(path: &str, text: &str) -> Vec<Line> {
+    if path.ends_with("/tests.rs") || path.contains("/tests/") {
+        return Vec::new();
+    }
+    let mut lines = Vec::new();
+    let mut gate_next = false;
+    let all: Vec<&str> = text.lines().collect();
+    for (i, raw) in all.iter().enumerate() {
+        let trimmed = raw.trim_start();
+        if trimmed.starts_with("#[cfg(test)]")
+            && all
+                .get(i + 1)
+                .is_some_and(|next| next.trim_start().starts_with("mod "))
+        {
+            break;
+        }
+        if trimmed.starts_with("//") {
+            continue;
+        }
+        let code = match trimmed.find("//") {
+            Some(at) => &trimmed[..at],
+            None => trimmed,
+        };
+        let gated = gate_next;
+        gate_next = code.starts_with("#[cfg(test)]")
+            || code.starts_with("#[cfg(not(feature = \"llama\"))]");
+        lines.push(Line {
+            number: i + 1,
+            text: code.to_string(),
+            gated,
+        });
+    }
+    lines
+}
+
+fn sources() -> Vec<Source> {
+    let root = src_dir();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    assert!(
+        files.len() > 20,
+        "found only {} files in {}",
+        files.len(),
+        root.display()
+    );
+    files
+        .into_iter()
+        .map(|file| {
+            let path = file
+                .strip_prefix(&root)
+                .expect("below src/")
+                .to_string_lossy()
+                .replace('\\', "/");
+            let text = fs::read_to_string(&file).expect("a readable source file");
+            let lines = production_lines(&path, &text);
+            Source { path, lines }
+        })
+        .collect()
+}
+
+/// The paths a line names through `crate::`, as their module segments: `crate::a::b::C` gives
+/// `["a", "b", "C"]`; `crate::{a::X, b}` gives `["a", "X"]` and `["b"]`.
+fn crate_paths(line: &str) -> Vec<Vec<String>> {
+    let mut found = Vec::new();
+    let mut rest = line;
+    while let Some(at) = rest.find("crate::") {
+        let before = rest[..at].chars().last();
+        rest = &rest[at + "crate::".len()..];
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue; // `llama_cpp_sys_2::...`-like names that end in "crate"
+        }
+        paths_at(rest, &mut Vec::new(), &mut found);
+    }
+    found
+}
+
+/// Reads a use-tree at the start of `text` below `prefix`.
+fn paths_at(text: &str, prefix: &mut Vec<String>, found: &mut Vec<Vec<String>>) {
+    let mut text = text;
+    let depth = prefix.len();
+    loop {
+        if let Some(inner) = text.strip_prefix('{') {
+            for part in split_group(inner) {
+                paths_at(part.trim(), prefix, found);
+            }
+            break;
+        }
+        let end = text
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(text.len());
+        if end == 0 {
+            break;
+        }
+        prefix.push(text[..end].to_string());
+        match text[end..].strip_prefix("::") {
+            Some(next) => text = next,
+            None => {
+                found.push(prefix.clone());
+                break;
+            }
+        }
+    }
+    if prefix.len() > depth && !found.last().is_some_and(|last| last.starts_with(prefix)) {
+        found.push(prefix.clone());
+    }
+    prefix.truncate(depth);
+}
+
+/// The top-level comma-separated parts of a `{...}` group (the text after its `{`).
+fn split_group(text: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let mut depth = 0usize;
+    let mut start = 0;
+    for (i, c) in text.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                parts.push(&text[start..i]);
+                return parts;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&text[start..]);
+    parts
+}
+
+/// Every production import of the crate: (file, line number, the path's segments).
+fn imports(sources: &[Source]) -> Vec<(&Source, &Line, Vec<String>)> {
+    let mut out = Vec::new();
+    for source in sources {
+        for line in &source.lines {
+            for path in crate_paths(&line.text) {
+                out.push((source, line, path));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_import_reader_reads_paths_and_groups() {
+    assert_eq!(
+        crate_paths("use crate::a::b::C;"),
+        vec![vec!["a", "b", "C"]]
+    );
+    assert_eq!(
+        crate_paths("use crate::{a::X, b::{c, d::E}, f};"),
+        vec![
+            vec!["a", "X"],
+            vec!["b", "c"],
+            vec!["b", "d", "E"],
+            vec!["f"]
+        ]
+    );
+    assert_eq!(
+        crate_paths("let x = crate::kv::plan(1);"),
+        vec![vec!["kv", "plan"]]
+    );
+    assert!(crate_paths("llama_cpp_sys_2::llama_model").is_empty());
+    let lines = production_lines(
+        "kv/mod.rs",
+        "use crate::a;\n// crate::b\n#[cfg(test)]\nuse crate::c;\n#[cfg(test)]\nmod tests {\nuse crate::d;\n}\n",
+    );
+    let seen: Vec<(bool, Vec<Vec<String>>)> = lines
+        .iter()
+        .map(|l| (l.gated, crate_paths(&l.text)))
+        .filter(|(_, p)| !p.is_empty())
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (false, vec![vec!["a".to_string()]]),
+            (true, vec![vec!["c".to_string()]])
+        ]
+    );
+}
+
+#[test]
+fn only_backend_llama_uses_llama_cpp() {
+    let mut wrong = Vec::new();
+    for source in sources() {
+        if source.path.starts_with("backend/llama/") {
+            continue;
+        }
+        for line in &source.lines {
+            if line.text.contains("llama_cpp_2::") || line.text.contains("llama_cpp_sys_2::") {
+                wrong.push(format!(
+                    "src/{}:{}: {}",
+                    source.path,
+                    line.number,
+                    line.text.trim()
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "only backend/llama/ may use llama-cpp-2 or llama-cpp-sys-2:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// Modules that a folder's production code may not name.
+const FORBIDDEN: &[(&str, &[&str], &str)] = &[
+    (
+        "dialects",
+        &["backend", "engine", "sched"],
+        "dialects/ speaks wire formats to protocol/; it never reaches the backend, the engine \
+         loop or the scheduler",
+    ),
+    (
+        "kv",
+        &["http", "dialects", "requests", "ops"],
+        "kv/ is pure bookkeeping below HTTP",
+    ),
+    (
+        "sched",
+        &["http", "dialects", "requests", "ops"],
+        "sched/ runs on the engine thread, below HTTP",
+    ),
+    (
+        "chat",
+        &["http", "dialects", "requests", "ops"],
+        "chat/ is pure text, below HTTP",
+    ),
+    (
+        "constrain",
+        &["http", "dialects", "requests", "ops"],
+        "constrain/ is below HTTP",
+    ),
+    (
+        "protocol",
+        &[
+            "http", "dialects", "requests", "ops", "backend", "engine", "sched",
+        ],
+        "protocol/ is what HTTP and the engine say to each other; it depends on neither",
+    ),
+    (
+        "backend",
+        &["http", "dialects", "requests", "ops", "engine", "sched"],
+        "backend/ implements the Backend trait; the engine drives it, never the reverse",
+    ),
+];
+
+#[test]
+fn folders_import_only_what_their_rules_allow() {
+    let sources = sources();
+    let mut wrong = Vec::new();
+    for (source, line, path) in imports(&sources) {
+        for (folder, forbidden, why) in FORBIDDEN {
+            if source.is_folder() && source.module() == *folder && forbidden.contains(&&*path[0]) {
+                wrong.push(format!(
+                    "src/{}:{}: crate::{} ({why})",
+                    source.path,
+                    line.number,
+                    path.join("::")
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports against the layout rules:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn nothing_but_tests_and_the_fake_build_imports_the_fake_backend() {
+    let sources = sources();
+    let mut wrong = Vec::new();
+    for (source, line, path) in imports(&sources) {
+        let fake = path.len() >= 2 && path[0] == "backend" && path[1] == "fake";
+        if fake && !line.gated && !source.path.starts_with("backend/fake/") {
+            wrong.push(format!(
+                "src/{}:{}: crate::{}",
+                source.path,
+                line.number,
+                path.join("::")
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "production code imports backend/fake/ (allowed only in tests and under \
+         #[cfg(not(feature = \"llama\"))]):\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn no_folders_import_each_other() {
+    let sources = sources();
+    let folders: BTreeSet<&str> = sources
+        .iter()
+        .filter(|s| s.is_folder())
+        .map(Source::module)
+        .collect();
+    // folder -> folder -> the first place that imports it
+    let mut edges: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
+    for (source, line, path) in imports(&sources) {
+        let to = path[0].as_str();
+        if !source.is_folder() || !folders.contains(to) || to == source.module() {
+            continue;
+        }
+        edges
+            .entry(source.module())
+            .or_default()
+            .entry(to.to_string())
+            .or_insert_with(|| format!("src/{}:{}", source.path, line.number));
+    }
+    // Any cycle, not only pairs: a depth-first search from each folder.
+    fn visit<'a>(
+        at: &'a str,
+        edges: &'a BTreeMap<&str, BTreeMap<String, String>>,
+        stack: &mut Vec<&'a str>,
+        done: &mut BTreeSet<&'a str>,
+        cycles: &mut Vec<String>,
+    ) {
+        if let Some(i) = stack.iter().position(|f| *f == at) {
+            let cycle = &stack[i..];
+            let steps: Vec<String> = cycle
+                .iter()
+                .enumerate()
+                .map(|(k, from)| {
+                    let to = cycle.get(k + 1).copied().unwrap_or(at);
+                    format!("{from}/ -> {to}/ (at {})", edges[from][to])
+                })
+                .collect();
+            cycles.push(steps.join(", "));
+            return;
+        }
+        if !done.insert(at) {
+            return;
+        }
+        stack.push(at);
+        if let Some(next) = edges.get(at) {
+            for to in next.keys() {
+                visit(to, edges, stack, done, cycles);
+            }
+        }
+        stack.pop();
+    }
+    let mut cycles = Vec::new();
+    let mut done = BTreeSet::new();
+    for folder in &folders {
+        visit(folder, &edges, &mut Vec::new(), &mut done, &mut cycles);
+    }
+    assert!(
+        cycles.is_empty(),
+        "folders that import each other:\n{}",
+        cycles.join("\n")
+    );
+}
