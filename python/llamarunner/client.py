@@ -2,219 +2,71 @@
 `openai` clients: typed results, streaming iterators that are also context managers, and
 exceptions that carry the status code and the server's error type."""
 
+# What each call sends and how its answer is read lives once, in `_requests`; the two clients
+# here only differ in how they send (httpx.Client / httpx.AsyncClient), wait and iterate.
+
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import httpx
 
+from . import _requests
+from ._errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    LlamaRunnerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
+from ._results import Completion, CompletionChunk, HealthStatus, TokenPiece
 from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, _split_host
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
+    "AuthenticationError",
+    "BadRequestError",
+    "Client",
+    "Completion",
+    "CompletionChunk",
+    "HealthStatus",
+    "LlamaRunnerError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "Stream",
+    "TokenPiece",
+    "resolve_api_key",
+    "resolve_base_url",
+]
+
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
 _RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-# --- errors --------------------------------------------------------------------------------
-
-
-class LlamaRunnerError(Exception):
-    """Base of every error this client raises."""
-
-
-class APIConnectionError(LlamaRunnerError):
-    """The server could not be reached."""
-
-
-class APITimeoutError(APIConnectionError):
-    """The request timed out."""
-
-
-class APIStatusError(LlamaRunnerError):
-    """The server answered with an error status (or an error inside a stream)."""
-
-    def __init__(self, message: str, *, status_code: int, type: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.type = type
-
-    def __str__(self) -> str:
-        return f"{self.status_code} {self.type or 'error'}: {self.message}"
-
-
-class BadRequestError(APIStatusError):
-    """400: the request is invalid."""
-
-
-class AuthenticationError(APIStatusError):
-    """401: the server requires an API key and none, or a wrong one, was sent."""
-
-
-class PermissionDeniedError(APIStatusError):
-    """403: refused whatever the key (a foreign ``Host`` or ``Origin`` header)."""
-
-
-class NotFoundError(APIStatusError):
-    """404: no such endpoint."""
-
-
-class PayloadTooLargeError(APIStatusError):
-    """413: the request body is larger than the server's ``--max-body``."""
-
-
-class RateLimitError(APIStatusError):
-    """429: too many requests are waiting for a slot."""
-
-
-class ServiceUnavailableError(APIStatusError):
-    """503: the model is loading or the server is stopping."""
-
-
-_STATUS_ERRORS: dict[int, type[APIStatusError]] = {
-    400: BadRequestError,
-    401: AuthenticationError,
-    403: PermissionDeniedError,
-    404: NotFoundError,
-    413: PayloadTooLargeError,
-    429: RateLimitError,
-    503: ServiceUnavailableError,
-}
-
-
-def _status_error(status: int, body: bytes) -> APIStatusError:
-    message, kind = body.decode("utf-8", "replace").strip(), None
-    try:
-        err = json.loads(body)["error"]
-        if isinstance(err, dict):
-            message, kind = str(err.get("message", message)), err.get("type")
-        else:
-            message = str(err)
-    except (ValueError, KeyError, TypeError):
-        pass
-    return _STATUS_ERRORS.get(status, APIStatusError)(message, status_code=status, type=kind)
-
-
-# --- results -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished completion."""
-
-    text: str
-    done_reason: str
-    prompt_eval_count: int = 0
-    prompt_cached_count: int = 0
-    prompt_eval_duration: int = 0
-    """Nanoseconds."""
-    eval_count: int = 0
-    eval_duration: int = 0
-    """Nanoseconds."""
-
-
-@dataclass(frozen=True)
-class CompletionChunk:
-    """One line of a streamed completion; the last has ``done=True`` and the statistics."""
-
-    content: str
-    done: bool
-    done_reason: str | None = None
-    prompt_eval_count: int | None = None
-    prompt_cached_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
-
-
-@dataclass(frozen=True)
-class HealthStatus:
-    """The server's state."""
-
-    status: str
-    progress: float
-    slots_idle: int = 0
-    slots_processing: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class TokenPiece:
-    """A token and the text it renders to (`Client.tokenize` with ``with_pieces=True``)."""
-
-    id: int
-    piece: str | bytes
-    """Its text (special tokens as written, ``<s>``); bytes when they are not valid UTF-8 by
-    themselves (part of a character)."""
-
-
-def _tokens(data: Any, with_pieces: bool) -> list[int] | list[TokenPiece]:
-    tokens = data["tokens"]
-    if not with_pieces:
-        return [int(t) for t in tokens]
-    return [
-        TokenPiece(int(t["id"]), t["piece"] if isinstance(t["piece"], str) else bytes(t["piece"]))
-        for t in tokens
-    ]
-
-
-def _tokenize_body(text: str, add_special: bool, with_pieces: bool) -> dict[str, Any]:
-    return {"content": text, "add_special": add_special, "with_pieces": with_pieces}
-
-
-def _build(cls: Any, data: dict[str, Any]) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def _chunk(line: str) -> CompletionChunk:
-    data = json.loads(line)
-    if data.get("error"):
-        err = data["error"]
-        message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-        kind = err.get("type") if isinstance(err, dict) else None
-        raise APIStatusError(message, status_code=500, type=kind)
-    data.setdefault("content", "")
-    return _build(CompletionChunk, data)  # type: ignore[no-any-return]
-
-
-def _completion(chunks: list[CompletionChunk]) -> Completion:
-    final = chunks[-1] if chunks else None
-    if final is None or not final.done:
-        raise APIConnectionError("the stream ended before the final message")
-    stats = {k: v for k, v in vars(final).items() if k not in ("content", "done") and v is not None}
-    return Completion(text="".join(c.content for c in chunks), **stats)
-
-
-# Keyword arguments of `complete` and `chat` that are top-level fields of the native request,
-# not sampling options.
-_TOP_LEVEL = ("truncate", "shift")
-
-
-def _body(
-    prompt: str | Sequence[Mapping[str, Any]],
-    grammar: str | None,
-    format: Any,
-    options: dict[str, Any],
-) -> dict[str, Any]:
-    options = dict(options)
-    body: dict[str, Any] = {name: options.pop(name) for name in _TOP_LEVEL if name in options}
-    body["options"] = options
-    if isinstance(prompt, str):
-        body["prompt"] = prompt
-    else:
-        body["messages"] = [dict(m) for m in prompt]
-    if grammar is not None:
-        body["grammar"] = grammar
-    if format is not None:
-        body["format"] = format
-    return body
+def _retry_delay(attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (from 0)."""
+    return _RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)]
 
 
 def resolve_base_url(base_url: str | None = None) -> str:
@@ -241,53 +93,12 @@ def resolve_api_key(api_key: str | None = None) -> str | None:
     return next((k for k in keys if k), None)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def _configure(http: httpx.Client | httpx.AsyncClient, base_url: str, api_key: str | None) -> None:
+    """Points ``http`` at the server and adds the ``Authorization`` header, if any."""
+    http.base_url = httpx.URL(base_url)
     key = resolve_api_key(api_key)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _health_error(h: HealthStatus) -> APIStatusError:
-    """The error a failed /health stands for: the model did not load, or the engine stopped."""
-    message = h.error or "the model failed to load"
-    kind = "engine_stopped" if message.startswith("the engine stopped") else "model_load_failed"
-    return APIStatusError(message, status_code=500, type=kind)
-
-
-def _ndjson_lines(chunks: Iterator[bytes]) -> Iterator[str]:
-    """NDJSON lines, split at "\n" only: JSON strings may hold U+2028, U+2029 or U+0085
-    unescaped, where httpx's `iter_lines` (as `str.splitlines`) would split too."""
-    pending = b""
-    for chunk in chunks:
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            yield line.decode("utf-8")
-    if pending:
-        yield pending.decode("utf-8")
-
-
-async def _ndjson_lines_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """`_ndjson_lines` for an async body."""
-    pending = b""
-    async for chunk in chunks:
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            yield line.decode("utf-8")
-    if pending:
-        yield pending.decode("utf-8")
-
-
-def _broken_stream(e: httpx.TransportError) -> APIConnectionError:
-    """A connection lost once the answer has started (never retried: the text would be
-    generated twice)."""
-    if isinstance(e, httpx.TimeoutException):
-        return APITimeoutError(f"the stream timed out: {e}")
-    return APIConnectionError(f"the connection broke during the stream: {e}")
-
-
-def _should_retry(response: httpx.Response | None, attempt: int, max_retries: int) -> bool:
-    if attempt >= max_retries:
-        return False
-    return response is None or response.status_code == 503
+    if key:
+        http.headers.update({"Authorization": f"Bearer {key}"})
 
 
 # --- sync ----------------------------------------------------------------------------------
@@ -299,18 +110,18 @@ class Stream:
 
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
-        self._lines = _ndjson_lines(response.iter_bytes())
+        self._body = response.iter_bytes()
+        self._decoder = _requests.ChunkDecoder()
 
     def __iter__(self) -> Iterator[CompletionChunk]:
         try:
-            for line in self._lines:
-                if line:
-                    chunk = _chunk(line)
-                    yield chunk
-                    if chunk.done:
-                        return
+            for data in self._body:
+                yield from self._decoder.feed(data)
+                if self._decoder.done:
+                    return
+            yield from self._decoder.finish()
         except httpx.TransportError as e:
-            raise _broken_stream(e) from e
+            raise _requests.broken_stream(e) from e
         finally:
             self.close()
 
@@ -346,8 +157,7 @@ class Client:
         self._http = http_client or httpx.Client(
             timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         )
-        self._http.base_url = httpx.URL(self.base_url)
-        self._http.headers.update(_headers(api_key))
+        _configure(self._http, self.base_url, api_key)
 
     def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
@@ -355,24 +165,42 @@ class Client:
         """Sends with retries on connection errors and 503, before any stream starts."""
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = self._http.send(request, stream=stream)
-            except httpx.TimeoutException as e:
-                raise APITimeoutError(f"request to {self.base_url}{path} timed out") from e
             except httpx.TransportError as e:
-                if not _should_retry(None, attempt, self.max_retries):
-                    raise APIConnectionError(f"cannot reach {self.base_url}: {e}") from e
-            if response is not None:
+                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
+                if failure is not None:
+                    raise failure from e
+            else:
                 if response.status_code < 400:
                     return response
                 body = response.read()
                 response.close()
-                if not _should_retry(response, attempt, self.max_retries):
-                    raise _status_error(response.status_code, body)
-            time.sleep(_RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)])
+                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
+                if error is not None:
+                    raise error
+            time.sleep(_retry_delay(attempt))
             attempt += 1
+
+    def _call(self, request: _requests.Request[_T]) -> _T:
+        if request.checked:
+            response = self._send(request.method, request.path, json_body=request.json)
+        else:
+            try:
+                response = self._http.request(request.method, request.path, json=request.json)
+            except httpx.TransportError as e:
+                raise _requests.unreachable(self.base_url, e) from e
+        return request.parse(response.json())
+
+    def _generate(self, request: _requests.StreamRequest, stream: bool) -> Completion | Stream:
+        response = self._send(request.method, request.path, json_body=request.json, stream=True)
+        s = Stream(response)
+        if stream:
+            return s
+        with s:
+            return _requests.completion(list(s))
 
     @overload
     def complete(
@@ -407,14 +235,7 @@ class Client:
     ) -> Completion | Stream:
         """Completes ``prompt``. ``options`` are Ollama's (``num_predict``, ``temperature``,
         ``top_k``, ``stop``, ``seed``, ...); ``format`` is ``"json"`` or a JSON schema."""
-        return self._generate(_body(prompt, grammar, format, options), stream)
-
-    def _generate(self, body: dict[str, Any], stream: bool) -> Completion | Stream:
-        s = Stream(self._send("POST", "/completion", json_body=body, stream=True))
-        if stream:
-            return s
-        with s:
-            return _completion(list(s))
+        return self._generate(_requests.generate(prompt, grammar, format, options), stream)
 
     @overload
     def chat(
@@ -449,12 +270,11 @@ class Client:
     ) -> Completion | Stream:
         """Answers a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the
         model's chat template; otherwise as `complete`."""
-        return self._generate(_body(messages, grammar, format, options), stream)
+        return self._generate(_requests.generate(messages, grammar, format, options), stream)
 
     def embed(self, text: str, *, truncate: bool = False) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
-        r = self._send("POST", "/embedding", json_body={"content": text, "truncate": truncate})
-        return list(r.json()["embedding"])
+        return self._call(_requests.embed(text, truncate))
 
     @overload
     def tokenize(
@@ -472,39 +292,30 @@ class Client:
         """The model's tokens for ``text`` (special tokens in it parsed). ``add_special`` adds
         BOS (and EOS) when the model wants them, as prompts get; ``with_pieces`` returns each
         token with its text."""
-        body = _tokenize_body(text, add_special, with_pieces)
-        return _tokens(self._send("POST", "/tokenize", json_body=body).json(), with_pieces)
+        return self._call(_requests.tokenize(text, add_special, with_pieces))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of ``tokens`` (special tokens as written); ids outside the vocabulary raise
         `BadRequestError`."""
-        r = self._send("POST", "/detokenize", json_body={"tokens": list(tokens)})
-        return str(r.json()["content"])
+        return self._call(_requests.detokenize(tokens))
 
     def health(self) -> HealthStatus:
         """The server's state (does not raise for loading or failed models)."""
-        try:
-            r = self._http.get("/health")
-        except httpx.TransportError as e:
-            raise APIConnectionError(f"cannot reach {self.base_url}: {e}") from e
-        return _build(HealthStatus, r.json())  # type: ignore[no-any-return]
+        return self._call(_requests.health())
 
     def wait_ready(self, timeout: float = 120.0) -> HealthStatus:
         """Blocks until the model is loaded; raises `APIStatusError` (type
         ``model_load_failed`` or ``engine_stopped``) when /health says "error"."""
-        deadline = time.monotonic() + timeout
+        wait = _requests.ReadyWait(self.base_url, timeout)
         while True:
             try:
-                h = self.health()
-                if h.status == "ready":
-                    return h
-                if h.status == "error":
-                    raise _health_error(h)
+                h: HealthStatus | None = self.health()
             except APIConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise APITimeoutError(f"{self.base_url} was not ready within {timeout} s")
-            time.sleep(0.05)
+                h = None
+            ready = wait.check(h)
+            if ready is not None:
+                return ready
+            time.sleep(_requests.POLL_INTERVAL)
 
     def close(self) -> None:
         self._http.close()
@@ -531,15 +342,17 @@ class AsyncStream:
         self._response = response
 
     async def __aiter__(self) -> AsyncIterator[CompletionChunk]:
+        decoder = _requests.ChunkDecoder()
         try:
-            async for line in _ndjson_lines_async(self._response.aiter_bytes()):
-                if line:
-                    chunk = _chunk(line)
+            async for data in self._response.aiter_bytes():
+                for chunk in decoder.feed(data):
                     yield chunk
-                    if chunk.done:
-                        return
+                if decoder.done:
+                    return
+            for chunk in decoder.finish():
+                yield chunk
         except httpx.TransportError as e:
-            raise _broken_stream(e) from e
+            raise _requests.broken_stream(e) from e
         finally:
             await self.aclose()
 
@@ -570,32 +383,53 @@ class AsyncClient:
         self._http = http_client or httpx.AsyncClient(
             timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         )
-        self._http.base_url = httpx.URL(self.base_url)
-        self._http.headers.update(_headers(api_key))
+        _configure(self._http, self.base_url, api_key)
 
     async def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
     ) -> httpx.Response:
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = await self._http.send(request, stream=stream)
-            except httpx.TimeoutException as e:
-                raise APITimeoutError(f"request to {self.base_url}{path} timed out") from e
             except httpx.TransportError as e:
-                if not _should_retry(None, attempt, self.max_retries):
-                    raise APIConnectionError(f"cannot reach {self.base_url}: {e}") from e
-            if response is not None:
+                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
+                if failure is not None:
+                    raise failure from e
+            else:
                 if response.status_code < 400:
                     return response
                 body = await response.aread()
                 await response.aclose()
-                if not _should_retry(response, attempt, self.max_retries):
-                    raise _status_error(response.status_code, body)
-            await asyncio.sleep(_RETRY_DELAYS[min(attempt, len(_RETRY_DELAYS) - 1)])
+                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
+                if error is not None:
+                    raise error
+            await asyncio.sleep(_retry_delay(attempt))
             attempt += 1
+
+    async def _call(self, request: _requests.Request[_T]) -> _T:
+        if request.checked:
+            response = await self._send(request.method, request.path, json_body=request.json)
+        else:
+            try:
+                response = await self._http.request(request.method, request.path, json=request.json)
+            except httpx.TransportError as e:
+                raise _requests.unreachable(self.base_url, e) from e
+        return request.parse(response.json())
+
+    async def _generate(
+        self, request: _requests.StreamRequest, stream: bool
+    ) -> Completion | AsyncStream:
+        response = await self._send(
+            request.method, request.path, json_body=request.json, stream=True
+        )
+        s = AsyncStream(response)
+        if stream:
+            return s
+        async with s:
+            return _requests.completion([c async for c in s])
 
     @overload
     async def complete(
@@ -629,14 +463,8 @@ class AsyncClient:
         **options: Any,
     ) -> Completion | AsyncStream:
         """Completes ``prompt``; see `Client.complete`."""
-        return await self._generate(_body(prompt, grammar, format, options), stream)
-
-    async def _generate(self, body: dict[str, Any], stream: bool) -> Completion | AsyncStream:
-        s = AsyncStream(await self._send("POST", "/completion", json_body=body, stream=True))
-        if stream:
-            return s
-        async with s:
-            return _completion([c async for c in s])
+        request = _requests.generate(prompt, grammar, format, options)
+        return await self._generate(request, stream)
 
     @overload
     async def chat(
@@ -670,14 +498,12 @@ class AsyncClient:
         **options: Any,
     ) -> Completion | AsyncStream:
         """Answers a conversation; see `Client.chat`."""
-        return await self._generate(_body(messages, grammar, format, options), stream)
+        request = _requests.generate(messages, grammar, format, options)
+        return await self._generate(request, stream)
 
     async def embed(self, text: str, *, truncate: bool = False) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
-        r = await self._send(
-            "POST", "/embedding", json_body={"content": text, "truncate": truncate}
-        )
-        return list(r.json()["embedding"])
+        return await self._call(_requests.embed(text, truncate))
 
     @overload
     async def tokenize(
@@ -693,36 +519,26 @@ class AsyncClient:
         self, text: str, *, add_special: bool = False, with_pieces: bool = False
     ) -> list[int] | list[TokenPiece]:
         """The model's tokens for ``text``; see `Client.tokenize`."""
-        body = _tokenize_body(text, add_special, with_pieces)
-        r = await self._send("POST", "/tokenize", json_body=body)
-        return _tokens(r.json(), with_pieces)
+        return await self._call(_requests.tokenize(text, add_special, with_pieces))
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of ``tokens``; see `Client.detokenize`."""
-        r = await self._send("POST", "/detokenize", json_body={"tokens": list(tokens)})
-        return str(r.json()["content"])
+        return await self._call(_requests.detokenize(tokens))
 
     async def health(self) -> HealthStatus:
-        try:
-            r = await self._http.get("/health")
-        except httpx.TransportError as e:
-            raise APIConnectionError(f"cannot reach {self.base_url}: {e}") from e
-        return _build(HealthStatus, r.json())  # type: ignore[no-any-return]
+        return await self._call(_requests.health())
 
     async def wait_ready(self, timeout: float = 120.0) -> HealthStatus:
-        deadline = time.monotonic() + timeout
+        wait = _requests.ReadyWait(self.base_url, timeout)
         while True:
             try:
-                h = await self.health()
-                if h.status == "ready":
-                    return h
-                if h.status == "error":
-                    raise _health_error(h)
+                h: HealthStatus | None = await self.health()
             except APIConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise APITimeoutError(f"{self.base_url} was not ready within {timeout} s")
-            await asyncio.sleep(0.05)
+                h = None
+            ready = wait.check(h)
+            if ready is not None:
+                return ready
+            await asyncio.sleep(_requests.POLL_INTERVAL)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,0 +1,261 @@
+"""The request/response core that `Client` and `AsyncClient` share. Each API call is built
+here as a `Request` (one JSON answer, and the function that parses it) or a `StreamRequest` (a
+generation, answered with NDJSON chunks that `ChunkDecoder` reads); here too are the rules for
+which failures are retried and which error each one raises. Nothing here does I/O: the two
+clients only send, wait and iterate."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
+
+import httpx
+
+from ._errors import STATUS_ERRORS, APIConnectionError, APIStatusError, APITimeoutError
+from ._results import Completion, CompletionChunk, HealthStatus, TokenPiece
+
+T = TypeVar("T")
+
+POLL_INTERVAL = 0.05
+"""Seconds between two /health calls of `wait_ready`."""
+
+
+# --- request descriptions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request(Generic[T]):
+    """A call answered with one JSON body, which ``parse`` turns into the call's result."""
+
+    method: str
+    path: str
+    json: Any
+    parse: Callable[[Any], T]
+    checked: bool = True
+    """Retried on connection errors and 503, and an error status raised (`status_failure`).
+    False for /health: one try, and the body parsed whatever the status."""
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """A generation, answered with NDJSON `CompletionChunk` lines (`ChunkDecoder`); sent with
+    the retries of a checked `Request`, which stop once the stream has started."""
+
+    method: str
+    path: str
+    json: dict[str, Any]
+
+
+# Keyword arguments of `complete` and `chat` that are top-level fields of the native request,
+# not sampling options.
+_TOP_LEVEL = ("truncate", "shift")
+
+
+def generate(
+    prompt: str | Sequence[Mapping[str, Any]],
+    grammar: str | None,
+    format: Any,
+    options: Mapping[str, Any],
+) -> StreamRequest:
+    """`complete` (a ``str`` prompt) or `chat` (a sequence of messages)."""
+    sampling = dict(options)
+    body: dict[str, Any] = {name: sampling.pop(name) for name in _TOP_LEVEL if name in sampling}
+    body["options"] = sampling
+    if isinstance(prompt, str):
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [dict(m) for m in prompt]
+    if grammar is not None:
+        body["grammar"] = grammar
+    if format is not None:
+        body["format"] = format
+    return StreamRequest("POST", "/completion", body)
+
+
+def embed(text: str, truncate: bool) -> Request[list[float]]:
+    body = {"content": text, "truncate": truncate}
+    return Request("POST", "/embedding", body, _embedding)
+
+
+def tokenize(
+    text: str, add_special: bool, with_pieces: bool
+) -> Request[list[int] | list[TokenPiece]]:
+    body = {"content": text, "add_special": add_special, "with_pieces": with_pieces}
+    parse: Callable[[Any], list[int] | list[TokenPiece]] = (
+        _token_pieces if with_pieces else _token_ids
+    )
+    return Request("POST", "/tokenize", body, parse)
+
+
+def detokenize(tokens: Sequence[int]) -> Request[str]:
+    return Request("POST", "/detokenize", {"tokens": list(tokens)}, _content)
+
+
+def health() -> Request[HealthStatus]:
+    return Request("GET", "/health", None, _health, checked=False)
+
+
+# --- response parsing ----------------------------------------------------------------------
+
+
+def _known_fields(cls: Any, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The items of ``data`` that are fields of the dataclass ``cls`` (newer servers may send
+    more)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+def _embedding(data: Any) -> list[float]:
+    return list(data["embedding"])
+
+
+def _token_ids(data: Any) -> list[int]:
+    return [int(t) for t in data["tokens"]]
+
+
+def _token_pieces(data: Any) -> list[TokenPiece]:
+    return [
+        TokenPiece(int(t["id"]), t["piece"] if isinstance(t["piece"], str) else bytes(t["piece"]))
+        for t in data["tokens"]
+    ]
+
+
+def _content(data: Any) -> str:
+    return str(data["content"])
+
+
+def _health(data: Any) -> HealthStatus:
+    return HealthStatus(**_known_fields(HealthStatus, data))
+
+
+def parse_chunk(line: str) -> CompletionChunk:
+    """One NDJSON line of a generation; an error line raises `APIStatusError`."""
+    data = json.loads(line)
+    if data.get("error"):
+        err = data["error"]
+        message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        kind = err.get("type") if isinstance(err, dict) else None
+        raise APIStatusError(message, status_code=500, type=kind)
+    data.setdefault("content", "")
+    return CompletionChunk(**_known_fields(CompletionChunk, data))
+
+
+class ChunkDecoder:
+    """Reads a generation's body, fed as it arrives, into `CompletionChunk`s, up to the final
+    one (``done``). Lines split at "\\n" only: JSON strings may hold U+2028, U+2029 or U+0085
+    unescaped, where httpx's `iter_lines` (as `str.splitlines`) would split too."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.done = False
+        """The final chunk has been read: stop reading the body."""
+
+    def feed(self, data: bytes) -> Iterator[CompletionChunk]:
+        """The chunks of the lines ``data`` completes, each parsed as it is taken."""
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        return self._parse(lines)
+
+    def finish(self) -> Iterator[CompletionChunk]:
+        """The chunk of a last line without "\\n", if any, once the body has ended."""
+        pending, self._pending = self._pending, b""
+        return self._parse([pending])
+
+    def _parse(self, lines: list[bytes]) -> Iterator[CompletionChunk]:
+        for line in lines:
+            if self.done:
+                return
+            text = line.decode("utf-8")
+            if text:
+                chunk = parse_chunk(text)
+                self.done = chunk.done
+                yield chunk
+
+
+def completion(chunks: Sequence[CompletionChunk]) -> Completion:
+    """A whole generation's chunks as one `Completion`."""
+    final = chunks[-1] if chunks else None
+    if final is None or not final.done:
+        raise APIConnectionError("the stream ended before the final message")
+    stats = {k: v for k, v in vars(final).items() if k not in ("content", "done") and v is not None}
+    return Completion(text="".join(c.content for c in chunks), **stats)
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def status_error(status: int, body: bytes) -> APIStatusError:
+    """The error an error status stands for, with the message and type of its JSON body."""
+    message, kind = body.decode("utf-8", "replace").strip(), None
+    try:
+        err = json.loads(body)["error"]
+        if isinstance(err, dict):
+            message, kind = str(err.get("message", message)), err.get("type")
+        else:
+            message = str(err)
+    except (ValueError, KeyError, TypeError):
+        pass
+    return STATUS_ERRORS.get(status, APIStatusError)(message, status_code=status, type=kind)
+
+
+def unreachable(base_url: str, e: httpx.TransportError) -> APIConnectionError:
+    return APIConnectionError(f"cannot reach {base_url}: {e}")
+
+
+def send_failure(
+    e: httpx.TransportError, base_url: str, path: str, *, can_retry: bool
+) -> APIConnectionError | None:
+    """The error a request that could not be sent raises; None to retry it (a connection
+    error while tries are left; a timeout never is)."""
+    if isinstance(e, httpx.TimeoutException):
+        return APITimeoutError(f"request to {base_url}{path} timed out")
+    if can_retry:
+        return None
+    return unreachable(base_url, e)
+
+
+def status_failure(status: int, body: bytes, *, can_retry: bool) -> APIStatusError | None:
+    """The error an error status raises; None to retry the request (a 503 while tries are
+    left)."""
+    if can_retry and status == 503:
+        return None
+    return status_error(status, body)
+
+
+def broken_stream(e: httpx.TransportError) -> APIConnectionError:
+    """A connection lost once the answer has started (never retried: the text would be
+    generated twice)."""
+    if isinstance(e, httpx.TimeoutException):
+        return APITimeoutError(f"the stream timed out: {e}")
+    return APIConnectionError(f"the connection broke during the stream: {e}")
+
+
+def health_error(h: HealthStatus) -> APIStatusError:
+    """The error a failed /health stands for: the model did not load, or the engine stopped."""
+    message = h.error or "the model failed to load"
+    kind = "engine_stopped" if message.startswith("the engine stopped") else "model_load_failed"
+    return APIStatusError(message, status_code=500, type=kind)
+
+
+class ReadyWait:
+    """The rules of `wait_ready`: poll /health until it says "ready"; raise when it says
+    "error", or when the deadline has passed."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        self._base_url = base_url
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+
+    def check(self, h: HealthStatus | None) -> HealthStatus | None:
+        """``h`` when the model is ready; None to poll again (``h`` None: the server could not
+        be reached)."""
+        if h is not None:
+            if h.status == "ready":
+                return h
+            if h.status == "error":
+                raise health_error(h)
+        if time.monotonic() > self._deadline:
+            raise APITimeoutError(f"{self._base_url} was not ready within {self._timeout} s")
+        return None
