@@ -911,16 +911,55 @@ fn embeddings_never_wait_for_a_generation_slot() {
         Event::Started
     );
     // A queued completion too: the embedding must not wait behind it either.
-    let _queued = h.submit("waiting", greedy(1));
-    let started = Instant::now();
+    let mut queued = h.submit("waiting", greedy(1));
+    // The running request never ends on its own (num_predict -1) and holds the only slot, so
+    // an embedding that waited for a slot would never be answered (`embed` blocks).
     let e = embed(&h, "hello", false).unwrap();
     assert_eq!(e.prompt_eval_count, 6);
+    // Answered while the generation was still running and the queued one still waiting.
+    loop {
+        match running.try_recv() {
+            Ok(Event::Text { .. }) => {}
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+            other => panic!("the running generation ended before the embedding: {other:?}"),
+        }
+    }
     assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "the embedding waited {:?}",
-        started.elapsed()
+        matches!(
+            queued.try_recv(),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty)
+        ),
+        "the queued request got a slot before the embedding was answered"
     );
-    assert!(matches!(running.try_recv(), Ok(_) | Err(_)));
+}
+
+/// A grammar that takes exactly `text`, compiled against the fake's vocabulary.
+fn exact_grammar(text: &str) -> crate::constrain::Grammar {
+    use crate::protocol::TextModel;
+    let compiler = crate::constrain::Compiler::new(|| crate::backend::fake::FakeText.vocabulary());
+    let mut grammar = crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(
+        format!("root ::= {text:?}"),
+    ));
+    compiler.compile_into(&mut grammar).expect("compiles");
+    grammar
+}
+
+#[test]
+fn a_grammar_that_is_done_ends_an_endless_generation_with_stop() {
+    let h = Harness::new(FakeConfig::default(), 2);
+    // num_predict -1 and no EOS in the fake's own output: only the grammar can end it.
+    let params = SamplingParams {
+        grammar: Some(exact_grammar("hello")),
+        ..greedy(-1)
+    };
+    let (text, done) = collect(&mut h.submit("some prompt", params));
+    assert_eq!(text, "hello");
+    assert_eq!(done.done_reason, DoneReason::Stop);
+    assert_eq!(done.eval_count, 5, "one token per byte, then the end");
+    // The same prompt without the grammar runs to its cap: the grammar's end did it.
+    let (free, done) = collect(&mut h.submit("some prompt", greedy(12)));
+    assert_eq!(done.done_reason, DoneReason::Length);
+    assert_ne!(free, "hello");
 }
 
 #[test]

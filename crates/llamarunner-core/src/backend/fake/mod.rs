@@ -221,7 +221,11 @@ impl Backend for FakeBackend {
         FakeText.tokenize(text)
     }
 
-    fn logprobs(&self, _index: usize, token: Token, top: usize) -> TokenLogprob {
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
+        assert!(
+            self.outputs.contains_key(&index),
+            "log-probabilities of batch index {index}, which has no logits (scheduler bug)"
+        );
         // The sampled token is the likeliest (-0.1); then the other letters in order.
         let entry = |token: Token, logprob: f32| TopLogprob {
             token,
@@ -284,6 +288,12 @@ impl Backend for FakeBackend {
         if batch.is_empty() {
             return Err(BackendError::Decode("empty batch".into()));
         }
+        assert!(
+            batch.len() <= self.config.batch_capacity,
+            "a batch of {} tokens, the context takes {} (scheduler bug)",
+            batch.len(),
+            self.config.batch_capacity
+        );
         self.decodes += 1;
         if self.config.fail_decode == Some(self.decodes) {
             return Err(BackendError::NoKvSlot);
