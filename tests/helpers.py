@@ -56,7 +56,7 @@ def complete(
     raise AssertionError("stream ended without a final message")
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
     """Polls ``condition`` until it holds; fails naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -68,7 +68,7 @@ def slots_processing(url: str) -> int:
     return int(httpx.get(f"{url}/health", timeout=10).json()["slots_processing"])
 
 
-def wait_idle(url: str, timeout: float = 10) -> dict[str, Any]:
+def wait_idle(url: str, timeout: float = 60) -> dict[str, Any]:
     """Polls until /health is 200 with no slot processing and /slots shows no busy slot (the
     slot table is published just after each step); returns the last /health, or fails with
     what was seen."""
@@ -92,11 +92,17 @@ def wait_idle(url: str, timeout: float = 10) -> dict[str, Any]:
         time.sleep(0.05)
 
 
+_neighbour_ids = itertools.count()
+
+
 class Neighbour:
     """A generation running beside a test's own requests: a streamed request that cannot end
     on its own for a long while (``ignore_eos``, a huge ``num_predict``), started and waited
     for (its first token arrived) on entry. `still_running` proves that it overlapped
-    everything the test ran since: it started before and has not ended. Leaving the block
+    everything the test ran since: it started before and has not ended. `slot` is its entry
+    in the slot table (found by its ``X-Request-Id``): how far it got, whether it is paused.
+    Its stream is not read after the first token, so once the connection's buffers fill its
+    generation pauses, for good (`assert_generating` checks it did not). Leaving the block
     cancels it (closing the connection frees its slot). Without `--max-tokens` the server stops
     it at ten slot contexts: a server with small slots needs `max_tokens` for it to last.
 
@@ -107,6 +113,7 @@ class Neighbour:
 
     def __init__(self, url: str, prompt: str = "the world of", **options: Any) -> None:
         self.url = url
+        self.request_id = f"neighbour-{os.getpid()}-{next(_neighbour_ids)}"
         self.body = {
             "prompt": prompt,
             "options": {"num_predict": 1_000_000, "ignore_eos": True, **options},
@@ -114,7 +121,13 @@ class Neighbour:
         self._cm: Any = None
 
     def __enter__(self) -> Neighbour:
-        self._cm = httpx.stream("POST", f"{self.url}/completion", json=self.body, timeout=60)
+        self._cm = httpx.stream(
+            "POST",
+            f"{self.url}/completion",
+            json=self.body,
+            headers={"X-Request-Id": self.request_id},
+            timeout=60,
+        )
         r = self._cm.__enter__()
         assert r.status_code == 200, r.read()
         # Keep the iterator: a dropped one is closed, and with it the connection.
@@ -131,6 +144,26 @@ class Neighbour:
             "the test's own requests to leave their slots",
         )
         assert slots_processing(self.url) == 1 + others, "the neighbour ended too early"
+
+    def slot(self) -> dict[str, Any]:
+        """Its entry in the slot table; fails when no slot holds it."""
+        slots = httpx.get(f"{self.url}/slots", timeout=10).json()["slots"]
+        mine = [s for s in slots if s["request_id"] == self.request_id]
+        assert len(mine) == 1, f"no slot holds the neighbour {self.request_id}: {slots}"
+        return dict(mine[0])
+
+    def generated(self) -> int:
+        """Tokens it has generated so far (the slot table's count)."""
+        return int(self.slot()["generated_tokens"])
+
+    def assert_generating(self, since: int) -> None:
+        """Asserts that it generated tokens after `generated` returned ``since`` and has
+        generated at every step since: it is decoding and not paused (its stream is not
+        read, so a pause would have lasted)."""
+        slot = self.slot()
+        assert slot["busy"] and slot["phase"] == "decode", slot
+        assert not slot["paused"], f"the neighbour's generation paused: {slot}"
+        assert slot["generated_tokens"] > since, f"the neighbour made no progress: {slot}"
 
     def __exit__(self, *exc: object) -> None:
         self._cm.__exit__(None, None, None)
@@ -169,6 +202,93 @@ def openai_stream(response: httpx.Response) -> Iterator[dict[str, Any]]:
             yield {"done": False, "content": choice["text"]}
 
 
+_together_ids = itertools.count()
+
+
+class SlotWatch:
+    """Polls ``GET /slots`` on a thread, from `start` until `stop`, for the first table that
+    shows every one of ``request_ids`` in a slot at once, generating (phase "decode"): proof
+    that those requests overlapped, whatever the speed of the machine (the table is read
+    while they run, not after some fixed time). `table` is that table, or None."""
+
+    def __init__(self, url: str, request_ids: list[str]) -> None:
+        self.url = url
+        self.ids = set(request_ids)
+        self.table: list[dict[str, Any]] | None = None
+        self.polls = 0
+        self.most = 0  # the most of the requests seen generating at once
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with httpx.Client(timeout=30) as client:
+                while not self._stop.is_set():
+                    slots = client.get(f"{self.url}/slots").json()["slots"]
+                    self.polls += 1
+                    generating = {
+                        s["request_id"]
+                        for s in slots
+                        if s["busy"] and s["phase"] == "decode" and s["request_id"] in self.ids
+                    }
+                    self.most = max(self.most, len(generating))
+                    if generating == self.ids:
+                        self.table = slots
+                        return
+                    time.sleep(0.001)
+        except BaseException as e:
+            self.error = e
+
+    def start(self) -> SlotWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread.ident is None:  # never started
+            return
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the /slots poller hung"
+        if self.error is not None:
+            raise self.error
+
+
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled (but for ``model_name``) sample ``llamarunner:<name>`` of
+    ``GET /metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith((f"llamarunner:{name}{{", f"llamarunner:{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no llamarunner:{name} in /metrics")
+
+
+class _SlotHolder:
+    """A streamed generation that holds a slot until `release` (it cannot end by itself for
+    a long while); on return from the constructor it holds one (its first token arrived)."""
+
+    def __init__(self, url: str) -> None:
+        body = {
+            "prompt": "hold",
+            "options": {"num_predict": 1_000_000, "ignore_eos": True, "temperature": 0},
+        }
+        self._cm = httpx.stream("POST", f"{url}/completion", json=body, timeout=60)
+        r = self._cm.__enter__()
+        try:
+            assert r.status_code == 200, r.read()
+            self._lines = ndjson(r)  # kept: a dropped iterator closes the connection
+            first = next(self._lines)
+            assert first["done"] is False, first
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Closes the connection: the server cancels the generation and frees its slot."""
+        self._cm.__exit__(None, None, None)
+
+
 def run_together(
     url: str,
     bodies: list[dict[str, Any]],
@@ -176,18 +296,32 @@ def run_together(
     messages: Callable[[httpx.Response], Iterator[dict[str, Any]]] = ndjson,
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
     """Runs streamed requests side by side (native NDJSON, or another dialect's stream read
-    as native messages by `messages`, e.g. `openai_stream`): each thread opens its stream
-    and waits for its first token, then, with every request started, the slot table is read
-    (the caller proves the overlap from it: every request still busy), then the streams are
-    read to the end. Returns (text, final message) per body and that slot table."""
+    as native messages by `messages`, e.g. `openai_stream`), each with an ``X-Request-Id`` of
+    its own, on an idle server. So that they start together however slow the machine (or
+    late a thread), every slot is first held by a generation of its own; the requests are
+    sent, and once the metrics show all of them waiting in the queue, the holders leave at
+    once: the requests take the slots in the same step or the next few. Each thread waits for
+    its first token; with every request started, the slot table is read; then the streams
+    are read to the end. A `SlotWatch` polls the slot table all the while. Returns (text,
+    final message) per body and a slot table to prove the overlap from (`assert_all_busy`):
+    the first the watch saw with every request generating, else (it never saw that) the one
+    read once all had started."""
     n = len(bodies)
+    run_id = next(_together_ids)
+    ids = [f"together-{os.getpid()}-{run_id}-{i}" for i in range(n)]
     started = threading.Barrier(n + 1, timeout=120)
     snapped = threading.Event()
     results: list[Any] = [None] * n
 
     def run(i: int) -> None:
         try:
-            with httpx.stream("POST", f"{url}{path}", json=bodies[i], timeout=300) as r:
+            with httpx.stream(
+                "POST",
+                f"{url}{path}",
+                json=bodies[i],
+                headers={"X-Request-Id": ids[i]},
+                timeout=300,
+            ) as r:
                 assert r.status_code == 200, r.read()
                 text: list[str] = []
                 final = None
@@ -208,30 +342,61 @@ def run_together(
             started.abort()
             results[i] = e
 
+    def failed() -> bool:
+        return any(isinstance(r, BaseException) for r in results)
+
+    total = len(httpx.get(f"{url}/slots", timeout=10).json()["slots"])
+    holders: list[_SlotHolder] = []
+    watch = SlotWatch(url, ids)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
     slots: list[dict[str, Any]] = []
     try:
+        for _ in range(total):
+            holders.append(_SlotHolder(url))
+        watch.start()
+        for t in threads:
+            t.start()
+        wait_until(
+            lambda: failed() or metric(url, "requests_waiting") == n,
+            f"the {n} requests to wait in the queue",
+        )
+        for h in holders:
+            h.release()
+        holders = []
         started.wait()
         slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
     except threading.BrokenBarrierError:
         pass  # a request failed before it started: its error is raised below
     finally:
+        for h in holders:
+            h.release()
+        if not slots:
+            started.abort()  # this thread failed before the barrier: the others stop waiting
         snapped.set()
         for t in threads:
-            t.join(300)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+            if t.ident is not None:  # started
+                t.join(300)
+        watch.stop()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        # The first error that is not another thread's broken barrier.
+        raise next(
+            (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+        )
     assert slots, "the requests never all started"
+    if watch.table is not None:
+        return results, watch.table
+    print(f"\n{watch.polls} reads of /slots saw at most {watch.most} of {n} generating at once")
     return results, slots
 
 
 def assert_all_busy(slots: list[dict[str, Any]], n: int) -> None:
-    """The slot table shows ``n`` requests generating at once."""
+    """The slot table shows ``n`` requests, each in a slot of its own, generating at once."""
     busy = [s for s in slots if s["busy"]]
     assert len(busy) == n, f"the requests did not overlap: {slots}"
+    assert all(s["phase"] == "decode" for s in busy), f"not all generating: {slots}"
+    ids = {s["request_id"] for s in busy}
+    assert None not in ids and len(ids) == n, f"not {n} requests: {slots}"
 
 
 # --- comparing greedy runs of the real model ---------------------------------------------
@@ -533,6 +698,22 @@ class WatchedServer:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def died_within(self, timeout: float) -> bool:
+        """Whether the process has exited or does within ``timeout`` s (after a transport
+        error, to tell a server that is dying from one that dropped a connection)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def cpu_seconds(self) -> float:
+        """The CPU time (user and system, all threads) the process has used: what a request
+        costs, whatever else the machine is running, where wall-clock time is not."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        # utime and stime: fields 14 and 15 of stat(5), the 12th and 13th after the name.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def log(self) -> str:
         try:

@@ -106,11 +106,16 @@ def test_pieces_of_a_large_vocabulary_agree_with_one_piece(
 def test_independent_of_concurrent_work(small_batch: Server) -> None:
     client = small_batch.client()
     alone = client.embed("hello world")
-    # A generation runs in the main context for the whole time the embeddings are computed.
+    # A generation runs in the main context for the whole time the embeddings are computed:
+    # it was generating before they were sent, and once they came back it had made progress,
+    # was still decoding and had never paused (nothing reads its stream, so a pause would
+    # have lasted): each step that computed an embedding (one a step) decoded it too.
     with Neighbour(small_batch.url) as neighbour, ThreadPoolExecutor(4) as pool:
+        before = neighbour.generated()
         beside = [pool.submit(client.embed, "hello world") for _ in range(4)]
         for f in beside:
             assert f.result() == alone  # a context of its own: bit for bit
+        neighbour.assert_generating(since=before)
         neighbour.still_running()
 
 

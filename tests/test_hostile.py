@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from helpers import WatchedServer, wait_idle
+from helpers import WatchedServer, metric, wait_idle, wait_until
 from tinymodel import write_tiny_model
 
 # Hypothesis keeps a cache (and by default an example database) under ./.hypothesis; keep the
@@ -148,8 +148,7 @@ def exchange(
         srv.tainted = True
         raise ServerHung(f"no answer within {timeout} s ({e!r}) to {what}") from None
     except httpx.TransportError as e:
-        time.sleep(0.3)
-        if not srv.alive():
+        if srv.died_within(5):
             raise ServerDied(f"the server died answering {what}: {srv.describe()}") from None
         raise AssertionError(f"transport error {e!r} answering {what}") from None
     if not srv.alive():
@@ -1251,7 +1250,7 @@ def post(srv: WatchedServer, path: str, body: dict[str, Any], timeout: float) ->
     except httpx.TimeoutException:
         pytest.fail(f"{path} got no answer within {timeout} s")
     except httpx.TransportError as e:
-        time.sleep(0.5)
+        srv.died_within(5)  # a dying server: its state, once it is gone
         pytest.fail(f"{path} got no answer ({e!r}); {srv.describe()}")
 
 
@@ -1307,16 +1306,18 @@ def test_b_a_huge_repeat_last_n_is_cheap(
     # The watchdog kills the server at 1.5 GB (the host's sake); the bound asserted is 1 GB.
     srv = spawn("--parallel", "1", rss_limit_mb=1536)
     before = srv.rss_kb()
-    started = time.monotonic()
-    r = post(srv, path, body, timeout=30)
-    elapsed = time.monotonic() - started
+    started, cpu_before = time.monotonic(), srv.cpu_seconds()
+    r = post(srv, path, body, timeout=60)
+    elapsed, cpu = time.monotonic() - started, srv.cpu_seconds() - cpu_before
     peak_mb = srv.peak_rss_kb // 1024
     print(
-        f"\n[b] {path}: {r.status_code} in {elapsed:.3f} s, "
+        f"\n[b] {path}: {r.status_code} in {elapsed:.3f} s ({cpu:.3f} s of CPU), "
         f"RSS {before // 1024} MB before, peak {peak_mb} MB"
     )
     assert r.status_code == 200, f"{r.status_code} {r.text[:300]}"
-    assert elapsed < 2.5, f"took {elapsed:.2f} s"
+    # The server's CPU time, not the wall clock (which a loaded machine stretches): a scan of
+    # 2^31 penalty entries per token would take seconds of it; three tokens take milliseconds.
+    assert cpu < 2.5, f"took {cpu:.2f} s of CPU"
     assert peak_mb < 1024, f"RSS peaked at {peak_mb} MB"
     assert srv.alive(), srv.describe()
 
@@ -1377,6 +1378,10 @@ def slots_busy(url: str) -> int:
     return sum(1 for s in httpx.get(f"{url}/slots", timeout=5).json()["slots"] if s["busy"])
 
 
+# How long test_c waits for an answer that must not wait for the busy slot.
+REQUEST_WAIT = 60
+
+
 def test_c_a_busy_slot_does_not_delay_embeddings_or_validation_errors(
     spawn: Callable[..., WatchedServer],
 ) -> None:
@@ -1385,14 +1390,13 @@ def test_c_a_busy_slot_does_not_delay_embeddings_or_validation_errors(
     try:
         busy.wait_started()
         assert slots_busy(srv.url) == 1
-        checks: list[tuple[str, str, dict[str, Any], int, float]] = [
-            ("embedding", "/embedding", {"content": "hello world"}, 200, 5.0),
+        checks: list[tuple[str, str, dict[str, Any], int]] = [
+            ("embedding", "/embedding", {"content": "hello world"}, 200),
             (
                 "prompt too long, truncate false",
                 "/completion",
                 {"prompt": "hello " * 2000, "truncate": False, "options": {"num_predict": 1}},
                 400,
-                2.0,
             ),
             (
                 "logit_bias id outside the vocabulary",
@@ -1404,28 +1408,28 @@ def test_c_a_busy_slot_does_not_delay_embeddings_or_validation_errors(
                     "logit_bias": {"99999999": 1},
                 },
                 400,
-                2.0,
             ),
             (
                 "invalid grammar",
                 "/completion",
                 {"prompt": "hi", "grammar": "root ::= (", "options": {"num_predict": 1}},
                 400,
-                2.0,
             ),
         ]
+        # Each must be answered while the only slot stays busy with a generation that cannot
+        # end for a long while (10^9 tokens): an answer that waited for the slot would never
+        # come (and time out). No bound on the wall-clock time: a loaded machine stretches it.
         results = []
-        for name, path, body, want, limit in checks:
+        for name, path, body, want in checks:
             started = time.monotonic()
             try:
-                r = httpx.post(f"{srv.url}{path}", json=body, timeout=limit + 4)
+                r = httpx.post(f"{srv.url}{path}", json=body, timeout=REQUEST_WAIT)
                 got = f"{r.status_code} {r.text[:120]}"
-                ok_status = r.status_code == want
+                ok = r.status_code == want and busy.running()
             except httpx.TimeoutException:
-                got, ok_status = f"no answer within {limit + 4} s", False
+                got, ok = f"no answer within {REQUEST_WAIT} s", False
             elapsed = time.monotonic() - started
-            ok = ok_status and elapsed < limit
-            results.append((ok, f"{name}: {got} after {elapsed:.2f} s (want {want} < {limit} s)"))
+            results.append((ok, f"{name}: {got} after {elapsed:.2f} s (want {want})"))
             assert srv.alive(), srv.describe()
         print("\n[c] " + "\n[c] ".join(text for _, text in results))
         assert busy.running(), "the long generation ended early: the checks proved nothing"
@@ -1489,20 +1493,24 @@ def test_d_cancelled_queued_requests_leave_the_queue(
         body = {"prompt": "queued", "options": {"num_predict": 2}}
         queued = [raw_post(srv.url, "/completion", body) for _ in range(2)]
         opened += queued
-        time.sleep(0.5)
+        wait_until(lambda: metric(srv.url, "requests_waiting") == 2, "two requests queued")
         for s in queued:
             assert read_status(s, 0.2) is None, "a request answered though the slot is busy"
         # The queue is full: one more is refused at once.
-        r = httpx.post(f"{srv.url}/completion", json=body, timeout=5)
+        r = httpx.post(f"{srv.url}/completion", json=body, timeout=30)
         assert r.status_code == 429, f"with the queue full: {r.status_code} {r.text[:200]}"
-        # The two queued clients go away.
+        # The two queued clients go away; the server drops them from the queue.
         for s in queued:
             s.shutdown(socket.SHUT_RDWR)
             s.close()
-        time.sleep(1.0)
+        wait_until(
+            lambda: metric(srv.url, "requests_waiting") == 0, "the cancelled requests to leave"
+        )
         fresh = [raw_post(srv.url, "/completion", body) for _ in range(2)]
         opened += fresh
-        statuses = [read_status(s, 2.0) for s in fresh]
+        # Both wait in the queue (a refused one would not be counted), unanswered.
+        wait_until(lambda: metric(srv.url, "requests_waiting") == 2, "the new requests queued")
+        statuses = [read_status(s, 0.2) for s in fresh]
         print(f"\n[d] after the queued clients left, two new requests: {statuses} (None = queued)")
         assert busy.running(), "the long generation ended early: the check proved nothing"
         assert statuses == [None, None], (

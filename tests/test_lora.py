@@ -186,7 +186,8 @@ def test_concurrent_requests_of_different_sets_answer_as_each_alone(lora: Fixtur
     the one the request gets alone."""
     url = lora.server.url
     sets = [scales(0, 0), scales(1, 0), scales(0, 1), scales(1, 1)]
-    # Long enough to be still generating when the slot table is read.
+    # Long enough for the four to overlap: the slot table, polled while they run, shows all
+    # four generating at once (each in a slot of its own, by request id).
     options = {**GREEDY, "num_predict": 256}
     bodies = [
         {"prompt": f"the {w} is a", "options": options, "lora": s}
@@ -196,6 +197,7 @@ def test_concurrent_requests_of_different_sets_answer_as_each_alone(lora: Fixtur
     wait_idle(url)
     results, slots = run_together(url, bodies)
     assert_all_busy(slots, 4)
+    assert all(final["eval_count"] == 256 for _, final in results), results
     assert [text for text, _ in results] == alone
     assert len(set(alone)) == 4
 

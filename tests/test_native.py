@@ -22,7 +22,7 @@ from helpers import (
     stream_lines,
     wait_idle,
 )
-from tinymodel import write_cycle_model
+from tinymodel import write_chain_model, write_cycle_model
 
 GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 16}
 
@@ -99,12 +99,24 @@ def test_second_identical_prompt_reuses_the_cache(tiny_server: Server) -> None:
     assert final["prompt_cached_count"] == final["prompt_eval_count"] - 1
 
 
-def test_eog_ends_with_stop(eos_model: Path, start_server: Callable[..., Server]) -> None:
+def test_eog_ends_with_stop(
+    eos_model: Path, tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    """EOG ends a generation with "stop" well before ``num_predict``, at once (the EOS model)
+    or after text (a model that writes the alphabet, then EOS): what came before it is the
+    whole text, EOG is counted and not written; ignoring EOS, the same request runs on to
+    ``num_predict``, so EOG, and nothing else, ended it."""
     srv = start_server(eos_model)
     text, final = complete(srv.url, "hello", temperature=0, num_predict=50)
     assert final["done_reason"] == "stop"
     assert final["eval_count"] == 1
     assert text == ""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    chain = start_server(write_chain_model(tmp_path / "chain.gguf", alphabet))
+    text, final = complete(chain.url, "hello", temperature=0, num_predict=50)
+    assert (text, final["done_reason"], final["eval_count"]) == (alphabet, "stop", 27)
+    _, final = complete(chain.url, "hello", temperature=0, num_predict=50, ignore_eos=True)
+    assert (final["done_reason"], final["eval_count"]) == ("length", 50)
 
 
 def test_ignore_eos_generates_to_the_limit(

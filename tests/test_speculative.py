@@ -1,7 +1,7 @@
 """Speculative decoding (prompt-lookup drafts) end to end on real llama.cpp: the output with
 drafts is the output without them, single and batched, with stop strings, ``num_predict``,
-grammars and logprobs; drafted and accepted tokens are reported; the settings and the request
-field are validated."""
+EOG, grammars and logprobs (each with drafts made: the counts say so); drafted and accepted
+tokens are reported; the settings and the request field are validated."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from helpers import (
     text_same_or_near_tie,
     wait_idle,
 )
-from tinymodel import model_tensors, write_tiny_model
+from tinymodel import model_tensors, write_chain_model, write_tiny_model
 
 # A prompt that repeats itself: lookups find drafts in it.
 REPEAT = "one two three four five six seven eight " * 6
@@ -79,7 +79,11 @@ def run(url: str, prompt: str, speculative: bool, **options: Any) -> tuple[str, 
 
 
 def test_greedy_output_with_rejected_drafts_is_the_output_without(tiny4: Server) -> None:
-    for prompt, n in [(REPEAT, 120), ("abc", 60), ("x" * 30, 40)]:
+    # Long enough for the random model's output to repeat itself, so that lookups draft:
+    # from every prompt (with or without the penalty), and under each penalty.
+    prompts = [(REPEAT, 120), ("abc", 200), ("x" * 30, 200)]
+    drafts: dict[tuple[str, float], int] = {}
+    for prompt, n in prompts:
         for penalty in (1.0, 1.1):
             plain, plain_final = run(
                 tiny4.url, prompt, False, num_predict=n, repeat_penalty=penalty
@@ -89,14 +93,26 @@ def test_greedy_output_with_rejected_drafts_is_the_output_without(tiny4: Server)
             assert final["eval_count"] == plain_final["eval_count"] == n
             assert plain_final["draft_count"] == 0
             assert 0 <= final["draft_accepted_count"] <= final["draft_count"]
+            drafts[prompt, penalty] = final["draft_count"]
+    assert all(drafts[p, 1.0] + drafts[p, 1.1] > 0 for p, _ in prompts), drafts
+    assert all(sum(drafts[p, q] for p, _ in prompts) > 0 for q in (1.0, 1.1)), drafts
     # Drafts were made from the repetitive prompt (and the cut cells did not change the text).
     _, final = run(tiny4.url, REPEAT, True, num_predict=120)
     assert final["draft_count"] > 0, final
-    # Ending at EOG, as without drafts.
-    plain, plain_final = run(tiny4.url, REPEAT, False, num_predict=120, ignore_eos=False)
-    drafted, final = run(tiny4.url, REPEAT, True, num_predict=120, ignore_eos=False)
-    assert (drafted, final["done_reason"]) == (plain, plain_final["done_reason"])
-    assert final["eval_count"] == plain_final["eval_count"]
+    # Ending at EOG, as without drafts, after rejected drafts. Prompts after which the random
+    # model reaches EOG within 120 tokens, having drafted before (on this model: 17 to 102
+    # tokens, 16 to 48 drafted); a near-tie on another CPU may send one elsewhere, so one of
+    # them reaching it is enough.
+    eog = 0
+    for prompt in (REPEAT + "t", REPEAT + "j", REPEAT + "u", "one two three one two three one two"):
+        plain, plain_final = run(tiny4.url, prompt, False, num_predict=120, ignore_eos=False)
+        drafted, final = run(tiny4.url, prompt, True, num_predict=120, ignore_eos=False)
+        assert (drafted, final["done_reason"]) == (plain, plain_final["done_reason"]), prompt
+        assert final["eval_count"] == plain_final["eval_count"], prompt
+        # No stop strings: "stop" before the limit is EOG.
+        if final["done_reason"] == "stop" and final["eval_count"] < 120:
+            eog += final["draft_count"] > final["draft_accepted_count"]
+    assert eog > 0, "no prompt reached EOG after drafts"
 
 
 def test_greedy_output_with_accepted_drafts_is_the_output_without(looper: Server) -> None:
@@ -135,37 +151,62 @@ def test_four_concurrent_requests_with_drafts_match_their_plain_output(
     plain = [run(srv.url, p, False, num_predict=320)[0] for p in prompts]
     wait_idle(srv.url)
     options = {"temperature": 0, "num_predict": 320, "ignore_eos": True, "repeat_penalty": 1.0}
-    together, _ = run_together(
+    together, slots = run_together(
         srv.url, [{"prompt": p, "options": options, "speculative": True} for p in prompts]
     )
-    # (Not asserted that the slot table showed all four busy: a tiny model's stream of a few
-    # hundred tokens takes well under a second, and on a loaded machine some may be done before
-    # the table is read. The scheduler tests prove batched drafting step by step; the real
-    # model's test below asserts the overlap.)
+    # All four were generating at once (the slot table is polled while they run: a tiny
+    # model's streams take well under a second), so their drafts shared batches.
+    assert_all_busy(slots, 4)
     for p, want, (got, final) in zip(prompts, plain, together):
         assert got == want, p
         assert final["eval_count"] == 320
-    assert sum(final["draft_count"] for _, final in together) > 0
+        assert final["draft_count"] > 0, (p, final)
     if model == "looper":
         assert all(final["draft_accepted_count"] > 0 for _, final in together)
+
+
+def test_eog_inside_accepted_drafts_ends_the_output_there(
+    tmp_path: Path, start_server: Any
+) -> None:
+    """A model that writes the alphabet, then EOS (`write_chain_model`), after a prompt that
+    holds the alphabet: lookups draft it, and the draft made at "Z" (" hello", from the
+    prompt) is rejected for EOS. The text ends at EOG, well before `num_predict`, as
+    without drafts."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    srv = start_server(
+        write_chain_model(tmp_path / "chain.gguf", alphabet), ctx_size=512, draft_always=True
+    )
+    for spec in (False, True):
+        text, final = run(srv.url, alphabet + " hello", spec, num_predict=80, ignore_eos=False)
+        assert (text, final["done_reason"], final["eval_count"]) == (alphabet, "stop", 27)
+        if spec:
+            assert 0 < final["draft_accepted_count"] < final["draft_count"], final
+        else:
+            assert final["draft_count"] == 0, final
 
 
 @pytest.mark.parametrize("model", ["tiny4", "looper"])
 def test_stop_strings_num_predict_grammar_and_logprobs_are_unchanged(
     model: str, request: pytest.FixtureRequest
 ) -> None:
+    """Each case drafts (lookups find nothing in REPEAT's first tokens: the cases run long
+    enough for the output to repeat itself), and its output is the output without drafts."""
     tiny4: Server = request.getfixturevalue(model)
-    full, _ = run(tiny4.url, REPEAT, False, num_predict=80)
-    # A stop string inside the generated text.
-    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    full, _ = run(tiny4.url, REPEAT, False, num_predict=120)
+    # A stop string inside the generated text, found after drafts were made: 3 characters
+    # from the 60th on the random model, which drafts late; 30 on the looper, whose loop
+    # holds every short string from its first tokens.
+    stop = full[60:63] if model == "tiny4" else full[60:90]
     for spec in (False, True):
-        text, final = run(tiny4.url, REPEAT, spec, num_predict=80, stop=[stop])
+        text, final = run(tiny4.url, REPEAT, spec, num_predict=120, stop=[stop])
         assert text == full[: full.index(stop)]
         assert final["done_reason"] == "stop"
-    for n in (1, 2, 5, 13):
+        assert (final["draft_count"] > 0) == spec, final
+    for n in (1, 2, 5, 13, 90):
         a, fa = run(tiny4.url, REPEAT, False, num_predict=n)
         b, fb = run(tiny4.url, REPEAT, True, num_predict=n)
         assert a == b and fa["eval_count"] == fb["eval_count"] == n
+    assert fb["draft_count"] > 0, fb  # n = 90
     # A grammar: drafts the grammar does not allow are cut by the verification.
     grammar = 'root ::= ("ab" | "cd" | " ")+'
     a, _ = complete(
@@ -185,6 +226,10 @@ def test_stop_strings_num_predict_grammar_and_logprobs_are_unchanged(
         ignore_eos=True,
     )
     assert a == b and set(a) <= set("abcd ")
+    # Drafts were made under the grammar (from the output's own repeats), and verified.
+    assert fb["draft_count"] > 0, fb
+    if model == "looper":
+        assert fb["draft_accepted_count"] > 0, fb
     # Logprobs through the OpenAI dialect, with usage reporting the predictions.
     outs = []
     for spec in (False, True):
@@ -192,7 +237,7 @@ def test_stop_strings_num_predict_grammar_and_logprobs_are_unchanged(
             f"{tiny4.url}/v1/completions",
             json={
                 "prompt": REPEAT,
-                "max_tokens": 40,
+                "max_tokens": 90,
                 "temperature": 0,
                 "logprobs": 2,
                 "ignore_eos": True,
@@ -210,6 +255,7 @@ def test_stop_strings_num_predict_grammar_and_logprobs_are_unchanged(
     assert lp[0] == pytest.approx(lp[1], abs=1e-3)
     details = [o["usage"]["completion_tokens_details"] for o in outs]
     assert details[0] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    assert sum(details[1].values()) > 0, details
     if model == "looper":
         assert details[1]["accepted_prediction_tokens"] > 0
 
@@ -271,10 +317,12 @@ def test_a_speculative_field_that_is_not_a_boolean_is_a_400(tiny4: Server, bad: 
 
 
 def test_speculation_off_server_wide(tiny_model: Path, start_server: Any) -> None:
-    srv = start_server(tiny_model, draft_max=0)
+    # Both look up 1-grams and verify every draft found (`draft_always`): no drafts is then
+    # `draft_max` 0's doing, not what the adaptation measured on a loaded machine.
+    srv = start_server(tiny_model, draft_max=0, spec_ngram=1, draft_always=True)
     plain, final = run(srv.url, REPEAT, True, num_predict=60)
     assert final["draft_count"] == 0
-    srv2 = start_server(tiny_model, draft_max=4, draft_min=2, spec_ngram=1)
+    srv2 = start_server(tiny_model, draft_max=4, draft_min=2, spec_ngram=1, draft_always=True)
     text, final = complete(
         srv2.url, REPEAT, temperature=0, num_predict=60, ignore_eos=True, repeat_penalty=1.0
     )

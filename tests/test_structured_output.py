@@ -305,7 +305,7 @@ def send(client: httpx.Client, srv: WatchedServer, route: str, body: dict[str, A
     except httpx.TimeoutException:
         pytest.fail(f"no answer within {REQUEST_TIMEOUT} s to {what}")
     except httpx.TransportError as e:
-        time.sleep(0.3)
+        srv.died_within(5)  # a dying server: its state, once it is gone
         pytest.fail(
             f"transport error {e!r} (server alive: {srv.alive()}) to {what}: {srv.describe()}"
         )

@@ -173,6 +173,31 @@ def write_cycle_model(path: Path, text: str) -> Path:
     return write_tiny_model(path, tensors=tensors)
 
 
+def write_chain_model(path: Path, text: str) -> Path:
+    """A model whose greedy continuation of any prompt that ends in a token outside ``text``
+    is the bytes of ``text``, one byte token at a time, then EOS (``text``'s bytes must all
+    differ): as `write_cycle_model`, but the last byte is followed by EOS instead of the
+    first. The chosen token's logit is far above every other's, so nothing machine-dependent
+    can change the text or where it ends."""
+    chain = [3 + b for b in text.encode()]
+    assert len(set(chain)) == len(chain) < N_EMBD, text
+    tensors = model_tensors()
+    n_vocab = tensors["token_embd.weight"].shape[0]
+    eye = np.eye(N_EMBD, dtype=np.float32)
+    embd = np.tile(eye[N_EMBD - 1], (n_vocab, 1))  # every other token: the last basis vector
+    output = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
+    output[chain[0]] = eye[N_EMBD - 1] * 10  # ... is followed by the first byte
+    for i, token in enumerate(chain):
+        embd[token] = eye[i]
+        output[chain[i + 1] if i + 1 < len(chain) else 2] += eye[i] * 10
+    tensors["token_embd.weight"] = embd
+    tensors["output.weight"] = output
+    for i in range(N_LAYER):
+        for name in ("attn_output", "ffn_down"):
+            tensors[f"blk.{i}.{name}.weight"] = np.zeros_like(tensors[f"blk.{i}.{name}.weight"])
+    return write_tiny_model(path, tensors=tensors)
+
+
 def hidden_states(
     tokens: list[int], tensors: dict[str, np.ndarray], *, f16_cache: bool = True
 ) -> np.ndarray:
