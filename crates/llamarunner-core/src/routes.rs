@@ -6,7 +6,7 @@ use axum::Router;
 use crate::dialects::{native, ollama, openai};
 use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::{access, middleware, AppState};
-use crate::ops::{lora, metrics, slots};
+use crate::ops::{lora, metrics, props, slots, tokenizer};
 
 /// All routes, behind the request policy's layers (`middleware.rs`), all behind the access
 /// layer (`access.rs`: request ids, outcomes, access lines).
@@ -20,14 +20,14 @@ pub fn router(state: AppState) -> Router {
     let routes = routes
         .route("/completion", post(native::completion))
         .route("/embedding", post(native::embedding))
-        .route("/health", get(native::health))
-        .route("/slots", get(native::slots))
+        .route("/health", get(props::health))
+        .route("/slots", get(slots::list))
         .route("/slots/{id}", post(slots::action))
-        .route("/tokenize", post(native::tokenize))
-        .route("/detokenize", post(native::detokenize))
-        .route("/props", get(native::props))
+        .route("/tokenize", post(tokenizer::tokenize))
+        .route("/detokenize", post(tokenizer::detokenize))
+        .route("/props", get(props::props))
         .route("/lora-adapters", get(lora::list).post(lora::set))
-        .route("/apply-template", post(native::apply_template))
+        .route("/apply-template", post(tokenizer::apply_template))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))

@@ -1,7 +1,7 @@
 //! The wire formats: each dialect turns its requests into checked engine requests (through
 //! `requests/`) and the engine's events into its responses, and nothing else.
 //!
-//! - `native.rs`: the runner's own (`/completion`, `/embedding`, `/tokenize`, `/props`, ...);
+//! - `native.rs`: the runner's own (`/completion`, `/embedding`);
 //! - `openai.rs`: OpenAI's chat completions, completions, embeddings and models;
 //! - `ollama.rs`: Ollama's `/api/*`.
 

@@ -1,12 +1,11 @@
-//! The runner's native API, the Ollama runner's wire format: `POST /completion` (NDJSON stream),
-//! `GET /health`; and llama-server's tokenizer and property routes (`POST /tokenize`,
-//! `POST /detokenize`, `GET /props`).
+//! The runner's native API, the Ollama runner's wire format: `POST /completion` (NDJSON stream)
+//! and `POST /embedding`. Health, props, slots and the tokenizer routes are in `ops/`.
 
 use std::convert::Infallible;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
@@ -15,16 +14,13 @@ use serde_json::json;
 
 use crate::http::error::ApiError;
 use crate::http::AppState;
-use crate::protocol::{Event, LoadState, Token, LLAMA_CPP_2_VERSION};
+use crate::protocol::Event;
 use crate::requests::common::{
-    chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, render_chat,
-    start_generation,
+    chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, start_generation,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::options::Options;
-use crate::requests::tool_calls::ToolRequest;
-use crate::requests::validate;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
 /// runner's capitalized keys are accepted too.
@@ -166,195 +162,6 @@ pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Res
         "embedding": embedding.vector,
         "prompt_eval_count": embedding.prompt_eval_count,
         "truncated": embedding.truncated,
-    }))
-    .into_response())
-}
-
-/// `GET /slots`: each slot's id, busy flag, cached tokens and last use, and what its request is
-/// doing: phase, prompt tokens (cached, processed), tokens generated, paused for its client.
-pub async fn slots(State(state): State<AppState>) -> Response {
-    Json(json!({ "slots": state.engine.health.slot_table() })).into_response()
-}
-
-/// `GET /health`: 200 when ready, 503 while loading, 500 when the model failed to load.
-pub async fn health(State(state): State<AppState>) -> Response {
-    let h = &state.engine.health;
-    let load = h.state();
-    let (busy, total) = h.slots();
-    let mut body = json!({
-        "status": load.as_str(),
-        "progress": h.progress(),
-        "slots_idle": total.saturating_sub(busy),
-        "slots_processing": busy,
-    });
-    if let Some(e) = h.error() {
-        body["error"] = json!(e);
-    }
-    let status = match load {
-        LoadState::Ready => StatusCode::OK,
-        LoadState::Loading => StatusCode::SERVICE_UNAVAILABLE,
-        LoadState::Error => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    (status, Json(body)).into_response()
-}
-
-/// Body of `POST /apply-template`.
-#[derive(Debug, Deserialize)]
-struct ApplyTemplateRequest {
-    #[serde(default)]
-    messages: Option<Vec<serde_json::Value>>,
-    #[serde(default)]
-    add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    tools: Option<Vec<serde_json::Value>>,
-    #[serde(default)]
-    tool_choice: Option<serde_json::Value>,
-}
-
-/// `POST /apply-template`: `{"messages"}` -> `{"prompt"}`, the text the chat endpoints would
-/// generate from (without the BOS the tokenizer adds), as llama-server's endpoint of that name.
-pub async fn apply_template(
-    State(state): State<AppState>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    ensure_ready(&state)?;
-    let req: ApplyTemplateRequest = parse_json(&body)?;
-    let messages = parse_messages(req.messages.unwrap_or_default())?.messages;
-    let tools = ToolRequest::parse(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
-    let history = messages
-        .iter()
-        .any(|m| m.role == "tool" || m.extra.contains_key("tool_calls"));
-    if tools.is_some() || history {
-        // As the chat endpoints prepare it: tools in the prompt, earlier calls and results.
-        let mut params = crate::protocol::params::SamplingParams::default();
-        let (prompt, _) =
-            crate::requests::tool_calls::chat_request(&state, messages, tools, &mut params, None)
-                .await?;
-        return Ok(Json(json!({ "prompt": prompt })).into_response());
-    }
-    let prompt = render_chat(&state, messages, req.add_generation_prompt.unwrap_or(true)).await?;
-    Ok(Json(json!({ "prompt": prompt })).into_response())
-}
-
-/// Body of `POST /tokenize`.
-#[derive(Debug, Deserialize)]
-struct TokenizeRequest {
-    #[serde(default)]
-    content: Option<String>,
-    /// Add BOS (and EOS) when the model wants them, as prompts get (default false, as
-    /// llama-server).
-    #[serde(default)]
-    add_special: Option<bool>,
-    /// Return `{"id", "piece"}` objects instead of ids.
-    #[serde(default)]
-    with_pieces: Option<bool>,
-}
-
-/// A token's piece for JSON: a string when it is valid UTF-8, else its bytes (a piece may be
-/// part of a character), as llama-server answers.
-fn piece_json(bytes: Vec<u8>) -> serde_json::Value {
-    match String::from_utf8(bytes) {
-        Ok(text) => json!(text),
-        Err(e) => json!(e.into_bytes()),
-    }
-}
-
-/// `POST /tokenize`: `{"content", "add_special"?, "with_pieces"?}` -> `{"tokens": [id]}` or,
-/// with pieces, `{"tokens": [{"id", "piece"}]}`. Special tokens in the text are parsed. The
-/// text is bounded as a prompt is and tokenized on the blocking pool.
-pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let info = model_info(&state)?;
-    let req: TokenizeRequest = parse_json(&body)?;
-    let content = req
-        .content
-        .ok_or_else(|| ApiError::invalid("content is required"))?;
-    let tokens =
-        validate::tokenize_text(&info, content, req.add_special.unwrap_or(false), "content")
-            .await?;
-    if !req.with_pieces.unwrap_or(false) {
-        return Ok(Json(json!({ "tokens": tokens })).into_response());
-    }
-    let text = info.text.clone();
-    let pieces = validate::blocking(move || {
-        tokens
-            .iter()
-            .map(|&id| json!({"id": id, "piece": piece_json(text.piece(id))}))
-            .collect::<Vec<_>>()
-    })
-    .await?;
-    Ok(Json(json!({ "tokens": pieces })).into_response())
-}
-
-/// Body of `POST /detokenize`.
-#[derive(Debug, Deserialize)]
-struct DetokenizeRequest {
-    #[serde(default)]
-    tokens: Option<Vec<i64>>,
-}
-
-/// `POST /detokenize`: `{"tokens": [id]}` -> `{"content"}`, the pieces joined (special tokens
-/// as their text; bytes that are not UTF-8 become U+FFFD). Ids outside the vocabulary are a
-/// 400; at most `validate::max_detokenize_tokens` ids.
-pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let info = model_info(&state)?;
-    let req: DetokenizeRequest = parse_json(&body)?;
-    let ids = req
-        .tokens
-        .ok_or_else(|| ApiError::invalid("tokens is required"))?;
-    let tokens: Vec<Token> = validate::check_token_ids(&ids, &info)?;
-    let text = info.text.clone();
-    let content = validate::blocking(move || {
-        let bytes: Vec<u8> = tokens.iter().flat_map(|&t| text.piece(t)).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    })
-    .await?;
-    Ok(Json(json!({ "content": content })).into_response())
-}
-
-/// `GET /props`: what this server serves and how (llama-server's key names where it has
-/// them): the model, context per slot, slots, chat template, BOS/EOS, build.
-pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let info = model_info(&state)?;
-    let (_, total) = state.engine.health.slots();
-    let special = |token: Option<Token>| {
-        token.map(|t| String::from_utf8_lossy(&info.text.piece(t)).into_owned())
-    };
-    let file = info
-        .path
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned());
-    let version = env!("CARGO_PKG_VERSION");
-    Ok(Json(json!({
-        "model_alias": state.model_name.as_ref(),
-        // The file's name only: an absolute path tells clients about the server's disk.
-        "model_path": file,
-        "total_slots": total,
-        "n_ctx": info.slot_ctx,
-        "n_ctx_total": info.slot_ctx.saturating_mul(total as usize),
-        "default_generation_settings": {"n_ctx": info.slot_ctx},
-        "chat_template": info.template.source,
-        "chat_template_name": info.template.name,
-        "bos_token": special(info.bos),
-        "bos_token_id": info.bos,
-        "eos_token": special(info.eos),
-        "eos_token_id": info.eos,
-        "model": {
-            "architecture": info.architecture,
-            "quantization": info.quantization,
-            "n_params": info.n_params,
-            "n_vocab": info.n_vocab,
-            "n_ctx_train": info.n_ctx_train,
-            "n_embd": info.n_embd,
-            "n_layer": info.n_layer,
-            "size": info.file_size,
-        },
-        "slot_save": state.slot_save_path.is_some(),
-        // As llama-server: whether requests may carry images (`--mmproj`) or audio (never).
-        "modalities": {"vision": info.vision.is_some(), "audio": false},
-        "build_info": format!("llamarunner {version} (llama-cpp-2 {LLAMA_CPP_2_VERSION})"),
-        "version": version,
-        "llama_cpp_2_version": LLAMA_CPP_2_VERSION,
-        "system_info": info.system_info,
     }))
     .into_response())
 }

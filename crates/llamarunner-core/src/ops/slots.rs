@@ -336,6 +336,12 @@ pub fn prepare_dir(dir: &Path) -> Result<Arc<Path>, String> {
     Ok(Arc::from(dir))
 }
 
+/// `GET /slots`: each slot's id, busy flag, cached tokens and last use, and what its request is
+/// doing: phase, prompt tokens (cached, processed), tokens generated, paused for its client.
+pub async fn list(State(state): State<AppState>) -> Response {
+    Json(json!({ "slots": state.engine.health.slot_table() })).into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
