@@ -10,6 +10,11 @@ the model's template), greedy, streamed with usage. Reported per row: aggregate 
 tokens/s over the wall time, median time to first token (which includes compiling the grammar:
 the constrained row's TTFT minus the unconstrained row's is the compile time), and for ours the
 ratio to llama-server and to our own unconstrained speed.
+
+Then, for our server alone, the compile time of each schema and grammar (``--compiles N``
+requests of one token each, one at a time): p50 and p99 from the server's
+``llamarunner:grammar_compile_seconds`` histogram (interpolated within its buckets, as
+Prometheus's ``histogram_quantile`` does).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benches.load import Running, llama_server, ours
 
@@ -149,6 +155,47 @@ def run(
     }
 
 
+COMPILE_HISTOGRAM = "llamarunner:grammar_compile_seconds"
+
+
+def compile_buckets(server: Running) -> list[tuple[float, float]]:
+    """Our server's compile-time histogram: (upper bound, cumulative count) per bucket."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sorted(
+        (float(s.labels["le"]), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == COMPILE_HISTOGRAM + "_bucket"
+    )
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """`histogram_quantile`: the bucket holding the q-th observation, interpolated linearly."""
+    total = buckets[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = upper, count
+    return lower
+
+
+def compile_times(server: Running, kind: str, n: int) -> tuple[float, float]:
+    """p50 and p99 compile time (ms) of `kind` over `n` one-token requests."""
+    before = compile_buckets(server)
+    for _ in range(n):
+        request(server, kind, 1)
+    after = compile_buckets(server)
+    diff = [(le, a - b) for (le, a), (_, b) in zip(after, before)]
+    if not diff or diff[-1][1] < n:
+        raise RuntimeError(f"{kind}: {diff[-1][1] if diff else 0} compiles counted, not {n}")
+    return quantile(0.5, diff) * 1000, quantile(0.99, diff) * 1000
+
+
 @contextmanager
 def pythonpath(path: str | None) -> Iterator[None]:
     """Starts our server from another build of the package (a wheel unpacked at `path`)."""
@@ -192,6 +239,12 @@ def main() -> None:
         default=[],
         metavar="LABEL=PATH",
         help="also run our server from the package unpacked at PATH (another build), as LABEL",
+    )
+    p.add_argument(
+        "--compiles",
+        type=int,
+        default=50,
+        help="one-token requests per schema and grammar for the compile-time table (0: none)",
     )
     a = p.parse_args()
     model = a.model
@@ -245,6 +298,16 @@ def main() -> None:
                 f"| {own} | {' / '.join(cell(r, 'ttft_ms', '{:.0f}') for r in got)} "
                 f"| {' / '.join(cell(r, 'tokens', '{:.0f}') for r in got)} |"
             )
+
+    constrained = [k for k in kinds if k != "plain"]
+    if a.compiles <= 0 or not constrained:
+        return
+    with ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai") as server:
+        times = {kind: compile_times(server, kind, a.compiles) for kind in constrained}
+    print(f"\n| compile ({a.compiles} requests, llamarunner) | p50 ms | p99 ms |")
+    print("|---|---|---|")
+    for kind, (p50, p99) in times.items():
+        print(f"| {kind} | {p50:.2f} | {p99:.2f} |")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ def test_every_metric_is_exported_with_its_type_and_the_model_name(srv: Server) 
         "request_queue_time_seconds": "histogram",
         "request_prompt_tokens": "histogram",
         "request_generation_tokens": "histogram",
+        "grammar_compile_seconds": "histogram",
+        "grammar_compile_failures": "counter",
+        "grammar_sequences": "counter",
+        "grammar_token_checks": "counter",
+        "grammar_masks": "counter",
+        "grammar_mask_seconds": "counter",
     }
     for name, kind in expected.items():
         family = m.families.get(PREFIX + name)
@@ -141,6 +147,43 @@ def test_every_metric_is_exported_with_its_type_and_the_model_name(srv: Server) 
         assert m.value("request_success_total", finished_reason=reason) >= 0
     for reason in ("queue_full", "invalid", "unauthorized", "cancelled"):
         assert m.value("requests_rejected_total", reason=reason) >= 0
+
+
+def test_grammar_work_is_counted(srv: Server) -> None:
+    """A compile per grammar (a refused one counted as a failure too), and per constrained
+    sequence its token checks: one per generated token at least."""
+    before = Scrape(srv.url)
+    r = httpx.post(
+        f"{srv.url}/completion",
+        json={
+            "prompt": "yes or no?",
+            "grammar": 'root ::= "yes" | "no"',
+            "stream": False,
+            "options": {"temperature": 0, "num_predict": 8},
+        },
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    generated = r.json()["eval_count"]
+    assert r.json()["content"] in ("yes", "no")
+    bad = httpx.post(
+        f"{srv.url}/completion",
+        json={"prompt": "x", "grammar": "root ::= (", "stream": False},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert bad.status_code == 400, bad.text
+    wait_idle_keyed(srv.url)
+    after = Scrape(srv.url)
+    assert delta(before, after, "grammar_compile_seconds_count") == 2
+    assert delta(before, after, "grammar_compile_seconds_sum") > 0
+    assert delta(before, after, "grammar_compile_failures_total") == 1
+    assert delta(before, after, "grammar_sequences_total") == 1
+    assert delta(before, after, "grammar_token_checks_total") >= generated
+    masks = delta(before, after, "grammar_masks_total")
+    assert 0 <= masks <= delta(before, after, "grammar_token_checks_total")
+    assert (delta(before, after, "grammar_mask_seconds_total") > 0) == (masks > 0)
 
 
 def test_counters_move_by_exactly_what_each_dialect_reports(srv: Server) -> None:

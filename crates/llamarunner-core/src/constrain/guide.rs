@@ -39,6 +39,7 @@ pub struct GuideStats {
 impl Drop for Guide {
     fn drop(&mut self) {
         let s = self.stats;
+        super::stats::stats().sequence(s.checks, s.masks, s.mask_time);
         tracing::debug!(
             checks = s.checks,
             masks = s.masks,

@@ -15,6 +15,7 @@
 
 pub mod gbnf;
 pub mod guide;
+pub mod stats;
 pub mod trigger;
 pub mod vocab;
 
@@ -159,7 +160,8 @@ impl Compiler {
     /// a deep stack: llguidance recurses along rule references, and a GBNF chain of thousands
     /// of rules would overflow a blocking-pool thread's.
     pub fn compile(&self, source: &GrammarSource) -> Result<Compiled, String> {
-        std::thread::scope(|scope| {
+        let started = std::time::Instant::now();
+        let compiled = std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("llamarunner-grammar".into())
                 .stack_size(GRAMMAR_STACK)
@@ -167,7 +169,9 @@ impl Compiler {
                 .map_err(|e| format!("could not start the grammar compiler: {e}"))?
                 .join()
                 .map_err(|_| "the grammar compiler failed".to_string())?
-        })
+        });
+        stats::stats().compiled(started.elapsed(), compiled.is_ok());
+        compiled
     }
 
     fn compile_here(&self, source: &GrammarSource) -> Result<Compiled, String> {

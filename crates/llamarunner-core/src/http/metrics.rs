@@ -212,6 +212,7 @@ impl Metrics {
             ],
         )?;
         registry.register(Box::new(model_info.clone()))?;
+        crate::constrain::stats::stats().register(&registry)?;
         Ok(Self {
             requests_running: int_gauge(
                 "requests_running",
