@@ -3,7 +3,8 @@
 grammar through ``grammar``, and the same prompt unconstrained, at 1 and 4 clients.
 
     python -m benches.structured --llama-server PATH [--model M.gguf] [--requests 3]
-        [--clients 1,4,8] [--ours old=/path/to/an/unpacked/older/wheel]
+        [--clients 1,4,8] [--ours old=/path/to/an/unpacked/older/wheel] [--compiles 50]
+    python -m benches.structured --compiles 50     # the compile-time table alone
 
 Both servers get the same slots, context per slot, threads and chat requests (each renders
 the model's template), greedy, streamed with usage. Reported per row: aggregate generated
@@ -213,7 +214,11 @@ def pythonpath(path: str | None) -> Iterator[None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--llama-server", required=True)
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        help="llama-server to run beside ours; without it only the compile-time table is made",
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
@@ -258,6 +263,8 @@ def main() -> None:
     builds += [(spec.split("=", 1)[0], spec.split("=", 1)[1]) for spec in a.ours]
     labels = [label for label, _ in builds] + ["llama-server"]
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
+    if a.llama_server is None:
+        counts = []
     for clients in counts:
         for label in labels:
             path = dict(builds).get(label)
@@ -273,6 +280,26 @@ def main() -> None:
                         )
                     except Exception as e:
                         print(f"{label} {kind} x{clients}: {e}")
+    if counts:
+        table(rows, labels, kinds, counts)
+    constrained = [k for k in kinds if k != "plain"]
+    if a.compiles <= 0 or not constrained:
+        return
+    with ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai") as server:
+        times = {kind: compile_times(server, kind, a.compiles) for kind in constrained}
+    print(f"\n| compile ({a.compiles} requests, llamarunner) | p50 ms | p99 ms |")
+    print("|---|---|---|")
+    for kind, (p50, p99) in times.items():
+        print(f"| {kind} | {p50:.2f} | {p99:.2f} |")
+
+
+def table(
+    rows: dict[tuple[str, str, int], dict[str, float]],
+    labels: list[str],
+    kinds: list[str],
+    counts: list[int],
+) -> None:
+    """The throughput table: one row per scenario and client count."""
     head = " | ".join(f"{label} tok/s" for label in labels)
     ratios = " | ".join(f"ours / {label}" for label in labels[1:])
     print(
@@ -298,16 +325,6 @@ def main() -> None:
                 f"| {own} | {' / '.join(cell(r, 'ttft_ms', '{:.0f}') for r in got)} "
                 f"| {' / '.join(cell(r, 'tokens', '{:.0f}') for r in got)} |"
             )
-
-    constrained = [k for k in kinds if k != "plain"]
-    if a.compiles <= 0 or not constrained:
-        return
-    with ours(model, 4, a.ctx, a.threads, ("--alias", "m"), dialect="openai") as server:
-        times = {kind: compile_times(server, kind, a.compiles) for kind in constrained}
-    print(f"\n| compile ({a.compiles} requests, llamarunner) | p50 ms | p99 ms |")
-    print("|---|---|---|")
-    for kind, (p50, p99) in times.items():
-        print(f"| {kind} | {p50:.2f} | {p99:.2f} |")
 
 
 if __name__ == "__main__":
