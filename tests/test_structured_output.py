@@ -298,6 +298,21 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 
 
 def send(client: httpx.Client, srv: WatchedServer, route: str, body: dict[str, Any]) -> int:
+    return send_response(client, srv, route, body).status_code
+
+
+def too_long(r: httpx.Response) -> bool:
+    """Whether a 400 says the prompt outgrew the slot (tools are rendered into the prompt, so
+    a valid schema with long enums can make a prompt too long: a right answer, not a refusal
+    of the schema)."""
+    return r.status_code == 400 and (
+        "context_length_exceeded" in r.text or "exceeds the context length" in r.text
+    )
+
+
+def send_response(
+    client: httpx.Client, srv: WatchedServer, route: str, body: dict[str, Any]
+) -> httpx.Response:
     path = PATHS[route]
     what = f"{route} {json.dumps(body)[:400]}"
     try:
@@ -315,7 +330,7 @@ def send(client: httpx.Client, srv: WatchedServer, route: str, body: dict[str, A
         problem = error_problem(path, r.content)
         assert problem is None, f"{problem} to {what}"
     STATUSES[route][r.status_code] += 1
-    return r.status_code
+    return r
 
 
 def plain_request_answers(client: httpx.Client, srv: WatchedServer) -> None:
@@ -435,18 +450,22 @@ def test_constrained_output_validates_and_keeps_the_schemas_order(target: Target
 def test_valid_schemas_mostly_succeed_on_every_schema_route(target: Target) -> None:
     """The hostile suites must fail when a route refuses everything: valid schemas get 200s."""
     srv = target.ensure()
-    counts: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     with httpx.Client() as client:
 
         @settings(SETTINGS, max_examples=max(EXAMPLES // 4, 5))
         @given(schema=VALID_SCHEMAS)
         def one(schema: dict[str, Any]) -> None:
             for route, body in SCHEMA_ROUTES.items():
-                counts[route][send(client, srv, route, body(schema))] += 1
+                r = send_response(client, srv, route, body(schema))
+                outcome = "200" if r.status_code == 200 else "too long" if too_long(r) else r.text
+                counts[route][outcome] += 1
 
         one()
     for route, c in counts.items():
-        assert c[200] == sum(c.values()), f"{route}: valid schemas refused: {dict(c)}"
+        refused = {k: n for k, n in c.items() if k not in ("200", "too long")}
+        assert not refused, f"{route}: valid schemas refused: {refused}"
+        assert c["200"] >= sum(c.values()) // 2, f"{route}: {dict(c)}"
 
 
 def test_the_named_crash_and_freeze_are_harmless(target: Target) -> None:
