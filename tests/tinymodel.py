@@ -154,23 +154,7 @@ def write_cycle_model(path: Path, text: str) -> Path:
     all differ). The layers add nothing (zero output projections), so the logits depend on the
     last token only: its embedding is a basis vector and the output row of the byte that
     follows it is that vector."""
-    cycle = [3 + b for b in text.encode()]
-    assert len(set(cycle)) == len(cycle) < N_EMBD, text
-    tensors = model_tensors()
-    n_vocab = tensors["token_embd.weight"].shape[0]
-    eye = np.eye(N_EMBD, dtype=np.float32)
-    embd = np.tile(eye[N_EMBD - 1], (n_vocab, 1))  # every other token: the last basis vector
-    output = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
-    output[cycle[0]] = eye[N_EMBD - 1] * 10  # ... is followed by the first byte
-    for i, token in enumerate(cycle):
-        embd[token] = eye[i]
-        output[cycle[(i + 1) % len(cycle)]] += eye[i] * 10
-    tensors["token_embd.weight"] = embd
-    tensors["output.weight"] = output
-    for i in range(N_LAYER):
-        for name in ("attn_output", "ffn_down"):
-            tensors[f"blk.{i}.{name}.weight"] = np.zeros_like(tensors[f"blk.{i}.{name}.weight"])
-    return write_tiny_model(path, tensors=tensors)
+    return _successor_model(path, text, then_eos=False)
 
 
 def write_chain_model(path: Path, text: str) -> Path:
@@ -179,8 +163,15 @@ def write_chain_model(path: Path, text: str) -> Path:
     differ): as `write_cycle_model`, but the last byte is followed by EOS instead of the
     first. The chosen token's logit is far above every other's, so nothing machine-dependent
     can change the text or where it ends."""
+    return _successor_model(path, text, then_eos=True)
+
+
+def _successor_model(path: Path, text: str, then_eos: bool) -> Path:
+    """`text`'s byte tokens, each followed by the next; the last by EOS (`then_eos`) or by the
+    first byte again."""
     chain = [3 + b for b in text.encode()]
     assert len(set(chain)) == len(chain) < N_EMBD, text
+    after_last = 2 if then_eos else chain[0]
     tensors = model_tensors()
     n_vocab = tensors["token_embd.weight"].shape[0]
     eye = np.eye(N_EMBD, dtype=np.float32)
@@ -189,7 +180,7 @@ def write_chain_model(path: Path, text: str) -> Path:
     output[chain[0]] = eye[N_EMBD - 1] * 10  # ... is followed by the first byte
     for i, token in enumerate(chain):
         embd[token] = eye[i]
-        output[chain[i + 1] if i + 1 < len(chain) else 2] += eye[i] * 10
+        output[chain[i + 1] if i + 1 < len(chain) else after_last] += eye[i] * 10
     tensors["token_embd.weight"] = embd
     tensors["output.weight"] = output
     for i in range(N_LAYER):
