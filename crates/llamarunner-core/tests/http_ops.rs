@@ -170,7 +170,7 @@ async fn props_describe_the_model_and_the_server() {
     assert_eq!(v["model"]["n_vocab"], 258);
     assert_eq!(v["slot_save"], false);
     assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
-    assert_eq!(v["llama_cpp_2_version"], "0.1.154");
+    assert_eq!(v["llama_cpp_2_version"], "0.1.160");
     assert!(v["build_info"]
         .as_str()
         .unwrap()

@@ -18,7 +18,7 @@ pub mod vision;
 
 /// The `llama-cpp-2` crate this build is pinned to (`=` in the workspace's Cargo.toml; a
 /// test keeps the two equal), for `GET /props`.
-pub const LLAMA_CPP_2_VERSION: &str = "0.1.154";
+pub const LLAMA_CPP_2_VERSION: &str = "0.1.160";
 
 /// A vocabulary token id.
 pub type Token = i32;

@@ -54,7 +54,7 @@ fn backends_dir() -> Option<PathBuf> {
         .and_then(|p| p.parent().map(|d| d.join("lib")))
         .filter(|d| has_cpu_backend(d));
     beside.or_else(|| {
-        llama_cpp_2::llama_backend::BACKENDS_DIR
+        llama_cpp_sys_2::BACKENDS_DIR
             .map(PathBuf::from)
             .filter(|d| has_cpu_backend(d))
     })

@@ -1,20 +1,23 @@
 //! The `--lora` adapters on the llama.cpp context: loaded with the model, their scales set
 //! before each decode whose set differs from the last (`Backend::set_lora`).
 //!
-//! llama-cpp-2 0.1.154 sets one adapter (`LlamaContext::lora_adapter_set` replaces the whole
-//! list each call). Several adapters at once need one `llama_set_adapters_lora` call with all
-//! of them, which takes the context and adapter pointers the crate keeps private. Its `Debug`
-//! output prints both (`LlamaContext { context: 0x… }`, `LlamaLoraAdapter { lora_adapter: 0x… }`);
-//! they are read from there once, at load, and the context's is checked against llama.cpp
-//! (its model and size must be this context's) before it is used. With one adapter the safe
-//! call is used and none of this happens.
+//! llama-cpp-2 (0.1.154, and still 0.1.160) sets one adapter (`LlamaContext::lora_adapter_set`
+//! replaces the whole list each call). Several adapters at once need one
+//! `llama_set_adapters_lora` call with all of them, which takes the context and adapter pointers
+//! the crate keeps private. Its `Debug` output prints both (`LlamaContext { context: 0x… }`,
+//! `LlamaLoraAdapter { lora_adapter: 0x… }`); they are read from there once, at load, and the
+//! context's is checked against llama.cpp (its model and size must be this context's) before it
+//! is used. With one adapter the safe call is used and none of this happens. Since 0.1.160 an
+//! adapter is made from `&mut LlamaModel`, so all of them are loaded before the context (which
+//! borrows the model) is made (`load_adapters`).
 
 use std::fmt::Debug;
 
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::model::{LlamaLoraAdapter, LlamaModel};
+use llama_cpp_2::LlamaLoraAdapterInitError;
 
-use super::BackendError;
+use super::{file_name, BackendError};
 use crate::protocol::lora::{LoraScales, LoraSpec};
 
 /// The loaded adapters and the scales applied now.
@@ -47,18 +50,14 @@ impl LoraAdapters {
         }
     }
 
-    /// Loads every adapter (`load` wraps llama.cpp's logging, to report why one failed) and
-    /// applies the specs' scales.
+    /// Takes the adapters `load_adapters` made for `specs` (in their order) and applies the
+    /// specs' scales on `ctx`.
     pub(super) fn load(
         model: &LlamaModel,
-        ctx: &LlamaContext<'_>,
+        ctx: &mut LlamaContext<'_>,
         specs: &[LoraSpec],
-        load: impl Fn(&std::path::Path) -> Result<LlamaLoraAdapter, String>,
+        adapters: Vec<LlamaLoraAdapter>,
     ) -> Result<Self, String> {
-        let mut adapters = Vec::with_capacity(specs.len());
-        for spec in specs {
-            adapters.push(load(&spec.path)?);
-        }
         let (raw, raw_ctx) = if adapters.len() > 1 {
             let raw = adapters
                 .iter()
@@ -87,7 +86,7 @@ impl LoraAdapters {
     /// Sets these scales on the context, unless they are set already.
     pub(super) fn apply(
         &mut self,
-        ctx: &LlamaContext<'_>,
+        ctx: &mut LlamaContext<'_>,
         scales: &LoraScales,
     ) -> Result<(), BackendError> {
         if *scales == self.applied {
@@ -121,6 +120,25 @@ impl LoraAdapters {
         self.applied = scales.clone();
         Ok(())
     }
+}
+
+/// Loads the adapter of every spec, in order (`init` runs one load and says why it failed, from
+/// what llama.cpp logged meanwhile if it logged an error).
+pub(super) fn load_adapters(
+    model: &mut LlamaModel,
+    specs: &[LoraSpec],
+    init: impl Fn(
+        &mut dyn FnMut() -> Result<LlamaLoraAdapter, LlamaLoraAdapterInitError>,
+    ) -> Result<LlamaLoraAdapter, String>,
+) -> Result<Vec<LlamaLoraAdapter>, String> {
+    let mut adapters = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let path = spec.path.as_path();
+        let adapter = init(&mut || model.lora_adapter_init(path))
+            .map_err(|why| format!("cannot load LoRA adapter {}: {why}", file_name(path)))?;
+        adapters.push(adapter);
+    }
+    Ok(adapters)
 }
 
 /// The context's llama.cpp pointer, read from its `Debug` output and checked: llama.cpp must

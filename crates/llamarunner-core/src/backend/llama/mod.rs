@@ -1,5 +1,6 @@
 //! The llama.cpp backend: the only code that touches `llama-cpp-2`. Everything here lives on the
-//! engine thread (the context, batch and samplers are not `Send`).
+//! engine thread, which owns the context, batch and samplers (not `Send` up to llama-cpp-2
+//! 0.1.154; the context is `Send` but not `Sync` in 0.1.160).
 
 #[cfg(feature = "portable")]
 mod cpu_variants;
@@ -16,14 +17,14 @@ use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
-use llama_cpp_2::model::{AddBos, LlamaModel, RopeType};
+use llama_cpp_2::model::{LlamaModel, RopeType};
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::token_type::LlamaTokenAttr;
-use llama_cpp_2::{DecodeError, EmbeddingsError, LogOptions, TokenToStringError};
+use llama_cpp_2::{DecodeError, LogOptions};
 
 use crate::backend::{Backend, BatchToken};
 use crate::chat::{self, ChatTemplate, Vocabulary};
@@ -95,7 +96,7 @@ pub fn load<R>(
     let started = std::time::Instant::now();
     let (loaded, llama_errors) =
         with_llama_errors(|| LlamaModel::load_from_file(backend, &config.model, &model_params));
-    let model = loaded.map_err(|e| {
+    let mut model = loaded.map_err(|e| {
         let why = if llama_errors.is_empty() {
             e.to_string()
         } else {
@@ -106,9 +107,6 @@ pub fn load<R>(
             file_name(&config.model)
         )
     })?;
-    // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
-    // batch and samplers stay on this thread).
-    let model = std::sync::Arc::new(model);
     tracing::info!(
         model = %config.model.display(),
         params = model.n_params(),
@@ -116,6 +114,21 @@ pub fn load<R>(
         seconds = started.elapsed().as_secs_f32(),
         "model loaded"
     );
+    // The `--lora` adapters, made from the model before anything borrows it (llama-cpp-2
+    // 0.1.160 takes the model as `&mut` for that); their scales are set on the context below.
+    let adapters = crate::backend::llama::lora::load_adapters(&mut model, &config.lora, |init| {
+        let (adapter, llama_errors) = with_llama_errors(init);
+        adapter.map_err(|e| {
+            if llama_errors.is_empty() {
+                e.to_string()
+            } else {
+                llama_errors.join("; ")
+            }
+        })
+    })?;
+    // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
+    // batch and samplers stay on this thread).
+    let model = std::sync::Arc::new(model);
 
     let parallel = config.parallel;
     let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
@@ -142,7 +155,7 @@ pub fn load<R>(
         .with_type_k(kv_type)
         .with_type_v(kv_type);
     let (ctx, llama_errors) = with_llama_errors(|| model.new_context(backend, ctx_params));
-    let ctx = ctx.map_err(|e| {
+    let mut ctx = ctx.map_err(|e| {
         // llama-cpp-2 says only "null reference"; llama.cpp logged why.
         let why = if llama_errors.is_empty() {
             e.to_string()
@@ -153,17 +166,7 @@ pub fn load<R>(
     })?;
 
     let lora =
-        crate::backend::llama::lora::LoraAdapters::load(&model, &ctx, &config.lora, |path| {
-            let (adapter, llama_errors) = with_llama_errors(|| model.lora_adapter_init(path));
-            adapter.map_err(|e| {
-                let why = if llama_errors.is_empty() {
-                    e.to_string()
-                } else {
-                    llama_errors.join("; ")
-                };
-                format!("cannot load LoRA adapter {}: {why}", file_name(path))
-            })
-        })?;
+        crate::backend::llama::lora::LoraAdapters::load(&model, &mut ctx, &config.lora, adapters)?;
 
     let vision = match &config.mmproj {
         Some(path) => {
@@ -323,16 +326,25 @@ fn system_info() -> String {
 
 /// Tokenizes with special tokens parsed; `add_special` adds BOS (and EOS) when the model
 /// wants them, as every prompt is tokenized.
+///
+/// The vocabulary's `tokenize` takes any bytes; a text it cannot be given as a C string (a NUL
+/// in it) or of more bytes than a C int counts is refused here, with the messages the
+/// C-string and integer conversions give (as llama-cpp-2 refused them before 0.1.160).
 fn tokenize(model: &LlamaModel, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
-    let add = if add_special {
-        AddBos::Always
-    } else {
-        AddBos::Never
-    };
-    model
-        .str_to_token(text, add)
-        .map(|v| v.into_iter().map(|t| t.0).collect())
-        .map_err(|e| BackendError::Tokenize(e.to_string()))
+    if let Some(at) = text.bytes().position(|b| b == 0) {
+        return Err(BackendError::Tokenize(format!(
+            "nul byte found in provided data at position: {at}"
+        )));
+    }
+    if let Err(e) = std::ffi::c_int::try_from(text.len()) {
+        return Err(BackendError::Tokenize(e.to_string()));
+    }
+    Ok(model
+        .vocab()
+        .tokenize(text.as_bytes(), add_special, true)
+        .into_iter()
+        .map(|t| t.0)
+        .collect())
 }
 
 /// Describes the loaded model and picks its chat template.
@@ -373,13 +385,11 @@ fn model_info(
         slot_ctx,
         quantization,
         metadata,
-        bos: model
-            .str_to_token("", AddBos::Always)
+        bos: tokenize(model, "", true)
             .ok()
             .and_then(|t| t.first().copied())
-            .filter(|&t| t == model.token_bos())
-            .map(|t| t.0),
-        eos: Some(model.token_eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
+            .filter(|&t| t == model.vocab().bos().0),
+        eos: Some(model.vocab().eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
         system_info: system_info(),
         constraints: crate::protocol::model::compiler_for(&text),
         text,
@@ -408,23 +418,21 @@ impl TextModel for LlamaText {
 
     fn vocabulary(&self) -> crate::constrain::Vocabulary {
         let model = &self.0;
+        let vocab = model.vocab();
         let tokens = (0..model.n_vocab())
             .map(|id| {
                 let token = LlamaToken(id);
                 // llama-cpp-2 panics on an attribute bit it does not know; such a token is
                 // treated as a control token.
-                let control =
-                    std::panic::catch_unwind(|| model.token_attr(token)).map_or(true, |a| {
-                        a.intersects(
-                            LlamaTokenAttr::Control
-                                | LlamaTokenAttr::Unused
-                                | LlamaTokenAttr::Unknown,
-                        )
-                    });
+                let control = std::panic::catch_unwind(|| vocab.attr(token)).map_or(true, |a| {
+                    a.intersects(
+                        LlamaTokenAttr::Control | LlamaTokenAttr::Unused | LlamaTokenAttr::Unknown,
+                    )
+                });
                 crate::constrain::VocabToken {
                     bytes: piece_bytes(model, token, true),
                     control,
-                    eog: model.is_eog_token(token),
+                    eog: vocab.is_eog(token),
                 }
             })
             .collect();
@@ -443,13 +451,15 @@ fn chat_template(
         if token.0 < 0 {
             return String::new();
         }
-        model
-            .token_to_piece_bytes(token, 64, true, None)
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default()
+        let piece = model.vocab().token_to_piece(token, true, None);
+        // A text of more than 64 bytes is none, as before 0.1.160 (a 64-byte buffer, no retry).
+        if piece.len() > SPECIAL_TEXT_MAX {
+            return String::new();
+        }
+        String::from_utf8_lossy(&piece).into_owned()
     };
-    let bos = special_text(model.token_bos());
-    let eos = special_text(model.token_eos());
+    let bos = special_text(model.vocab().bos());
+    let eos = special_text(model.vocab().eos());
     if let Some(choice) = &config.chat_template {
         let source = match chat::builtin(choice) {
             Some(source) => source.to_string(),
@@ -474,11 +484,7 @@ fn chat_template(
             Err(e) => tracing::warn!("{e}; using the family's built-in template instead"),
         }
     }
-    let one_token = |text: &str| {
-        model
-            .str_to_token(text, AddBos::Never)
-            .is_ok_and(|t| t.len() == 1)
-    };
+    let one_token = |text: &str| tokenize(model, text, false).is_ok_and(|t| t.len() == 1);
     let vocab = Vocabulary {
         architecture: architecture.to_string(),
         start_of_turn: one_token("<start_of_turn>"),
@@ -742,11 +748,7 @@ fn vocabulary_mismatch(target: &LlamaModel, draft: &LlamaModel) -> Option<String
     }
     // What an empty text tokenizes to with special tokens added: BOS and EOS if the tokenizer
     // adds them, with their ids.
-    let specials = |m: &LlamaModel| {
-        m.str_to_token("", AddBos::Always)
-            .map(|t| t.iter().map(|t| t.0).collect::<Vec<_>>())
-            .unwrap_or_default()
-    };
+    let specials = |m: &LlamaModel| tokenize(m, "", true).unwrap_or_default();
     if specials(target) != specials(draft) {
         return Some(format!(
             "it adds the special tokens {:?}, the model {:?}",
@@ -785,17 +787,16 @@ impl<'m> LlamaEngine<'m> {
         embed_params: EmbedParams,
         swa_full: bool,
     ) -> Self {
+        let vocab = model.vocab();
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
-            .filter(|&t| model.is_eog_token(t))
+            .filter(|&t| vocab.is_eog(t))
             .map(|t| LlamaLogitBias::new(t, f32::NEG_INFINITY))
             .collect();
         let can_shift = !(model.is_recurrent()
             || model.is_hybrid()
-            || matches!(model.rope_type(), Some(RopeType::MRope)));
-        let add_bos = model
-            .str_to_token("", AddBos::Always)
-            .is_ok_and(|t| t.first() == Some(&model.token_bos()));
+            || matches!(model.rope_type(), Some(RopeType::MRope | RopeType::IMRope)));
+        let add_bos = tokenize(model, "", true).is_ok_and(|t| t.first() == Some(&vocab.bos().0));
         let swa_window = sliding_window(model).filter(|_| !swa_full);
         Self {
             model,
@@ -989,7 +990,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn is_eog(&self, token: Token) -> bool {
-        self.model.is_eog_token(LlamaToken(token))
+        self.model.vocab().is_eog(LlamaToken(token))
     }
 
     fn new_sampler(
@@ -1024,6 +1025,7 @@ impl Backend for LlamaEngine<'_> {
         };
         if penalize {
             stages.push(LlamaSampler::penalties(
+                n_vocab,
                 last_n,
                 p.repeat_penalty,
                 p.frequency_penalty,
@@ -1081,7 +1083,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError> {
-        self.lora.apply(&self.ctx, scales)
+        self.lora.apply(&mut self.ctx, scales)
     }
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
@@ -1128,7 +1130,7 @@ impl Backend for LlamaEngine<'_> {
         // again among the tokens the grammar allows (the distribution is the masked one's:
         // a refused pick is redrawn). The chain and the guide are each told the choice once.
         let logits = self.logits_ith(index);
-        let chain = &sampler.chain;
+        let chain = &mut sampler.chain;
         let pick = |mask: Option<&llguidance::toktrie::SimpleVob>| {
             let data: Vec<LlamaTokenData> = match mask {
                 None => logits
@@ -1291,7 +1293,7 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn bos(&self) -> Option<Token> {
-        self.add_bos.then(|| self.model.token_bos().0)
+        self.add_bos.then(|| self.model.vocab().bos().0)
     }
 
     fn embed_capacity(&self) -> usize {
@@ -1370,15 +1372,16 @@ impl LlamaEngine<'_> {
         let n_vocab = usize::try_from(self.model.n_vocab()).unwrap_or(0);
         let ctx = self.embedding_context()?;
         ctx.clear_kv_cache();
+        // No pooled embedding (the context has embeddings on, so the pooling is none): the
+        // last token's.
         let result = decode_piece(ctx, tokens, 0).and_then(|()| match ctx.embeddings_seq_ith(0) {
             Ok(v) => Ok(v.to_vec()),
-            Err(EmbeddingsError::NonePoolType) => {
+            Err(_) => {
                 let last = i32::try_from(tokens.len().saturating_sub(1)).unwrap_or(0);
                 ctx.embeddings_ith(last)
                     .map(<[f32]>::to_vec)
                     .map_err(|e| BackendError::Decode(e.to_string()))
             }
-            Err(e) => Err(BackendError::Decode(e.to_string())),
         });
         ctx.clear_kv_cache();
         if tokens.len().saturating_mul(n_vocab).saturating_mul(4) > EMBED_LOGITS_BYTES {
@@ -1417,14 +1420,11 @@ fn top_k_choice(logits: &[f32]) -> Option<(Token, f32)> {
 /// The bytes a token renders to (`special`: control tokens as their text); empty for a
 /// token with no text.
 fn piece_bytes(model: &LlamaModel, token: LlamaToken, special: bool) -> Vec<u8> {
-    match model.token_to_piece_bytes(token, 32, special, None) {
-        Ok(b) => b,
-        Err(TokenToStringError::InsufficientBufferSpace(n)) => model
-            .token_to_piece_bytes(token, n.unsigned_abs() as usize, special, None)
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
-    }
+    model.vocab().token_to_piece(token, special, None)
 }
+
+/// Most bytes of BOS's or EOS's text the chat template is given.
+const SPECIAL_TEXT_MAX: usize = 64;
 
 /// Most bytes of logits an embedding context may keep between requests.
 const EMBED_LOGITS_BYTES: usize = 32 << 20;

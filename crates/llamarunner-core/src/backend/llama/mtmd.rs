@@ -2,11 +2,12 @@
 //! the model, shared with the HTTP side for tokenizing (`VisionModel`), and used by the engine
 //! to encode an image and decode its embeddings into a sequence (`Projector::decode_image`).
 //!
-//! llama-cpp-2 0.1.154 wraps `mtmd_tokenize` into `MtmdInputChunks`, which is `!Send`, and
-//! offers no per-chunk decode of image embeddings into one sequence of a shared context. So the
-//! chunks are handled here through `llama-cpp-sys-2`: a tokenized image is one owned
-//! `mtmd_input_chunk` (`mtmd_input_chunk_copy`: its preprocessed pixels as plain float
-//! vectors, no pointer into the context or the tokenizer), which may move to the engine thread;
+//! llama-cpp-2 wraps `mtmd_tokenize` into `MtmdInputChunks` (`!Send` up to 0.1.154; in 0.1.160
+//! it is `Send` and its chunks borrow from it), and offers no per-chunk decode of image
+//! embeddings into one sequence of a shared context. So the chunks are handled here through
+//! `llama-cpp-sys-2`: a tokenized image is one owned `mtmd_input_chunk`
+//! (`mtmd_input_chunk_copy`: its preprocessed pixels as plain float vectors, no pointer into
+//! the context or the tokenizer), which may move to the engine thread;
 //! there `mtmd_encode_chunk` runs the projector and `mtmd_helper_decode_image_chunk` decodes
 //! the embeddings at the sequence's positions (non-causal attention for the image when the
 //! model wants it). The context and projector pointers the crate keeps private are read from
