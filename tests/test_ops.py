@@ -67,6 +67,17 @@ def test_tokenize_and_detokenize_round_trip_on_the_tiny_model(tiny_server: Serve
     assert client.detokenize([]) == ""
 
 
+def test_the_nul_byte_token_renders_as_nothing(tiny_server: Server) -> None:
+    """The byte token <0x00> (id 3) has no text: a piece ends at its first NUL byte (as
+    llama-cpp-2 gave pieces up to 0.1.154), so generated text never holds a NUL, which a prompt
+    may not hold (a conversation's assistant turns are sent back as prompt text)."""
+    client = tiny_server.client()
+    assert client.detokenize([3 + ord("a"), 3, 3 + ord("b")]) == "ab"
+    with pytest.raises(BadRequestError) as e:
+        client.tokenize("a\x00b")
+    assert "nul byte found in provided data at position: 1" in str(e.value)
+
+
 def test_the_async_client_tokenizes_too(tiny_server: Server) -> None:
     import asyncio
 

@@ -451,11 +451,12 @@ fn chat_template(
         if token.0 < 0 {
             return String::new();
         }
-        let piece = model.vocab().token_to_piece(token, true, None);
+        let mut piece = model.vocab().token_to_piece(token, true, None);
         // A text of more than 64 bytes is none, as before 0.1.160 (a 64-byte buffer, no retry).
         if piece.len() > SPECIAL_TEXT_MAX {
             return String::new();
         }
+        truncate_at_nul(&mut piece);
         String::from_utf8_lossy(&piece).into_owned()
     };
     let bos = special_text(model.vocab().bos());
@@ -1417,10 +1418,22 @@ fn top_k_choice(logits: &[f32]) -> Option<(Token, f32)> {
     Some((Token::try_from(id).ok()?, 1.0 / sum))
 }
 
-/// The bytes a token renders to (`special`: control tokens as their text); empty for a
-/// token with no text.
+/// The bytes a token renders to (`special`: control tokens as their text), up to the first NUL
+/// byte; empty for a token with no text.
 fn piece_bytes(model: &LlamaModel, token: LlamaToken, special: bool) -> Vec<u8> {
-    model.vocab().token_to_piece(token, special, None)
+    let mut piece = model.vocab().token_to_piece(token, special, None);
+    truncate_at_nul(&mut piece);
+    piece
+}
+
+/// Cuts a piece at its first NUL byte. llama-cpp-2 up to 0.1.154 read pieces back through a C
+/// string, which ended them there (the byte token `<0x00>` rendered as nothing); 0.1.160 returns
+/// the bytes llama.cpp wrote. Kept as before: generated text never holds a NUL, which a prompt
+/// may not hold either (`tokenize`), so a conversation can always be sent back.
+fn truncate_at_nul(piece: &mut Vec<u8>) {
+    if let Some(nul) = piece.iter().position(|&b| b == 0) {
+        piece.truncate(nul);
+    }
 }
 
 /// Most bytes of BOS's or EOS's text the chat template is given.
