@@ -255,7 +255,10 @@ def serve_and_generate(model: Path, *flags: str) -> tuple[ServeProcess, str]:
         (("--flash-attn", "off"), "disabled", "f16"),
         (("--kv-cache-type", "q8_0", "--flash-attn", "on"), "enabled", "q8_0"),
         (("--kv-cache-type", "q4_0", "--flash-attn", "on"), "enabled", "q4_0"),
-        (("--kv-cache-type", "q8_0"), "auto", "q8_0"),
+        # Auto with a quantized V cache: llama.cpp turns flash attention on before it makes the
+        # context ("enabling flash_attn since it is required for quantized V cache"; the
+        # llama.cpp of llama-cpp-sys-2 0.1.154 logged auto and resolved it later).
+        (("--kv-cache-type", "q8_0"), "enabled", "q8_0"),
         # Quantized V needs flash attention: without it the runner says so and uses f16.
         (("--kv-cache-type", "q8_0", "--flash-attn", "off"), "disabled", "f16"),
         (("--kv-cache-type", "q4_0", "--flash-attn", "off"), "disabled", "f16"),
