@@ -240,3 +240,56 @@ def hidden_states(
         up = h @ t[f"{p}.ffn_up.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ t[f"{p}.ffn_down.weight"].T
     return rms(x) * t["output_norm.weight"]
+
+
+SPARK2_5 = "spark2_5"
+# Layer 0 attends within the window, layer 1 to everything (spark2_5 always builds llama.cpp's
+# interleaved-window KV cache; the pattern is required).
+SPARK_SWA_PATTERN = [True, False]
+SPARK_SLIDING_WINDOW = 256
+
+
+def write_spark2_5_model(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random-weight ``spark2_5`` model (an architecture new in the llama.cpp of
+    llama-cpp-sys-2 0.1.161): the tiny llama's hyperparameters, vocabulary and tensors, plus
+    one tensor per layer, ``attn_gate`` (n_embd x n_head), a sigmoid gate on each head's
+    attention output. spark2_5 also needs a sliding window and a per-layer window pattern; it
+    uses NeoX RoPE and a GELU feed-forward."""
+    assert len(SPARK_SWA_PATTERN) == N_LAYER
+    tokens, scores, types = vocabulary()
+    tensors = model_tensors(seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for i in range(N_LAYER):
+        # numpy (out, in): one gate per head, from the layer's normalized input.
+        gate = (rng.standard_normal((N_HEAD, N_EMBD)) * 0.5).astype(np.float32)
+        tensors[f"blk.{i}.attn_gate.weight"] = gate
+    w = GGUFWriter(str(path), SPARK2_5)
+    w.add_name("tiny-test-spark2_5")
+    w.add_context_length(4096)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_sliding_window(SPARK_SLIDING_WINDOW)
+    w.add_sliding_window_pattern(SPARK_SWA_PATTERN)
+    w.add_file_type(0)  # all f32
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
