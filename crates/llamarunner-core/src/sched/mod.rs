@@ -9,6 +9,7 @@
 pub mod adaptive;
 mod draft;
 mod lora;
+pub mod payoff;
 pub mod speculative;
 pub mod text;
 
@@ -30,6 +31,7 @@ use crate::protocol::{
     SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
 };
 use adaptive::CostModel;
+use payoff::Payoff;
 use speculative::{SpecConfig, SpecState};
 use text::TextStream;
 
@@ -181,6 +183,14 @@ pub struct Scheduler<B: Backend> {
     speculation: SpecConfig,
     /// What a decode step costs, refined from the steps run (how much drafting pays).
     step_cost: CostModel,
+    /// What drafted and plain steps really delivered (drafting stops where it does not pay).
+    payoff: Payoff,
+    /// This step's generating sequences, and whether `payoff` was asked about them (some of
+    /// them could draft).
+    step_placed: usize,
+    step_judged: bool,
+    /// Drafted tokens accepted in this step.
+    step_accepted: usize,
     /// A draft model decode failed once already (it is logged once).
     draft_failed: bool,
     /// Counter standing for "when" a slot was last used (LRU order).
@@ -224,6 +234,10 @@ impl<B: Backend> Scheduler<B> {
             multiuser: false,
             speculation: SpecConfig::OFF,
             step_cost: CostModel::new(SpecConfig::OFF.cost),
+            payoff: Payoff::default(),
+            step_placed: 0,
+            step_judged: false,
+            step_accepted: 0,
             draft_failed: false,
             clock: 0,
             stalled: false,
@@ -842,8 +856,15 @@ impl<B: Backend> Scheduler<B> {
                 placed += 1;
             }
         }
-        // Drafts of the sequences placed, within the places kept for decode tokens.
-        placed += self.place_drafts(decode_places.saturating_sub(placed), placed);
+        // Drafts of the sequences placed, within the places kept for decode tokens, unless
+        // drafts have not paid lately at this many sequences (`payoff`).
+        self.step_placed = placed;
+        let budget = if self.drafts_pay(placed) {
+            decode_places.saturating_sub(placed)
+        } else {
+            0
+        };
+        placed += self.place_drafts(budget, placed);
         let start = self.next_prompt;
         let mut prompt_placed = 0;
         for k in 0..n {
@@ -928,6 +949,8 @@ impl<B: Backend> Scheduler<B> {
                 };
             }
         }
+        let step_started = Instant::now();
+        self.step_accepted = 0;
         self.build_batch();
         let images = self.decode_images();
         self.stalled =
@@ -978,6 +1001,11 @@ impl<B: Backend> Scheduler<B> {
             } else {
                 self.flush_outbox(index);
             }
+        }
+        if self.step_judged && !images && self.batch.iter().all(|t| t.logits) {
+            let us = u64::try_from(step_started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let tokens = self.step_placed + self.step_accepted;
+            self.payoff.observe(self.step_placed, drafted, tokens, us);
         }
         tracing::trace!(
             tokens = self.batch.len(),

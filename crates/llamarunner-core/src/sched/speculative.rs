@@ -165,6 +165,28 @@ pub fn propose(
 }
 
 impl<B: Backend> Scheduler<B> {
+    /// Whether this step's `placed` generating sequences may draft: always where step costs
+    /// are not measured (the fake backend) or drafts are verified whatever they cost
+    /// (`--draft-always`), else as `payoff` judges from the steps run. Asked once per step in
+    /// which some placed sequence could draft (`step_judged`), so that only such steps count.
+    pub(super) fn drafts_pay(&mut self, placed: usize) -> bool {
+        self.step_judged = false;
+        let cfg = self.speculation;
+        if !cfg.measure || cfg.always || cfg.draft_max == 0 || placed == 0 {
+            return true;
+        }
+        let could_draft = self
+            .slots
+            .iter()
+            .filter_map(|s| s.seq.as_ref())
+            .any(|seq| seq.spec.enabled && seq.phase == Phase::Decode && seq.queued == 1);
+        if !could_draft {
+            return true;
+        }
+        self.step_judged = true;
+        self.payoff.verdict(placed) == super::payoff::Verdict::Draft
+    }
+
     /// Drafts for the generating sequences that got a place in this step's batch (`placed` of
     /// them), within `budget` batch places; returns the places used. With a draft model the
     /// drafts are its (`draft.rs`); else each sequence's lookup proposes what it can, and
@@ -259,6 +281,7 @@ impl<B: Backend> Scheduler<B> {
         if let Some(seq) = slot.seq.as_mut() {
             seq.spec.drafted += draft.len();
             seq.spec.accepted += accepted;
+            self.step_accepted += accepted;
             seq.spec.adapt.record(seq.spec.class, draft.len(), accepted);
             self.inbox.observer.speculated(draft.len(), accepted);
             if accepted < draft.len() && !self.backend.kv_truncate(slot.id, slot.cached.len()) {

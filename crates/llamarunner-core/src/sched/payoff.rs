@@ -1,0 +1,322 @@
+//! Whether drafting pays, judged from the steps actually run rather than from the model of what
+//! they should cost.
+//!
+//! `adaptive` decides how much to draft from estimates: each position's chance of being kept,
+//! and a table of step times by width. Estimates can be wrong in ways the table does not see.
+//! Whole-step costs beside the decode (the sampler over a 262,144-token vocabulary at every
+//! drafted position, the draft model's passes, the lookup) are outside it. The batch holds other
+//! sequences' contexts. The CPU's kernels change cost with the width in their own way (AVX-512's
+//! repacked kernels differ from AVX2's, and a CPU without AVX2 has neither). An estimate that is
+//! a little off on every step loses a little on every step.
+//!
+//! So the scheduler also keeps, per number of generating sequences in a step (`placed`), what
+//! the steps really delivered: tokens per second of whole steps (drafting, decode and sampling)
+//! with drafts, and of steps without. Without drafts, a step of `placed` sequences gives
+//! `placed` tokens; with them, `placed` plus the accepted drafts. As soon as the drafted steps
+//! deliver less than the plain ones (judged every `JUDGE` drafted steps), drafting stops at that
+//! number of sequences. After `backoff` steps there it tries again, with fresh counts. The
+//! back-off doubles with each failed try (up to `MAX_BACKOFF` steps) and halves with each try
+//! that pays. While drafting is on, one step in `AUDIT` at that number goes without drafts, so
+//! the plain rate it is judged against stays current. The cost of an audit is at most one step's
+//! gain in `AUDIT`. The rule only removes drafts; how many to draft stays `adaptive`'s choice.
+
+/// Drafted steps between judgements (a judgement needs plain steps too: `MIN_PLAIN`).
+pub const JUDGE: u32 = 8;
+/// Plain steps a judgement needs at the least (their rate is the baseline), as a decayed count:
+/// two steps make 1.9.
+pub const MIN_PLAIN: f64 = 1.5;
+/// With drafting on, a step without drafts is run after this many drafted ones in a row.
+pub const AUDIT: u32 = 16;
+/// Steps without drafts after the first failed try.
+pub const MIN_BACKOFF: u32 = 64;
+/// The longest wait between tries: 4,096 steps, about two minutes at 30 steps a second. A
+/// failed try costs at most `JUDGE` slower steps in that time.
+pub const MAX_BACKOFF: u32 = 4096;
+/// Each observation multiplies the weight of the earlier ones of its kind by this (a memory of
+/// about ten steps: the plain rate follows the contexts as they grow).
+const DECAY: f64 = 0.9;
+
+/// Decayed sums of tokens delivered and microseconds spent over steps of one kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Rate {
+    tokens: f64,
+    us: f64,
+    /// Decayed count of the steps.
+    steps: f64,
+}
+
+impl Rate {
+    fn add(&mut self, tokens: usize, us: u64) {
+        self.tokens = self.tokens * DECAY + tokens as f64;
+        self.us = self.us * DECAY + us.max(1) as f64;
+        self.steps = self.steps * DECAY + 1.0;
+    }
+
+    /// Tokens per microsecond.
+    fn per_us(&self) -> f64 {
+        if self.us > 0.0 {
+            self.tokens / self.us
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What steps of one number of generating sequences delivered, and whether they draft.
+#[derive(Clone, Debug, Default)]
+struct Bucket {
+    plain: Rate,
+    drafted: Rate,
+    /// Drafted steps since the last judgement.
+    since_judged: u32,
+    /// Drafted steps since the last plain one.
+    since_plain: u32,
+    /// Steps still to go without drafts (0: drafting is on).
+    off_for: u32,
+    /// The wait after the next failed try.
+    backoff: u32,
+    /// Tries that paid and that did not, for the log and the tests.
+    paid: u32,
+    lost: u32,
+}
+
+/// The decision for one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Drafts may be placed (as many as `adaptive` says pay).
+    Draft,
+    /// No drafts in this step: they did not pay at this number of sequences lately.
+    Off,
+    /// No drafts in this step, to measure the plain rate.
+    Audit,
+}
+
+/// Per number of generating sequences in a step, what drafted and plain steps delivered.
+#[derive(Clone, Debug, Default)]
+pub struct Payoff {
+    buckets: Vec<Bucket>,
+}
+
+impl Payoff {
+    fn bucket(&mut self, placed: usize) -> &mut Bucket {
+        if self.buckets.len() < placed + 1 {
+            self.buckets.resize_with(placed + 1, || Bucket {
+                backoff: MIN_BACKOFF,
+                ..Bucket::default()
+            });
+        }
+        &mut self.buckets[placed]
+    }
+
+    /// Whether a step of `placed` generating sequences may draft. Call once per step that could
+    /// draft. It counts down an off period, and on a first draft or a retry it starts with
+    /// fresh counts.
+    pub fn verdict(&mut self, placed: usize) -> Verdict {
+        if placed == 0 {
+            return Verdict::Off;
+        }
+        let b = self.bucket(placed);
+        if b.off_for > 0 {
+            b.off_for -= 1;
+            if b.off_for == 0 {
+                // A new try: judged on its own steps only.
+                b.drafted = Rate::default();
+                b.since_judged = 0;
+            }
+            return Verdict::Off;
+        }
+        // Plain steps to judge by: after AUDIT drafted ones in a row, and while there are too
+        // few, every other step.
+        if b.since_plain >= AUDIT || (b.plain.steps < MIN_PLAIN && b.since_plain > 0) {
+            return Verdict::Audit;
+        }
+        Verdict::Draft
+    }
+
+    /// A step of `placed` generating sequences (and no prompt positions), `drafted` positions
+    /// among them, delivered `tokens` tokens in `us` microseconds (the whole step).
+    pub fn observe(&mut self, placed: usize, drafted: usize, tokens: usize, us: u64) {
+        if placed == 0 {
+            return;
+        }
+        let b = self.bucket(placed);
+        if drafted == 0 {
+            b.plain.add(tokens, us);
+            b.since_plain = 0;
+            return;
+        }
+        b.drafted.add(tokens, us);
+        b.since_plain = b.since_plain.saturating_add(1);
+        b.since_judged += 1;
+        if b.since_judged < JUDGE || b.plain.steps < MIN_PLAIN {
+            return;
+        }
+        b.since_judged = 0;
+        if b.drafted.per_us() < b.plain.per_us() {
+            b.lost += 1;
+            b.off_for = b.backoff;
+            tracing::debug!(
+                placed,
+                drafted_tokens_per_s = b.drafted.per_us() * 1e6,
+                plain_tokens_per_s = b.plain.per_us() * 1e6,
+                off_steps = b.off_for,
+                "drafts did not pay; off for a while"
+            );
+            b.backoff = b.backoff.saturating_mul(2).min(MAX_BACKOFF);
+        } else {
+            b.paid += 1;
+            b.backoff = (b.backoff / 2).max(MIN_BACKOFF);
+        }
+    }
+
+    /// Tries that paid and that did not, at `placed` sequences.
+    #[cfg(test)]
+    pub fn record(&self, placed: usize) -> (u32, u32) {
+        self.buckets
+            .get(placed)
+            .map_or((0, 0), |b| (b.paid, b.lost))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `steps` steps of `placed` sequences: a plain step costs `plain_us` and gives
+    /// `placed` tokens, a drafted one costs `drafted_us` and gives `drafted_tokens`. Returns
+    /// how many were drafted.
+    fn run(
+        p: &mut Payoff,
+        placed: usize,
+        steps: u32,
+        plain_us: u64,
+        drafted_us: u64,
+        drafted_tokens: usize,
+    ) -> u32 {
+        let v = verdicts(p, placed, steps, plain_us, drafted_us, drafted_tokens);
+        u32::try_from(v.matches('D').count()).unwrap_or(u32::MAX)
+    }
+
+    /// The verdicts of `steps` steps, as a string: D drafted, O off, A audit.
+    fn verdicts(
+        p: &mut Payoff,
+        placed: usize,
+        steps: u32,
+        plain_us: u64,
+        drafted_us: u64,
+        drafted_tokens: usize,
+    ) -> String {
+        (0..steps)
+            .map(|_| match p.verdict(placed) {
+                Verdict::Draft => {
+                    p.observe(placed, 4, drafted_tokens, drafted_us);
+                    'D'
+                }
+                v => {
+                    p.observe(placed, 0, placed, plain_us);
+                    if v == Verdict::Off {
+                        'O'
+                    } else {
+                        'A'
+                    }
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn drafts_that_deliver_fewer_tokens_per_second_stop_at_the_first_judgement() {
+        let mut p = Payoff::default();
+        // 8 sequences: a plain step 60 ms for 8 tokens (133/s); a drafted one 80 ms for 10
+        // tokens (125/s): slower, although it gives more tokens per step.
+        let (j, off) = (JUDGE as usize, MIN_BACKOFF as usize);
+        let first = verdicts(&mut p, 8, 10 + MIN_BACKOFF, 60_000, 80_000, 10);
+        // Drafted and plain steps alternate until two plain ones give a baseline; the eighth
+        // drafted step is judged, and drafting is off for MIN_BACKOFF steps.
+        assert_eq!(
+            first,
+            format!("DADA{}{}", "D".repeat(j - 2), "O".repeat(off))
+        );
+        assert_eq!(p.record(8), (0, 1));
+        // A try with fresh counts: JUDGE drafted steps, judged again, off twice as long.
+        let second = verdicts(&mut p, 8, JUDGE + 2 * MIN_BACKOFF, 60_000, 80_000, 10);
+        assert_eq!(second, format!("{}{}", "D".repeat(j), "O".repeat(2 * off)));
+        assert_eq!(p.record(8), (0, 2));
+        // The wait stops doubling at MAX_BACKOFF.
+        for _ in 0..10 {
+            verdicts(&mut p, 8, JUDGE + MAX_BACKOFF, 60_000, 80_000, 10);
+        }
+        let last = verdicts(&mut p, 8, JUDGE + MAX_BACKOFF, 60_000, 80_000, 10);
+        assert_eq!(last.matches('D').count(), j, "{last}");
+    }
+
+    #[test]
+    fn drafts_that_pay_go_on_with_one_audit_step_in_audit() {
+        let mut p = Payoff::default();
+        // One sequence: plain 20 ms for 1 token; drafted 24 ms for 2.5 tokens.
+        let steps = 10 * AUDIT;
+        let drafted = run(&mut p, 1, steps, 20_000, 24_000, 2);
+        let (paid, lost) = p.record(1);
+        assert_eq!(lost, 0);
+        assert!(paid >= 10, "{paid}");
+        // One plain step after AUDIT drafted ones (and two at the start, for a baseline).
+        assert!(
+            drafted >= steps * AUDIT / (AUDIT + 1) - 2,
+            "{drafted} of {steps}"
+        );
+    }
+
+    #[test]
+    fn the_number_of_sequences_is_judged_separately() {
+        let mut p = Payoff::default();
+        // Drafts lose at 8 sequences and pay at 1 in the same run.
+        for _ in 0..10 {
+            run(&mut p, 8, 20, 60_000, 80_000, 10);
+            run(&mut p, 1, 20, 20_000, 24_000, 2);
+        }
+        assert!(
+            p.record(8).1 >= 1 && p.record(8).0 == 0,
+            "{:?}",
+            p.record(8)
+        );
+        assert!(
+            p.record(1).0 >= 1 && p.record(1).1 == 0,
+            "{:?}",
+            p.record(1)
+        );
+    }
+
+    #[test]
+    fn a_try_that_pays_halves_the_back_off() {
+        let mut p = Payoff::default();
+        run(&mut p, 4, 2, 40_000, 60_000, 5);
+        run(&mut p, 4, JUDGE, 40_000, 60_000, 5);
+        assert_eq!(p.record(4), (0, 1));
+        // The text turned predictable: after the back-off, the try pays and drafting stays on.
+        let drafted = run(&mut p, 4, MIN_BACKOFF + 100, 40_000, 45_000, 8);
+        assert!(drafted >= 90, "{drafted}");
+        assert!(p.record(4).0 >= 1, "{:?}", p.record(4));
+    }
+
+    #[test]
+    fn no_judgement_without_a_plain_baseline() {
+        let mut p = Payoff::default();
+        // Drafted steps only (the plain steps the audit rule asks for are never run): nothing
+        // is judged, however slow the drafted steps, and every step asks for an audit.
+        assert_eq!(p.verdict(2), Verdict::Draft);
+        for _ in 0..3 * JUDGE {
+            p.observe(2, 4, 2, 1_000_000);
+        }
+        assert_eq!(p.record(2), (0, 0));
+        assert_eq!(p.verdict(2), Verdict::Audit);
+        // Natural plain steps (the cost model chose no drafts) count as the baseline.
+        p.observe(2, 0, 2, 10_000);
+        p.observe(2, 0, 2, 10_000);
+        assert_eq!(p.verdict(2), Verdict::Draft);
+        for _ in 0..JUDGE {
+            p.observe(2, 4, 2, 1_000_000);
+        }
+        assert_eq!(p.record(2), (0, 1));
+        assert_eq!(p.verdict(2), Verdict::Off);
+    }
+}
