@@ -48,3 +48,23 @@ def test_lora_bench_runs(tiny_model: Path) -> None:
     assert r.returncode == 0, r.stderr
     for scenario in ("no adapter loaded", "one set", "two sets", "four sets"):
         assert scenario in r.stdout, r.stdout
+
+
+def test_agent_loop_bench_runs(tiny_model: Path) -> None:
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "benches.agent_loop", "--model", str(tiny_model)),
+            *("--conversations", "3", "--slots", "2", "--clients", "2", "--rounds", "2"),
+            *("--max-tokens", "4", "--ctx", "16384"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| llamarunner")]
+    assert [row.split(" | ")[1] for row in rows] == ["first turns", "follow-ups"], r.stdout
+    # Each follow-up continues its own conversation, from a slot or the prompt cache.
+    follow_cached = float(rows[1].split(" | ")[7].rstrip(" %"))
+    assert follow_cached > 50, r.stdout

@@ -95,6 +95,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "gets that prefix copied into its slot (least recently used) instead of recomputing it",
     )
     p.add_argument(
+        "--cache-ram",
+        type=int,
+        metavar="MIB",
+        help="host-memory prompt cache: the KV state of a sequence that leaves its slot is kept "
+        "in RAM (least recently used out first) and restored for a prompt that starts like it, "
+        "instead of decoding that prompt again; 0 turns it off (default -1: a quarter of the "
+        "machine's memory, at most 8192)",
+    )
+    p.add_argument(
         "--swa-full",
         action="store_const",
         const=True,

@@ -51,6 +51,7 @@ class ServerConfig:
     lora: list[str] = field(default_factory=list)
     mmproj: str | None = None
     multiuser_cache: bool = False
+    cache_ram: int = -1
     swa_full: bool = False
     draft_max: int = 16
     draft_min: int = 1

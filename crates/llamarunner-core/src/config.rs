@@ -82,6 +82,10 @@ pub struct RunnerConfig {
     pub mmproj: Option<PathBuf>,
     /// Share cached prefixes between users (forking), instead of one user's cache per slot.
     pub multiuser_cache: bool,
+    /// Host-memory prompt cache, MiB: the KV states of sequences that leave their slot are
+    /// kept in RAM and restored for prompts that start like them; 0 = off, -1 = a quarter of
+    /// the machine's memory, at most 8 GiB (`cache_ram_bytes`).
+    pub cache_ram: i64,
     /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
     /// just their window: more memory, and any cached prefix stays reusable however far back.
     pub swa_full: bool,
@@ -164,6 +168,7 @@ impl Default for RunnerConfig {
             lora: Vec::new(),
             mmproj: None,
             multiuser_cache: false,
+            cache_ram: -1,
             swa_full: false,
             draft_max: 16,
             draft_min: 1,
@@ -264,6 +269,27 @@ pub const MAX_SPEC_NGRAM: u32 = 32;
 const MAX_SECONDS: f64 = 86_400.0;
 
 impl RunnerConfig {
+    /// The prompt cache's budget in bytes: `cache_ram` MiB, or for -1 (and any negative) a
+    /// quarter of the machine's memory (`/proc/meminfo`'s MemTotal; 4 GiB where it cannot be
+    /// read), at most 8 GiB, llama-server's default `--cache-ram`.
+    pub fn cache_ram_bytes(&self) -> usize {
+        const MIB: u64 = 1 << 20;
+        let bytes = if self.cache_ram >= 0 {
+            (self.cache_ram as u64).saturating_mul(MIB)
+        } else {
+            let total = std::fs::read_to_string("/proc/meminfo")
+                .ok()
+                .and_then(|m| {
+                    m.lines()
+                        .find_map(|l| l.strip_prefix("MemTotal:"))
+                        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                })
+                .map_or(16 * 1024 * MIB, |kib| kib * 1024);
+            (total / 4).min(8 * 1024 * MIB)
+        };
+        usize::try_from(bytes).unwrap_or(usize::MAX)
+    }
+
     /// Checks every setting; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.model.as_os_str().is_empty() {

@@ -142,6 +142,9 @@ pub struct Metrics {
     prompt_truncations: IntCounter,
     spec_draft_tokens: IntCounter,
     spec_accepted_tokens: IntCounter,
+    prompt_cache_bytes: IntGauge,
+    prompt_cache_entries: IntGauge,
+    prompt_cache_restored_tokens: IntCounter,
     time_to_first_token: Histogram,
     inter_token_latency: Histogram,
     e2e_latency: Histogram,
@@ -274,6 +277,18 @@ impl Metrics {
             spec_accepted_tokens: counter(
                 "spec_decode_num_accepted_tokens_total",
                 "Drafted tokens the sampler agreed with: decode steps saved.",
+            )?,
+            prompt_cache_bytes: int_gauge(
+                "prompt_cache_bytes",
+                "Bytes of sequence state held in the host-memory prompt cache (--cache-ram).",
+            )?,
+            prompt_cache_entries: int_gauge(
+                "prompt_cache_entries",
+                "Sequences held in the host-memory prompt cache.",
+            )?,
+            prompt_cache_restored_tokens: counter(
+                "prompt_cache_restored_tokens_total",
+                "Prompt tokens restored from the host-memory prompt cache instead of decoded.",
             )?,
             time_to_first_token: histogram(
                 "time_to_first_token_seconds",
@@ -414,6 +429,14 @@ impl EngineObserver for Metrics {
 
     fn embedded(&self, tokens: usize) {
         self.prompt_tokens.inc_by(tokens as u64);
+    }
+
+    fn prompt_cache(&self, bytes: usize, entries: usize, restored: usize) {
+        self.prompt_cache_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.prompt_cache_entries
+            .set(i64::try_from(entries).unwrap_or(i64::MAX));
+        self.prompt_cache_restored_tokens.inc_by(restored as u64);
     }
 }
 

@@ -24,6 +24,12 @@ pub trait EngineObserver: Send + Sync + std::fmt::Debug {
         let _ = gap;
     }
 
+    /// The prompt cache (`--cache-ram`) changed: it holds `bytes` in `entries` sequences, and
+    /// a restore just saved decoding `restored` prompt tokens (0 when a sequence was stored).
+    fn prompt_cache(&self, bytes: usize, entries: usize, restored: usize) {
+        let _ = (bytes, entries, restored);
+    }
+
     /// `drafted` tokens were drafted for a sequence in one step and `accepted` of them kept.
     fn speculated(&self, drafted: usize, accepted: usize) {
         let _ = (drafted, accepted);

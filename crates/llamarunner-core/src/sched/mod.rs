@@ -10,6 +10,7 @@ pub mod adaptive;
 mod draft;
 mod lora;
 pub mod payoff;
+pub mod prompt_cache;
 pub mod speculative;
 pub mod text;
 
@@ -32,6 +33,7 @@ use crate::protocol::{
 };
 use adaptive::CostModel;
 use payoff::Payoff;
+use prompt_cache::PromptCache;
 use speculative::{SpecConfig, SpecState};
 use text::TextStream;
 
@@ -179,6 +181,8 @@ pub struct Scheduler<B: Backend> {
     next_decode: usize,
     /// Multi-user cache: fork shared prefixes between slots (`--multiuser-cache`).
     multiuser: bool,
+    /// Sequences that left their slot, in RAM (`--cache-ram`).
+    prompt_cache: PromptCache,
     /// Prompt-lookup drafts (`--draft-max` ...).
     speculation: SpecConfig,
     /// What a decode step costs, refined from the steps run (how much drafting pays).
@@ -232,6 +236,7 @@ impl<B: Backend> Scheduler<B> {
             next_prompt: 0,
             next_decode: 0,
             multiuser: false,
+            prompt_cache: PromptCache::new(0),
             speculation: SpecConfig::OFF,
             step_cost: CostModel::new(SpecConfig::OFF.cost),
             payoff: Payoff::default(),
@@ -258,6 +263,13 @@ impl<B: Backend> Scheduler<B> {
     /// Shares cached prefixes between slots by forking (`--multiuser-cache`).
     pub fn with_multiuser_cache(mut self, on: bool) -> Self {
         self.multiuser = on;
+        self
+    }
+
+    /// Keeps the states of sequences that leave their slot in RAM, within `bytes`
+    /// (`--cache-ram`; 0 = off), and restores them for prompts that start like them.
+    pub fn with_prompt_cache(mut self, bytes: usize) -> Self {
+        self.prompt_cache = PromptCache::new(bytes);
         self
     }
 
@@ -667,11 +679,15 @@ impl<B: Backend> Scheduler<B> {
         .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
         let lora = params.lora.clone().unwrap_or_default();
         let (index, common) = self.pick_slot(&tokens, &lora)?;
-        let slot = &mut self.slots[index];
+        // A sequence in RAM that starts like the prompt, beyond what the slot holds.
+        let common = self.restore_cached(index, &tokens, &lora, common);
         // At least one prompt token is decoded so there are logits to sample from; a prefix
         // that ends inside an image is cut back to the image's start (an image is decoded
         // whole).
         let mut reuse = kv::image_boundary_before(&tokens, common.min(tokens.len() - 1));
+        // What the slot holds past the reused prefix is about to go: to RAM first.
+        self.offload(index, reuse);
+        let slot = &mut self.slots[index];
         if !self.backend.kv_truncate(slot.id, reuse) {
             // Partial removal is impossible (recurrent models), or what is left lacks cells a
             // sliding window needs: start the slot afresh.
@@ -773,6 +789,8 @@ impl<B: Backend> Scheduler<B> {
         };
         let (src, dst) = (self.slots[from].id, self.slots[choice.slot].id);
         let prefix = self.slots[from].cached[..choice.reuse].to_vec();
+        // The fork overwrites the slot: its sequence goes to RAM first.
+        self.offload(choice.slot, 0);
         if self.backend.kv_fork(src, dst, choice.reuse) {
             tracing::debug!(
                 from = src,
@@ -788,6 +806,104 @@ impl<B: Backend> Scheduler<B> {
             self.backend.kv_truncate(dst, 0);
             self.slots[choice.slot].cached.clear();
             Ok((choice.slot, 0))
+        }
+    }
+
+    /// Stores the sequence cached in slot `index` in the prompt cache when all but its first
+    /// `keep` tokens are about to be overwritten, unless little would be lost, the cache holds
+    /// it already, or another slot holds it (a fork's copy).
+    fn offload(&mut self, index: usize, keep: usize) {
+        if !self.prompt_cache.enabled() {
+            return;
+        }
+        let slot = &self.slots[index];
+        if slot.cached.len() < keep + prompt_cache::MIN_STORE
+            || self.prompt_cache.covers(&slot.cached, &slot.lora)
+        {
+            return;
+        }
+        let elsewhere = self.slots.iter().enumerate().any(|(j, other)| {
+            j != index && other.lora == slot.lora && other.cached.starts_with(&slot.cached)
+        });
+        if elsewhere {
+            return;
+        }
+        match self.backend.seq_state(slot.id) {
+            Ok(state) => {
+                let bytes = state.len();
+                let stored =
+                    self.prompt_cache
+                        .insert(slot.cached.clone(), slot.lora.clone(), state);
+                tracing::debug!(
+                    slot = slot.id,
+                    tokens = slot.cached.len(),
+                    bytes,
+                    stored,
+                    cache_bytes = self.prompt_cache.used(),
+                    entries = self.prompt_cache.len(),
+                    "a slot's sequence to the prompt cache"
+                );
+                self.inbox.observer.prompt_cache(
+                    self.prompt_cache.used(),
+                    self.prompt_cache.len(),
+                    0,
+                );
+            }
+            Err(e) => {
+                tracing::debug!(slot = slot.id, error = %e, "the slot's state could not be read")
+            }
+        }
+    }
+
+    /// Restores into slot `index` the prompt cache's entry that shares the longest prefix with
+    /// `tokens` under `lora`, if it shares more than the `common` tokens the slot holds (by
+    /// `MIN_RESTORE_GAIN`); the slot's own sequence is stored first. Returns the prompt
+    /// tokens the slot now holds.
+    fn restore_cached(
+        &mut self,
+        index: usize,
+        tokens: &[Token],
+        lora: &LoraScales,
+        common: usize,
+    ) -> usize {
+        if !self.prompt_cache.enabled() {
+            return common;
+        }
+        let Some((entry, shared)) = self.prompt_cache.best(tokens, lora, common) else {
+            return common;
+        };
+        let entry = self.prompt_cache.take(entry, shared - common);
+        self.offload(index, 0);
+        let slot = &mut self.slots[index];
+        match self.backend.set_seq_state(slot.id, &entry.state) {
+            Ok(n) if n == entry.tokens.len() => {
+                tracing::debug!(
+                    slot = slot.id,
+                    tokens = n,
+                    shared,
+                    bytes = entry.state.len(),
+                    "restored a sequence from the prompt cache"
+                );
+                slot.cached = entry.tokens;
+                slot.lora = entry.lora;
+                self.inbox.observer.prompt_cache(
+                    self.prompt_cache.used(),
+                    self.prompt_cache.len(),
+                    shared - common,
+                );
+                shared
+            }
+            other => {
+                tracing::warn!(
+                    slot = slot.id,
+                    result = ?other.map_err(|e| e.to_string()),
+                    expected = entry.tokens.len(),
+                    "a prompt cache entry did not restore; decoding the prompt"
+                );
+                self.backend.kv_truncate(slot.id, 0);
+                slot.cached.clear();
+                0
+            }
         }
     }
 

@@ -1581,4 +1581,5 @@ fn the_slot_table_shows_what_each_request_is_doing() {
 mod draft;
 mod images;
 mod lora;
+mod prompt_cache;
 mod speculative;

@@ -1,0 +1,280 @@
+//! The host-memory prompt cache (`--cache-ram`): KV states of sequences that had to leave
+//! their slot, kept in RAM so that a later prompt that starts the same way is restored rather
+//! than decoded again.
+//!
+//! A slot holds one sequence's cells. When a new prompt takes a slot whose cache it does not
+//! continue, the slot's tokens past the common prefix would be lost. An agent loop with more
+//! conversations than slots loses them on every turn. So before a slot is overwritten, its
+//! sequence's state (llama.cpp's per-sequence state, the bytes a slot file holds) is stored
+//! here with its tokens and LoRA scale set. Admission then compares the prompt with the entries
+//! as it compares it with the slots. An entry that shares a longer prefix than the chosen slot
+//! is restored into the slot, and only the rest of the prompt is decoded.
+//!
+//! - **Keys.** An entry serves only prompts under its LoRA scale set (other adapters give other
+//!   cells). Images are in the token lists (each image's positions carry ids derived from its
+//!   content), so a prefix with an image matches only the same image.
+//! - **Budget.** Entries are held within `budget` bytes. The least recently used go first, and
+//!   an entry larger than the budget is not stored.
+//! - **Stored once.** A new entry supersedes the entries whose tokens are a prefix of its own
+//!   (the same conversation's earlier turns, say), since a restore can cut it back to them;
+//!   those are dropped.
+//! - **Taken out on restore.** A restored entry leaves the cache, because its cells are back in
+//!   a slot. When that slot is overwritten in its turn, it is stored again with what it gained
+//!   meanwhile.
+//!
+//! A sliding-window model (Gemma 3 without `--swa-full`) keeps only the window's cells in its
+//! windowed layers. A restored state therefore serves prompts that continue it, or cut back
+//! less than the window. A deeper cut is refused by the backend's window check (`kv_truncate`),
+//! and that prompt is decoded in full, as it would be without the cache.
+
+use crate::protocol::{LoraScales, Token};
+
+/// A stored sequence.
+#[derive(Debug)]
+pub struct Entry {
+    pub tokens: Vec<Token>,
+    pub lora: LoraScales,
+    /// The backend's state of the sequence (`Backend::seq_state`).
+    pub state: Vec<u8>,
+    /// Last use, by the cache's clock (smaller is older).
+    tick: u64,
+}
+
+/// The cache's counters since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Sequences stored.
+    pub stored: u64,
+    /// Entries restored into a slot.
+    pub restored: u64,
+    /// Prompt tokens that restores saved decoding.
+    pub restored_tokens: u64,
+    /// Entries dropped for room (least recently used first).
+    pub evicted: u64,
+    /// Entries dropped because a newer one continues them.
+    pub superseded: u64,
+}
+
+/// Sequences' states in RAM, within a byte budget.
+#[derive(Debug, Default)]
+pub struct PromptCache {
+    budget: usize,
+    used: usize,
+    entries: Vec<Entry>,
+    clock: u64,
+    stats: CacheStats,
+}
+
+/// A restore must save at least this many prompt tokens beyond what the chosen slot already
+/// holds (restoring costs a copy of the whole state).
+pub const MIN_RESTORE_GAIN: usize = 16;
+/// A slot's sequence is stored only when at least this many of its tokens would be lost.
+pub const MIN_STORE: usize = 32;
+
+impl PromptCache {
+    /// A cache of at most `budget` bytes; 0 turns it off.
+    pub fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            ..Self::default()
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.budget > 0
+    }
+
+    /// Bytes held.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// The entry sharing the longest prefix with `prompt` under `lora`, if it shares more than
+    /// `beyond` tokens plus `MIN_RESTORE_GAIN`: its index and the shared length.
+    pub fn best(
+        &self,
+        prompt: &[Token],
+        lora: &LoraScales,
+        beyond: usize,
+    ) -> Option<(usize, usize)> {
+        let mut best: Option<(usize, usize)> = None;
+        for (i, e) in self.entries.iter().enumerate() {
+            if &e.lora != lora {
+                continue;
+            }
+            let common = crate::kv::common_prefix(&e.tokens, prompt);
+            if best.is_none_or(|(_, b)| common > b) {
+                best = Some((i, common));
+            }
+        }
+        best.filter(|&(_, common)| common >= beyond + MIN_RESTORE_GAIN)
+    }
+
+    /// Takes entry `index` out (to restore it); counts `saves` prompt tokens not decoded.
+    pub fn take(&mut self, index: usize, saves: usize) -> Entry {
+        let entry = self.entries.swap_remove(index);
+        self.used -= entry.state.len();
+        self.stats.restored += 1;
+        self.stats.restored_tokens += saves as u64;
+        entry
+    }
+
+    /// Whether storing `tokens` under `lora` would add nothing: an entry holds them or a
+    /// continuation of them.
+    pub fn covers(&self, tokens: &[Token], lora: &LoraScales) -> bool {
+        self.entries
+            .iter()
+            .any(|e| &e.lora == lora && e.tokens.starts_with(tokens))
+    }
+
+    /// Stores a sequence's `state`: the entries it continues are dropped, then the least
+    /// recently used ones until it fits. Returns whether it was stored (not when it is larger
+    /// than the whole budget, or empty).
+    pub fn insert(&mut self, tokens: Vec<Token>, lora: LoraScales, state: Vec<u8>) -> bool {
+        if tokens.is_empty() || state.is_empty() || state.len() > self.budget {
+            return false;
+        }
+        let before = self.entries.len();
+        let mut freed = 0;
+        self.entries.retain(|e| {
+            let superseded = e.lora == lora && tokens.starts_with(&e.tokens);
+            if superseded {
+                freed += e.state.len();
+            }
+            !superseded
+        });
+        self.used -= freed;
+        self.stats.superseded += (before - self.entries.len()) as u64;
+        while self.used + state.len() > self.budget {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.tick)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            let gone = self.entries.swap_remove(oldest);
+            self.used -= gone.state.len();
+            self.stats.evicted += 1;
+        }
+        self.clock += 1;
+        self.used += state.len();
+        self.stats.stored += 1;
+        self.entries.push(Entry {
+            tokens,
+            lora,
+            state,
+            tick: self.clock,
+        });
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toks(r: std::ops::Range<i32>) -> Vec<Token> {
+        r.collect()
+    }
+
+    fn base() -> LoraScales {
+        LoraScales::base()
+    }
+
+    #[test]
+    fn the_longest_shared_prefix_under_the_same_lora_set_is_chosen() {
+        let mut c = PromptCache::new(1 << 20);
+        assert!(c.insert(toks(0..100), base(), vec![1; 400]));
+        let mut other = toks(0..50);
+        other.extend(200..300);
+        assert!(c.insert(other.clone(), base(), vec![2; 400]));
+        let mut prompt = toks(0..80);
+        prompt.push(7);
+        assert_eq!(c.best(&prompt, &base(), 0), Some((0, 80)));
+        // A slot that already holds 70 of them: 80 is not worth a restore (MIN_RESTORE_GAIN).
+        assert_eq!(c.best(&prompt, &base(), 70), None);
+        assert_eq!(c.best(&prompt, &base(), 64), Some((0, 80)));
+        // Under another LoRA scale set nothing matches.
+        let lora = LoraScales::new(vec![0.5]);
+        assert_eq!(c.best(&prompt, &lora, 0), None);
+        assert!(c.insert(toks(0..100), lora.clone(), vec![3; 400]));
+        assert_eq!(c.best(&prompt, &lora, 0), Some((2, 80)));
+    }
+
+    #[test]
+    fn the_least_recently_stored_go_first_within_the_budget() {
+        let mut c = PromptCache::new(1000);
+        for k in 0..3 {
+            assert!(c.insert(toks(k * 1000..k * 1000 + 50), base(), vec![0; 300]));
+        }
+        assert_eq!((c.len(), c.used()), (3, 900));
+        // A fourth needs room: the first goes.
+        assert!(c.insert(toks(5000..5050), base(), vec![0; 300]));
+        assert_eq!((c.len(), c.used()), (3, 900));
+        assert_eq!(c.best(&toks(0..50), &base(), 0), None);
+        assert!(c.best(&toks(1000..1050), &base(), 0).is_some());
+        assert_eq!(c.stats().evicted, 1);
+        // One larger than the whole budget is not stored, and evicts nothing.
+        assert!(!c.insert(toks(9000..9050), base(), vec![0; 1001]));
+        assert_eq!(c.len(), 3);
+        // One that needs two entries' room takes the two oldest.
+        assert!(c.insert(toks(7000..7050), base(), vec![0; 700]));
+        assert_eq!((c.len(), c.used()), (2, 1000));
+        assert!(c.best(&toks(5000..5050), &base(), 0).is_some());
+        assert_eq!(c.stats().evicted, 3);
+    }
+
+    #[test]
+    fn a_continuation_supersedes_the_entries_it_extends() {
+        let mut c = PromptCache::new(1 << 20);
+        // A conversation's turns: each stored state continues the last.
+        assert!(c.insert(toks(0..100), base(), vec![0; 100]));
+        assert!(c.insert(toks(0..150), base(), vec![0; 150]));
+        assert!(c.insert(toks(0..220), base(), vec![0; 220]));
+        assert_eq!((c.len(), c.used()), (1, 220));
+        assert_eq!(c.stats().superseded, 2);
+        // Stored once: the shorter ones are served by the longest (a restore cuts it back).
+        assert_eq!(c.best(&toks(0..120), &base(), 0), Some((0, 120)));
+        assert!(c.covers(&toks(0..150), &base()));
+        assert!(!c.covers(&toks(0..221), &base()));
+        // Another conversation with the same start is a sibling, not a continuation.
+        let mut sibling = toks(0..100);
+        sibling.extend(500..600);
+        assert!(c.insert(sibling, base(), vec![0; 200]));
+        assert_eq!(c.len(), 2);
+        // Under another LoRA set the same tokens supersede nothing.
+        assert!(c.insert(toks(0..300), LoraScales::new(vec![1.0]), vec![0; 300]));
+        assert_eq!(c.len(), 3);
+    }
+
+    #[test]
+    fn a_restored_entry_leaves_the_cache() {
+        let mut c = PromptCache::new(1 << 20);
+        assert!(c.insert(toks(0..100), base(), vec![9; 400]));
+        let (i, common) = c.best(&toks(0..100), &base(), 0).expect("a match");
+        let e = c.take(i, common - 1);
+        assert_eq!((e.tokens.len(), e.state.len()), (100, 400));
+        assert_eq!((c.len(), c.used()), (0, 0));
+        assert_eq!((c.stats().restored, c.stats().restored_tokens), (1, 99));
+    }
+
+    #[test]
+    fn off_stores_nothing() {
+        let mut c = PromptCache::new(0);
+        assert!(!c.enabled());
+        assert!(!c.insert(toks(0..100), base(), vec![1; 4]));
+        assert_eq!(c.len(), 0);
+    }
+}

@@ -1,0 +1,71 @@
+"""The host-memory prompt cache (``--cache-ram``) with real llama.cpp on tiny models: a
+conversation pushed out of its slot is restored from RAM for its next turn, and the restored
+state gives the greedy tokens a fresh decode gives (by logprobs); on a sliding-window model a
+restored conversation continues, and a prompt that cuts it back past its window is decoded
+in full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from llamarunner import Server
+
+from helpers import choice_logprobs, complete, metric, openai_greedy, same_or_near_tie
+from tinymodel import SPARK_SLIDING_WINDOW, write_spark2_5_model
+
+StartServer = Callable[..., Server]
+
+ALICE = "the cat is the dog and the world of hello " * 6
+BOB = "hello world the cat and a dog is of the world " * 6
+
+
+def turns(url: str, follow: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Alice, then Bob in the one slot, then Alice's follow-up: (Bob's final message, the
+    follow-up's OpenAI answer)."""
+    complete(url, ALICE, temperature=0, num_predict=8, ignore_eos=True)
+    _, bob = complete(url, BOB, temperature=0, num_predict=8, ignore_eos=True)
+    return bob, openai_greedy(url, follow, 12, ignore_eos=True)
+
+
+def test_a_conversation_pushed_out_of_its_slot_is_restored_with_the_same_tokens(
+    tiny_model: Path, start_server: StartServer
+) -> None:
+    follow = ALICE + "and then the cat said"
+    cached = start_server(tiny_model, parallel=1, ctx_size=1024, cache_ram=64)
+    bob, warm = turns(cached.url, follow)
+    assert bob["prompt_cached_count"] <= 2, bob  # BOS and maybe a space: Bob is new
+    usage = warm["usage"]
+    # All of Alice's prompt came back from RAM (her answer differs from the follow-up's text).
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(ALICE.split()), usage
+    assert metric(cached.url, "prompt_cache_restored_tokens_total") >= len(ALICE.split())
+    assert metric(cached.url, "prompt_cache_entries") >= 1
+    assert metric(cached.url, "prompt_cache_bytes") > 0
+    # Without the cache the same turns decode the follow-up in full...
+    cold_server = start_server(tiny_model, parallel=1, ctx_size=1024, cache_ram=0)
+    _, cold = turns(cold_server.url, follow)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] <= 2
+    # ...and give the same greedy tokens (or part at a near-tie: the cells were computed in
+    # batches of other shapes).
+    same_or_near_tie(choice_logprobs(cold), choice_logprobs(warm))
+
+
+def test_on_a_sliding_window_model_a_restored_conversation_continues(
+    tmp_path: Path, start_server: StartServer
+) -> None:
+    model = write_spark2_5_model(tmp_path / "swa.gguf")
+    srv = start_server(model, parallel=1, ctx_size=2048, batch_size=32, cache_ram=64)
+    # ~480 tokens, longer than the 256-token window and a batch: the window layer keeps only
+    # its last cells.
+    long = ALICE * 8
+    text, _ = complete(srv.url, long, temperature=0, num_predict=8, ignore_eos=True)
+    complete(srv.url, BOB, temperature=0, num_predict=8, ignore_eos=True)
+    # The continuation of Alice's conversation is restored...
+    _, cont = complete(srv.url, long + text + " and", temperature=0, num_predict=4)
+    assert cont["prompt_cached_count"] > SPARK_SLIDING_WINDOW, cont
+    # ...a prompt that cuts it back past the window is decoded in full (the window's cells
+    # before the cut are gone).
+    complete(srv.url, BOB, temperature=0, num_predict=8, ignore_eos=True)
+    cut = ALICE + "something else"
+    _, deep = complete(srv.url, cut, temperature=0, num_predict=4)
+    assert deep["prompt_cached_count"] <= 2, deep
