@@ -143,7 +143,9 @@ class Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
 
 
-def take_turn(server: Running, system: str, conv: Conversation, max_tokens: int) -> Turn:
+def take_turn(
+    server: Running, model: str, system: str, conv: Conversation, max_tokens: int
+) -> Turn:
     first = not conv.messages
     if first:
         conv.messages = [
@@ -151,7 +153,7 @@ def take_turn(server: Running, system: str, conv: Conversation, max_tokens: int)
             {"role": "user", "content": conv.task},
         ]
     body: dict[str, Any] = {
-        "model": "m",
+        "model": model,
         "messages": conv.messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -206,6 +208,8 @@ def run(server: Running, args: argparse.Namespace) -> Result:
         )
         for k in range(args.conversations)
     ]
+    # The served model's name (ours answers 404 for another).
+    model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     turns: list[Turn] = []
     lock = threading.Lock()
     failures: list[BaseException] = []
@@ -213,7 +217,7 @@ def run(server: Running, args: argparse.Namespace) -> Result:
     def client(i: int) -> None:
         try:
             for conv in convs[i :: args.clients]:
-                t = take_turn(server, system, conv, args.max_tokens)
+                t = take_turn(server, model, system, conv, args.max_tokens)
                 with lock:
                     turns.append(t)
         except BaseException as e:  # reported after the round

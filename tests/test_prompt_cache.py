@@ -1,13 +1,15 @@
 """The host-memory prompt cache (``--cache-ram``) with real llama.cpp on tiny models: a
 conversation pushed out of its slot is restored from RAM for its next turn, and the restored
 state gives the greedy tokens a fresh decode gives (by logprobs); on a sliding-window model a
-restored conversation continues, and a prompt that cuts it back past its window is decoded
-in full."""
+restored conversation serves a prompt that continues it, and one that cuts it back is decoded
+in full (a restored state holds only the window's cells before its end)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable
+
+import httpx
 
 from llamarunner import Server
 
@@ -18,6 +20,12 @@ StartServer = Callable[..., Server]
 
 ALICE = "the cat is the dog and the world of hello " * 6
 BOB = "hello world the cat and a dog is of the world " * 6
+
+
+def n_tokens(url: str, text: str) -> int:
+    r = httpx.post(f"{url}/tokenize", json={"content": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    return len(r.json()["tokens"])
 
 
 def turns(url: str, follow: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -33,39 +41,45 @@ def test_a_conversation_pushed_out_of_its_slot_is_restored_with_the_same_tokens(
 ) -> None:
     follow = ALICE + "and then the cat said"
     cached = start_server(tiny_model, parallel=1, ctx_size=1024, cache_ram=64)
+    alice = n_tokens(cached.url, ALICE)
     bob, warm = turns(cached.url, follow)
-    assert bob["prompt_cached_count"] <= 2, bob  # BOS and maybe a space: Bob is new
+    assert bob["prompt_cached_count"] < 10, bob  # a few bytes in common: Bob is new
     usage = warm["usage"]
-    # All of Alice's prompt came back from RAM (her answer differs from the follow-up's text).
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(ALICE.split()), usage
-    assert metric(cached.url, "prompt_cache_restored_tokens_total") >= len(ALICE.split())
+    # Alice's prompt came back from RAM (her answer differs from the follow-up's text; the
+    # last token or two of her prompt may tokenize otherwise before it).
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= alice - 2, (alice, usage)
+    assert metric(cached.url, "prompt_cache_restored_tokens_total") >= alice - 10
     assert metric(cached.url, "prompt_cache_entries") >= 1
     assert metric(cached.url, "prompt_cache_bytes") > 0
     # Without the cache the same turns decode the follow-up in full...
     cold_server = start_server(tiny_model, parallel=1, ctx_size=1024, cache_ram=0)
     _, cold = turns(cold_server.url, follow)
-    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] <= 2
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] < 10
     # ...and give the same greedy tokens (or part at a near-tie: the cells were computed in
     # batches of other shapes).
     same_or_near_tie(choice_logprobs(cold), choice_logprobs(warm))
 
 
-def test_on_a_sliding_window_model_a_restored_conversation_continues(
+def test_on_a_sliding_window_model_a_restored_conversation_continues_but_is_not_cut_back(
     tmp_path: Path, start_server: StartServer
 ) -> None:
     model = write_spark2_5_model(tmp_path / "swa.gguf")
     srv = start_server(model, parallel=1, ctx_size=2048, batch_size=32, cache_ram=64)
-    # ~480 tokens, longer than the 256-token window and a batch: the window layer keeps only
-    # its last cells.
-    long = ALICE * 8
-    text, _ = complete(srv.url, long, temperature=0, num_predict=8, ignore_eos=True)
+    # ~350 tokens (the tiny vocabulary is mostly bytes), more than the 256-token window and a
+    # 32-token batch: the window layer keeps only its last cells.
+    long = ALICE
+    assert n_tokens(srv.url, long) > SPARK_SLIDING_WINDOW + 32
+    # One token: sampled, never decoded, so the slot holds BOS and the prompt.
+    complete(srv.url, long, temperature=0, num_predict=1)
     complete(srv.url, BOB, temperature=0, num_predict=8, ignore_eos=True)
-    # The continuation of Alice's conversation is restored...
-    _, cont = complete(srv.url, long + text + " and", temperature=0, num_predict=4)
+    # A prompt that continues Alice's exactly (byte tokens: the prompt's tokens stay a prefix)
+    # is restored and decodes only its new tokens...
+    _, cont = complete(srv.url, long + "xyz", temperature=0, num_predict=4)
+    assert cont["prompt_cached_count"] == 1 + n_tokens(srv.url, long), cont  # BOS + prompt
     assert cont["prompt_cached_count"] > SPARK_SLIDING_WINDOW, cont
     # ...a prompt that cuts it back past the window is decoded in full (the window's cells
     # before the cut are gone).
     complete(srv.url, BOB, temperature=0, num_predict=8, ignore_eos=True)
-    cut = ALICE + "something else"
+    cut = ALICE[:120] + "something else"
     _, deep = complete(srv.url, cut, temperature=0, num_predict=4)
-    assert deep["prompt_cached_count"] <= 2, deep
+    assert deep["prompt_cached_count"] < 10, deep
