@@ -272,7 +272,11 @@ def ours(
         *extra,
     ]
     via = " /v1" if dialect == "openai" else ""
-    name = f"llamarunner{via} (parallel {parallel}{', multiuser' if extra else ''})"
+    if "--multiuser-cache" in extra:
+        label = ", multiuser"
+    else:
+        label = f", {' '.join(extra)}" if extra else ""
+    name = f"llamarunner{via} (parallel {parallel}{label})"
     with _process(cmd, name, port, dialect) as r:
         yield r
 

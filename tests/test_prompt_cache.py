@@ -83,3 +83,29 @@ def test_on_a_sliding_window_model_a_restored_conversation_continues_but_is_not_
     cut = ALICE[:120] + "something else"
     _, deep = complete(srv.url, cut, temperature=0, num_predict=4)
     assert deep["prompt_cached_count"] < 10, deep
+
+
+def test_cache_prompt_false_decodes_the_whole_prompt_on_every_route(
+    tiny_model: Path, start_server: StartServer
+) -> None:
+    srv = start_server(tiny_model, parallel=1, ctx_size=1024)
+    complete(srv.url, ALICE, temperature=0, num_predict=2)
+    _, native = complete(srv.url, ALICE, {"cache_prompt": False}, temperature=0, num_predict=2)
+    assert native["prompt_cached_count"] == 0, native
+    _, reused = complete(srv.url, ALICE, temperature=0, num_predict=2)
+    assert reused["prompt_cached_count"] > 0, reused
+    body = {"prompt": ALICE, "max_tokens": 2, "temperature": 0}
+    for cache_prompt, cached in ((False, 0), (True, None)):
+        r = httpx.post(
+            f"{srv.url}/v1/completions", json={**body, "cache_prompt": cache_prompt}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert got == cached if cached is not None else got > 0, r.json()["usage"]
+    for bad in ("no", 1):
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "cache_prompt": bad}, timeout=60)
+        assert r.status_code == 400, r.text
+        r = httpx.post(
+            f"{srv.url}/completion", json={"prompt": ALICE, "cache_prompt": bad}, timeout=60
+        )
+        assert r.status_code == 400, r.text

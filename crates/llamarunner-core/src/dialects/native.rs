@@ -49,6 +49,9 @@ struct CompletionRequest {
     /// Speculative decoding on or off for this request (also accepted in `options`).
     #[serde(default)]
     speculative: Option<bool>,
+    /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
+    #[serde(default)]
+    cache_prompt: Option<bool>,
 }
 
 /// A text field that must be present and non-empty.
@@ -72,6 +75,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);
     params.speculative = req.speculative.or(params.speculative);
+    params.cache_prompt = req.cache_prompt.unwrap_or(true);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
         Some(g) => Some(crate::constrain::Grammar::new(
             crate::constrain::GrammarSource::Gbnf(g),

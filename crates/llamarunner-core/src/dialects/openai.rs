@@ -82,6 +82,8 @@ struct OpenAiRequest {
     /// LoRA adapter scales, as llama-server's (`server/lora.rs`).
     lora: Option<Value>,
     speculative: Option<bool>,
+    /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
+    cache_prompt: Option<bool>,
 }
 
 impl OpenAiRequest {
@@ -136,6 +138,7 @@ impl OpenAiRequest {
             stop: stop_list(self.stop.as_ref())?,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             speculative: self.speculative,
+            cache_prompt: self.cache_prompt.unwrap_or(true),
             ..defaults
         };
         crate::requests::validate::check_options(&p)

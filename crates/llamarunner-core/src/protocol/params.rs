@@ -64,6 +64,9 @@ pub struct SamplingParams {
     /// Draft tokens by prompt lookup (the request's top-level `speculative`); None: the
     /// server's default, on for greedy requests when `--draft-max` is above 0.
     pub speculative: Option<bool>,
+    /// Reuse a cached prefix of the prompt (a slot's, a fork's or the prompt cache's); false
+    /// decodes the whole prompt (llama-server's `cache_prompt`).
+    pub cache_prompt: bool,
 }
 
 impl Default for SamplingParams {
@@ -93,6 +96,7 @@ impl Default for SamplingParams {
             logprobs: None,
             lora: None,
             speculative: None,
+            cache_prompt: true,
         }
     }
 }

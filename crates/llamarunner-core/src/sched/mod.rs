@@ -679,8 +679,13 @@ impl<B: Backend> Scheduler<B> {
         .map_err(|e| EngineError::new(EngineErrorKind::InvalidRequest, e.to_string()))?;
         let lora = params.lora.clone().unwrap_or_default();
         let (index, common) = self.pick_slot(&tokens, &lora)?;
-        // A sequence in RAM that starts like the prompt, beyond what the slot holds.
-        let common = self.restore_cached(index, &tokens, &lora, common);
+        // A sequence in RAM that starts like the prompt, beyond what the slot holds; nothing
+        // cached when the request asks for none (`cache_prompt: false`).
+        let common = if params.cache_prompt {
+            self.restore_cached(index, &tokens, &lora, common)
+        } else {
+            0
+        };
         // At least one prompt token is decoded so there are logits to sample from; a prefix
         // that ends inside an image is cut back to the image's start (an image is decoded
         // whole).

@@ -94,6 +94,10 @@ impl PromptCache {
         self.entries.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.stats
     }

@@ -131,3 +131,26 @@ fn a_conversation_is_stored_once_however_many_turns_it_had() {
     assert!(restored > 3 * 120, "{reports:?}");
     assert!(bytes > 0);
 }
+
+#[test]
+fn cache_prompt_false_decodes_the_whole_prompt() {
+    let h = caching(1, 1 << 20);
+    let a = conversation("alice");
+    let (first, _) = collect(&mut h.submit(&a, greedy(6)));
+    let no_cache = SamplingParams {
+        cache_prompt: false,
+        ..greedy(6)
+    };
+    // The slot holds the prompt, but the request wants none of it.
+    let (again, done) = collect(&mut h.submit(&a, no_cache.clone()));
+    assert_eq!(done.prompt_cached_count, 0);
+    assert_eq!(again, first);
+    // Nor from RAM: alice went there when bob took the slot.
+    collect(&mut h.submit(&conversation("bob"), greedy(6)));
+    let (_, cold) = collect(&mut h.submit(&a, no_cache));
+    assert_eq!(cold.prompt_cached_count, 0);
+    // A request that allows it gets it.
+    collect(&mut h.submit(&conversation("bob"), greedy(6)));
+    let (_, warm) = collect(&mut h.submit(&a, greedy(6)));
+    assert_eq!(warm.prompt_cached_count, warm.prompt_eval_count - 1);
+}
