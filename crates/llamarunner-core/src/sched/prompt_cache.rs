@@ -13,8 +13,8 @@
 //! - **Keys.** An entry serves only prompts under its LoRA scale set (other adapters give other
 //!   cells). Images are in the token lists (each image's positions carry ids derived from its
 //!   content), so a prefix with an image matches only the same image.
-//! - **Budget.** Entries are held within `budget` bytes. The least recently used go first, and
-//!   an entry larger than the budget is not stored.
+//! - **Budget.** Entries are held within `budget` bytes and `MAX_ENTRIES`. The least recently
+//!   stored go first, and an entry larger than the budget is not stored.
 //! - **Stored once.** A new entry supersedes the entries whose tokens are a prefix of its own
 //!   (the same conversation's earlier turns, say), since a restore can cut it back to them;
 //!   those are dropped.
@@ -70,6 +70,10 @@ pub struct PromptCache {
 pub const MIN_RESTORE_GAIN: usize = 16;
 /// A slot's sequence is stored only when at least this many of its tokens would be lost.
 pub const MIN_STORE: usize = 32;
+/// Most entries held, whatever the budget: admission compares the prompt with every entry, so
+/// many small states (a small model, short prompts) would make each admission slow. The least
+/// recently stored go first past it, as past the budget.
+pub const MAX_ENTRIES: usize = 256;
 
 impl PromptCache {
     /// A cache of at most `budget` bytes; 0 turns it off.
@@ -158,7 +162,7 @@ impl PromptCache {
         });
         self.used -= freed;
         self.stats.superseded += (before - self.entries.len()) as u64;
-        while self.used + state.len() > self.budget {
+        while self.used + state.len() > self.budget || self.entries.len() >= MAX_ENTRIES {
             let Some(oldest) = self
                 .entries
                 .iter()
@@ -272,6 +276,20 @@ mod tests {
         assert_eq!((e.tokens.len(), e.state.len()), (100, 400));
         assert_eq!((c.len(), c.used()), (0, 0));
         assert_eq!((c.stats().restored, c.stats().restored_tokens), (1, 99));
+    }
+
+    #[test]
+    fn at_most_max_entries_are_held_whatever_the_budget() {
+        let mut c = PromptCache::new(1 << 30);
+        for k in 0..MAX_ENTRIES as i32 + 10 {
+            assert!(c.insert(toks(k * 100..k * 100 + 40), base(), vec![0; 8]));
+        }
+        assert_eq!(c.len(), MAX_ENTRIES);
+        assert_eq!(c.used(), 8 * MAX_ENTRIES);
+        // The first ten went.
+        assert_eq!(c.best(&toks(0..40), &base(), 0), None);
+        assert!(c.best(&toks(1000..1040), &base(), 0).is_some());
+        assert_eq!(c.stats().evicted, 10);
     }
 
     #[test]
