@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFWriter
 
-from tinymodel import model_tensors
+from tinymodel import model_tensors, write_gguf
 
 Pairs = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -27,14 +27,11 @@ def write_adapter(path: Path, arch: str, pairs: Pairs, alpha: float) -> Path:
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", alpha)
+    tensors = {}
     for name, (a, b) in pairs.items():
-        w.add_tensor(f"{name}.lora_a", a.astype(np.float32))
-        w.add_tensor(f"{name}.lora_b", b.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        tensors[f"{name}.lora_a"] = a.astype(np.float32)
+        tensors[f"{name}.lora_b"] = b.astype(np.float32)
+    return write_gguf(w, path, tensors)
 
 
 def random_pairs(

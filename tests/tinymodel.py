@@ -111,9 +111,23 @@ def write_tiny_model(
     """Writes the tiny model; ``tensors`` replaces the tensors of `model_tensors` (to write a
     model with merged LoRA weights, say); ``heads`` as there (quantized KV caches need a head
     size that is a multiple of 32: ``heads=(2, 1)``)."""
-    tokens, scores, types = vocabulary(extra_tokens)
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-test-llama")
+    add_llama_hparams(w, context_length=context_length, heads=heads)
+    add_vocabulary(w, extra_tokens)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    if tensors is None:
+        tensors = model_tensors(
+            seed=seed, always_eos=always_eos, extra_tokens=extra_tokens, heads=heads
+        )
+    return write_gguf(w, path, tensors)
+
+
+def add_llama_hparams(
+    w: GGUFWriter, *, context_length: int, heads: tuple[int, int] = (N_HEAD, N_HEAD_KV)
+) -> None:
+    """The tiny llama's hyperparameters (f32 weights), under the writer's architecture."""
     w.add_context_length(context_length)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
@@ -124,6 +138,11 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(0)  # all f32
+
+
+def add_vocabulary(w: GGUFWriter, extra_tokens: int = 0) -> None:
+    """The SPM vocabulary of `vocabulary`, BOS 1 (added), EOS 2, UNK 0."""
+    tokens, scores, types = vocabulary(extra_tokens)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -133,12 +152,10 @@ def write_tiny_model(
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    if tensors is None:
-        tensors = model_tensors(
-            seed=seed, always_eos=always_eos, extra_tokens=extra_tokens, heads=heads
-        )
+
+
+def write_gguf(w: GGUFWriter, path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """Adds `tensors`, writes the file and closes it; returns `path`."""
     for name, data in tensors.items():
         w.add_tensor(name, data)
     w.write_header_to_file()
@@ -256,7 +273,6 @@ def write_spark2_5_model(path: Path, *, seed: int = 0) -> Path:
     attention output. spark2_5 also needs a sliding window and a per-layer window pattern; it
     uses NeoX RoPE and a GELU feed-forward."""
     assert len(SPARK_SWA_PATTERN) == N_LAYER
-    tokens, scores, types = vocabulary()
     tensors = model_tensors(seed=seed)
     rng = np.random.default_rng(seed + 1)
     for i in range(N_LAYER):
@@ -265,31 +281,8 @@ def write_spark2_5_model(path: Path, *, seed: int = 0) -> Path:
         tensors[f"blk.{i}.attn_gate.weight"] = gate
     w = GGUFWriter(str(path), SPARK2_5)
     w.add_name("tiny-test-spark2_5")
-    w.add_context_length(4096)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    add_llama_hparams(w, context_length=4096)
     w.add_sliding_window(SPARK_SLIDING_WINDOW)
     w.add_sliding_window_pattern(SPARK_SWA_PATTERN)
-    w.add_file_type(0)  # all f32
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    for name, data in tensors.items():
-        w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    add_vocabulary(w)
+    return write_gguf(w, path, tensors)

@@ -67,7 +67,7 @@ import numpy as np
 from gguf import GGUFWriter
 from PIL import Image
 
-from tinymodel import N_EMBD
+from tinymodel import N_EMBD, write_gguf
 
 PROJECTOR_TYPE = "mlp"
 IMAGE_SIZE = 28
@@ -139,13 +139,7 @@ def write_tiny_projector(path: Path, *, seed: int = 0, n_embd: int = N_EMBD) -> 
     w.add_uint32("clip.vision.projection_dim", n_embd)
     w.add_array("clip.vision.image_mean", list(IMAGE_MEAN))
     w.add_array("clip.vision.image_std", list(IMAGE_STD))
-    for name, data in projector_tensors(seed=seed, n_embd=n_embd).items():
-        w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(w, path, projector_tensors(seed=seed, n_embd=n_embd))
 
 
 # ---- test images ----

@@ -848,16 +848,22 @@ impl<B: Backend> Scheduler<B> {
                     entries = self.prompt_cache.len(),
                     "a slot's sequence to the prompt cache"
                 );
-                self.inbox.observer.prompt_cache(
-                    self.prompt_cache.used(),
-                    self.prompt_cache.len(),
-                    0,
-                );
+                self.report_prompt_cache(0);
             }
             Err(e) => {
                 tracing::debug!(slot = slot.id, error = %e, "the slot's state could not be read")
             }
         }
+    }
+
+    /// Tells the metrics what the prompt cache holds, and that a restore saved decoding
+    /// `restored` prompt tokens (0 after a store).
+    fn report_prompt_cache(&self, restored: usize) {
+        self.inbox.observer.prompt_cache(
+            self.prompt_cache.used(),
+            self.prompt_cache.len(),
+            restored,
+        );
     }
 
     /// Restores into slot `index` the prompt cache's entry that shares the longest prefix with
@@ -891,11 +897,7 @@ impl<B: Backend> Scheduler<B> {
                 );
                 slot.cached = entry.tokens;
                 slot.lora = entry.lora;
-                self.inbox.observer.prompt_cache(
-                    self.prompt_cache.used(),
-                    self.prompt_cache.len(),
-                    shared - common,
-                );
+                self.report_prompt_cache(shared - common);
                 shared
             }
             other => {
@@ -1100,7 +1102,10 @@ impl<B: Backend> Scheduler<B> {
             .filter_map(|s| s.seq.as_ref())
             .map(|seq| seq.spec.draft.len())
             .sum();
-        if self.speculation.measure && self.batch.iter().all(|t| t.logits) {
+        // Only steps of generating sequences (every position with logits) say what a width
+        // costs, and whether drafts paid: a prompt chunk's positions cost less.
+        let all_logits = self.batch.iter().all(|t| t.logits);
+        if self.speculation.measure && all_logits {
             let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
             self.step_cost.observe(self.batch.len(), us);
         }
@@ -1123,7 +1128,7 @@ impl<B: Backend> Scheduler<B> {
                 self.flush_outbox(index);
             }
         }
-        if self.step_judged && !images && self.batch.iter().all(|t| t.logits) {
+        if self.step_judged && !images && all_logits {
             let us = u64::try_from(step_started.elapsed().as_micros()).unwrap_or(u64::MAX);
             let tokens = self.step_placed + self.step_accepted;
             self.payoff.observe(self.step_placed, drafted, tokens, us);
