@@ -6,10 +6,13 @@ in full (a restored state holds only the window's cells before its end)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+import pytest
 
 from llamarunner import Server
 
@@ -109,3 +112,24 @@ def test_cache_prompt_false_decodes_the_whole_prompt_on_every_route(
             f"{srv.url}/completion", json={"prompt": ALICE, "cache_prompt": bad}, timeout=60
         )
         assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("value", [-2, -(1 << 62), (16 << 20) + 1, 1 << 62])
+def test_an_out_of_range_cache_ram_is_refused(tiny_model: Path, value: int) -> None:
+    with pytest.raises(ValueError, match="cache-ram"):
+        Server(str(tiny_model), port=0, cache_ram=value).start()
+
+
+@pytest.mark.parametrize("value", ["-5", "lots", "1.5"])
+def test_the_cli_refuses_a_bad_cache_ram_with_exit_2(tiny_model: Path, value: str) -> None:
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "llamarunner", "serve", str(tiny_model)),
+            *("--port", "0", f"--cache-ram={value}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "cache-ram" in r.stderr, r.stderr

@@ -84,7 +84,8 @@ pub struct RunnerConfig {
     pub multiuser_cache: bool,
     /// Host-memory prompt cache, MiB: the KV states of sequences that leave their slot are
     /// kept in RAM and restored for prompts that start like them; 0 = off, -1 = a quarter of
-    /// the machine's memory, at most 8 GiB (`cache_ram_bytes`).
+    /// the machine's memory, at most 8 GiB (`cache_ram_bytes`); below -1 or above
+    /// `MAX_CACHE_RAM_MIB` is refused (`validate`).
     pub cache_ram: i64,
     /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
     /// just their window: more memory, and any cached prefix stays reusable however far back.
@@ -268,6 +269,10 @@ pub const MAX_SPEC_NGRAM: u32 = 32;
 /// `Duration::from_secs_f64` must not overflow).
 const MAX_SECONDS: f64 = 86_400.0;
 
+/// The largest `--cache-ram`, in MiB (16 TiB): more than any machine's memory, small enough
+/// that its bytes fit a u64.
+pub const MAX_CACHE_RAM_MIB: i64 = 16 << 20;
+
 impl RunnerConfig {
     /// The prompt cache's budget in bytes: `cache_ram` MiB, or for -1 (and any negative) a
     /// quarter of the machine's memory (`/proc/meminfo`'s MemTotal; 4 GiB where it cannot be
@@ -295,7 +300,7 @@ impl RunnerConfig {
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::NoModel);
         }
-        let ranges: [(&'static str, i64, i64, i64, &'static str); 6] = [
+        let ranges: [(&'static str, i64, i64, i64, &'static str); 7] = [
             (
                 "parallel",
                 self.parallel.into(),
@@ -331,6 +336,13 @@ impl RunnerConfig {
                 1,
                 MAX_SPEC_NGRAM.into(),
                 "between 1 and 32",
+            ),
+            (
+                "cache-ram",
+                self.cache_ram,
+                -1,
+                MAX_CACHE_RAM_MIB,
+                "-1 (a quarter of the memory), 0 (off) or MiB up to 16 TiB",
             ),
         ];
         for (name, value, lo, hi, rule) in ranges {
