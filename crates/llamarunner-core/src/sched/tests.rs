@@ -48,6 +48,19 @@ impl Harness {
         Self::observed(config, slots, max_queue, Arc::new(NoObserver), setup)
     }
 
+    /// A harness whose engine starts only when the returned sender is used (or dropped), so that
+    /// requests submitted before then are all waiting at its first step, however the threads are
+    /// scheduled (a test that needs every slot busy at once cannot rely on submitting fast).
+    fn held(config: FakeConfig, slots: usize) -> (Self, std::sync::mpsc::Sender<()>) {
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let h = Self::with_scheduler(config, slots, 64, move |s| {
+            // An error means the sender was dropped: start as well.
+            let _ = wait.recv();
+            s
+        });
+        (h, go)
+    }
+
     /// A harness whose engine reports to `observer`.
     fn observed(
         config: FakeConfig,
@@ -999,7 +1012,7 @@ fn the_time_limit_ends_running_requests_and_refuses_queued_ones() {
 
 #[test]
 fn with_fewer_batch_places_than_sequences_none_starves() {
-    let h = Harness::new(
+    let (h, go) = Harness::held(
         FakeConfig {
             batch_capacity: 2,
             ..FakeConfig::default()
@@ -1009,6 +1022,7 @@ fn with_fewer_batch_places_than_sequences_none_starves() {
     let rxs: Vec<_> = (0..4)
         .map(|i| h.submit(&format!("s{i}"), greedy(12)))
         .collect();
+    go.send(()).expect("engine thread waits");
     for (i, mut rx) in rxs.into_iter().enumerate() {
         let (text, done) = collect(&mut rx);
         assert_eq!(done.eval_count, 12, "slot {i}");
@@ -1032,7 +1046,7 @@ fn with_fewer_batch_places_than_sequences_none_starves() {
 fn batches_list_their_sequences_in_slot_order_whatever_the_rotation() {
     // llama.cpp (one KV stream per sequence) puts into one micro-batch only sequences whose ids
     // follow each other in batch order; the rotation of places must not reorder the batch.
-    let h = Harness::new(
+    let (h, go) = Harness::held(
         FakeConfig {
             batch_capacity: 3,
             ..FakeConfig::default()
@@ -1042,6 +1056,7 @@ fn batches_list_their_sequences_in_slot_order_whatever_the_rotation() {
     let rxs: Vec<_> = (0..4)
         .map(|i| h.submit(&format!("p{i}"), greedy(9)))
         .collect();
+    go.send(()).expect("engine thread waits");
     for (i, mut rx) in rxs.into_iter().enumerate() {
         let (text, done) = collect(&mut rx);
         assert_eq!(done.eval_count, 9, "slot {i}");

@@ -48,7 +48,7 @@ fn the_reference_tells_the_sets_apart() {
 
 #[test]
 fn mixed_sets_never_share_a_batch_and_each_answers_as_alone() {
-    let h = Harness::new(
+    let (h, go) = Harness::held(
         FakeConfig {
             decode_delay: Duration::from_micros(200),
             ..FakeConfig::default()
@@ -61,6 +61,7 @@ fn mixed_sets_never_share_a_batch_and_each_answers_as_alone() {
         .enumerate()
         .map(|(i, s)| h.submit(&format!("prompt {i}"), greedy_under(16, s)))
         .collect();
+    go.send(()).expect("engine thread waits");
     for (i, mut rx) in rxs.into_iter().enumerate() {
         let (text, done) = collect(&mut rx);
         assert_eq!(done.eval_count, 16);
