@@ -110,7 +110,16 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="sliding-window layers (Gemma 2/3, ...) keep the whole context, not just their "
         "window: more memory, but a cached prefix stays reusable after the conversation moved "
         "on (by default a prompt that cuts a cached sequence back past its window is decoded "
-        "again)",
+        "again, or goes back to a --ctx-checkpoints checkpoint)",
+    )
+    p.add_argument(
+        "--ctx-checkpoints",
+        type=int,
+        metavar="N",
+        help="checkpoints of the sliding-window layers' cells kept per slot (default 8; 0 = "
+        "none): a prompt that cuts a cached sequence back, or forks another slot's prefix, "
+        "goes back to the last checkpoint before the cut and decodes from there, instead of "
+        "decoding the whole prompt again (models with sliding-window layers, without --swa-full)",
     )
     spec = p.add_argument_group(
         "speculative decoding",

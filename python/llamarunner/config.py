@@ -53,6 +53,7 @@ class ServerConfig:
     multiuser_cache: bool = False
     cache_ram: int = -1
     swa_full: bool = False
+    ctx_checkpoints: int = 8
     draft_max: int = 16
     draft_min: int = 1
     spec_ngram: int = 6

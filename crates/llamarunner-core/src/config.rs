@@ -90,6 +90,11 @@ pub struct RunnerConfig {
     /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
     /// just their window: more memory, and any cached prefix stays reusable however far back.
     pub swa_full: bool,
+    /// Checkpoints of the sliding-window cells kept per slot (`--ctx-checkpoints`): a
+    /// sequence cut back, or a shared prefix forked, goes back to the last one before the cut
+    /// instead of decoding the whole prompt again (`sched/checkpoints.rs`); 0 = none. Only
+    /// models with sliding-window layers and no `swa_full` take them.
+    pub ctx_checkpoints: i64,
     /// Speculative decoding by prompt lookup: most tokens drafted per sequence and step;
     /// 0 = off.
     pub draft_max: u32,
@@ -171,6 +176,7 @@ impl Default for RunnerConfig {
             multiuser_cache: false,
             cache_ram: -1,
             swa_full: false,
+            ctx_checkpoints: 8,
             draft_max: 16,
             draft_min: 1,
             spec_ngram: 6,
@@ -269,6 +275,9 @@ pub const MAX_SPEC_NGRAM: u32 = 32;
 /// `Duration::from_secs_f64` must not overflow).
 const MAX_SECONDS: f64 = 86_400.0;
 
+/// The most window checkpoints per slot (`--ctx-checkpoints`): each holds a window's cells.
+pub const MAX_CTX_CHECKPOINTS: i64 = 64;
+
 /// The largest `--cache-ram`, in MiB (16 TiB): more than any machine's memory, small enough
 /// that its bytes fit a u64.
 pub const MAX_CACHE_RAM_MIB: i64 = 16 << 20;
@@ -300,7 +309,14 @@ impl RunnerConfig {
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::NoModel);
         }
-        let ranges: [(&'static str, i64, i64, i64, &'static str); 7] = [
+        let ranges: [(&'static str, i64, i64, i64, &'static str); 8] = [
+            (
+                "ctx-checkpoints",
+                self.ctx_checkpoints,
+                0,
+                MAX_CTX_CHECKPOINTS,
+                "between 0 (none) and 64",
+            ),
             (
                 "parallel",
                 self.parallel.into(),

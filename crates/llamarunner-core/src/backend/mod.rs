@@ -79,8 +79,32 @@ pub trait Backend {
     /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
     /// Makes sequence `dst` hold the first `len` cached tokens of sequence `src` (a fork for
-    /// multi-user prefix sharing). False when the cache cannot copy.
+    /// multi-user prefix sharing). False when the cache cannot copy, or when the copy lacks
+    /// the sliding window before `len` (the copy may stay: a checkpoint can mend it, else the
+    /// caller clears it).
     fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool;
+    /// The sliding window, in positions, when the cache drops the windowed layers' cells that
+    /// fall out of it (Gemma-style models without `--swa-full`); None when every cell stays.
+    /// A cut or fork then keeps a sequence only when its window before the cut is still
+    /// there, or when a checkpoint puts it back (`window_checkpoint`).
+    fn sliding_window(&self) -> Option<usize> {
+        None
+    }
+    /// A checkpoint of sequence `seq`'s windowed cells as they are now (llama.cpp's partial
+    /// state: the sliding-window layers only, a window's worth of positions), to rewind it
+    /// to this length later with `rewind_to_checkpoint`. An error when the cache has no
+    /// window.
+    fn window_checkpoint(&self, _seq: i32) -> Result<Vec<u8>, BackendError> {
+        Err(BackendError::State(
+            "the cache has no sliding window".into(),
+        ))
+    }
+    /// Cuts sequence `seq` to its first `len` positions and puts back the windowed cells of a
+    /// checkpoint taken when a sequence with the same first `len` tokens held exactly `len`
+    /// positions. False when that fails (the caller clears the sequence).
+    fn rewind_to_checkpoint(&mut self, _seq: i32, _len: usize, _state: &[u8]) -> bool {
+        false
+    }
     /// llama.cpp's state of sequence `seq` (its KV cells), for a slot file.
     fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError>;
     /// Replaces sequence `seq` with a state `seq_state` made (of this model and context

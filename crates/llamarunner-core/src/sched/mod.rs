@@ -7,6 +7,7 @@
 //! for every sequence whose pending tokens are all decoded, and stream the text out.
 
 pub mod adaptive;
+pub mod checkpoints;
 mod draft;
 mod lora;
 pub mod payoff;
@@ -32,6 +33,7 @@ use crate::protocol::{
     SlotCommand, SlotOutcome, SlotPhase, Token, TokenLogprob,
 };
 use adaptive::CostModel;
+use checkpoints::Checkpoints;
 use payoff::Payoff;
 use prompt_cache::PromptCache;
 use speculative::{SpecConfig, SpecState};
@@ -93,6 +95,9 @@ struct Sequence<S> {
     n_prompt: usize,
     n_cached: usize,
     n_generated: usize,
+    /// The slot's length at which the prompt's next window checkpoint is taken
+    /// (`checkpoints.rs`); the prompt's end is checkpointed as well.
+    next_checkpoint: usize,
     /// Prompt tokens protected from shifting.
     keep: usize,
     /// The prompt was truncated to fit.
@@ -183,6 +188,8 @@ pub struct Scheduler<B: Backend> {
     multiuser: bool,
     /// Sequences that left their slot, in RAM (`--cache-ram`).
     prompt_cache: PromptCache,
+    /// Checkpoints of the sliding-window cells (`checkpoints.rs`).
+    checkpoints: Checkpoints,
     /// Prompt-lookup drafts (`--draft-max` ...).
     speculation: SpecConfig,
     /// What a decode step costs, refined from the steps run (how much drafting pays).
@@ -237,6 +244,7 @@ impl<B: Backend> Scheduler<B> {
             next_decode: 0,
             multiuser: false,
             prompt_cache: PromptCache::new(0),
+            checkpoints: Checkpoints::new(0),
             speculation: SpecConfig::OFF,
             step_cost: CostModel::new(SpecConfig::OFF.cost),
             payoff: Payoff::default(),
@@ -270,6 +278,18 @@ impl<B: Backend> Scheduler<B> {
     /// (`--cache-ram`; 0 = off), and restores them for prompts that start like them.
     pub fn with_prompt_cache(mut self, bytes: usize) -> Self {
         self.prompt_cache = PromptCache::new(bytes);
+        self
+    }
+
+    /// Keeps up to `per_slot` checkpoints of the sliding-window cells per slot (`--ctx-checkpoints`;
+    /// `checkpoints.rs`), when the model's cache has a window.
+    pub fn with_checkpoints(mut self, per_slot: usize) -> Self {
+        let max = if self.backend.sliding_window().is_some() {
+            per_slot.saturating_mul(self.slots.len())
+        } else {
+            0
+        };
+        self.checkpoints = Checkpoints::new(max);
         self
     }
 
@@ -692,13 +712,13 @@ impl<B: Backend> Scheduler<B> {
         let mut reuse = kv::image_boundary_before(&tokens, common.min(tokens.len() - 1));
         // What the slot holds past the reused prefix is about to go: to RAM first.
         self.offload(index, reuse);
-        let slot = &mut self.slots[index];
-        if !self.backend.kv_truncate(slot.id, reuse) {
+        if !self.backend.kv_truncate(self.slots[index].id, reuse) {
             // Partial removal is impossible (recurrent models), or what is left lacks cells a
-            // sliding window needs: start the slot afresh.
-            self.backend.kv_truncate(slot.id, 0);
-            reuse = 0;
+            // sliding window needs: back to a window checkpoint, or start the slot afresh.
+            reuse = self.rewind(index, &tokens, &lora, reuse);
         }
+        let spacing = self.checkpoint_spacing();
+        let slot = &mut self.slots[index];
         slot.cached.truncate(reuse);
         slot.lora = lora.clone();
         slot.last_used = Some(std::time::SystemTime::now());
@@ -736,6 +756,7 @@ impl<B: Backend> Scheduler<B> {
             sampler,
             n_prompt: tokens.len(),
             n_cached: reuse,
+            next_checkpoint: reuse + spacing,
             pending: tokens[reuse..].to_vec(),
             queued: 0,
             images,
@@ -806,11 +827,100 @@ impl<B: Backend> Scheduler<B> {
             self.slots[choice.slot].cached = prefix;
             Ok((choice.slot, choice.reuse))
         } else {
-            // The backend could not fork (a sliding window that lost cells the prefix needs):
-            // the slot is emptied and the prompt decoded in full.
-            self.backend.kv_truncate(dst, 0);
-            self.slots[choice.slot].cached.clear();
-            Ok((choice.slot, 0))
+            // The backend could not fork, or the copy lacks the window cells the prefix needs:
+            // back to a window checkpoint of the prefix, or the slot is emptied and the prompt
+            // decoded in full.
+            self.slots[choice.slot].cached = prefix;
+            let reuse = self.rewind(choice.slot, tokens, lora, choice.reuse);
+            self.slots[choice.slot].cached.truncate(reuse);
+            if reuse > 0 {
+                tracing::debug!(
+                    from = src,
+                    to = dst,
+                    tokens = reuse,
+                    "forked a cached prefix to a checkpoint"
+                );
+            }
+            Ok((choice.slot, reuse))
+        }
+    }
+
+    /// Positions between a prompt's window checkpoints: the window (what a rewind to the
+    /// checkpoint before a cut decodes again is at most that); 0 when none are taken.
+    fn checkpoint_spacing(&self) -> usize {
+        if self.checkpoints.enabled() {
+            self.backend.sliding_window().unwrap_or(0).max(1)
+        } else {
+            0
+        }
+    }
+
+    /// Slot `index`'s cache, which holds `prompt`'s first `at_most` tokens but not the window
+    /// before them, goes back to the longest window checkpoint of `prompt` within them; it is
+    /// cleared when there is none or the rewind fails. Returns the prompt tokens it holds.
+    fn rewind(
+        &mut self,
+        index: usize,
+        prompt: &[Token],
+        lora: &LoraScales,
+        at_most: usize,
+    ) -> usize {
+        let id = self.slots[index].id;
+        // A checkpoint is of the prompt's own tokens, and the slot holds them up to `at_most`.
+        let held = kv::common_prefix(&self.slots[index].cached, prompt).min(at_most);
+        if let Some(c) = self.checkpoints.best(prompt, lora, held) {
+            let len = c.tokens.len();
+            if self.backend.rewind_to_checkpoint(id, len, &c.state) {
+                tracing::debug!(
+                    slot = id,
+                    tokens = len,
+                    wanted = at_most,
+                    "rewound to a window checkpoint"
+                );
+                return len;
+            }
+            tracing::warn!(
+                slot = id,
+                tokens = len,
+                "a window checkpoint did not restore; decoding the prompt"
+            );
+        }
+        self.backend.kv_truncate(id, 0);
+        self.slots[index].cached.clear();
+        0
+    }
+
+    /// Takes a window checkpoint of slot `index` (whose sequence decodes its prompt) when its
+    /// prompt is complete or it passed the next checkpoint's length.
+    fn checkpoint(&mut self, index: usize) {
+        let spacing = self.checkpoint_spacing();
+        let slot = &mut self.slots[index];
+        let Some(seq) = slot.seq.as_mut() else {
+            return;
+        };
+        let len = slot.cached.len();
+        if spacing == 0
+            || seq.phase != Phase::Prefill
+            || !(seq.pending.is_empty() || len >= seq.next_checkpoint)
+        {
+            return;
+        }
+        seq.next_checkpoint = len + spacing;
+        match self.backend.window_checkpoint(slot.id) {
+            Ok(state) => {
+                let bytes = state.len();
+                self.checkpoints
+                    .insert(slot.cached.clone(), slot.lora.clone(), state);
+                tracing::trace!(
+                    slot = slot.id,
+                    tokens = len,
+                    bytes,
+                    held = self.checkpoints.len(),
+                    held_bytes = self.checkpoints.bytes(),
+                    "window checkpoint"
+                );
+            }
+            Err(e) => tracing::debug!(slot = slot.id, error = %e, "no window checkpoint"),
         }
     }
 
@@ -1114,8 +1224,15 @@ impl<B: Backend> Scheduler<B> {
             let Some(seq) = slot.seq.as_mut() else {
                 continue;
             };
+            let prompt_chunk = seq.phase == Phase::Prefill && seq.queued > 0;
             slot.cached.extend(seq.pending.drain(..seq.queued));
             seq.queued = 0;
+            if prompt_chunk {
+                self.checkpoint(index);
+            }
+            let Some(seq) = self.slots[index].seq.as_mut() else {
+                continue;
+            };
             let Some(at) = seq.logits_at.take() else {
                 continue;
             };

@@ -13,15 +13,27 @@
 //! the steps really delivered: tokens per second of whole steps (drafting, decode and sampling)
 //! with drafts, and of steps without. Without drafts, a step of `placed` sequences gives
 //! `placed` tokens; with them, `placed` plus the accepted drafts. As soon as the drafted steps
-//! deliver less than the plain ones (judged every `JUDGE` drafted steps), drafting stops at that
-//! number of sequences. After `backoff` steps there it tries again, with fresh counts. The
-//! back-off doubles with each failed try (up to `MAX_BACKOFF` steps) and halves with each try
-//! that pays. While drafting is on, one step in `AUDIT` at that number goes without drafts, so
-//! the plain rate it is judged against stays current. The cost of an audit is at most one step's
-//! gain in `AUDIT`. The rule only removes drafts; how many to draft stays `adaptive`'s choice.
+//! deliver less than the plain ones (judged every `JUDGE` drafted steps, or after `EARLY` when
+//! they deliver less than `CLEAR_LOSS` of the plain rate), drafting stops at that number of
+//! sequences, and at every larger number that is drafting now (a wider batch only makes drafts
+//! dearer: its step already does more work per position). After `backoff` steps there it tries
+//! again, with fresh counts. The back-off doubles with each failed try (up to `MAX_BACKOFF`
+//! steps) and halves with each try that pays. While drafting is on, one step in `AUDIT` at that
+//! number goes without drafts, so the plain rate it is judged against stays current. The cost of
+//! an audit is at most one step's gain in `AUDIT`. The rule only removes drafts; how many to
+//! draft stays `adaptive`'s choice.
+//!
+//! What a try costs decides whether the default loses on a busy server: at 8 clients asking for
+//! ~100 tokens each, every number of sequences from 1 to 8 is met within a few hundred steps,
+//! so `JUDGE` slow steps at each, retried after `MIN_BACKOFF`, came to 5-10 % of the run. A clear
+//! loss is stopped after `EARLY` steps, and a loss at n stops the counts above n unseen.
 
 /// Drafted steps between judgements (a judgement needs plain steps too: `MIN_PLAIN`).
 pub const JUDGE: u32 = 8;
+/// Drafted steps after which a clear loss is judged without waiting for `JUDGE`.
+pub const EARLY: u32 = 3;
+/// A clear loss: the drafted steps delivered less than this share of the plain rate.
+pub const CLEAR_LOSS: f64 = 0.85;
 /// Plain steps a judgement needs at the least (their rate is the baseline), as a decayed count:
 /// two steps make 1.9.
 pub const MIN_PLAIN: f64 = 1.5;
@@ -99,9 +111,13 @@ pub struct Payoff {
 
 impl Payoff {
     fn bucket(&mut self, placed: usize) -> &mut Bucket {
-        if self.buckets.len() < placed + 1 {
-            self.buckets.resize_with(placed + 1, || Bucket {
+        while self.buckets.len() < placed + 1 {
+            // A count first met while a smaller one is off starts off for as long (a loss at
+            // n stands for the wider steps too).
+            let off_for = self.buckets.iter().map(|b| b.off_for).max().unwrap_or(0);
+            self.buckets.push(Bucket {
                 backoff: MIN_BACKOFF,
+                off_for,
                 ..Bucket::default()
             });
         }
@@ -148,24 +164,37 @@ impl Payoff {
         b.drafted.add(tokens, us);
         b.since_plain = b.since_plain.saturating_add(1);
         b.since_judged += 1;
-        if b.since_judged < JUDGE || b.plain.steps < MIN_PLAIN {
+        if b.plain.steps < MIN_PLAIN {
+            return;
+        }
+        let (drafted, plain) = (b.drafted.per_us(), b.plain.per_us());
+        let clear_loss = b.since_judged >= EARLY && drafted < plain * CLEAR_LOSS;
+        if b.since_judged < JUDGE && !clear_loss {
             return;
         }
         b.since_judged = 0;
-        if b.drafted.per_us() < b.plain.per_us() {
-            b.lost += 1;
-            b.off_for = b.backoff;
-            tracing::debug!(
-                placed,
-                drafted_tokens_per_s = b.drafted.per_us() * 1e6,
-                plain_tokens_per_s = b.plain.per_us() * 1e6,
-                off_steps = b.off_for,
-                "drafts did not pay; off for a while"
-            );
-            b.backoff = b.backoff.saturating_mul(2).min(MAX_BACKOFF);
-        } else {
+        if drafted >= plain {
             b.paid += 1;
             b.backoff = (b.backoff / 2).max(MIN_BACKOFF);
+            return;
+        }
+        b.lost += 1;
+        b.off_for = b.backoff;
+        let off_for = b.off_for;
+        tracing::debug!(
+            placed,
+            drafted_tokens_per_s = drafted * 1e6,
+            plain_tokens_per_s = plain * 1e6,
+            off_steps = off_for,
+            "drafts did not pay; off for a while"
+        );
+        b.backoff = b.backoff.saturating_mul(2).min(MAX_BACKOFF);
+        // Wider steps, drafting now, stop as well (each tries again on its own after the same
+        // wait; its own back-off is unchanged).
+        for wider in self.buckets.iter_mut().skip(placed + 1) {
+            if wider.off_for == 0 {
+                wider.off_for = off_for;
+            }
         }
     }
 
@@ -313,10 +342,47 @@ mod tests {
         p.observe(2, 0, 2, 10_000);
         p.observe(2, 0, 2, 10_000);
         assert_eq!(p.verdict(2), Verdict::Draft);
-        for _ in 0..JUDGE {
+        for _ in 0..EARLY {
             p.observe(2, 4, 2, 1_000_000);
         }
         assert_eq!(p.record(2), (0, 1));
         assert_eq!(p.verdict(2), Verdict::Off);
+    }
+
+    #[test]
+    fn a_clear_loss_is_stopped_after_early_steps() {
+        let mut p = Payoff::default();
+        // 8 sequences: plain 60 ms for 8 tokens (133/s); drafted 100 ms for 9 (90/s), under
+        // CLEAR_LOSS of the plain rate.
+        let first = verdicts(&mut p, 8, EARLY + 2 + MIN_BACKOFF, 60_000, 100_000, 9);
+        let early = EARLY as usize;
+        assert_eq!(
+            first,
+            format!(
+                "DADA{}{}",
+                "D".repeat(early - 2),
+                "O".repeat(MIN_BACKOFF as usize)
+            )
+        );
+        assert_eq!(p.record(8), (0, 1));
+    }
+
+    #[test]
+    fn a_loss_at_n_sequences_stops_the_wider_steps_too() {
+        let mut p = Payoff::default();
+        // 6 sequences drafted and paid; then 4 lose.
+        run(&mut p, 6, 20, 60_000, 50_000, 8);
+        assert_eq!(p.record(6), (2, 0));
+        run(&mut p, 4, 4 + JUDGE, 40_000, 80_000, 5);
+        assert_eq!(p.record(4), (0, 1));
+        // 6 (seen, drafting) and 8 (never seen) are off as long as 4; 2 and 1 are not.
+        for placed in [6, 8] {
+            assert_eq!(p.verdict(placed), Verdict::Off, "{placed}");
+        }
+        assert_eq!(p.verdict(2), Verdict::Draft);
+        assert_eq!(p.verdict(1), Verdict::Draft);
+        // After the wait, 8 tries on its own: it drafts again.
+        let later = verdicts(&mut p, 8, MIN_BACKOFF, 60_000, 50_000, 12);
+        assert!(later.ends_with('D'), "{later}");
     }
 }

@@ -1593,6 +1593,7 @@ fn the_slot_table_shows_what_each_request_is_doing() {
     assert_eq!(h.settled_slot(busy.id).activity.phase, SlotPhase::Idle);
 }
 
+mod checkpoints;
 mod draft;
 mod images;
 mod lora;

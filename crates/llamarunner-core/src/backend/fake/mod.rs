@@ -49,8 +49,11 @@ pub struct FakeConfig {
     /// Tokens of an embedding input decoded per step.
     pub embed_piece: usize,
     /// A sliding-window cache (as Gemma's window layers without `--swa-full`): it keeps the
-    /// last `2 * window` positions of a sequence, and a cut (or fork) that leaves fewer than
-    /// `window` of them before the cut fails, as the llama.cpp backend's does.
+    /// window cells of the last `2 * window` positions a sequence reached, and a cut (or fork)
+    /// that leaves fewer than `window` of them before the cut fails, as the llama.cpp backend's
+    /// does. A sequence whose window failed so is broken until it is cleared or rewound to a
+    /// checkpoint (`rewind_to_checkpoint`): decoding into it panics (the real model would
+    /// decode garbage silently).
     pub window: Option<usize>,
     /// The next token depends on the last `n` tokens of the history only (a Markov chain of
     /// order `n`), so that the output falls into loops that prompt-lookup drafts predict;
@@ -151,6 +154,10 @@ pub struct FakeBackend {
     draft_decodes: usize,
     /// Every batch the draft model decoded, in order.
     pub draft_log: Arc<Mutex<Vec<Vec<BatchToken>>>>,
+    /// Per sequence, the positions below which its window cells are gone (`window`).
+    window_lost: HashMap<i32, usize>,
+    /// Sequences whose window a cut or fork lost (`window`).
+    broken: std::collections::HashSet<i32>,
 }
 
 /// The fake's sampler: the seed, which shifts the output, and the request's grammar. Under a
@@ -304,6 +311,11 @@ impl Backend for FakeBackend {
         self.outputs.clear();
         let mark = Self::lora_mark(&self.lora);
         for (i, t) in batch.iter().enumerate() {
+            assert!(
+                !self.broken.contains(&t.seq),
+                "seq {} decoded after its window was lost (scheduler bug)",
+                t.seq
+            );
             let kv = self.kv.entry(t.seq).or_default();
             let pos = t.pos as usize;
             assert_eq!(
@@ -319,6 +331,10 @@ impl Backend for FakeBackend {
                 t.seq
             );
             kv.push(t.token | mark);
+            if let Some(w) = self.config.window {
+                let lost = self.window_lost.entry(t.seq).or_default();
+                *lost = (*lost).max((pos + 1).saturating_sub(2 * w));
+            }
             if t.logits {
                 self.outputs.insert(i, (t.seq, pos));
             }
@@ -428,9 +444,8 @@ impl Backend for FakeBackend {
         if from > 0 && from < kv.len() && !self.config.partial_remove {
             return false;
         }
-        let intact = window_intact(self.config.window, kv.len(), from);
         kv.truncate(from);
-        intact
+        self.window_check(seq, from)
     }
 
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
@@ -463,14 +478,75 @@ impl Backend for FakeBackend {
             .get(&src)
             .map(|kv| kv[..len.min(kv.len())].to_vec())
             .unwrap_or_default();
-        let src_len = self.kv.get(&src).map_or(0, Vec::len);
-        if copied.len() != len || !window_intact(self.config.window, src_len, len) {
+        if copied.len() != len {
+            return false;
+        }
+        // The copy is made even when the window is lost (as llama.cpp's): the full-attention
+        // cells are right, and a checkpoint can put the window back (`rewind_to_checkpoint`).
+        self.kv.insert(dst, copied);
+        let lost = self.window_lost.get(&src).copied().unwrap_or(0);
+        self.window_lost.insert(dst, lost);
+        self.broken.remove(&dst);
+        if !self.window_check(dst, len) {
             return false;
         }
         if let Ok(mut forks) = self.forks.lock() {
             forks.push((src, dst, len));
         }
-        self.kv.insert(dst, copied);
+        true
+    }
+
+    fn sliding_window(&self) -> Option<usize> {
+        self.config.window
+    }
+
+    /// The fake's checkpoint: the positions it was taken at (4 bytes), then the last
+    /// `2 * window` tokens before them, 4 bytes each: a rewind checks that the sequence holds
+    /// those tokens there.
+    fn window_checkpoint(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
+        let Some(w) = self.config.window else {
+            return Err(BackendError::State(
+                "the cache has no sliding window".into(),
+            ));
+        };
+        if self.broken.contains(&seq) {
+            return Err(BackendError::State(format!("seq {seq}'s window is lost")));
+        }
+        let kv = self.kv.get(&seq).map_or(&[][..], Vec::as_slice);
+        let len = u32::try_from(kv.len()).map_err(|e| BackendError::State(e.to_string()))?;
+        let tail = &kv[kv.len().saturating_sub(2 * w)..];
+        Ok(len
+            .to_le_bytes()
+            .into_iter()
+            .chain(tail.iter().flat_map(|t| t.to_le_bytes()))
+            .collect())
+    }
+
+    fn rewind_to_checkpoint(&mut self, seq: i32, len: usize, state: &[u8]) -> bool {
+        let Some(w) = self.config.window else {
+            return false;
+        };
+        let words: Vec<u32> = state
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let Some((&at, tail)) = words.split_first() else {
+            return false;
+        };
+        let kv = self.kv.entry(seq).or_default();
+        let matches = at as usize == len
+            && kv.len() >= len
+            && kv[len.saturating_sub(2 * w)..len]
+                .iter()
+                .map(|&t| t as u32)
+                .eq(tail.iter().copied());
+        assert!(
+            matches,
+            "seq {seq} rewound to {len} with a checkpoint of other tokens (scheduler bug)"
+        );
+        kv.truncate(len);
+        self.window_lost.insert(seq, len.saturating_sub(2 * w));
+        self.broken.remove(&seq);
         true
     }
 
@@ -486,6 +562,8 @@ impl Backend for FakeBackend {
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
         // As llama.cpp does, the sequence is cleared before the state is read.
         self.kv.remove(&seq);
+        self.broken.remove(&seq);
+        self.window_lost.remove(&seq);
         if !state.len().is_multiple_of(4) {
             return Err(BackendError::State(format!(
                 "the state has {} bytes, not a whole number of tokens",
@@ -505,6 +583,10 @@ impl Backend for FakeBackend {
         }
         let n = kv.len();
         self.kv.insert(seq, kv);
+        // A whole state holds the window cells that were there: those of its last positions.
+        if let Some(w) = self.config.window {
+            self.window_lost.insert(seq, n.saturating_sub(2 * w));
+        }
         Ok(n)
     }
 
@@ -615,13 +697,25 @@ impl Backend for FakeBackend {
     }
 }
 
-/// Whether a sequence of `len` positions in a cache with sliding `window` (keeping the last
-/// `2 * window` positions) still has the window before position `cut`.
-fn window_intact(window: Option<usize>, len: usize, cut: usize) -> bool {
-    let Some(w) = window else {
-        return true;
-    };
-    cut == 0 || len.saturating_sub(2 * w) <= cut.saturating_sub(w)
+impl FakeBackend {
+    /// Whether sequence `seq`, cut to `cut` positions, still has the window before the cut;
+    /// marks it broken when not (and mends it when it is empty).
+    fn window_check(&mut self, seq: i32, cut: usize) -> bool {
+        let Some(w) = self.config.window else {
+            return true;
+        };
+        if cut == 0 {
+            self.window_lost.remove(&seq);
+            self.broken.remove(&seq);
+            return true;
+        }
+        let lost = self.window_lost.get(&seq).copied().unwrap_or(0);
+        let intact = lost <= cut.saturating_sub(w);
+        if !intact {
+            self.broken.insert(seq);
+        }
+        intact
+    }
 }
 /// A description of the fake model (it has no file), with a ChatML template and the fake's
 /// byte tokenizer: what `FakeBackend::describe` publishes.

@@ -1202,39 +1202,56 @@ impl Backend for LlamaEngine<'_> {
         // With one KV stream per sequence (kv_unified off), llama.cpp copies only whole
         // sequences between streams (a partial range aborts the process): copy all of it, then
         // cut the copy's tail past the shared prefix.
-        let forked = self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
+        let copied = self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
             && self.ctx.kv_cache_seq_cp(src, dst, None, None).is_ok()
-            && self.ctx.kv_cache_seq_rm(dst, Some(len), None).is_ok()
-            && self.window_intact(dst, len as usize);
-        if !forked {
+            && self.ctx.kv_cache_seq_rm(dst, Some(len), None).is_ok();
+        if !copied {
             // Nothing half-copied stays behind: the slot starts empty.
             let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+            return false;
         }
-        forked
+        // A copy without the window before `len` stays for a checkpoint to mend (the caller
+        // clears it otherwise).
+        self.window_intact(dst, len as usize)
+    }
+
+    fn sliding_window(&self) -> Option<usize> {
+        self.swa_window
+    }
+
+    fn window_checkpoint(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
+        if self.swa_window.is_none() {
+            return Err(BackendError::State(
+                "the cache has no sliding window".into(),
+            ));
+        }
+        self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY)
+    }
+
+    fn rewind_to_checkpoint(&mut self, seq: i32, len: usize, state: &[u8]) -> bool {
+        let Ok(from) = u32::try_from(len) else {
+            return false;
+        };
+        if self.swa_window.is_none() || self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_err() {
+            return false;
+        }
+        // SAFETY: `state` is one `window_checkpoint` wrote in this process from this context
+        // (the scheduler keeps checkpoints in memory only), so its layers, types and cell
+        // counts are this cache's; llama.cpp's reader checks every read against its length.
+        // With PARTIAL_ONLY only the sliding-window cache reads it: it clears the sequence's
+        // windowed cells and puts the checkpoint's back; the full-attention cells cut above
+        // stay.
+        let ok = unsafe {
+            self.ctx
+                .state_seq_set_data_ext(state, seq, LlamaStateSeqFlags::PARTIAL_ONLY)
+        };
+        ok && self.ctx.kv_cache_seq_pos_max(seq).saturating_add(1)
+            == i32::try_from(from).unwrap_or(-1)
+            && self.window_intact(seq, len)
     }
 
     fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
-        let flags = LlamaStateSeqFlags::empty();
-        let size = self.ctx.state_seq_get_size_ext(seq, flags);
-        if size == 0 {
-            return Err(BackendError::State(
-                "llama.cpp could not size the sequence's state".into(),
-            ));
-        }
-        let mut state = vec![0u8; size];
-        // SAFETY: `state` holds the `size` bytes llama.cpp said this sequence's state takes
-        // with these flags, and nothing changes the cache between the two calls (this thread
-        // owns the context and holds `&self`).
-        let written = unsafe {
-            self.ctx
-                .state_seq_get_data_ext(state.as_mut_ptr(), seq, flags)
-        };
-        if written != size {
-            return Err(BackendError::State(format!(
-                "llama.cpp wrote {written} bytes of state, {size} expected"
-            )));
-        }
-        Ok(state)
+        self.state_with(seq, LlamaStateSeqFlags::empty())
     }
 
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
@@ -1324,6 +1341,30 @@ impl Backend for LlamaEngine<'_> {
 }
 
 impl LlamaEngine<'_> {
+    /// Sequence `seq`'s state with `flags` (all of it, or the sliding-window part).
+    fn state_with(&self, seq: i32, flags: LlamaStateSeqFlags) -> Result<Vec<u8>, BackendError> {
+        let size = self.ctx.state_seq_get_size_ext(seq, flags);
+        if size == 0 {
+            return Err(BackendError::State(
+                "llama.cpp could not size the sequence's state".into(),
+            ));
+        }
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` holds the `size` bytes llama.cpp said this sequence's state takes
+        // with these flags, and nothing changes the cache between the two calls (this thread
+        // owns the context and holds `&self`).
+        let written = unsafe {
+            self.ctx
+                .state_seq_get_data_ext(state.as_mut_ptr(), seq, flags)
+        };
+        if written != size {
+            return Err(BackendError::State(format!(
+                "llama.cpp wrote {written} bytes of state, {size} expected"
+            )));
+        }
+        Ok(state)
+    }
+
     /// One piece of a generative model's embedding: the mean of its per-token output
     /// embeddings, decoded `embed_chunk` tokens at a time, one piece per scheduler step, through
     /// its causal KV cache (the same values llama.cpp's mean pooling gives over one batch,

@@ -1,0 +1,103 @@
+//! Window checkpoints in the loop, against the fake backend's sliding window (which panics
+//! when a sequence whose window was lost is decoded, or rewound with another sequence's
+//! checkpoint): a cut back or a fork past the window goes back to the last checkpoint before
+//! the cut, and gives the text a fresh decode gives.
+
+use super::*;
+
+const WINDOW: usize = 4;
+
+fn windowed(batch_capacity: usize, slots: usize, multiuser: bool, cache: usize) -> Harness {
+    Harness::with_scheduler(
+        FakeConfig {
+            window: Some(WINDOW),
+            batch_capacity,
+            ..FakeConfig::default()
+        },
+        slots,
+        64,
+        move |s| {
+            s.with_multiuser_cache(multiuser)
+                .with_prompt_cache(cache)
+                .with_checkpoints(8)
+        },
+    )
+}
+
+#[test]
+fn a_cut_back_past_the_window_goes_back_to_the_checkpoint_at_the_prompt_end() {
+    let h = windowed(32, 1, false, 0);
+    let prompt = "a prompt of twenty!!";
+    let (answer, _) = collect(&mut h.submit(prompt, greedy(20)));
+    // The next prompt keeps half the answer: a cut 10 tokens back, past the window.
+    let next = format!("{prompt}{} and more", &answer[..10]);
+    let (text, done) = collect(&mut h.submit(&next, greedy(6)));
+    assert_eq!(
+        text,
+        expected(&next, 6),
+        "the rewound cells are the computed ones"
+    );
+    // BOS and the prompt came back from the checkpoint; the kept answer was decoded again.
+    assert_eq!(done.prompt_cached_count, 1 + prompt.len());
+    // Without checkpoints, the same cut decodes everything.
+    let plain = Harness::new(
+        FakeConfig {
+            window: Some(WINDOW),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    collect(&mut plain.submit(prompt, greedy(20)));
+    let (again, cold) = collect(&mut plain.submit(&next, greedy(6)));
+    assert_eq!(cold.prompt_cached_count, 0);
+    assert_eq!(again, text);
+}
+
+#[test]
+fn a_fork_of_a_shared_prefix_goes_back_to_a_checkpoint_inside_it() {
+    // 8-token prompt chunks: checkpoints at 8, 16, 24, 32 and the prompt's end.
+    let h = windowed(8, 2, true, 0);
+    let a = "shared system prompt!! user A asks";
+    let (_, first) = collect(&mut h.submit(a, greedy(30)));
+    assert_eq!(first.eval_count, 30);
+    // B shares BOS and 28 bytes with A, whose slot moved 30 tokens on: the fork lacks the
+    // window, and goes back to the checkpoint at 24.
+    let b = "shared system prompt!! user B asks";
+    let shared = 1 + crate::kv::common_prefix(
+        &a.bytes().map(Token::from).collect::<Vec<_>>(),
+        &b.bytes().map(Token::from).collect::<Vec<_>>(),
+    );
+    assert_eq!(shared, 29);
+    let (text, done) = collect(&mut h.submit(b, greedy(5)));
+    assert_eq!(text, expected(b, 5));
+    assert_eq!(done.prompt_cached_count, 24);
+}
+
+#[test]
+fn a_sequence_restored_from_ram_and_cut_back_goes_back_to_its_checkpoint() {
+    let h = windowed(32, 1, false, 1 << 20);
+    let a = "alice asks something";
+    let (answer, _) = collect(&mut h.submit(a, greedy(20)));
+    // Bob takes the only slot: alice's sequence goes to RAM.
+    collect(&mut h.submit("bob says hello there", greedy(4)));
+    // Alice comes back with part of her answer: restored, then cut back past its window.
+    let next = format!("{a}{} ok", &answer[..8]);
+    let (text, done) = collect(&mut h.submit(&next, greedy(6)));
+    assert_eq!(text, expected(&next, 6));
+    assert_eq!(done.prompt_cached_count, 1 + a.len());
+}
+
+#[test]
+fn checkpoints_of_other_tokens_are_never_used() {
+    // Many conversations through one slot, each cut back: every rewind is checked by the
+    // fake against the tokens it restores (a wrong one panics the engine thread).
+    let h = windowed(8, 1, false, 0);
+    for i in 0..12 {
+        let prompt = format!("conversation {} starts here", i % 3);
+        let (answer, _) = collect(&mut h.submit(&prompt, greedy(12)));
+        let next = format!("{prompt}{}!", &answer[..3]);
+        let (text, _) = collect(&mut h.submit(&next, greedy(4)));
+        assert_eq!(text, expected(&next, 4), "{i}");
+    }
+    h.settled();
+}
