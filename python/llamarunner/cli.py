@@ -91,8 +91,18 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--multiuser-cache",
         action="store_const",
         const=True,
-        help="share cached prefixes between users: a prompt starting like another slot's cache "
-        "gets that prefix copied into its slot (least recently used) instead of recomputing it",
+        help="share cached prefixes between users (the default): a prompt that shares at least "
+        "32 tokens with another slot's cache (a common system prompt) gets that prefix copied "
+        "into the least recently used free slot instead of decoding it again, and a new "
+        "conversation takes that slot rather than overwrite one that shares only a few tokens",
+    )
+    p.add_argument(
+        "--no-multiuser-cache",
+        dest="multiuser_cache",
+        action="store_const",
+        const=False,
+        help="one conversation per slot: a prompt takes the free slot whose cache shares the "
+        "longest prefix with it, and prefixes are never copied between slots",
     )
     p.add_argument(
         "--cache-ram",

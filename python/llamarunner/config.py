@@ -50,7 +50,7 @@ class ServerConfig:
     tensor_split: str | None = None
     lora: list[str] = field(default_factory=list)
     mmproj: str | None = None
-    multiuser_cache: bool = False
+    multiuser_cache: bool = True
     cache_ram: int = -1
     swa_full: bool = False
     ctx_checkpoints: int = 8

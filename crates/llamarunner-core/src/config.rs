@@ -80,7 +80,8 @@ pub struct RunnerConfig {
     /// Vision projector GGUF (`--mmproj`), loaded with the model: requests may then carry
     /// images (`engine/vision.rs`).
     pub mmproj: Option<PathBuf>,
-    /// Share cached prefixes between users (forking), instead of one user's cache per slot.
+    /// Share cached prefixes between users (forking, `kv::choose_slot_multiuser` with
+    /// `sched::MIN_SHARE_GAIN`), instead of one user's cache per slot; on by default.
     pub multiuser_cache: bool,
     /// Host-memory prompt cache, MiB: the KV states of sequences that leave their slot are
     /// kept in RAM and restored for prompts that start like them; 0 = off, -1 = a quarter of
@@ -173,7 +174,7 @@ impl Default for RunnerConfig {
             tensor_split: None,
             lora: Vec::new(),
             mmproj: None,
-            multiuser_cache: false,
+            multiuser_cache: true,
             cache_ram: -1,
             swa_full: false,
             ctx_checkpoints: 8,

@@ -51,11 +51,20 @@ pub struct Choice {
     pub fork_from: Option<usize>,
 }
 
-/// Multi-user slot choice (Ollama's `--multiuser-cache`): the slot (busy ones too) sharing the
-/// longest prefix with the prompt is extended when it is free and its whole cache is that
-/// prefix; otherwise the least recently used free slot is taken and, when the longest prefix
-/// lives in another slot, that prefix is forked into it.
-pub fn choose_slot_multiuser(slots: &[SlotView<'_>], prompt: &[Token]) -> Option<Choice> {
+/// Multi-user slot choice (Ollama's `--multiuser-cache`, the default here): the slot (busy ones
+/// too) sharing the longest prefix with the prompt is extended when it is free and its whole
+/// cache is that prefix. Otherwise the least recently used free slot is taken and, when the
+/// longest prefix lives in another slot and gives at least `min_gain` more tokens than that
+/// slot's own, that prefix is forked into it. Without a fork worth making, the free slot
+/// sharing the longest prefix is cut back when it shares at least `min_gain` tokens, else the
+/// least recently used one is taken: a new conversation never overwrites another's history for
+/// the few tokens of a chat template's opening. Ollama's rule is `min_gain` 1.
+pub fn choose_slot_multiuser(
+    slots: &[SlotView<'_>],
+    prompt: &[Token],
+    min_gain: usize,
+) -> Option<Choice> {
+    let min_gain = min_gain.max(1);
     let (longest_slot, longest) = slots
         .iter()
         .enumerate()
@@ -74,16 +83,30 @@ pub fn choose_slot_multiuser(slots: &[SlotView<'_>], prompt: &[Token]) -> Option
         .enumerate()
         .filter(|(_, s)| s.free)
         .min_by_key(|(i, s)| (s.last_used, *i))?;
-    Some(if longest > 0 && longest_slot != oldest {
-        Choice {
+    let own = common_prefix(target.cached, prompt);
+    if longest_slot != oldest && longest >= own + min_gain {
+        return Some(Choice {
             slot: oldest,
             reuse: longest,
             fork_from: Some(longest_slot),
+        });
+    }
+    let (best_free, best) = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.free)
+        .map(|(i, s)| (i, common_prefix(s.cached, prompt)))
+        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+    Some(if best > own && best >= min_gain {
+        Choice {
+            slot: best_free,
+            reuse: best,
+            fork_from: None,
         }
     } else {
         Choice {
             slot: oldest,
-            reuse: common_prefix(target.cached, prompt),
+            reuse: own,
             fork_from: None,
         }
     })
@@ -359,39 +382,93 @@ mod tests {
         };
         // Empty: every slot empty -> the least recently used (lowest id), nothing reused.
         assert_eq!(
-            choose_slot_multiuser(&[view(true, &[], 0), view(true, &[], 0)], &[1, 2]),
+            choose_slot_multiuser(&[view(true, &[], 0), view(true, &[], 0)], &[1, 2], 1),
             choice(0, 0, None)
         );
         // Extend: a free slot's whole cache is a prefix of the prompt.
         assert_eq!(
-            choose_slot_multiuser(&[view(true, &[9], 1), view(true, &[1, 2], 2)], &[1, 2, 3]),
+            choose_slot_multiuser(
+                &[view(true, &[9], 1), view(true, &[1, 2], 2)],
+                &[1, 2, 3],
+                1
+            ),
             choice(1, 2, None)
         );
         // New: slots [1] (used at 2) and [1,2] (used at 1), prompt [2,3] -> LRU slot 1, 0 reused.
         assert_eq!(
-            choose_slot_multiuser(&[view(true, &[1], 2), view(true, &[1, 2], 1)], &[2, 3]),
+            choose_slot_multiuser(&[view(true, &[1], 2), view(true, &[1, 2], 1)], &[2, 3], 1),
             choice(1, 0, None)
         );
         // Fork: [1,2] busy, [1] free, prompt [1,2] -> slot 1 with the busy slot's 2 tokens.
         assert_eq!(
-            choose_slot_multiuser(&[view(false, &[1, 2], 2), view(true, &[1], 1)], &[1, 2]),
+            choose_slot_multiuser(&[view(false, &[1, 2], 2), view(true, &[1], 1)], &[1, 2], 1),
             choice(1, 2, Some(0))
         );
         // Fork from a busy slot into an empty LRU slot.
         assert_eq!(
             choose_slot_multiuser(
                 &[view(false, &[1, 2, 3], 2), view(true, &[7], 1)],
-                &[1, 2, 3, 4]
+                &[1, 2, 3, 4],
+                1
             ),
             choice(1, 3, Some(0))
         );
         // Evict: the LRU free slot is reused although another free slot is newer.
         assert_eq!(
-            choose_slot_multiuser(&[view(true, &[5, 6], 9), view(true, &[7, 8], 3)], &[1]),
+            choose_slot_multiuser(&[view(true, &[5, 6], 9), view(true, &[7, 8], 3)], &[1], 1),
             choice(1, 0, None)
         );
         // In use: no free slot.
-        assert_eq!(choose_slot_multiuser(&[view(false, &[1], 0)], &[1]), None);
+        assert_eq!(
+            choose_slot_multiuser(&[view(false, &[1], 0)], &[1], 1),
+            None
+        );
+    }
+
+    /// With a minimum gain (the server's default), a fork or a cut back must save that many
+    /// tokens; a new conversation takes the least recently used slot instead.
+    #[test]
+    fn multi_user_choice_with_a_minimum_gain() {
+        let choice = |slot, reuse, fork_from| {
+            Some(Choice {
+                slot,
+                reuse,
+                fork_from,
+            })
+        };
+        let a: Vec<Token> = (0..40).collect();
+        let mut prompt: Vec<Token> = (0..3).collect();
+        prompt.extend([99, 98]);
+        // Only a chat template's 3 opening tokens in common with conversation A (newer): the
+        // least recently used slot is taken, A's history stays.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &a, 5), view(true, &[50, 51], 1)], &prompt, 32),
+            choice(1, 0, None)
+        );
+        // Ollama's rule forks those 3 tokens instead.
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &a, 5), view(true, &[50, 51], 1)], &prompt, 1),
+            choice(1, 3, Some(0))
+        );
+        // 35 shared tokens (A's first 35, then other text): worth a fork into the LRU slot.
+        let mut long: Vec<Token> = (0..35).collect();
+        long.push(77);
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &a, 5), view(true, &[50], 1)], &long, 32),
+            choice(1, 35, Some(0))
+        );
+        // The LRU slot holds 20 of them itself: the fork gains 15, under the minimum; the slot
+        // sharing the most (A, free) is cut back instead.
+        let lru: Vec<Token> = (0..20).collect();
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &a, 5), view(true, &lru, 1)], &long, 32),
+            choice(0, 35, None)
+        );
+        // A busy slot that shares too little is not forked from.
+        assert_eq!(
+            choose_slot_multiuser(&[view(false, &a, 5), view(true, &[50], 1)], &prompt, 32),
+            choice(1, 0, None)
+        );
     }
 
     #[test]

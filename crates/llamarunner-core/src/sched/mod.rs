@@ -167,6 +167,11 @@ struct Slot<S> {
     last_tick: u64,
 }
 
+/// Tokens a multi-user fork, or cutting back another conversation's slot, must save: fewer
+/// than that (a chat template's opening) are not worth another conversation's cached history,
+/// and a fork copies a whole KV stream.
+pub const MIN_SHARE_GAIN: usize = 32;
+
 /// The engine's loop state.
 pub struct Scheduler<B: Backend> {
     backend: B,
@@ -807,12 +812,29 @@ impl<B: Backend> Scheduler<B> {
                 last_used: s.last_tick,
             })
             .collect();
-        let mut choice = kv::choose_slot_multiuser(&views, tokens).ok_or_else(no_slot)?;
+        let mut choice =
+            kv::choose_slot_multiuser(&views, tokens, MIN_SHARE_GAIN).ok_or_else(no_slot)?;
         // A shared prefix that ends inside an image is forked up to the image's start.
         choice.reuse = kv::image_boundary_before(tokens, choice.reuse);
         let Some(from) = choice.fork_from else {
             return Ok((choice.slot, choice.reuse));
         };
+        // A fork from a slot that moved on past the window keeps only what a window checkpoint
+        // gives back: when that is not worth the copy, the slot starts from its own prefix.
+        if let Some(window) = self.backend.sliding_window() {
+            if self.slots[from].cached.len() > choice.reuse + window {
+                let target = &self.slots[choice.slot];
+                let own =
+                    kv::common_prefix(lora::reusable(&target.cached, &target.lora, lora), tokens);
+                let usable = self
+                    .checkpoints
+                    .best(tokens, lora, choice.reuse)
+                    .map_or(0, |c| c.tokens.len());
+                if usable < own + MIN_SHARE_GAIN {
+                    return Ok((choice.slot, kv::image_boundary_before(tokens, own)));
+                }
+            }
+        }
         let (src, dst) = (self.slots[from].id, self.slots[choice.slot].id);
         let prefix = self.slots[from].cached[..choice.reuse].to_vec();
         // The fork overwrites the slot: its sequence goes to RAM first.

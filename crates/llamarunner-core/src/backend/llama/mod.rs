@@ -1196,15 +1196,31 @@ impl Backend for LlamaEngine<'_> {
     }
 
     fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
-        let Ok(len) = u32::try_from(len) else {
+        let Ok(cut) = u32::try_from(len) else {
             return false;
         };
-        // With one KV stream per sequence (kv_unified off), llama.cpp copies only whole
-        // sequences between streams (a partial range aborts the process): copy all of it, then
-        // cut the copy's tail past the shared prefix.
-        let copied = self.ctx.kv_cache_seq_rm(dst, None, None).is_ok()
-            && self.ctx.kv_cache_seq_cp(src, dst, None, None).is_ok()
-            && self.ctx.kv_cache_seq_rm(dst, Some(len), None).is_ok();
+        // The copy goes through the sequence's state, not `seq_cp`. With one KV stream per
+        // sequence (kv_unified off), llama.cpp's `seq_cp` copies only whole sequences between
+        // streams (a partial range aborts the process), and it only queues the copy of the
+        // whole stream buffer for the next decode: whatever is written into the destination
+        // before that decode (a prompt-cache restore, a window checkpoint) would be overwritten
+        // by the source's cells. A state read and write is done when it returns.
+        let copied = match self.state_with(src, LlamaStateSeqFlags::empty()) {
+            Ok(state) => {
+                // SAFETY: the state was just written by this context for one of its sequences,
+                // so its layers, types and cell counts are this cache's; llama.cpp's reader
+                // checks every read against the buffer's length.
+                let set = unsafe {
+                    self.ctx
+                        .state_seq_set_data_ext(&state, dst, LlamaStateSeqFlags::empty())
+                };
+                set && self.ctx.kv_cache_seq_rm(dst, Some(cut), None).is_ok()
+            }
+            Err(e) => {
+                tracing::debug!(src, dst, error = %e, "the sequence to fork could not be read");
+                false
+            }
+        };
         if !copied {
             // Nothing half-copied stays behind: the slot starts empty.
             let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
@@ -1212,7 +1228,7 @@ impl Backend for LlamaEngine<'_> {
         }
         // A copy without the window before `len` stays for a checkpoint to mend (the caller
         // clears it otherwise).
-        self.window_intact(dst, len as usize)
+        self.window_intact(dst, len)
     }
 
     fn sliding_window(&self) -> Option<usize> {

@@ -55,22 +55,46 @@ fn a_cut_back_past_the_window_goes_back_to_the_checkpoint_at_the_prompt_end() {
 
 #[test]
 fn a_fork_of_a_shared_prefix_goes_back_to_a_checkpoint_inside_it() {
-    // 8-token prompt chunks: checkpoints at 8, 16, 24, 32 and the prompt's end.
+    // 8-token prompt chunks: checkpoints every 8 positions and at the prompt's end.
     let h = windowed(8, 2, true, 0);
-    let a = "shared system prompt!! user A asks";
+    let a = "a shared system prompt, long enough to be worth a fork!! user A asks";
     let (_, first) = collect(&mut h.submit(a, greedy(30)));
     assert_eq!(first.eval_count, 30);
-    // B shares BOS and 28 bytes with A, whose slot moved 30 tokens on: the fork lacks the
-    // window, and goes back to the checkpoint at 24.
-    let b = "shared system prompt!! user B asks";
+    // B shares BOS and 62 bytes with A, whose slot moved 30 tokens on: the fork lacks the
+    // window, and goes back to the checkpoint at 56.
+    let b = "a shared system prompt, long enough to be worth a fork!! user B asks";
     let shared = 1 + crate::kv::common_prefix(
         &a.bytes().map(Token::from).collect::<Vec<_>>(),
         &b.bytes().map(Token::from).collect::<Vec<_>>(),
     );
-    assert_eq!(shared, 29);
+    assert_eq!(shared, 63);
     let (text, done) = collect(&mut h.submit(b, greedy(5)));
     assert_eq!(text, expected(b, 5));
-    assert_eq!(done.prompt_cached_count, 24);
+    assert_eq!(done.prompt_cached_count, 56);
+    assert_eq!(
+        h.forks.lock().unwrap().len(),
+        0,
+        "the copy lacked the window"
+    );
+}
+
+#[test]
+fn a_fork_that_a_checkpoint_cannot_make_worth_it_is_not_made() {
+    // One 64-token chunk: the checkpoints are at 64 and at A's prompt end, past the 63 tokens
+    // B shares, so a fork would give nothing: B takes the other slot without one (no copy),
+    // and A's stays whole.
+    let h = windowed(64, 2, true, 0);
+    let a = "a shared system prompt, long enough to be worth a fork!! user A asks";
+    collect(&mut h.submit(a, greedy(30)));
+    let b = "a shared system prompt, long enough to be worth a fork!! user B asks";
+    let (text, done) = collect(&mut h.submit(b, greedy(5)));
+    assert_eq!(text, expected(b, 5));
+    assert_eq!(done.prompt_cached_count, 0);
+    let table = h.settled();
+    assert!(
+        table.iter().any(|s| s.cached_tokens == a.len() + 30),
+        "A's slot was kept: {table:?}"
+    );
 }
 
 #[test]

@@ -278,12 +278,18 @@ fn a_shared_prefix_with_an_image_is_forked_whole_in_multiuser_mode() {
     let h = Harness::with_scheduler(FakeConfig::default(), 2, 64, |s| {
         s.with_multiuser_cache(true)
     });
-    let (a, images_a) = tokenize("system: <__media__> first question", &[11]);
+    let (a, images_a) = tokenize(
+        "system: you are a careful assistant who looks at images <__media__> first question",
+        &[11],
+    );
     let (text_a, _) = collect(&mut h.submit_tokens(a.clone(), images_a, greedy(6)));
     assert_eq!(text_a, expected_after(&a, 6));
     // Another question about the same image: its prefix (through the image) is forked from
     // slot 0, which holds more than that prefix, into the other slot.
-    let (b, images_b) = tokenize("system: <__media__> other question", &[11]);
+    let (b, images_b) = tokenize(
+        "system: you are a careful assistant who looks at images <__media__> other question",
+        &[11],
+    );
     let (text_b, done) = collect(&mut h.submit_tokens(b.clone(), images_b, greedy(6)));
     assert_eq!(text_b, expected_after(&b, 6));
     let image_end = b.iter().rposition(|&t| is_image_token(t)).unwrap() + 1;
