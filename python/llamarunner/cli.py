@@ -94,7 +94,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="share cached prefixes between users (the default): a prompt that shares at least "
         "32 tokens with another slot's cache (a common system prompt) gets that prefix copied "
         "into the least recently used free slot instead of decoding it again, and a new "
-        "conversation takes that slot rather than overwrite one that shares only a few tokens",
+        "conversation takes that slot rather than overwrite one that shares only a few tokens "
+        "(fewer than 32 and less than half its prompt)",
     )
     p.add_argument(
         "--no-multiuser-cache",

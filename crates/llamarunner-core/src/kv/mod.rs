@@ -56,9 +56,10 @@ pub struct Choice {
 /// cache is that prefix. Otherwise the least recently used free slot is taken and, when the
 /// longest prefix lives in another slot and gives at least `min_gain` more tokens than that
 /// slot's own, that prefix is forked into it. Without a fork worth making, the free slot
-/// sharing the longest prefix is cut back when it shares at least `min_gain` tokens, else the
-/// least recently used one is taken: a new conversation never overwrites another's history for
-/// the few tokens of a chat template's opening. Ollama's rule is `min_gain` 1.
+/// sharing the longest prefix is cut back when it shares at least `min_gain` tokens or more
+/// than half the prompt, else the least recently used one is taken: a new conversation never
+/// overwrites another's history for the few tokens of a chat template's opening. Ollama's rule
+/// is `min_gain` 1.
 pub fn choose_slot_multiuser(
     slots: &[SlotView<'_>],
     prompt: &[Token],
@@ -97,19 +98,22 @@ pub fn choose_slot_multiuser(
         .filter(|(_, s)| s.free)
         .map(|(i, s)| (i, common_prefix(s.cached, prompt)))
         .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
-    Some(if best > own && best >= min_gain {
-        Choice {
-            slot: best_free,
-            reuse: best,
-            fork_from: None,
-        }
-    } else {
-        Choice {
-            slot: oldest,
-            reuse: own,
-            fork_from: None,
-        }
-    })
+    // Cut back when that saves enough, or most of the prompt (a repeat, a regenerate).
+    Some(
+        if best > own && (best >= min_gain || 2 * best > prompt.len()) {
+            Choice {
+                slot: best_free,
+                reuse: best,
+                fork_from: None,
+            }
+        } else {
+            Choice {
+                slot: oldest,
+                reuse: own,
+                fork_from: None,
+            }
+        },
+    )
 }
 
 /// Prompt tokens protected from truncation and shifting: `num_keep` (-1 = all of them), plus
@@ -438,7 +442,7 @@ mod tests {
         };
         let a: Vec<Token> = (0..40).collect();
         let mut prompt: Vec<Token> = (0..3).collect();
-        prompt.extend([99, 98]);
+        prompt.extend(100..120);
         // Only a chat template's 3 opening tokens in common with conversation A (newer): the
         // least recently used slot is taken, A's history stays.
         assert_eq!(
@@ -463,6 +467,12 @@ mod tests {
         assert_eq!(
             choose_slot_multiuser(&[view(true, &a, 5), view(true, &lru, 1)], &long, 32),
             choice(0, 35, None)
+        );
+        // A short prompt that repeats most of a free slot's cache cuts that slot back.
+        let repeat: Vec<Token> = (0..9).collect();
+        assert_eq!(
+            choose_slot_multiuser(&[view(true, &a, 5), view(true, &[50], 1)], &repeat, 32),
+            choice(0, 9, None)
         );
         // A busy slot that shares too little is not forked from.
         assert_eq!(
