@@ -430,3 +430,18 @@ def test_cli_without_model_or_default_model_explains(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "pip install 'llamarunner[default-model]'" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "shared"),
+    [((), True), (("--multiuser-cache",), True), (("--no-multiuser-cache",), False)],
+)
+def test_prefix_sharing_is_on_by_default_and_the_cli_turns_it_off(
+    tiny_model: Path, flags: tuple[str, ...], shared: bool
+) -> None:
+    from llamarunner.cli import build_parser
+    from llamarunner.config import ServerConfig
+
+    args = build_parser().parse_args(["serve", str(tiny_model), *flags])
+    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    assert ServerConfig.resolve(overrides).multiuser_cache is shared

@@ -6,6 +6,8 @@ logprobs)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,3 +91,18 @@ def test_a_fork_of_a_shared_prefix_goes_back_to_a_checkpoint_inside_it(
 def test_an_out_of_range_ctx_checkpoints_is_refused(tiny_model: Path, value: int) -> None:
     with pytest.raises(ValueError, match="ctx-checkpoints"):
         Server(str(tiny_model), port=0, ctx_checkpoints=value).start()
+
+
+@pytest.mark.parametrize("value", ["-5", "65", "lots", "1.5"])
+def test_the_cli_refuses_a_bad_ctx_checkpoints_with_exit_2(tiny_model: Path, value: str) -> None:
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "llamarunner", "serve", str(tiny_model)),
+            *("--port", "0", f"--ctx-checkpoints={value}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "ctx-checkpoints" in r.stderr, r.stderr

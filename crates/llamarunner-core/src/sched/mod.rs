@@ -252,7 +252,7 @@ impl<B: Backend> Scheduler<B> {
             checkpoints: Checkpoints::new(0),
             speculation: SpecConfig::OFF,
             step_cost: CostModel::new(SpecConfig::OFF.cost),
-            payoff: Payoff::default(),
+            payoff: Payoff::new(),
             step_placed: 0,
             step_judged: false,
             step_accepted: 0,

@@ -27,6 +27,14 @@
 //! ~100 tokens each, every number of sequences from 1 to 8 is met within a few hundred steps,
 //! so `JUDGE` slow steps at each, retried after `MIN_BACKOFF`, came to 5-10 % of the run. A clear
 //! loss is stopped after `EARLY` steps, and a loss at n stops the counts above n unseen.
+//!
+//! And where drafts usually lose, they start off. On CPUs (AVX-512 here; a CPU without AVX2 in
+//! the issue's figures) a decode step's cost grows about linearly with its width once several
+//! sequences share it, so drafts at 4 and 8 clients lost 5-25 % (RESULTS.md, issue #28), while
+//! at one or two they gain 2-3x. From `WIDE` sequences on, a step drafts only after a first try
+//! `MAX_BACKOFF` steps in (about two minutes of such steps) has paid: a GPU, whose wide steps
+//! cost little more than narrow ones, finds that out and drafts on; a CPU pays for one try
+//! (`EARLY` steps) every two minutes or more.
 
 /// Drafted steps between judgements (a judgement needs plain steps too: `MIN_PLAIN`).
 pub const JUDGE: u32 = 8;
@@ -44,6 +52,9 @@ pub const MIN_BACKOFF: u32 = 64;
 /// The longest wait between tries: 4,096 steps, about two minutes at 30 steps a second. A
 /// failed try costs at most `JUDGE` slower steps in that time.
 pub const MAX_BACKOFF: u32 = 4096;
+/// The number of generating sequences from which drafting starts off (and first tries after
+/// `MAX_BACKOFF` steps there).
+pub const WIDE: usize = 3;
 /// Each observation multiplies the weight of the earlier ones of its kind by this (a memory of
 /// about ten steps: the plain rate follows the contexts as they grow).
 const DECAY: f64 = 0.9;
@@ -107,16 +118,34 @@ pub enum Verdict {
 #[derive(Clone, Debug, Default)]
 pub struct Payoff {
     buckets: Vec<Bucket>,
+    /// From this many sequences on, drafting starts off (`WIDE`); None: it starts on at every
+    /// count.
+    wide: Option<usize>,
 }
 
 impl Payoff {
+    /// The server's rule: drafting starts off from `WIDE` sequences on.
+    pub fn new() -> Self {
+        Self {
+            buckets: Vec::new(),
+            wide: Some(WIDE),
+        }
+    }
+
     fn bucket(&mut self, placed: usize) -> &mut Bucket {
         while self.buckets.len() < placed + 1 {
             // A count first met while a smaller one is off starts off for as long (a loss at
             // n stands for the wider steps too).
-            let off_for = self.buckets.iter().map(|b| b.off_for).max().unwrap_or(0);
+            let inherited = self.buckets.iter().map(|b| b.off_for).max().unwrap_or(0);
+            // From WIDE sequences on, drafting starts off and tries only after MAX_BACKOFF
+            // steps: measured on CPUs, it lost there (see the module's text).
+            let (off_for, backoff) = if self.wide.is_some_and(|w| self.buckets.len() >= w) {
+                (inherited.max(MAX_BACKOFF), MAX_BACKOFF)
+            } else {
+                (inherited, MIN_BACKOFF)
+            };
             self.buckets.push(Bucket {
-                backoff: MIN_BACKOFF,
+                backoff,
                 off_for,
                 ..Bucket::default()
             });
@@ -347,6 +376,35 @@ mod tests {
         }
         assert_eq!(p.record(2), (0, 1));
         assert_eq!(p.verdict(2), Verdict::Off);
+    }
+
+    #[test]
+    fn from_wide_sequences_on_drafting_starts_off_and_tries_after_the_longest_wait() {
+        let mut p = Payoff::new();
+        // One and two sequences draft at once.
+        assert_eq!(p.verdict(1), Verdict::Draft);
+        assert_eq!(p.verdict(WIDE - 1), Verdict::Draft);
+        // WIDE and more: off for MAX_BACKOFF steps, then a try; drafts that pay stay on.
+        let wide = verdicts(&mut p, WIDE + 1, MAX_BACKOFF + 40, 60_000, 50_000, 12);
+        let off = MAX_BACKOFF as usize;
+        assert!(wide[..off].chars().all(|c| c == 'O'), "{}", &wide[..off]);
+        // (The off steps were plain ones: a baseline, so no audits are needed.)
+        assert_eq!(&wide[off..off + 4], "DDDD");
+        assert!(wide[off..].matches('D').count() >= 30, "{}", &wide[off..]);
+        // Drafts that lose there stop after EARLY steps, and wait the longest again.
+        let mut q = Payoff::new();
+        let lost = verdicts(&mut q, WIDE, MAX_BACKOFF + 10, 60_000, 120_000, 4);
+        assert_eq!(
+            &lost[off..],
+            format!(
+                "{}{}",
+                "D".repeat(EARLY as usize),
+                "O".repeat(10 - EARLY as usize)
+            ),
+            "{}",
+            &lost[off..]
+        );
+        assert_eq!(q.record(WIDE), (0, 1));
     }
 
     #[test]
