@@ -125,3 +125,72 @@ fn checkpoints_of_other_tokens_are_never_used() {
     }
     h.settled();
 }
+
+/// Generated conversations over a windowed cache with every cache feature on (prefix sharing,
+/// the prompt cache, checkpoints): random system prompts shared by several conversations,
+/// follow-ups that keep a random part of the last answer (a cut back), new conversations and
+/// repeats, some running side by side. Every answer must be the fresh decode's, and the fake
+/// panics if a sequence whose window was lost is decoded or is rewound with a checkpoint of
+/// other tokens.
+#[test]
+fn generated_conversations_over_a_window_always_answer_as_a_fresh_decode() {
+    for (seed, batch) in [(0x9e37_79b9_7f4a_7c15u64, 8), (0x2545_f491_4f6c_dd1d, 16)] {
+        let h = windowed(batch, 3, true, 64 * 1024);
+        let mut rng = seed;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let systems = [
+            "You are a terse assistant for a shop. ",
+            "Tools: search, read, write. ",
+        ];
+        let mut histories: Vec<String> = Vec::new();
+        for turn in 0..60 {
+            let prompt = match next(3) {
+                // A new conversation on a shared system prompt.
+                0 if histories.len() < 6 => {
+                    let s = systems[next(2) as usize].repeat(1 + next(3) as usize);
+                    format!("{s}user {turn}: hello?")
+                }
+                // A follow-up that keeps part of the conversation (cut back anywhere).
+                1 if !histories.is_empty() => {
+                    let h = &histories[next(histories.len() as u64) as usize];
+                    let keep = 1 + next(h.len() as u64) as usize;
+                    format!("{} then {turn}?", &h[..keep])
+                }
+                // A repeat of a history.
+                _ if !histories.is_empty() => {
+                    histories[next(histories.len() as u64) as usize].clone()
+                }
+                _ => format!("{}user {turn}", systems[0]),
+            };
+            let n = 1 + next(20) as usize;
+            // Sometimes two at once, so that forks come from busy slots.
+            let other = (next(3) == 0).then(|| {
+                let p = format!("{}side {turn}", systems[1].repeat(2));
+                (h.submit(&p, greedy(8)), p)
+            });
+            let (text, _) = collect(&mut h.submit(&prompt, greedy(n as i64)));
+            assert_eq!(
+                text,
+                expected(&prompt, n),
+                "seed {seed:x} turn {turn}: {prompt:?}"
+            );
+            if let Some((mut rx, p)) = other {
+                let (side, _) = collect(&mut rx);
+                assert_eq!(side, expected(&p, 8), "seed {seed:x} turn {turn} (side)");
+            }
+            let history = format!("{prompt}{text}");
+            if histories.len() < 6 {
+                histories.push(history);
+            } else {
+                let i = next(6) as usize;
+                histories[i] = history;
+            }
+        }
+        h.settled();
+    }
+}
