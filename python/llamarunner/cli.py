@@ -130,7 +130,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoints of the sliding-window layers' cells kept per slot (default 8; 0 = "
         "none): a prompt that cuts a cached sequence back, or forks another slot's prefix, "
         "goes back to the last checkpoint before the cut and decodes from there, instead of "
-        "decoding the whole prompt again (models with sliding-window layers, without --swa-full)",
+        "decoding the whole prompt again (models with sliding-window layers, without --swa-full; "
+        "held within the --cache-ram budget, so --cache-ram 0 turns them off too)",
     )
     spec = p.add_argument_group(
         "speculative decoding",

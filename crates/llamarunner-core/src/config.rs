@@ -94,7 +94,8 @@ pub struct RunnerConfig {
     /// Checkpoints of the sliding-window cells kept per slot (`--ctx-checkpoints`): a
     /// sequence cut back, or a shared prefix forked, goes back to the last one before the cut
     /// instead of decoding the whole prompt again (`sched/checkpoints.rs`); 0 = none. Only
-    /// models with sliding-window layers and no `swa_full` take them.
+    /// models with sliding-window layers and no `swa_full` take them, within the `cache_ram`
+    /// budget.
     pub ctx_checkpoints: i64,
     /// Speculative decoding by prompt lookup: most tokens drafted per sequence and step;
     /// 0 = off.

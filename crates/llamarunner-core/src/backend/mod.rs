@@ -12,6 +12,19 @@ pub use crate::protocol::{BackendError, Token};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::TokenLogprob;
 
+/// What a fork (`Backend::kv_fork`) left in the destination sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fork {
+    /// The first `len` positions, whole.
+    Copied,
+    /// The first `len` positions of the full-attention layers, without the sliding window
+    /// before `len`: a window checkpoint can mend it (`rewind_to_checkpoint`), else the
+    /// caller clears it.
+    WindowLost,
+    /// Nothing: the copy failed and the destination is empty.
+    Failed,
+}
+
 /// One token placed in a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchToken {
@@ -79,10 +92,8 @@ pub trait Backend {
     /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;
     /// Makes sequence `dst` hold the first `len` cached tokens of sequence `src` (a fork for
-    /// multi-user prefix sharing). False when the cache cannot copy, or when the copy lacks
-    /// the sliding window before `len` (the copy may stay: a checkpoint can mend it, else the
-    /// caller clears it).
-    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool;
+    /// multi-user prefix sharing).
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> Fork;
     /// The sliding window, in positions, when the cache drops the windowed layers' cells that
     /// fall out of it (Gemma-style models without `--swa-full`); None when every cell stays.
     /// A cut or fork then keeps a sequence only when its window before the cut is still

@@ -29,7 +29,10 @@ pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
         Scheduler::new(backend, inbox, config.parallel as usize)
             .with_multiuser_cache(config.multiuser_cache)
             .with_prompt_cache(config.cache_ram_bytes())
-            .with_checkpoints(usize::try_from(config.ctx_checkpoints).unwrap_or(0))
+            .with_checkpoints(
+                usize::try_from(config.ctx_checkpoints).unwrap_or(0),
+                config.cache_ram_bytes(),
+            )
             .with_speculation(speculation)
             .run();
     });

@@ -38,21 +38,24 @@ pub struct Checkpoint {
 pub struct Checkpoints {
     entries: Vec<Checkpoint>,
     max: usize,
+    /// Most bytes of state held.
+    budget: usize,
     clock: u64,
     bytes: usize,
 }
 
 impl Checkpoints {
-    /// At most `max` checkpoints (0: none are taken).
-    pub fn new(max: usize) -> Self {
+    /// At most `max` checkpoints and `budget` bytes of them (either 0: none are taken).
+    pub fn new(max: usize, budget: usize) -> Self {
         Self {
             max,
+            budget,
             ..Self::default()
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.max > 0
+        self.max > 0 && self.budget > 0
     }
 
     pub fn len(&self) -> usize {
@@ -71,7 +74,7 @@ impl Checkpoints {
     /// Keeps a checkpoint of a sequence holding `tokens` under `lora`. One with the same
     /// tokens and set is replaced (its cells are the same).
     pub fn insert(&mut self, tokens: Vec<Token>, lora: LoraScales, state: Vec<u8>) {
-        if !self.enabled() || tokens.is_empty() || state.is_empty() {
+        if !self.enabled() || tokens.is_empty() || state.is_empty() || state.len() > self.budget {
             return;
         }
         self.clock += 1;
@@ -83,7 +86,7 @@ impl Checkpoints {
             let old = self.entries.swap_remove(i);
             self.bytes -= old.state.len();
         }
-        while self.entries.len() >= self.max {
+        while self.entries.len() >= self.max || self.bytes + state.len() > self.budget {
             let Some(oldest) = self
                 .entries
                 .iter()
@@ -140,7 +143,7 @@ mod tests {
 
     #[test]
     fn the_longest_checkpoint_within_the_limit_and_the_prompt_is_chosen() {
-        let mut c = Checkpoints::new(8);
+        let mut c = Checkpoints::new(8, 1 << 20);
         c.insert(vec![1, 2], base(), vec![0; 10]);
         c.insert(vec![1, 2, 3, 4], base(), vec![0; 20]);
         c.insert(vec![1, 2, 3, 4, 5, 6], base(), vec![0; 30]);
@@ -163,7 +166,7 @@ mod tests {
 
     #[test]
     fn a_checkpoint_under_another_lora_set_is_not_used() {
-        let mut c = Checkpoints::new(8);
+        let mut c = Checkpoints::new(8, 1 << 20);
         let scaled = LoraScales::new(vec![0.5]);
         c.insert(vec![1, 2, 3], scaled.clone(), vec![0; 10]);
         assert!(c.best(&[1, 2, 3, 4], &base(), 9).is_none());
@@ -172,7 +175,7 @@ mod tests {
 
     #[test]
     fn the_least_recently_used_goes_first_and_a_repeat_replaces() {
-        let mut c = Checkpoints::new(2);
+        let mut c = Checkpoints::new(2, 1 << 20);
         c.insert(vec![1], base(), vec![0; 1]);
         c.insert(vec![2], base(), vec![0; 2]);
         // Using [1] makes [2] the oldest.
@@ -184,8 +187,17 @@ mod tests {
         // The same tokens again: replaced, not added.
         c.insert(vec![3], base(), vec![0; 8]);
         assert_eq!((c.len(), c.bytes()), (2, 9));
+        // A byte budget: the oldest go until the new one fits; one larger than it is refused.
+        let mut small = Checkpoints::new(8, 10);
+        small.insert(vec![1], base(), vec![0; 4]);
+        small.insert(vec![2], base(), vec![0; 4]);
+        small.insert(vec![3], base(), vec![0; 4]);
+        assert_eq!((small.len(), small.bytes()), (2, 8));
+        assert!(small.best(&[1, 5], &base(), 9).is_none());
+        small.insert(vec![4], base(), vec![0; 11]);
+        assert_eq!((small.len(), small.bytes()), (2, 8));
         // Off: nothing is kept.
-        let mut off = Checkpoints::new(0);
+        let mut off = Checkpoints::new(0, 1 << 20);
         off.insert(vec![1], base(), vec![0; 1]);
         assert_eq!(off.len(), 0);
     }

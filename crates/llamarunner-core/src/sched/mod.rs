@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
-use crate::backend::{Backend, BatchToken};
+use crate::backend::{Backend, BatchToken, Fork};
 use crate::kv;
 use crate::protocol::nanos;
 use crate::protocol::params::SamplingParams;
@@ -165,6 +165,8 @@ struct Slot<S> {
     last_used: Option<std::time::SystemTime>,
     /// The scheduler's clock at that moment (LRU order; 0 = never used).
     last_tick: u64,
+    /// `Scheduler::decodes` when its cache was last shifted (`shift_pending`).
+    shifted_at: Option<u64>,
 }
 
 /// Tokens a multi-user fork, or cutting back another conversation's slot, must save: fewer
@@ -195,6 +197,8 @@ pub struct Scheduler<B: Backend> {
     prompt_cache: PromptCache,
     /// Checkpoints of the sliding-window cells (`checkpoints.rs`).
     checkpoints: Checkpoints,
+    /// Batches decoded (`shift_pending`).
+    decodes: u64,
     /// Prompt-lookup drafts (`--draft-max` ...).
     speculation: SpecConfig,
     /// What a decode step costs, refined from the steps run (how much drafting pays).
@@ -235,6 +239,7 @@ impl<B: Backend> Scheduler<B> {
                 seq: None,
                 last_used: None,
                 last_tick: 0,
+                shifted_at: None,
             })
             .collect();
         Self {
@@ -249,7 +254,8 @@ impl<B: Backend> Scheduler<B> {
             next_decode: 0,
             multiuser: false,
             prompt_cache: PromptCache::new(0),
-            checkpoints: Checkpoints::new(0),
+            checkpoints: Checkpoints::new(0, 0),
+            decodes: 0,
             speculation: SpecConfig::OFF,
             step_cost: CostModel::new(SpecConfig::OFF.cost),
             payoff: Payoff::new(),
@@ -286,15 +292,16 @@ impl<B: Backend> Scheduler<B> {
         self
     }
 
-    /// Keeps up to `per_slot` checkpoints of the sliding-window cells per slot (`--ctx-checkpoints`;
+    /// Keeps up to `per_slot` checkpoints of the sliding-window cells per slot, and at most
+    /// `bytes` of them (`--ctx-checkpoints`, within the `--cache-ram` budget;
     /// `checkpoints.rs`), when the model's cache has a window.
-    pub fn with_checkpoints(mut self, per_slot: usize) -> Self {
+    pub fn with_checkpoints(mut self, per_slot: usize, bytes: usize) -> Self {
         let max = if self.backend.sliding_window().is_some() {
             per_slot.saturating_mul(self.slots.len())
         } else {
             0
         };
-        self.checkpoints = Checkpoints::new(max);
+        self.checkpoints = Checkpoints::new(max, bytes);
         self
     }
 
@@ -761,7 +768,7 @@ impl<B: Backend> Scheduler<B> {
             sampler,
             n_prompt: tokens.len(),
             n_cached: reuse,
-            next_checkpoint: reuse + spacing,
+            next_checkpoint: reuse.saturating_add(spacing),
             pending: tokens[reuse..].to_vec(),
             queued: 0,
             images,
@@ -819,52 +826,73 @@ impl<B: Backend> Scheduler<B> {
         let Some(from) = choice.fork_from else {
             return Ok((choice.slot, choice.reuse));
         };
-        // A fork from a slot that moved on past the window keeps only what a window checkpoint
-        // gives back: when that is not worth the copy, the slot starts from its own prefix.
-        if let Some(window) = self.backend.sliding_window() {
-            if self.slots[from].cached.len() > choice.reuse + window {
-                let target = &self.slots[choice.slot];
-                let own =
-                    kv::common_prefix(lora::reusable(&target.cached, &target.lora, lora), tokens);
-                let usable = self
-                    .checkpoints
-                    .best(tokens, lora, choice.reuse)
-                    .map_or(0, |c| c.tokens.len());
-                if usable < own + MIN_SHARE_GAIN {
-                    return Ok((choice.slot, kv::image_boundary_before(tokens, own)));
-                }
+        let target = &self.slots[choice.slot];
+        let own = kv::image_boundary_before(
+            tokens,
+            kv::common_prefix(lora::reusable(&target.cached, &target.lora, lora), tokens),
+        );
+        // No fork from a slot whose context shift llama.cpp has not applied yet (it rotates
+        // the keys at the next decode; a copy now would hold them unrotated).
+        if self.shift_pending(from) {
+            return Ok((choice.slot, own));
+        }
+        // A fork from a slot that moved on past the prefix keeps, on a sliding-window model,
+        // only what a window checkpoint gives back (a state holds the window cells of its
+        // source's last positions): when that is not worth the copy, the slot starts from its
+        // own prefix.
+        if self.backend.sliding_window().is_some() && self.slots[from].cached.len() > choice.reuse {
+            let usable = self
+                .checkpoints
+                .best(tokens, lora, choice.reuse)
+                .map_or(0, |c| c.tokens.len());
+            if usable < own.saturating_add(MIN_SHARE_GAIN) {
+                return Ok((choice.slot, own));
             }
         }
         let (src, dst) = (self.slots[from].id, self.slots[choice.slot].id);
         let prefix = self.slots[from].cached[..choice.reuse].to_vec();
         // The fork overwrites the slot: its sequence goes to RAM first.
         self.offload(choice.slot, 0);
-        if self.backend.kv_fork(src, dst, choice.reuse) {
-            tracing::debug!(
-                from = src,
-                to = dst,
-                tokens = choice.reuse,
-                "forked a cached prefix"
-            );
-            self.slots[choice.slot].cached = prefix;
-            Ok((choice.slot, choice.reuse))
-        } else {
-            // The backend could not fork, or the copy lacks the window cells the prefix needs:
-            // back to a window checkpoint of the prefix, or the slot is emptied and the prompt
-            // decoded in full.
-            self.slots[choice.slot].cached = prefix;
-            let reuse = self.rewind(choice.slot, tokens, lora, choice.reuse);
-            self.slots[choice.slot].cached.truncate(reuse);
-            if reuse > 0 {
+        match self.backend.kv_fork(src, dst, choice.reuse) {
+            Fork::Copied => {
                 tracing::debug!(
                     from = src,
                     to = dst,
-                    tokens = reuse,
-                    "forked a cached prefix to a checkpoint"
+                    tokens = choice.reuse,
+                    "forked a cached prefix"
                 );
+                self.slots[choice.slot].cached = prefix;
+                Ok((choice.slot, choice.reuse))
             }
-            Ok((choice.slot, reuse))
+            Fork::WindowLost => {
+                // The full-attention cells are copied, the window before the prefix's end is
+                // not: back to a window checkpoint of the prefix, or the slot is emptied and
+                // the prompt decoded in full.
+                self.slots[choice.slot].cached = prefix;
+                let reuse = self.rewind(choice.slot, tokens, lora, choice.reuse);
+                if reuse > 0 {
+                    tracing::debug!(
+                        from = src,
+                        to = dst,
+                        tokens = reuse,
+                        "forked a cached prefix to a checkpoint"
+                    );
+                }
+                Ok((choice.slot, reuse))
+            }
+            Fork::Failed => {
+                // Nothing was copied (the backend emptied the slot): decoded in full.
+                self.backend.kv_truncate(dst, 0);
+                self.slots[choice.slot].cached.clear();
+                Ok((choice.slot, 0))
+            }
         }
+    }
+
+    /// Whether slot `index` was shifted (`kv_shift`) since the last decode: llama.cpp applies
+    /// a shift's key rotation at the next decode, so its cells must not be copied out before.
+    fn shift_pending(&self, index: usize) -> bool {
+        self.slots[index].shifted_at == Some(self.decodes)
     }
 
     /// Positions between a prompt's window checkpoints: the window (what a rewind to the
@@ -893,6 +921,7 @@ impl<B: Backend> Scheduler<B> {
         if let Some(c) = self.checkpoints.best(prompt, lora, held) {
             let len = c.tokens.len();
             if self.backend.rewind_to_checkpoint(id, len, &c.state) {
+                self.slots[index].cached.truncate(len);
                 tracing::debug!(
                     slot = id,
                     tokens = len,
@@ -927,7 +956,7 @@ impl<B: Backend> Scheduler<B> {
         {
             return;
         }
-        seq.next_checkpoint = len + spacing;
+        seq.next_checkpoint = len.saturating_add(spacing);
         match self.backend.window_checkpoint(slot.id) {
             Ok(state) => {
                 let bytes = state.len();
@@ -957,6 +986,13 @@ impl<B: Backend> Scheduler<B> {
         if slot.cached.len() < keep + prompt_cache::MIN_STORE
             || self.prompt_cache.covers(&slot.cached, &slot.lora)
         {
+            return;
+        }
+        if self.shift_pending(index) {
+            tracing::debug!(
+                slot = slot.id,
+                "not stored: its context shift is not applied yet"
+            );
             return;
         }
         let elsewhere = self.slots.iter().enumerate().any(|(j, other)| {
@@ -1224,6 +1260,7 @@ impl<B: Backend> Scheduler<B> {
             self.fail_batch(&e.to_string());
             return;
         }
+        self.decodes += 1;
         let now = Instant::now();
         let decoded = now - started;
         // For the step's trace line: what the cost model expected, and the drafted positions.
@@ -1433,6 +1470,7 @@ impl<B: Backend> Scheduler<B> {
             self.inbox.observer.context_shift();
             if self.backend.kv_shift(slot.id, keep, discard) {
                 slot.cached.drain(keep..keep + discard);
+                slot.shifted_at = Some(self.decodes);
             } else {
                 // The cache cannot shift: decode the kept tokens again.
                 let mut kept = slot.cached[..keep].to_vec();

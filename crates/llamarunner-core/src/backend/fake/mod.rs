@@ -14,7 +14,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{Backend, BatchToken};
+use crate::backend::{Backend, BatchToken, Fork};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::vision::{
     is_image_continuation, ImageChunk, ImageInput, PromptImage, VisionError, VisionModel,
@@ -464,7 +464,7 @@ impl Backend for FakeBackend {
         true
     }
 
-    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> Fork {
         assert!(
             !self
                 .kv
@@ -479,21 +479,26 @@ impl Backend for FakeBackend {
             .map(|kv| kv[..len.min(kv.len())].to_vec())
             .unwrap_or_default();
         if copied.len() != len {
-            return false;
+            self.kv.remove(&dst);
+            self.window_lost.remove(&dst);
+            self.broken.remove(&dst);
+            return Fork::Failed;
         }
-        // The copy is made even when the window is lost (as llama.cpp's): the full-attention
-        // cells are right, and a checkpoint can put the window back (`rewind_to_checkpoint`).
+        // As llama.cpp's state copy: the full-attention cells are all there, the window cells
+        // only those of the source's last `window` positions; a checkpoint can put the window
+        // before `len` back (`rewind_to_checkpoint`).
+        let src_len = self.kv.get(&src).map_or(0, Vec::len);
         self.kv.insert(dst, copied);
-        let lost = self.window_lost.get(&src).copied().unwrap_or(0);
+        let lost = self.config.window.map_or(0, |w| src_len.saturating_sub(w));
         self.window_lost.insert(dst, lost);
         self.broken.remove(&dst);
         if !self.window_check(dst, len) {
-            return false;
+            return Fork::WindowLost;
         }
         if let Ok(mut forks) = self.forks.lock() {
             forks.push((src, dst, len));
         }
-        true
+        Fork::Copied
     }
 
     fn sliding_window(&self) -> Option<usize> {

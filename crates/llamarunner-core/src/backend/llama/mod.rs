@@ -26,7 +26,7 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::token_type::LlamaTokenAttr;
 use llama_cpp_2::{DecodeError, LogOptions};
 
-use crate::backend::{Backend, BatchToken};
+use crate::backend::{Backend, BatchToken, Fork};
 use crate::chat::{self, ChatTemplate, Vocabulary};
 use crate::config::{FlashAttn, RunnerConfig};
 use crate::protocol::params::SamplingParams;
@@ -632,6 +632,12 @@ pub struct LlamaEngine<'m> {
     /// window's cells (`--swa-full` off): a sequence cut back far enough has lost cells those
     /// layers need, and must be decoded again.
     swa_window: Option<usize>,
+    /// Whether window checkpoints (`window_checkpoint`) can rewind this model's cache: not for
+    /// llama4's chunked window, nor deepseek4's (llama.cpp's `llama_model_n_swa` is 0 for it:
+    /// its window cannot roll back), and found false at the first checkpoint when llama.cpp
+    /// keeps every cell anyway (phi3 declares a window that llama.cpp does not use: a partial
+    /// state would be the whole state).
+    window_checkpoints: std::cell::Cell<bool>,
     /// Whether the tokenizer starts prompts with BOS.
     add_bos: bool,
     backend: &'static LlamaBackend,
@@ -799,6 +805,12 @@ impl<'m> LlamaEngine<'m> {
             || matches!(model.rope_type(), Some(RopeType::MRope | RopeType::IMRope)));
         let add_bos = tokenize(model, "", true).is_ok_and(|t| t.first() == Some(&vocab.bos().0));
         let swa_window = sliding_window(model).filter(|_| !swa_full);
+        let arch = model
+            .meta_val_str("general.architecture")
+            .unwrap_or_default();
+        let window_checkpoints = std::cell::Cell::new(
+            swa_window.is_some() && !matches!(arch.as_str(), "llama4" | "deepseek4"),
+        );
         Self {
             model,
             ctx,
@@ -808,6 +820,7 @@ impl<'m> LlamaEngine<'m> {
             eog_bans,
             can_shift,
             swa_window,
+            window_checkpoints,
             add_bos,
             backend,
             embed_params,
@@ -1195,9 +1208,9 @@ impl Backend for LlamaEngine<'_> {
                 .is_ok()
     }
 
-    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> bool {
+    fn kv_fork(&mut self, src: i32, dst: i32, len: usize) -> Fork {
         let Ok(cut) = u32::try_from(len) else {
-            return false;
+            return Fork::Failed;
         };
         // The copy goes through the sequence's state, not `seq_cp`. With one KV stream per
         // sequence (kv_unified off), llama.cpp's `seq_cp` copies only whole sequences between
@@ -1224,21 +1237,41 @@ impl Backend for LlamaEngine<'_> {
         if !copied {
             // Nothing half-copied stays behind: the slot starts empty.
             let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
-            return false;
+            return Fork::Failed;
         }
-        // A copy without the window before `len` stays for a checkpoint to mend (the caller
-        // clears it otherwise).
-        self.window_intact(dst, len)
+        // A state holds only the window cells of its source's last positions: a copy cut back
+        // before them stays for a checkpoint to mend (the caller clears it otherwise).
+        if self.window_intact(dst, len) {
+            Fork::Copied
+        } else {
+            Fork::WindowLost
+        }
     }
 
     fn sliding_window(&self) -> Option<usize> {
-        self.swa_window
+        self.swa_window.filter(|_| self.window_checkpoints.get())
     }
 
     fn window_checkpoint(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
-        if self.swa_window.is_none() {
+        if self.sliding_window().is_none() {
             return Err(BackendError::State(
-                "the cache has no sliding window".into(),
+                "the cache has no sliding window that checkpoints can rewind".into(),
+            ));
+        }
+        let partial = self
+            .ctx
+            .state_seq_get_size_ext(seq, LlamaStateSeqFlags::PARTIAL_ONLY);
+        let whole = self
+            .ctx
+            .state_seq_get_size_ext(seq, LlamaStateSeqFlags::empty());
+        if partial >= whole {
+            // No separate window cache: llama.cpp keeps every cell of this model.
+            self.window_checkpoints.set(false);
+            tracing::info!(
+                "llama.cpp keeps every cell of this model's window layers: no window checkpoints"
+            );
+            return Err(BackendError::State(
+                "the cache keeps every cell: nothing to checkpoint".into(),
             ));
         }
         self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY)
@@ -1248,7 +1281,9 @@ impl Backend for LlamaEngine<'_> {
         let Ok(from) = u32::try_from(len) else {
             return false;
         };
-        if self.swa_window.is_none() || self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_err() {
+        if self.sliding_window().is_none()
+            || self.ctx.kv_cache_seq_rm(seq, Some(from), None).is_err()
+        {
             return false;
         }
         // SAFETY: `state` is one `window_checkpoint` wrote in this process from this context

@@ -19,7 +19,7 @@ fn windowed(batch_capacity: usize, slots: usize, multiuser: bool, cache: usize) 
         move |s| {
             s.with_multiuser_cache(multiuser)
                 .with_prompt_cache(cache)
-                .with_checkpoints(8)
+                .with_checkpoints(8, 1 << 30)
         },
     )
 }
