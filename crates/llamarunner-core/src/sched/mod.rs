@@ -836,11 +836,16 @@ impl<B: Backend> Scheduler<B> {
         if self.shift_pending(from) {
             return Ok((choice.slot, own));
         }
-        // A fork from a slot that moved on past the prefix keeps, on a sliding-window model,
-        // only what a window checkpoint gives back (a state holds the window cells of its
-        // source's last positions): when that is not worth the copy, the slot starts from its
-        // own prefix.
-        if self.backend.sliding_window().is_some() && self.slots[from].cached.len() > choice.reuse {
+        // A fork from a slot that moved on past the prefix, and past its window, keeps on a
+        // sliding-window model only what a window checkpoint gives back (a state holds the
+        // window cells of its source's last `window` positions): when that is not worth the
+        // copy, the slot starts from its own prefix.
+        let src_len = self.slots[from].cached.len();
+        if self
+            .backend
+            .sliding_window()
+            .is_some_and(|w| src_len > choice.reuse.max(w))
+        {
             let usable = self
                 .checkpoints
                 .best(tokens, lora, choice.reuse)
