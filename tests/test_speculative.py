@@ -424,8 +424,22 @@ def test_default_model_greedy_text_with_drafts_is_the_text_without(gemma: Server
     assert final["draft_accepted_count"] > 20, final
 
 
+@pytest.fixture(scope="module")
+def gemma_drafting_always(default_model: Path) -> Iterator[Server]:
+    """The default model with drafts verified at every width (`--draft-always`): by default a
+    step of 3 or more sequences drafts only after a try there paid (`sched/payoff.rs`), which
+    on a CPU it does not."""
+    with Server(
+        str(default_model), port=0, parallel=4, ctx_size=1024, threads=2, draft_always=True
+    ) as srv:
+        yield srv
+
+
 @pytest.mark.real_model
-def test_default_model_four_concurrent_with_drafts_match_their_plain_text(gemma: Server) -> None:
+def test_default_model_four_concurrent_with_drafts_match_their_plain_text(
+    gemma_drafting_always: Server,
+) -> None:
+    gemma = gemma_drafting_always
     prompts = [gemma_prompt(i) for i in range(4)]
     plain = [openai_greedy(gemma.url, p, 48, speculative=False) for p in prompts]
     wait_idle(gemma.url)
