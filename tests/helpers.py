@@ -745,3 +745,18 @@ class WatchedServer:
                 self.proc.wait(timeout=30)
         self._log.close()
         return self.proc.returncode
+
+
+def assert_serve_refuses(model: Path, flag: str, value: str) -> None:
+    """``llamarunner serve MODEL --FLAG=VALUE`` exits with 2 and names the flag."""
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "llamarunner", "serve", str(model)),
+            *("--port", "0", f"--{flag}={value}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert flag in r.stderr, r.stderr

@@ -6,8 +6,6 @@ in full (a restored state holds only the window's cells before its end)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +14,14 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import choice_logprobs, complete, metric, openai_greedy, same_or_near_tie
+from helpers import (
+    assert_serve_refuses,
+    choice_logprobs,
+    complete,
+    metric,
+    openai_greedy,
+    same_or_near_tie,
+)
 from tinymodel import SPARK_SLIDING_WINDOW, write_spark2_5_model
 
 StartServer = Callable[..., Server]
@@ -122,14 +127,4 @@ def test_an_out_of_range_cache_ram_is_refused(tiny_model: Path, value: int) -> N
 
 @pytest.mark.parametrize("value", ["-5", "lots", "1.5"])
 def test_the_cli_refuses_a_bad_cache_ram_with_exit_2(tiny_model: Path, value: str) -> None:
-    r = subprocess.run(
-        [
-            *(sys.executable, "-m", "llamarunner", "serve", str(tiny_model)),
-            *("--port", "0", f"--cache-ram={value}"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
-    assert "cache-ram" in r.stderr, r.stderr
+    assert_serve_refuses(tiny_model, "cache-ram", value)
