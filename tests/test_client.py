@@ -217,9 +217,10 @@ def test_400_is_never_retried_and_timeouts_are_typed() -> None:
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_line_separators_inside_the_text_do_not_split_a_line(use_async: bool) -> None:
-    """NDJSON lines end at "\\n" only. JSON strings carry U+2028, U+2029 and U+0085 unescaped
-    (the server's serde_json writes them as they are, and models write them), so a reader
-    that splits where str.splitlines does (httpx's iter_lines) breaks such a line in two."""
+    """NDJSON lines end at "\\n" only. JSON strings may carry U+2028, U+2029 and U+0085
+    unescaped (this server escapes them; Ollama's writes U+0085 as it is, and any server may),
+    so a reader that splits where str.splitlines does (httpx's iter_lines) breaks such a line
+    in two."""
     text = "a\u2028b\u2029c\u0085d"
     piece = json.dumps({"content": text, "done": False}, ensure_ascii=False)
     assert "\u2028" in piece  # raw, as the server sends it

@@ -212,6 +212,35 @@ def test_arbitrary_bytes_still_give_valid_json_lines(tiny_server: Server) -> Non
     assert sum(len(line.get("content", "")) for line in lines) > 0
 
 
+SEPARATORS = "a\u2028b\u2029c\u0085d"
+
+
+@pytest.mark.parametrize("route", ["/completion", "/v1/completions"])
+def test_line_separators_in_the_output_are_escaped_on_the_wire(
+    tiny_server: Server, route: str
+) -> None:
+    """U+2028, U+2029 and U+0085 in generated text go out as JSON escapes, so that readers
+    that end lines where str.splitlines does (httpx's iter_lines, the official ollama client)
+    still see one chunk per line."""
+    grammar = 'root ::= "' + SEPARATORS + '"'
+    body: dict[str, Any] = {"prompt": "x", "grammar": grammar, "stream": True}
+    if route == "/completion":
+        body["options"] = {"num_predict": 32, "seed": 1}
+    else:
+        body.update(model="tiny", max_tokens=32, seed=1)
+    r = httpx.post(tiny_server.url + route, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    for raw in ("\u2028", "\u2029", "\u0085"):
+        assert raw.encode() not in r.content, r.content
+    if route == "/completion":
+        text = "".join(line.get("content", "") for line in parse_ndjson(r.text))
+    else:
+        events = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
+    assert text == SEPARATORS
+
+
 def test_format_json_output_parses(tiny_server: Server) -> None:
     for seed in range(3):
         lines = list(

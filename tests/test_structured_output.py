@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import WatchedServer
+from helpers import WatchedServer, parse_ndjson
 from tinymodel import write_tiny_model
 
 MODEL = "tiny"
@@ -434,7 +434,7 @@ def test_constrained_output_validates_and_keeps_the_schemas_order(target: Target
                 timeout=REQUEST_TIMEOUT,
             )
             assert r.status_code == 200, f"{r.text} for {schema}"
-            lines = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+            lines = parse_ndjson(r.text)
             text = "".join(line.get("content", "") for line in lines)
             if lines[-1]["done_reason"] != "stop":
                 return
@@ -505,7 +505,7 @@ def test_the_named_crash_and_freeze_are_harmless(target: Target) -> None:
         t.join(120)
         assert plain.status_code == 200
         assert result["r"].status_code == 200, result["r"].text
-        lines = [json.loads(line) for line in result["r"].text.splitlines() if line.strip()]
+        lines = parse_ndjson(result["r"].text)
         text = "".join(line.get("content", "") for line in lines)
         assert set(text) <= {"a"}, text
         assert lines[-1]["done_reason"] in ("stop", "length")

@@ -3,8 +3,10 @@
 //!
 //! - `native.rs`: the runner's own (`/completion`, `/embedding`);
 //! - `openai.rs`: OpenAI's chat completions, completions, embeddings and models;
-//! - `ollama.rs`: Ollama's `/api/*`.
+//! - `ollama.rs`: Ollama's `/api/*`;
+//! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader.
 
 pub mod native;
 pub mod ollama;
 pub mod openai;
+pub mod stream_json;

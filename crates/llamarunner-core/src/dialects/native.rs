@@ -139,7 +139,7 @@ fn ndjson(event: &Event) -> String {
         }
         Event::Started => json!({"content": "", "done": false}),
     };
-    let mut line = value.to_string();
+    let mut line = super::stream_json::to_line(&value);
     line.push('\n');
     line
 }

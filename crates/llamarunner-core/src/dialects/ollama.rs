@@ -331,7 +331,7 @@ async fn respond(
 
 /// One NDJSON line of a streamed answer.
 fn ndjson_line(v: Value) -> Result<Bytes, Infallible> {
-    let mut s = v.to_string();
+    let mut s = super::stream_json::to_line(&v);
     s.push('\n');
     Ok(Bytes::from(s))
 }

@@ -538,7 +538,7 @@ fn finish_reason(reason: DoneReason) -> &'static str {
 }
 
 fn sse(value: Value) -> SseEvent {
-    SseEvent::default().data(value.to_string())
+    SseEvent::default().data(super::stream_json::to_line(&value))
 }
 
 /// With `include_usage`, every chunk carries `"usage": null` until the last, as OpenAI's do.
