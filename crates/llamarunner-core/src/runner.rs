@@ -79,7 +79,7 @@ const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
 /// The connection-level limits, from the configuration.
 #[derive(Clone, Copy, Debug)]
-struct ConnLimits {
+pub(crate) struct ConnLimits {
     /// Most connections at once.
     max_connections: u32,
     /// Time to send a request's headers.
@@ -91,7 +91,7 @@ struct ConnLimits {
 }
 
 impl ConnLimits {
-    fn new(config: &RunnerConfig) -> Self {
+    pub(crate) fn new(config: &RunnerConfig) -> Self {
         // validate_http() has checked that these are finite and in range.
         let seconds = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO);
         Self {
@@ -153,14 +153,7 @@ impl Runner {
                  --api-key-file)"
             );
         }
-        let host = if local.ip().is_unspecified() {
-            "127.0.0.1".to_string()
-        } else if local.is_ipv6() {
-            format!("[{}]", local.ip())
-        } else {
-            local.ip().to_string()
-        };
-        let url = format!("http://{host}:{}", local.port());
+        let url = base_url(local);
 
         let metrics = if config.no_metrics {
             None
@@ -206,7 +199,9 @@ impl Runner {
         let http_thread = std::thread::Builder::new()
             .name("llamarunner-http-main".into())
             .spawn(move || {
-                runtime.block_on(serve(listener, app, conn_limits, stop_rx, engine_for_http));
+                runtime.block_on(serve_http(listener, app, conn_limits, stop_rx, move || {
+                    engine_for_http.shutdown()
+                }));
                 runtime.shutdown_timeout(Duration::from_secs(1));
             })?;
         tracing::info!(%url, "listening");
@@ -295,14 +290,26 @@ fn engine_stop_reason(
     }
 }
 
-/// The HTTP server: accepts connections until told to stop, then drains them and stops the
-/// engine.
-async fn serve(
+/// The URL clients reach a listener on (`127.0.0.1` for an unspecified address).
+pub(crate) fn base_url(local: std::net::SocketAddr) -> String {
+    let host = if local.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else if local.is_ipv6() {
+        format!("[{}]", local.ip())
+    } else {
+        local.ip().to_string()
+    };
+    format!("http://{host}:{}", local.port())
+}
+
+/// The HTTP server: accepts connections until told to stop, then drains them and calls
+/// `shutdown` (which stops the engine, or a router's engines).
+pub(crate) async fn serve_http(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
-    engine: EngineHandle,
+    shutdown: impl FnOnce(),
 ) {
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(l) => l,
@@ -363,7 +370,7 @@ async fn serve(
             "{busy} connection(s) still busy after the shutdown timeout; cancelling their requests"
         );
     }
-    engine.shutdown();
+    shutdown();
     // Requests the engine cancels end with an error event: let their connections write it.
     let _ = tokio::time::timeout(CANCEL_GRACE, slots.acquire_many(all)).await;
 }

@@ -26,6 +26,10 @@ use crate::requests::options::Options;
 /// runner's capitalized keys are accepted too.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
+    /// The model (optional; on a server of one model, another name is a 404 as in the other
+    /// dialects; a router picks the engine by it).
+    #[serde(default, alias = "Model")]
+    model: Option<String>,
     #[serde(default, alias = "Prompt")]
     prompt: Option<String>,
     /// A conversation, rendered with the model's chat template, instead of `prompt`.
@@ -65,6 +69,7 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
+    crate::requests::common::check_model(&state, req.model.as_deref())?;
     let info = model_info(&state)?;
     let options = req.options.unwrap_or_default();
     let lora = state
@@ -147,6 +152,8 @@ fn ndjson(event: &Event) -> String {
 /// Body of `POST /embedding`.
 #[derive(Debug, Deserialize)]
 struct EmbeddingRequest {
+    #[serde(default, alias = "Model")]
+    model: Option<String>,
     #[serde(default, alias = "Content")]
     content: Option<String>,
     #[serde(default, alias = "Truncate")]
@@ -157,6 +164,7 @@ struct EmbeddingRequest {
 pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: EmbeddingRequest = parse_json(&body)?;
+    crate::requests::common::check_model(&state, req.model.as_deref())?;
     let content = required("content", req.content)?;
     let embedding = embed_all(&state, vec![content], req.truncate.unwrap_or(false))
         .await?
