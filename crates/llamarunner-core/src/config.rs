@@ -258,6 +258,10 @@ pub enum ConfigError {
     /// An `--allow-origin` is empty.
     #[error("allow-origin must not be empty")]
     EmptyOrigin,
+    /// A model router's setting (`--models-dir`, `--models-max`, `--keep-alive`, the models'
+    /// names) that cannot be used.
+    #[error("{0}")]
+    Router(String),
     /// `--slot-save-path` is empty, not a directory, or cannot be made.
     #[error("slot-save-path {path}: {reason}")]
     SlotSavePath {

@@ -19,6 +19,7 @@ pub mod kv;
 pub mod ops;
 pub mod protocol;
 pub mod requests;
+pub mod router;
 pub mod routes;
 pub mod runner;
 pub mod sched;

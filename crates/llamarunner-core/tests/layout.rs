@@ -304,6 +304,11 @@ const FORBIDDEN: &[(&str, &[&str], &str)] = &[
         &["http", "dialects", "requests", "ops", "engine", "sched"],
         "backend/ implements the Backend trait; the engine drives it, never the reverse",
     ),
+    (
+        "router",
+        &["backend", "engine", "sched", "kv", "constrain", "chat"],
+        "router/ fronts engine processes over HTTP; it never runs a model itself",
+    ),
 ];
 
 #[test]

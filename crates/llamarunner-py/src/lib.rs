@@ -6,6 +6,7 @@ mod log_writer;
 use std::sync::{Mutex, Once};
 
 use llamarunner_core::config::LogFormat;
+use llamarunner_core::router::{ModelRouter, RouterConfig};
 use llamarunner_core::{Runner, RunnerConfig, StartError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
@@ -68,9 +69,24 @@ fn start_error(e: StartError) -> PyErr {
 }
 
 /// A running server (HTTP + engine). Created by `start`.
+/// What a `NativeServer` runs: one model's runner, or a router over several models' engines.
+enum Served {
+    Runner(Runner),
+    Router(ModelRouter),
+}
+
+impl Served {
+    fn stop(&mut self) {
+        match self {
+            Served::Runner(r) => r.stop(),
+            Served::Router(r) => r.stop(),
+        }
+    }
+}
+
 #[pyclass(module = "llamarunner._core")]
 struct NativeServer {
-    runner: Mutex<Option<Runner>>,
+    runner: Mutex<Option<Served>>,
     url: String,
 }
 
@@ -88,7 +104,9 @@ impl NativeServer {
         let guard = self.runner.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref() {
             None => ("stopped".into(), 0.0, None, 0, 0),
-            Some(r) => {
+            // The router serves while it runs; its models' states are in its `GET /models`.
+            Some(Served::Router(_)) => ("ready".into(), 1.0, None, 0, 0),
+            Some(Served::Runner(r)) => {
                 let h = r.health();
                 let (busy, total) = h.slots();
                 (
@@ -123,7 +141,23 @@ fn start(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
         .map_err(start_error)?;
     Ok(NativeServer {
         url: runner.url().to_string(),
-        runner: Mutex::new(Some(runner)),
+        runner: Mutex::new(Some(Served::Runner(runner))),
+    })
+}
+
+/// Starts a model router from a JSON `RouterConfig`; returns once the port is bound (models
+/// load on their first request).
+#[pyfunction]
+fn start_router(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
+    let config = RouterConfig::from_json(config_json)
+        .map_err(|e| PyValueError::new_err(format!("invalid configuration: {e}")))?;
+    init_logging(config.front.verbose, config.front.log_format);
+    let router = py
+        .detach(move || ModelRouter::start(config))
+        .map_err(start_error)?;
+    Ok(NativeServer {
+        url: router.url().to_string(),
+        runner: Mutex::new(Some(Served::Router(router))),
     })
 }
 
@@ -136,6 +170,7 @@ fn version() -> &'static str {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start, m)?)?;
+    m.add_function(wrap_pyfunction!(start_router, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<NativeServer>()?;
     m.add("ModelLoadError", m.py().get_type::<ModelLoadError>())?;

@@ -1,0 +1,291 @@
+//! The router's own routes: the model listings of every dialect (`/v1/models`, `/api/tags`,
+//! `/api/ps`, llama-server's `GET /models`), `POST /models/load` and `/models/unload`,
+//! `/health`; every other request goes to the engine of the model it names (the body's
+//! `model`, or `?model=` on a GET), loaded first if it is not.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::Method;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::proxy;
+use super::registry::{Registry, Status};
+use crate::dialects::ollama;
+use crate::http::access;
+use crate::http::error::{ApiError, Dialect};
+use crate::http::middleware::{self, HttpPolicy};
+
+type Shared = State<Arc<Registry>>;
+
+/// The front's route table, behind the request policy and the access log.
+pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>) -> Router {
+    let routes = Router::new()
+        .route("/health", get(health))
+        .route("/models", get(models))
+        .route("/models/load", post(load))
+        .route("/models/unload", post(unload))
+        .route("/v1/models", get(openai_models))
+        .route("/v1/models/{*model}", get(openai_model))
+        .route("/api/tags", get(tags))
+        .route("/api/ps", get(ps))
+        .route("/api/version", get(ollama::version))
+        .route("/", get(ollama::root))
+        .fallback(forward)
+        .with_state(registry);
+    access::layer(middleware::apply(routes, policy), None)
+}
+
+/// `GET /health`: the router is up (200) while it serves, whatever its models do; each
+/// model's status is listed, failures with their error.
+async fn health(State(registry): Shared) -> Response {
+    let models: Vec<Value> = registry
+        .models()
+        .iter()
+        .map(|m| {
+            let mut v = json!({"id": m.name, "status": m.status().as_str()});
+            if let Status::Failed { error } = m.status() {
+                v["error"] = json!(error);
+            }
+            v
+        })
+        .collect();
+    Json(json!({"status": "ready", "role": "router", "models": models})).into_response()
+}
+
+/// `GET /models` (llama-server's router): every model with its status, memory and expiry.
+async fn models(State(registry): Shared) -> Response {
+    let data: Vec<Value> = registry
+        .models()
+        .iter()
+        .map(|m| registry.describe(m))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models`: every model the router serves, loaded or not.
+async fn openai_models(State(registry): Shared) -> Response {
+    models(State(registry)).await
+}
+
+/// `GET /v1/models/{model}`.
+async fn openai_model(
+    State(registry): Shared,
+    name: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
+    let found = name
+        .map_err(|e| ApiError::invalid(format!("model name: {e}")))
+        .and_then(|Path(name)| registry.find(Some(&name)));
+    match found {
+        Ok(m) => Json(registry.describe(&m)).into_response(),
+        Err(e) => Dialect::OpenAi.respond(e),
+    }
+}
+
+/// `GET /api/tags`: every model.
+async fn tags(State(registry): Shared) -> Response {
+    let models: Vec<Value> = registry
+        .models()
+        .iter()
+        .map(|m| registry.ollama_entry(m, false))
+        .collect();
+    Json(json!({ "models": models })).into_response()
+}
+
+/// `GET /api/ps`: the loaded models, with their expiry.
+async fn ps(State(registry): Shared) -> Response {
+    let models: Vec<Value> = registry
+        .models()
+        .iter()
+        .filter(|m| matches!(m.status(), Status::Loaded { .. }))
+        .map(|m| registry.ollama_entry(m, true))
+        .collect();
+    Json(json!({ "models": models })).into_response()
+}
+
+/// The model a `/models/load|unload` body names.
+fn named_model(registry: &Registry, body: &Bytes) -> Result<Arc<super::registry::Model>, ApiError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
+    match v.get("model") {
+        Some(Value::String(name)) if !name.trim().is_empty() => registry.find(Some(name)),
+        _ => Err(ApiError::invalid(format!(
+            "give the model to act on as {{\"model\": NAME}}; the models are: {}",
+            registry.names()
+        ))),
+    }
+}
+
+/// `POST /models/load {"model"}`: loads the model (answers once it is loaded, or failed).
+async fn load(State(registry): Shared, body: Bytes) -> Response {
+    let model = match named_model(&registry, &body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    match registry.lease(&model).await {
+        Ok(lease) => {
+            lease.release_quietly();
+            Json(json!({"success": true})).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /models/unload {"model"}`: unloads the model now (requests running on it end with
+/// an error).
+async fn unload(State(registry): Shared, body: Bytes) -> Response {
+    match named_model(&registry, &body) {
+        Ok(model) => {
+            registry.unload(&model, "POST /models/unload");
+            Json(json!({"success": true})).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Ollama's `keep_alive`: a number of seconds or a Go duration (`"5m"`, `"1h30m"`, `"-1"`);
+/// negative: for ever (None); Err when it is neither.
+pub fn parse_keep_alive(value: &Value) -> Result<Option<Duration>, String> {
+    let seconds = match value {
+        Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
+        Value::String(s) => go_duration(s.trim())
+            .or_else(|| s.trim().parse::<f64>().ok())
+            .ok_or_else(|| format!("keep_alive {s:?}: not a duration (\"5m\", \"30s\", -1)"))?,
+        other => {
+            return Err(format!(
+                "keep_alive {other}: not a duration (\"5m\", \"30s\", -1)"
+            ))
+        }
+    };
+    if !seconds.is_finite() {
+        return Err("keep_alive: not a finite duration".into());
+    }
+    if seconds < 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(Duration::from_secs_f64(
+        seconds.min(100.0 * 365.0 * 86_400.0),
+    )))
+}
+
+/// Seconds of a Go duration string (`"1h30m"`, `"300ms"`, `"-5m"`), None when it is not one.
+fn go_duration(s: &str) -> Option<f64> {
+    let (sign, mut rest) = match s.strip_prefix('-') {
+        Some(r) => (-1.0, r),
+        None => (1.0, s.strip_prefix('+').unwrap_or(s)),
+    };
+    if rest == "0" {
+        return Some(0.0);
+    }
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total = 0.0;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter(|&i| i > 0)?;
+        let number: f64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        total += number * scale;
+        rest = &rest[unit_len..];
+    }
+    Some(sign * total)
+}
+
+/// Every other route: to the named model's engine, loaded first when it is not.
+async fn forward(State(registry): Shared, request: Request) -> Response {
+    let dialect = Dialect::of_path(request.uri().path());
+    let (parts, body) = request.into_parts();
+    // The policy layer has bounded the body already (`--max-body`).
+    let body = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(b) => b,
+        Err(e) => {
+            return dialect.respond(ApiError::RequestTimeout(format!("reading the body: {e}")))
+        }
+    };
+    let mut name: Option<String> = None;
+    let mut keep_alive = None;
+    if parts.method == Method::POST && !body.is_empty() {
+        let v: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return dialect.respond(ApiError::InvalidJson(e.to_string())),
+        };
+        // `/api/show` and Ollama's older clients say `name`.
+        name = v
+            .get("model")
+            .or_else(|| v.get("name"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        if let Some(k) = v.get("keep_alive").filter(|k| !k.is_null()) {
+            match parse_keep_alive(k) {
+                Ok(k) => keep_alive = Some(k),
+                Err(e) => return dialect.respond(ApiError::invalid(e)),
+            }
+        }
+    } else if let Ok(Query(q)) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri) {
+        name = q.get("model").cloned();
+    }
+    let model = match registry.find(name.as_deref()) {
+        Ok(m) => m,
+        Err(e) => return dialect.respond(e),
+    };
+    let mut lease = match registry.lease(&model).await {
+        Ok(l) => l,
+        Err(e) => return dialect.respond(e),
+    };
+    if let Some(k) = keep_alive {
+        lease.keep_alive(k);
+    }
+    proxy::forward(lease, &parts, body, registry.engine_key()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::parse_keep_alive;
+
+    #[test]
+    fn keep_alive_takes_seconds_and_go_durations() {
+        let d = |s: f64| Ok(Some(std::time::Duration::from_secs_f64(s)));
+        assert_eq!(parse_keep_alive(&json!(300)), d(300.0));
+        assert_eq!(parse_keep_alive(&json!("5m")), d(300.0));
+        assert_eq!(parse_keep_alive(&json!("1h30m")), d(5400.0));
+        assert_eq!(parse_keep_alive(&json!("1.5s")), d(1.5));
+        assert_eq!(parse_keep_alive(&json!("300ms")), d(0.3));
+        assert_eq!(parse_keep_alive(&json!("0")), d(0.0));
+        assert_eq!(parse_keep_alive(&json!(0)), d(0.0));
+        assert_eq!(parse_keep_alive(&json!("45")), d(45.0));
+        assert_eq!(parse_keep_alive(&json!(-1)), Ok(None));
+        assert_eq!(parse_keep_alive(&json!("-1m")), Ok(None));
+        for bad in [
+            json!("5 minutes"),
+            json!("m"),
+            json!(""),
+            json!("1x"),
+            json!(true),
+            json!([]),
+        ] {
+            assert!(parse_keep_alive(&bad).is_err(), "{bad}");
+        }
+    }
+}

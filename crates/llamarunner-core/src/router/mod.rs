@@ -1,0 +1,230 @@
+//! One endpoint, many models (`serve --models-dir DIR`, or several `MODEL`s): the front
+//! process routes each request by its `model` to that model's engine, a `llamarunner` server
+//! in its own process on a loopback port (a llama.cpp abort takes down that model only).
+//!
+//! - `registry.rs`: the models and their states; loading on demand (once), `--models-max`
+//!   (least recently used idle model out), keep-alive expiry, leases held by running requests;
+//! - `engine_process.rs`: starting and following one engine process;
+//! - `proxy.rs`: a request to the engine and its streamed answer back;
+//! - `front.rs`: the front's routes (listings, `/models/load|unload`, `/health`) and the
+//!   forwarding of everything else.
+//!
+//! The front enforces the request policy (API keys, hosts, origins, the body limit) once; the
+//! engines accept only the router's own key. With one model and none of these flags there is
+//! no router: `Runner` serves the model directly.
+
+pub mod engine_process;
+mod front;
+pub mod proxy;
+pub mod registry;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::sync::watch;
+
+use crate::config::{ConfigError, RunnerConfig};
+use crate::http::middleware::HttpPolicy;
+use crate::runner::{serve_http, ConnLimits, StartError};
+use registry::Registry;
+
+/// One model a router serves.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The name requests use (`model`).
+    pub name: String,
+    /// The GGUF file.
+    pub path: String,
+    /// The engine's configuration (a `RunnerConfig`; host, port, keys and alias are the
+    /// router's).
+    pub config: serde_json::Value,
+}
+
+/// What a router needs.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    /// The front's HTTP settings (host, port, keys, origins, limits); its model is unused.
+    pub front: RunnerConfig,
+    /// The models, in listing order.
+    pub models: Vec<ModelSpec>,
+    /// Most models loaded at once (`--models-max`).
+    pub models_max: usize,
+    /// Seconds a model stays loaded once idle (`--keep-alive`); negative: until the server
+    /// stops; 0: unloaded after each request.
+    pub keep_alive: f64,
+    /// How an engine process is started (the program and its arguments); its configuration
+    /// goes in the `LLAMARUNNER_ENGINE_CONFIG` environment variable.
+    pub engine_command: Vec<String>,
+}
+
+/// Longest wait for a model to load when `--timeout` is 0.
+const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl RouterConfig {
+    /// Parses a router configuration from JSON.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let de = &mut serde_json::Deserializer::from_str(json);
+        serde_path_to_error::deserialize(de).map_err(|e| format!("{}: {}", e.path(), e.inner()))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| ConfigError::Router(message);
+        if self.models.is_empty() {
+            return Err(invalid(
+                "no models to serve (the models directory holds no .gguf file)".into(),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for m in &self.models {
+            if m.name.trim().is_empty() || m.name.len() > 256 {
+                return Err(invalid(format!(
+                    "model name {:?}: 1 to 256 characters",
+                    m.name
+                )));
+            }
+            if !seen.insert(m.name.as_str()) {
+                return Err(invalid(format!(
+                    "two models are named '{}': give one an alias",
+                    m.name
+                )));
+            }
+            let config: RunnerConfig = serde_json::from_value(m.config.clone())
+                .map_err(|e| invalid(format!("model '{}': {e}", m.name)))?;
+            config.validate_http()?;
+        }
+        if self.models_max == 0 || self.models_max > 1024 {
+            return Err(invalid(format!(
+                "--models-max {}: must be 1 to 1024",
+                self.models_max
+            )));
+        }
+        if !self.keep_alive.is_finite() {
+            return Err(invalid("--keep-alive must be a number of seconds".into()));
+        }
+        if self.engine_command.is_empty() {
+            return Err(invalid("no engine command".into()));
+        }
+        self.front.validate_http()
+    }
+}
+
+/// A running router. Dropping it stops it and its engines.
+#[derive(Debug)]
+pub struct ModelRouter {
+    url: String,
+    registry: Arc<Registry>,
+    stop_http: Option<watch::Sender<bool>>,
+    http_thread: Option<JoinHandle<()>>,
+}
+
+impl ModelRouter {
+    /// Binds the port and serves; models load on their first request.
+    pub fn start(config: RouterConfig) -> Result<Self, StartError> {
+        config.validate()?;
+        let front = &config.front;
+        let addr = format!("{}:{}", front.host, front.port);
+        let listener = TcpListener::bind(&addr).map_err(|source| StartError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        let loopback = local.ip().is_loopback();
+        let policy = Arc::new(HttpPolicy::from_config(front, loopback)?);
+        if !loopback && !policy.requires_key() {
+            tracing::warn!(
+                "listening on {local}, which is not a loopback address, without an API key: \
+                 anyone who can reach this port can use the models (set --api-key)"
+            );
+        }
+        let url = crate::runner::base_url(local);
+        let keep_alive = (config.keep_alive >= 0.0)
+            .then(|| Duration::try_from_secs_f64(config.keep_alive).unwrap_or(Duration::MAX));
+        let load_timeout = if front.timeout > 0.0 {
+            Duration::try_from_secs_f64(front.timeout).unwrap_or(DEFAULT_LOAD_TIMEOUT)
+        } else {
+            DEFAULT_LOAD_TIMEOUT
+        };
+        let registry = Registry::new(
+            &config.models,
+            config.models_max,
+            keep_alive,
+            config.engine_command.clone(),
+            load_timeout,
+        );
+        let app = front::router(registry.clone(), policy);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("llamarunner-router")
+            .enable_all()
+            .build()?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let limits = ConnLimits::new(front);
+        let for_thread = registry.clone();
+        let http_thread = std::thread::Builder::new()
+            .name("llamarunner-router-main".into())
+            .spawn(move || {
+                runtime.block_on(async {
+                    let reaper = {
+                        let registry = for_thread.clone();
+                        tokio::spawn(async move {
+                            let mut tick = tokio::time::interval(Duration::from_millis(500));
+                            loop {
+                                tick.tick().await;
+                                registry.expire_idle();
+                            }
+                        })
+                    };
+                    let registry = for_thread.clone();
+                    serve_http(listener, app, limits, stop_rx, move || {
+                        registry.unload_all()
+                    })
+                    .await;
+                    reaper.abort();
+                    for_thread.unload_all();
+                    // Let the kills reach the processes.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                });
+                runtime.shutdown_timeout(Duration::from_secs(2));
+            })?;
+        tracing::info!(%url, models = config.models.len(), "listening (model router)");
+        Ok(Self {
+            url,
+            registry,
+            stop_http: Some(stop_tx),
+            http_thread: Some(http_thread),
+        })
+    }
+
+    /// Base URL, e.g. `http://127.0.0.1:8080`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The models and their states.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// Stops serving: the port closes, running requests get `shutdown_timeout` to finish, the
+    /// engines are stopped.
+    pub fn stop(&mut self) {
+        if let Some(tx) = self.stop_http.take() {
+            let _ = tx.send(true);
+        }
+        if let Some(t) = self.http_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ModelRouter {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,147 @@
+//! Passing a request to a model's engine process and its answer back, streamed as it comes.
+//! One HTTP/1 connection per request to a loopback port (a connect there costs tens of
+//! microseconds). An engine that dies mid-answer ends the stream with an error line in the
+//! dialect's shape, never a silent cut.
+
+use axum::body::{Body, Bytes};
+use axum::http::header::{self, HeaderName, HeaderValue};
+use axum::http::request::Parts;
+use axum::http::{Request, StatusCode};
+use axum::response::Response;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+
+use super::registry::Lease;
+use crate::http::error::{ApiError, Dialect};
+
+/// Headers that belong to one connection, not to the request (RFC 9110 §7.6.1), and the ones
+/// the router sets itself.
+const NOT_FORWARDED: [HeaderName; 8] = [
+    header::CONNECTION,
+    header::HOST,
+    header::TRANSFER_ENCODING,
+    header::TE,
+    header::UPGRADE,
+    header::CONTENT_LENGTH,
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
+];
+
+async fn send(port: u16, request: Request<Full<Bytes>>) -> Result<Response<Incoming>, String> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| format!("cannot reach the model's engine: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("cannot reach the model's engine: {e}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "engine connection ended with an error");
+        }
+    });
+    sender
+        .send_request(request)
+        .await
+        .map_err(|e| format!("the model's engine did not answer: {e}"))
+}
+
+/// The engine's `/health`: (ready, progress, error); None when it does not answer yet.
+pub async fn engine_health(port: u16, key: &str) -> Option<(bool, f32, Option<String>)> {
+    let request = Request::get("/health")
+        .header(header::HOST, format!("127.0.0.1:{port}"))
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let response = tokio::time::timeout(std::time::Duration::from_secs(2), send(port, request))
+        .await
+        .ok()?
+        .ok()?;
+    let ok = response.status() == StatusCode::OK;
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    let progress = v["progress"].as_f64().unwrap_or(0.0) as f32;
+    let error = v["error"].as_str().map(str::to_string);
+    Some((ok && v["status"] == "ready", progress, error))
+}
+
+/// Sends the request (`parts`, `body`) to the leased engine and streams its answer back; the
+/// lease is held until the answer's last byte.
+pub async fn forward(lease: Lease, parts: &Parts, body: Bytes, key: &str) -> Response {
+    let dialect = Dialect::of_path(parts.uri.path());
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let mut builder = Request::builder().method(parts.method.clone()).uri(&path);
+    for (name, value) in &parts.headers {
+        if !NOT_FORWARDED.contains(name) && name != "x-api-key" {
+            builder = builder.header(name, value);
+        }
+    }
+    let request = builder
+        .header(header::HOST, format!("127.0.0.1:{}", lease.port))
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .header(header::CONTENT_LENGTH, body.len())
+        .body(Full::new(body));
+    let request = match request {
+        Ok(r) => r,
+        Err(e) => return dialect.respond(ApiError::invalid(format!("cannot forward: {e}"))),
+    };
+    let response = match send(lease.port, request).await {
+        Ok(r) => r,
+        Err(e) => return dialect.respond(ApiError::Unavailable(e)),
+    };
+    let (mut head, incoming) = response.into_parts();
+    let event_stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    head.headers.remove(header::CONTENT_LENGTH);
+    head.headers.remove(header::TRANSFER_ENCODING);
+    head.headers.remove(header::CONNECTION);
+    let stream = futures_util::stream::unfold(Some((incoming, lease)), move |state| async move {
+        let (mut incoming, lease) = state?;
+        loop {
+            match incoming.frame().await {
+                None => return None,
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Some((
+                            Ok::<_, std::convert::Infallible>(data),
+                            Some((incoming, lease)),
+                        ));
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "a model's engine ended an answer early");
+                    let line = broken_stream_line(dialect, event_stream);
+                    return Some((Ok(line), None));
+                }
+            }
+        }
+    });
+    let mut out = Response::from_parts(head, Body::from_stream(stream));
+    out.headers_mut()
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-cache"));
+    out
+}
+
+/// The last line of an answer whose engine died: an error in the stream's own shape.
+fn broken_stream_line(dialect: Dialect, event_stream: bool) -> Bytes {
+    let message = "the model's engine stopped while answering; retry (the model is loaded again)";
+    let err = ApiError::Internal(message.into());
+    if event_stream {
+        let body = err.openai_body();
+        return Bytes::from(format!("data: {body}\n\n"));
+    }
+    let line = match dialect {
+        Dialect::Ollama => json!({"error": message}),
+        _ => json!({"done": true, "done_reason": "error", "error": err.body()["error"]}),
+    };
+    Bytes::from(format!("{line}\n"))
+}

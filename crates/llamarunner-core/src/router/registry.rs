@@ -1,0 +1,633 @@
+//! The models a router serves and the state of each: unloaded, loading, loaded (its engine
+//! process and port) or failed. Loading is on demand and happens once however many requests
+//! ask at the same moment; `--models-max` bounds the models loaded at once, the least recently
+//! used idle one giving way; a model's `keep_alive` unloads it when it has been idle that long.
+//! A request holds a `Lease` on its model while it runs, so that a busy model is never the one
+//! unloaded to make room.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::engine_process::{EngineProcess, Exit};
+use super::ModelSpec;
+use crate::http::error::ApiError;
+
+/// Where a model stands.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Status {
+    /// Not running (never loaded, unloaded, or expired).
+    Unloaded,
+    /// Its engine process is starting and loading the weights.
+    Loading {
+        /// When the load began.
+        since: Instant,
+        /// The load's progress, 0..1, as the engine's `/health` reports it.
+        progress: f32,
+    },
+    /// Serving on `port`.
+    Loaded {
+        /// The engine process's loopback port.
+        port: u16,
+    },
+    /// The last load failed, or the engine process died; the next request loads it again.
+    Failed {
+        /// What went wrong.
+        error: String,
+    },
+}
+
+impl Status {
+    /// llama-server's router names for the status (`GET /models`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::Unloaded => "unloaded",
+            Status::Loading { .. } => "loading",
+            Status::Loaded { .. } => "loaded",
+            Status::Failed { .. } => "failed",
+        }
+    }
+
+    fn occupies(&self) -> bool {
+        matches!(self, Status::Loading { .. } | Status::Loaded { .. })
+    }
+}
+
+/// What changes together under a model's lock.
+struct Inner {
+    status: Status,
+    process: Option<EngineProcess>,
+    /// Counts the processes started, so that news from an old one is not taken for the
+    /// current one's.
+    generation: u64,
+    /// Requests running on the model.
+    in_flight: usize,
+    /// When the last request ended (or the load began).
+    last_used: Instant,
+    /// How long the model stays loaded once idle; None = until the server stops.
+    keep_alive: Option<Duration>,
+}
+
+/// One model the router serves.
+pub struct Model {
+    /// The name requests use.
+    pub name: String,
+    spec: ModelSpec,
+    inner: Mutex<Inner>,
+    /// Bumped whenever the status changes: requests waiting for a load watch it.
+    changed: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("name", &self.name).finish()
+    }
+}
+
+impl Model {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The model's status now.
+    pub fn status(&self) -> Status {
+        self.lock().status.clone()
+    }
+
+    fn notify(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// The GGUF file's size and modification time (zero and the epoch when it cannot be read).
+    fn file_facts(&self) -> (u64, SystemTime) {
+        std::fs::metadata(&self.spec.path)
+            .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)))
+            .unwrap_or((0, SystemTime::UNIX_EPOCH))
+    }
+}
+
+/// A running request's hold on its model: while any is held the model is not unloaded to make
+/// room or for idleness. Dropping it (when the response's body ends) starts the idle clock.
+#[derive(Debug)]
+pub struct Lease {
+    model: Arc<Model>,
+    registry: Arc<Registry>,
+    /// The engine process's port.
+    pub port: u16,
+    keep_alive: Option<Option<Duration>>,
+    /// Ends without applying a keep-alive of 0 (`POST /models/load`'s lease).
+    quiet: bool,
+}
+
+impl Lease {
+    /// The request's `keep_alive`: how long its model stays loaded once idle (Some(None): for
+    /// ever), replacing the model's until another request sets it.
+    pub fn keep_alive(&mut self, keep_alive: Option<Duration>) {
+        self.keep_alive = Some(keep_alive);
+    }
+
+    /// Ends the lease without unloading for a keep-alive of 0 (a load that serves nothing).
+    pub fn release_quietly(mut self) {
+        self.quiet = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let unload_now = {
+            let mut inner = self.model.lock();
+            inner.in_flight = inner.in_flight.saturating_sub(1);
+            inner.last_used = Instant::now();
+            if let Some(k) = self.keep_alive {
+                inner.keep_alive = k;
+            }
+            !self.quiet && inner.in_flight == 0 && inner.keep_alive == Some(Duration::ZERO)
+        };
+        if unload_now {
+            self.registry.unload(&self.model, "keep_alive 0");
+        }
+    }
+}
+
+/// The router's models.
+pub struct Registry {
+    models: Vec<Arc<Model>>,
+    max: usize,
+    command: Vec<String>,
+    /// The key the engines require and the router sends: nothing else on the machine can use
+    /// an engine's port.
+    key: String,
+    /// How long a request waits for its model to load.
+    load_timeout: Duration,
+    /// One load decision (what to unload, what to start) at a time.
+    loading: tokio::sync::Mutex<()>,
+    started: AtomicU64,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("models", &self.models)
+            .field("max", &self.max)
+            .finish()
+    }
+}
+
+impl Registry {
+    /// The registry of `specs`, at most `max` loaded at once, each kept `keep_alive` once
+    /// idle (None: for ever); engines are started with `command`.
+    pub fn new(
+        specs: &[ModelSpec],
+        max: usize,
+        keep_alive: Option<Duration>,
+        command: Vec<String>,
+        load_timeout: Duration,
+    ) -> Arc<Self> {
+        let models = specs
+            .iter()
+            .map(|spec| {
+                Arc::new(Model {
+                    name: spec.name.clone(),
+                    spec: spec.clone(),
+                    inner: Mutex::new(Inner {
+                        status: Status::Unloaded,
+                        process: None,
+                        generation: 0,
+                        in_flight: 0,
+                        last_used: Instant::now(),
+                        keep_alive,
+                    }),
+                    changed: watch::channel(0).0,
+                })
+            })
+            .collect();
+        Arc::new(Self {
+            models,
+            max: max.max(1),
+            command,
+            key: uuid::Uuid::new_v4().simple().to_string(),
+            load_timeout,
+            loading: tokio::sync::Mutex::new(()),
+            started: AtomicU64::new(0),
+        })
+    }
+
+    /// Every model, in the order given.
+    pub fn models(&self) -> &[Arc<Model>] {
+        &self.models
+    }
+
+    /// The names, for error messages.
+    pub fn names(&self) -> String {
+        self.models
+            .iter()
+            .map(|m| m.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The key requests to the engines carry.
+    pub fn engine_key(&self) -> &str {
+        &self.key
+    }
+
+    /// The model a request names: its name, the name with Ollama's `:latest` tag, or its file
+    /// name. With no name, the only model when there is one.
+    pub fn find(&self, requested: Option<&str>) -> Result<Arc<Model>, ApiError> {
+        let requested = requested.map(str::trim).filter(|r| !r.is_empty());
+        let Some(requested) = requested else {
+            return match self.models.as_slice() {
+                [only] => Ok(only.clone()),
+                _ => Err(ApiError::invalid(format!(
+                    "this server serves several models: name one in `model` ({})",
+                    self.names()
+                ))),
+            };
+        };
+        self.models
+            .iter()
+            .find(|m| {
+                requested == m.name
+                    || requested.strip_suffix(":latest") == Some(m.name.as_str())
+                    || std::path::Path::new(&m.spec.path)
+                        .file_name()
+                        .is_some_and(|f| f.to_string_lossy() == requested)
+            })
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::ModelNotFound(format!(
+                    "model '{}' is not served here; the models are: {}",
+                    requested.chars().take(200).collect::<String>(),
+                    self.names()
+                ))
+            })
+    }
+
+    /// A lease on `model`, loading it first if it is not loaded (once, however many requests
+    /// ask), waiting at most the load timeout.
+    pub async fn lease(self: &Arc<Self>, model: &Arc<Model>) -> Result<Lease, ApiError> {
+        let deadline = Instant::now() + self.load_timeout;
+        let mut changes = model.changed.subscribe();
+        loop {
+            // What to do, decided under the lock (not held across an await).
+            let load_first = {
+                let mut inner = model.lock();
+                match &inner.status {
+                    Status::Loaded { port } => {
+                        let port = *port;
+                        inner.in_flight += 1;
+                        return Ok(Lease {
+                            model: model.clone(),
+                            registry: self.clone(),
+                            port,
+                            keep_alive: None,
+                            quiet: false,
+                        });
+                    }
+                    Status::Loading { .. } => false,
+                    Status::Unloaded | Status::Failed { .. } => true,
+                }
+            };
+            if load_first {
+                self.load(model).await?;
+                // A load that failed at once (no such file) answers this request.
+                if let Status::Failed { error } = model.status() {
+                    return Err(ApiError::LoadFailed(error));
+                }
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, changes.changed()).await {
+                Ok(Ok(())) => {
+                    if let Status::Failed { error } = model.status() {
+                        return Err(ApiError::LoadFailed(error));
+                    }
+                }
+                Ok(Err(_)) => return Err(ApiError::Unavailable("the server is stopping".into())),
+                Err(_) => {
+                    return Err(ApiError::Timeout(format!(
+                        "model '{}' did not load within {:.0} s",
+                        model.name,
+                        self.load_timeout.as_secs_f64()
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Starts `model`'s engine unless it is loading or loaded, unloading the least recently
+    /// used idle model first when `--models-max` are already loaded.
+    pub async fn load(self: &Arc<Self>, model: &Arc<Model>) -> Result<(), ApiError> {
+        let _one_at_a_time = self.loading.lock().await;
+        if model.lock().status.occupies() {
+            return Ok(());
+        }
+        let occupied = self
+            .models
+            .iter()
+            .filter(|m| m.lock().status.occupies())
+            .count();
+        if occupied >= self.max {
+            let idle = self
+                .models
+                .iter()
+                .filter(|m| !Arc::ptr_eq(m, model))
+                .filter_map(|m| {
+                    let inner = m.lock();
+                    (matches!(inner.status, Status::Loaded { .. }) && inner.in_flight == 0)
+                        .then(|| (inner.last_used, m.clone()))
+                })
+                .min_by_key(|(used, _)| *used);
+            match idle {
+                Some((_, lru)) => self.unload(&lru, "--models-max: making room"),
+                None => {
+                    return Err(ApiError::Overloaded(format!(
+                        "all {} model places (--models-max) are busy loading or serving; \
+                         retry when one is idle",
+                        self.max
+                    )))
+                }
+            }
+        }
+        let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
+        let config = self.engine_config(model);
+        let spawned = EngineProcess::spawn(&self.command, &config, &model.name);
+        let mut inner = model.lock();
+        inner.generation = generation;
+        inner.last_used = Instant::now();
+        match spawned {
+            Ok((process, events)) => {
+                tracing::info!(model = %model.name, port = process.port, "loading a model");
+                inner.status = Status::Loading {
+                    since: Instant::now(),
+                    progress: 0.0,
+                };
+                inner.process = Some(process);
+                drop(inner);
+                let registry = self.clone();
+                let model = model.clone();
+                tokio::spawn(async move { registry.follow(model, generation, events).await });
+            }
+            Err(e) => {
+                inner.status = Status::Failed { error: e };
+                drop(inner);
+            }
+        }
+        model.notify();
+        Ok(())
+    }
+
+    /// The engine's configuration: the model's, on loopback, with the router's key.
+    fn engine_config(&self, model: &Model) -> Value {
+        let mut config = model.spec.config.clone();
+        if let Some(c) = config.as_object_mut() {
+            c.insert("host".into(), json!("127.0.0.1"));
+            c.insert("api_key".into(), json!([self.key]));
+            c.remove("api_key_file");
+            c.insert("alias".into(), json!(model.name));
+        }
+        config
+    }
+
+    /// Follows one engine process: loaded when its `/health` says ready, failed when it exits
+    /// before being asked to.
+    async fn follow(
+        self: Arc<Self>,
+        model: Arc<Model>,
+        generation: u64,
+        mut events: tokio::sync::mpsc::Receiver<super::engine_process::Event>,
+    ) {
+        use super::engine_process::Event;
+        while let Some(event) = events.recv().await {
+            let ended = {
+                let mut inner = model.lock();
+                if inner.generation != generation {
+                    return;
+                }
+                match event {
+                    Event::Progress(p) => {
+                        if let Status::Loading { progress, .. } = &mut inner.status {
+                            *progress = p;
+                        }
+                        false
+                    }
+                    Event::Ready(port) => {
+                        tracing::info!(model = %model.name, port, "model loaded");
+                        inner.status = Status::Loaded { port };
+                        inner.last_used = Instant::now();
+                        false
+                    }
+                    Event::Exited(Exit { asked, error }) => {
+                        inner.process = None;
+                        if asked {
+                            inner.status = Status::Unloaded;
+                        } else {
+                            tracing::error!(model = %model.name, "{error}");
+                            inner.status = Status::Failed { error };
+                        }
+                        true
+                    }
+                }
+            };
+            model.notify();
+            if ended {
+                return;
+            }
+        }
+    }
+
+    /// Unloads `model` (its engine process is killed; requests still running on it end with
+    /// an error).
+    pub fn unload(&self, model: &Model, why: &str) {
+        let process = {
+            let mut inner = model.lock();
+            if !inner.status.occupies() {
+                return;
+            }
+            inner.status = Status::Unloaded;
+            inner.generation = inner.generation.wrapping_add(1 << 32);
+            inner.process.take()
+        };
+        tracing::info!(model = %model.name, "unloading a model ({why})");
+        if let Some(p) = process {
+            p.kill();
+        }
+        model.notify();
+    }
+
+    /// Unloads every model whose idle time passed its keep-alive.
+    pub fn expire_idle(&self) {
+        let now = Instant::now();
+        for m in &self.models {
+            let expired = {
+                let inner = m.lock();
+                matches!(inner.status, Status::Loaded { .. })
+                    && inner.in_flight == 0
+                    && inner
+                        .keep_alive
+                        .is_some_and(|k| now.saturating_duration_since(inner.last_used) >= k)
+            };
+            if expired {
+                self.unload(m, "idle past its keep_alive");
+            }
+        }
+    }
+
+    /// Unloads every model (the server is stopping).
+    pub fn unload_all(&self) {
+        for m in &self.models {
+            self.unload(m, "the server is stopping");
+        }
+    }
+
+    /// `GET /models` and `/health`'s view of one model (llama-server's router shape, with
+    /// our fields beside).
+    pub fn describe(&self, model: &Model) -> Value {
+        let inner = model.lock();
+        let (size, _) = model.file_facts();
+        let mut status = json!({"value": inner.status.as_str()});
+        match &inner.status {
+            Status::Loading { since, progress } => {
+                status["progress"] = json!(progress);
+                status["loading_s"] = json!(since.elapsed().as_secs_f64());
+            }
+            Status::Failed { error } => {
+                status["failed"] = json!(true);
+                status["error"] = json!(error);
+            }
+            _ => {}
+        }
+        if matches!(inner.status, Status::Loaded { .. }) {
+            status["requests"] = json!(inner.in_flight);
+            if let Some(k) = inner.keep_alive {
+                let left = k.saturating_sub(inner.last_used.elapsed());
+                status["expires_in_s"] = json!(if inner.in_flight > 0 {
+                    k.as_secs_f64()
+                } else {
+                    left.as_secs_f64()
+                });
+            }
+            if let Some(p) = &inner.process {
+                status["pid"] = json!(p.pid);
+                if let Some(rss) = p.rss_bytes() {
+                    status["memory_bytes"] = json!(rss);
+                }
+            }
+        }
+        json!({
+            "id": model.name,
+            "object": "model",
+            "owned_by": "llamarunner",
+            "path": model.spec.path,
+            "size": size,
+            "status": status,
+        })
+    }
+
+    /// Ollama's `/api/tags` entry of a model (`loaded`: `/api/ps`'s, with its expiry).
+    pub fn ollama_entry(&self, model: &Model, loaded: bool) -> Value {
+        let (size, modified) = model.file_facts();
+        let mut entry = json!({
+            "name": model.name,
+            "model": model.name,
+            "size": size,
+            "modified_at": crate::requests::common::rfc3339(modified),
+            "digest": format!("{:x}", sha2::Sha256::digest(model.spec.path.as_bytes())),
+            "details": {"format": "gguf"},
+        });
+        if loaded {
+            let inner = model.lock();
+            let expires = match inner.keep_alive {
+                Some(k) => SystemTime::now() + k.saturating_sub(inner.last_used.elapsed()),
+                None => SystemTime::now() + Duration::from_secs(100 * 365 * 86_400),
+            };
+            entry["expires_at"] = json!(crate::requests::common::rfc3339(expires));
+            entry["size_vram"] = json!(0);
+        }
+        entry
+    }
+}
+
+use sha2::Digest as _;
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::{Registry, Status};
+    use crate::http::error::ApiError;
+    use crate::router::ModelSpec;
+
+    fn registry(names: &[&str]) -> std::sync::Arc<Registry> {
+        let specs: Vec<ModelSpec> = names
+            .iter()
+            .map(|n| ModelSpec {
+                name: n.to_string(),
+                path: format!("/models/{n}.gguf"),
+                config: json!({}),
+            })
+            .collect();
+        Registry::new(&specs, 2, None, vec!["true".into()], Duration::from_secs(1))
+    }
+
+    #[test]
+    fn a_model_is_found_by_name_tag_or_file_name() {
+        let r = registry(&["alpha", "bravo"]);
+        for asked in ["alpha", "alpha:latest", "alpha.gguf", " alpha "] {
+            assert_eq!(
+                r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
+                Some("alpha")
+            );
+        }
+        for asked in ["ALPHA", "alpha:v2", "../alpha", "alpha\0", "gamma"] {
+            let e = r.find(Some(asked)).unwrap_err();
+            assert!(
+                matches!(e, ApiError::ModelNotFound(ref m) if m.contains("alpha, bravo")),
+                "{e}"
+            );
+        }
+        // Several models: a request must name one.
+        assert!(matches!(r.find(None), Err(ApiError::InvalidRequest(_))));
+        assert!(matches!(
+            r.find(Some("  ")),
+            Err(ApiError::InvalidRequest(_))
+        ));
+        // One model: a request need not.
+        assert_eq!(
+            registry(&["solo"])
+                .find(None)
+                .map(|m| m.name.clone())
+                .ok()
+                .as_deref(),
+            Some("solo")
+        );
+    }
+
+    #[test]
+    fn a_long_unknown_name_is_cut_in_the_message() {
+        let r = registry(&["alpha"]);
+        let Err(ApiError::ModelNotFound(m)) = r.find(Some(&"x".repeat(100_000))) else {
+            panic!("not a 404");
+        };
+        assert!(m.len() < 400, "{}", m.len());
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_exits_while_loading_fails_the_request_with_its_reason() {
+        // `true` exits at once: the load fails, the request is told, the model says failed.
+        let r = registry(&["alpha", "bravo"]);
+        let m = r.find(Some("alpha")).unwrap();
+        let e = r.lease(&m).await.unwrap_err();
+        assert!(
+            matches!(e, ApiError::LoadFailed(ref why) if why.contains("ended while loading")),
+            "{e}"
+        );
+        assert!(matches!(m.status(), Status::Failed { .. }));
+        assert_eq!(r.describe(&m)["status"]["value"], "failed");
+    }
+}
