@@ -624,7 +624,9 @@ class WatchedServer:
     """``python -m llamarunner serve`` on a free port, its output in a log file; a watchdog
     thread samples its RSS (peak kept) and kills it past ``rss_limit_mb``."""
 
-    def __init__(self, model: Path, log_dir: Path, *flags: str, rss_limit_mb: int = 1024) -> None:
+    def __init__(
+        self, model: Path | None, log_dir: Path, *flags: str, rss_limit_mb: int = 1024
+    ) -> None:
         self.log_path = log_dir / f"server-{next(_server_ids)}.log"
         self.rss_limit_mb = rss_limit_mb
         self.peak_rss_kb = 0
@@ -642,7 +644,7 @@ class WatchedServer:
                 "-m",
                 "llamarunner",
                 "serve",
-                str(model),
+                *([str(model)] if model is not None else []),
                 "--port",
                 "0",
                 "--threads",

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from llamarunner import Server, ServerConfig
-from llamarunner.cli import build_parser
+from llamarunner.cli import build_parser, serve_settings
 
 from helpers import ServeProcess, ndjson, wait_idle, wait_until
 
@@ -456,7 +456,7 @@ def test_no_metrics_answers_404(tiny_model: Path, start_server: Callable[..., Se
 
 def test_flags_and_environment_reach_the_config() -> None:
     args = build_parser().parse_args(["serve", "m.gguf", "--no-metrics", "--log-format", "json"])
-    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    overrides = serve_settings(args)[2]
     cfg = ServerConfig.resolve(overrides, env={})
     assert (cfg.no_metrics, cfg.log_format) == (True, "json")
     cfg = ServerConfig.resolve({}, env={})

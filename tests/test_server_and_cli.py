@@ -439,9 +439,9 @@ def test_cli_without_model_or_default_model_explains(
 def test_prefix_sharing_is_on_by_default_and_the_cli_turns_it_off(
     tiny_model: Path, flags: tuple[str, ...], shared: bool
 ) -> None:
-    from llamarunner.cli import build_parser
+    from llamarunner.cli import build_parser, serve_settings
     from llamarunner.config import ServerConfig
 
     args = build_parser().parse_args(["serve", str(tiny_model), *flags])
-    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    overrides = serve_settings(args)[2]
     assert ServerConfig.resolve(overrides).multiuser_cache is shared

@@ -50,8 +50,8 @@ class StreamRequest:
 
 
 # Keyword arguments of `complete` and `chat` that are top-level fields of the native request,
-# not sampling options.
-_TOP_LEVEL = ("truncate", "shift")
+# not sampling options (`model`: which model, on a server of many).
+_TOP_LEVEL = ("truncate", "shift", "model")
 
 
 def generate(
@@ -75,9 +75,26 @@ def generate(
     return StreamRequest("POST", "/completion", body)
 
 
-def embed(text: str, truncate: bool) -> Request[list[float]]:
-    body = {"content": text, "truncate": truncate}
+def embed(text: str, truncate: bool, model: str | None = None) -> Request[list[float]]:
+    body: dict[str, Any] = {"content": text, "truncate": truncate}
+    if model is not None:
+        body["model"] = model
     return Request("POST", "/embedding", body, _embedding)
+
+
+def models() -> Request[list[dict[str, Any]]]:
+    """The models served (`/v1/models`; on a server of many, each with its ``status``)."""
+    return Request("GET", "/v1/models", None, lambda data: list(data["data"]))
+
+
+def load(model: str) -> Request[None]:
+    """Loads ``model`` on a server of many (`POST /models/load`), answered once loaded."""
+    return Request("POST", "/models/load", {"model": model}, lambda data: None)
+
+
+def unload(model: str) -> Request[None]:
+    """Unloads ``model`` on a server of many (`POST /models/unload`)."""
+    return Request("POST", "/models/unload", {"model": model}, lambda data: None)
 
 
 def tokenize(

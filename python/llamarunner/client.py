@@ -272,9 +272,21 @@ class Client:
         model's chat template; otherwise as `complete`."""
         return self._generate(_requests.generate(messages, grammar, format, options), stream)
 
-    def embed(self, text: str, *, truncate: bool = False) -> list[float]:
+    def embed(self, text: str, *, truncate: bool = False, model: str | None = None) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
-        return self._call(_requests.embed(text, truncate))
+        return self._call(_requests.embed(text, truncate, model))
+
+    def models(self) -> list[dict[str, Any]]:
+        """The models the server serves (``id``; on a server of many, ``status`` too)."""
+        return self._call(_requests.models())
+
+    def load(self, model: str) -> None:
+        """Loads ``model`` on a server of many models; returns once it is loaded."""
+        self._call(_requests.load(model))
+
+    def unload(self, model: str) -> None:
+        """Unloads ``model`` on a server of many models."""
+        self._call(_requests.unload(model))
 
     @overload
     def tokenize(
@@ -501,9 +513,23 @@ class AsyncClient:
         request = _requests.generate(messages, grammar, format, options)
         return await self._generate(request, stream)
 
-    async def embed(self, text: str, *, truncate: bool = False) -> list[float]:
+    async def embed(
+        self, text: str, *, truncate: bool = False, model: str | None = None
+    ) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
-        return await self._call(_requests.embed(text, truncate))
+        return await self._call(_requests.embed(text, truncate, model))
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The models the server serves; see `Client.models`."""
+        return await self._call(_requests.models())
+
+    async def load(self, model: str) -> None:
+        """Loads ``model`` on a server of many models; see `Client.load`."""
+        await self._call(_requests.load(model))
+
+    async def unload(self, model: str) -> None:
+        """Unloads ``model`` on a server of many models."""
+        await self._call(_requests.unload(model))
 
     @overload
     async def tokenize(

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from . import _core
 from .client import Client
 from .config import ServerConfig
+from .router import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, discover, from_files, router_config_json
 
 ModelLoadError = _core.ModelLoadError
 
@@ -49,8 +52,21 @@ class Server:
     """
 
     def __init__(
-        self, model: str | None = None, *, config: ServerConfig | None = None, **settings: Any
+        self,
+        model: str | None = None,
+        *,
+        config: ServerConfig | None = None,
+        models_dir: str | Path | None = None,
+        models: Sequence[str | Path] | None = None,
+        models_max: int = DEFAULT_MODELS_MAX,
+        keep_alive: str | float = DEFAULT_KEEP_ALIVE,
+        **settings: Any,
     ) -> None:
+        """One model (``model``, default the default model), or many behind one endpoint:
+        ``models_dir`` (every model in it by its name) and/or ``models`` (files, by file name),
+        each loaded on its first request in a process of its own, at most ``models_max`` at
+        once, unloaded after ``keep_alive`` idle (seconds or "5m"; negative: never). The other
+        settings apply to every model."""
         overrides = dict(settings)
         if model is not None:
             overrides["model"] = str(model)
@@ -58,13 +74,27 @@ class Server:
             config = ServerConfig.resolve(overrides)
         else:
             config = dataclasses.replace(config, **overrides)
-        self.config = config.with_model_resolved()
+        self._router_json: str | None = None
+        if models_dir is not None or models:
+            files = from_files([str(m) for m in models or []])
+            if models_dir is not None:
+                files += discover(models_dir)
+            self._router_json = router_config_json(
+                config, files, models_max=models_max, keep_alive=keep_alive
+            )
+            self.config = config
+        else:
+            self.config = config.with_model_resolved()
         self._native: _core.NativeServer | None = None
 
     def start(self) -> Server:
-        """Binds the port and starts loading the model; returns at once."""
+        """Binds the port and starts loading the model (with many models: serves at once,
+        each model loading on its first request); returns at once."""
         if self._native is None:
-            self._native = _core.start(self.config.to_json())
+            if self._router_json is not None:
+                self._native = _core.start_router(self._router_json)
+            else:
+                self._native = _core.start(self.config.to_json())
         return self
 
     @property

@@ -1,0 +1,362 @@
+"""Many models behind one endpoint (`serve --models-dir DIR`, several MODELs): routing by the
+request's `model` in every dialect, listings, load on demand (once), `--models-max`,
+`keep_alive`, load/unload routes, a model that fails to load, an engine killed mid-stream,
+and hostile names and bodies, against `llamarunner serve` in a subprocess with tiny models
+that each write their own word."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import WatchedServer, parse_ndjson
+from tinymodel import write_cycle_model
+
+pytestmark = pytest.mark.timeout(600)
+
+WORDS = {"alpha": "alph ", "bravo": "brvo "}
+TIMEOUT = 60.0
+
+
+def make_models_dir(root: Path) -> Path:
+    d = root / "models"
+    d.mkdir()
+    for name, text in WORDS.items():
+        write_cycle_model(d / f"{name}.gguf", text)
+    return d
+
+
+def start(models_dir: Path, log_dir: Path, *flags: str) -> WatchedServer:
+    return WatchedServer(
+        None, log_dir, "--models-dir", str(models_dir), "--ctx-size", "256", *flags
+    )
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_models_dir(tmp_path_factory.mktemp("router"))
+
+
+@pytest.fixture(scope="module")
+def router(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WatchedServer]:
+    srv = start(models_dir, tmp_path_factory.mktemp("router-log"), "--keep-alive", "-1")
+    yield srv
+    srv.stop()
+
+
+def completion(url: str, model: str, n: int = 10, **extra: Any) -> httpx.Response:
+    body = {"model": model, "prompt": "x", "max_tokens": n, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+
+
+def statuses(url: str) -> dict[str, dict[str, Any]]:
+    r = httpx.get(f"{url}/models", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return {m["id"]: m["status"] for m in r.json()["data"]}
+
+
+def wait_status(url: str, model: str, value: str, within: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while True:
+        s = statuses(url)[model]
+        if s["value"] == value or time.monotonic() > deadline:
+            assert s["value"] == value, s
+            return s
+        time.sleep(0.05)
+
+
+def test_each_dialect_reaches_the_model_it_names(router: WatchedServer) -> None:
+    url = router.url
+    for name, text in WORDS.items():
+        r = completion(url, name)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == (text * 3)[:10]
+        assert r.json()["model"] == name
+        g = httpx.post(
+            f"{url}/api/generate",
+            json={"model": name, "prompt": "x", "stream": False, "options": {"num_predict": 5}},
+            timeout=TIMEOUT,
+        )
+        assert g.status_code == 200, g.text
+        assert g.json()["response"] == text[:5]
+        n = httpx.post(
+            f"{url}/completion",
+            json={"model": name, "prompt": "x", "options": {"num_predict": 5, "temperature": 0}},
+            timeout=TIMEOUT,
+        )
+        assert "".join(c.get("content", "") for c in parse_ndjson(n.text)) == text[:5]
+        # Ollama's clients add ":latest"; a GET takes the model as ?model=.
+        assert completion(url, f"{name}:latest").status_code == 200
+        props = httpx.get(f"{url}/props", params={"model": name}, timeout=TIMEOUT)
+        assert props.status_code == 200 and props.json()["model_alias"] == name
+
+
+def test_listings_name_every_model_and_say_which_are_loaded(router: WatchedServer) -> None:
+    url = router.url
+    assert completion(url, "alpha").status_code == 200
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert ids == ["alpha", "bravo"]
+    assert [m["name"] for m in httpx.get(f"{url}/api/tags").json()["models"]] == ids
+    assert "alpha" in [m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
+    alpha = statuses(url)["alpha"]
+    assert alpha["value"] == "loaded" and alpha["memory_bytes"] > 0 and alpha["pid"] > 0
+    one = httpx.get(f"{url}/v1/models/alpha")
+    assert one.status_code == 200 and one.json()["id"] == "alpha"
+    h = httpx.get(f"{url}/health")
+    assert h.status_code == 200 and h.json()["status"] == "ready"
+
+
+def test_unknown_and_missing_models_get_errors_in_the_dialects_shape(
+    router: WatchedServer,
+) -> None:
+    url = router.url
+    r = completion(url, "nope")
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["type"] and "alpha" in err["message"] and "bravo" in err["message"]
+    o = httpx.post(f"{url}/api/generate", json={"model": "nope", "prompt": "x"})
+    assert o.status_code == 404 and isinstance(o.json()["error"], str), o.text
+    assert httpx.get(f"{url}/v1/models/nope").status_code == 404
+    # With several models, one must be named.
+    m = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+    assert m.status_code == 400 and "alpha" in m.text, m.text
+    bad = httpx.post(f"{url}/v1/completions", content=b"{not json")
+    assert bad.status_code == 400, bad.text
+
+
+def test_load_and_unload_routes(router: WatchedServer) -> None:
+    url = router.url
+    r = httpx.post(f"{url}/models/load", json={"model": "bravo"}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+    assert statuses(url)["bravo"]["value"] == "loaded"
+    r = httpx.post(f"{url}/models/unload", json={"model": "bravo"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert statuses(url)["bravo"]["value"] == "unloaded"
+    assert completion(url, "bravo").status_code == 200  # loaded again on demand
+    for body in ({}, {"model": 3}, {"model": ""}, [1]):
+        assert httpx.post(f"{url}/models/load", json=body).status_code == 400, body
+    assert httpx.post(f"{url}/models/load", json={"model": "nope"}).status_code == 404
+    assert httpx.post(f"{url}/models/load", content=b"\xff").status_code == 400
+
+
+def test_concurrent_first_requests_load_the_model_once(models_dir: Path, tmp_path: Path) -> None:
+    srv = start(models_dir, tmp_path)
+    try:
+        results: list[int] = []
+
+        def one() -> None:
+            results.append(completion(srv.url, "alpha").status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [200] * 6
+        assert srv.log().count("loading a model") == 1, srv.log()
+    finally:
+        srv.stop()
+
+
+def test_models_max_unloads_the_idle_model_never_the_busy_one(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    srv = start(models_dir, tmp_path, "--models-max", "1")
+    url = srv.url
+    try:
+        assert completion(url, "alpha").status_code == 200
+        assert completion(url, "bravo").status_code == 200
+        s = statuses(url)
+        assert s["alpha"]["value"] == "unloaded" and s["bravo"]["value"] == "loaded", s
+        # bravo busy streaming (until the client leaves): alpha cannot take its place.
+        body = {"model": "bravo", "prompt": "x", "max_tokens": 100000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            busy = completion(url, "alpha")
+            assert busy.status_code == 429, busy.text
+            assert "models-max" in busy.json()["error"]["message"]
+        # The client left: bravo is idle once the router sees it, and gives way.
+        deadline = time.monotonic() + 10
+        while (r := completion(url, "alpha")).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+
+
+def test_keep_alive_zero_and_idle_expiry_unload(models_dir: Path, tmp_path: Path) -> None:
+    srv = start(models_dir, tmp_path, "--keep-alive", "1s")
+    url = srv.url
+    try:
+        g = httpx.post(
+            f"{url}/api/generate",
+            json={"model": "alpha", "prompt": "x", "stream": False, "keep_alive": 0},
+            timeout=TIMEOUT,
+        )
+        assert g.status_code == 200, g.text
+        wait_status(url, "alpha", "unloaded", within=3)
+        assert completion(url, "bravo").status_code == 200
+        assert statuses(url)["bravo"]["value"] == "loaded"
+        wait_status(url, "bravo", "unloaded", within=5)  # idle past --keep-alive 1s
+        # A request's keep_alive -1 keeps it past the server's default.
+        g = httpx.post(
+            f"{url}/api/generate",
+            json={"model": "bravo", "prompt": "x", "stream": False, "keep_alive": "-1"},
+            timeout=TIMEOUT,
+        )
+        assert g.status_code == 200, g.text
+        time.sleep(2)
+        assert statuses(url)["bravo"]["value"] == "loaded"
+        bad = httpx.post(
+            f"{url}/api/generate", json={"model": "bravo", "prompt": "x", "keep_alive": "soon"}
+        )
+        assert bad.status_code == 400 and "keep_alive" in bad.json()["error"], bad.text
+    finally:
+        srv.stop()
+
+
+def test_a_model_that_fails_to_load_leaves_the_others_serving(
+    tmp_path: Path,
+) -> None:
+    d = make_models_dir(tmp_path)
+    (d / "broken.gguf").write_bytes(b"GGUF" + os.urandom(4000))
+    srv = start(d, tmp_path)
+    url = srv.url
+    try:
+        r = completion(url, "broken")
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["message"], r.text
+        s = statuses(url)["broken"]
+        assert s["value"] == "failed" and s["error"], s
+        h = httpx.get(f"{url}/health").json()
+        assert h["status"] == "ready"
+        assert next(m for m in h["models"] if m["id"] == "broken")["status"] == "failed"
+        assert completion(url, "alpha").status_code == 200
+        assert srv.alive()
+    finally:
+        srv.stop()
+
+
+def test_an_engine_killed_mid_stream_fails_its_stream_only_and_restarts(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    srv = start(models_dir, tmp_path)
+    url = srv.url
+    try:
+        assert completion(url, "alpha").status_code == 200
+        assert completion(url, "bravo").status_code == 200
+        pid = statuses(url)["alpha"]["pid"]
+        other: dict[str, Any] = {}
+
+        def bravo_stream() -> None:
+            body = {"model": "bravo", "prompt": "x", "max_tokens": 300, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                other["lines"] = [ln for ln in r.iter_lines() if ln]
+
+        body = {"model": "alpha", "prompt": "x", "max_tokens": 100000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            t = threading.Thread(target=bravo_stream)
+            t.start()
+            os.kill(pid, signal.SIGKILL)
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        t.join()
+        last = json.loads(rest[-1][len("data: ") :])
+        assert "error" in last, rest[-3:]
+        assert other["lines"][-1] == "data: [DONE]", other["lines"][-3:]
+        wait_status(url, "alpha", "failed")
+        assert completion(url, "alpha").status_code == 200  # started again
+        assert statuses(url)["alpha"]["pid"] != pid
+    finally:
+        srv.stop()
+
+
+def test_the_router_stops_its_engines(models_dir: Path, tmp_path: Path) -> None:
+    srv = start(models_dir, tmp_path)
+    assert completion(srv.url, "alpha").status_code == 200
+    pid = statuses(srv.url)["alpha"]["pid"]
+    assert srv.stop() == 0
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+NAMES = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["../alpha", "alpha\u0000", "ALPHA", "alpha:", ":latest", "a" * 5000]),
+    st.integers(),
+    st.none(),
+    st.lists(st.text(max_size=3), max_size=2),
+)
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(name=NAMES, route=st.sampled_from(["/v1/completions", "/api/generate", "/models/load"]))
+def test_hostile_model_names_get_client_errors(
+    router: WatchedServer, name: Any, route: str
+) -> None:
+    r = httpx.post(
+        f"{router.url}{route}",
+        json={"model": name, "prompt": "x", "stream": False},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code in (400, 404), (name, r.status_code, r.text)
+    assert router.alive()
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--models-dir", "/nonexistent/models"], "not a directory"),
+        (["--models-dir", "EMPTY"], "no models"),
+        (["--models-dir", "MODELS", "--alias", "x"], "--alias"),
+        (["--models-dir", "MODELS", "--keep-alive", "soon"], "--keep-alive"),
+        (["--models-dir", "MODELS", "--models-max", "0"], "--models-max"),
+        (["MODELS/alpha.gguf", "--models-max", "2"], "--models-max"),
+    ],
+)
+def test_bad_router_settings_are_usage_errors(
+    models_dir: Path, tmp_path: Path, flags: list[str], fragment: str
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [a.replace("EMPTY", str(empty)).replace("MODELS", str(models_dir)) for a in flags]
+    r = subprocess.run(
+        [sys.executable, "-m", "llamarunner", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert fragment in r.stderr, r.stderr
+
+
+def test_in_process_server_with_a_models_dir(models_dir: Path) -> None:
+    from llamarunner import Server
+
+    with Server(models_dir=models_dir, models_max=1, port=0, ctx_size=256) as srv:
+        client = srv.client()
+        assert [m["id"] for m in client.models()] == ["alpha", "bravo"]
+        client.load("bravo")
+        assert statuses(srv.url)["bravo"]["value"] == "loaded"
+        answer = client.complete("x", model="alpha", num_predict=5, temperature=0)
+        assert answer.text == WORDS["alpha"]
+        assert statuses(srv.url)["bravo"]["value"] == "unloaded"  # --models-max 1
+        client.unload("alpha")
+        assert statuses(srv.url)["alpha"]["value"] == "unloaded"
