@@ -329,25 +329,7 @@ def _cluster_parser(sub: Any) -> None:
         ),
         argument_default=None,
     )
-    add_server_arguments(p, several_models=True)
-    g = p.add_argument_group("many models (a router in front of one engine process per model)")
-    g.add_argument(
-        "--models-dir",
-        help="serve every model in DIR by its name: NAME.gguf files, and NAME/ folders holding "
-        "a model file and its mmproj*.gguf projector",
-    )
-    g.add_argument(
-        "--models-max",
-        type=int,
-        help=f"most models loaded at once; the least recently used idle one is unloaded to "
-        f"make room (default {DEFAULT_MODELS_MAX})",
-    )
-    g.add_argument(
-        "--keep-alive",
-        help=f"how long a model stays loaded once idle: seconds or 5m, 1h ...; negative = "
-        f"until the server stops; a request's keep_alive (Ollama's) replaces it "
-        f"(default {DEFAULT_KEEP_ALIVE})",
-    )
+    add_server_arguments(p)
     ray_group = p.add_argument_group("cluster")
     ray_group.add_argument(
         "--replicas", type=int, default=1, help="replicas (at start, when autoscaling; default 1)"
