@@ -297,6 +297,83 @@ def test_the_router_stops_its_engines(models_dir: Path, tmp_path: Path) -> None:
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_a_presets_file_gives_models_their_own_settings_and_adds_models(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    extra = tmp_path / "elsewhere.gguf"
+    write_cycle_model(extra, "chrl ")
+    preset = tmp_path / "models.toml"
+    preset.write_text(
+        f"""
+[bravo]
+ctx-size = 512
+parallel = 2
+alias = "b2"
+
+[charlie]
+model = "{extra}"
+ctx_size = 1024
+"""
+    )
+    srv = start(models_dir, tmp_path, "--models-preset", str(preset))
+    url = srv.url
+    try:
+        assert list(statuses(url)) == ["alpha", "b2", "charlie"]
+        props = {
+            name: httpx.get(f"{url}/props", params={"model": name}, timeout=TIMEOUT).json()
+            for name in ("alpha", "b2", "charlie")
+        }
+        assert [(p["n_ctx"], p["total_slots"]) for p in props.values()] == [
+            (256, 1),  # the flags' --ctx-size 256
+            (512, 2),  # --ctx-size is each slot's
+            (1024, 1),
+        ]
+        assert props["b2"]["model_alias"] == "b2"
+        assert completion(url, "charlie", n=5).json()["choices"][0]["text"] == "chrl "
+        assert completion(url, "bravo").status_code == 404  # served as b2 only
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[alpha]\nctx-sise = 5\n", "ctx-sise: no such setting"),
+        ("[alpha]\nport = 9000\n", "port is the front's"),
+        ('[alpha]\nctx-size = "big"\n', "expected a int"),
+        ("[alpha]\nflash-attn = 1\n", "expected a str"),
+        ("[alpha\n", "not TOML"),
+        ("[ghost]\nctx-size = 64\n", "[ghost] is no model"),
+        ("ctx-size = 64\n", "outside a [model] table"),
+        ('[alpha]\nalias = "bravo"\n', "two models are served as 'bravo'"),
+    ],
+)
+def test_bad_presets_are_usage_errors(
+    models_dir: Path, tmp_path: Path, text: str, fragment: str
+) -> None:
+    preset = tmp_path / "bad.toml"
+    preset.write_text(text)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llamarunner",
+            "serve",
+            "--port",
+            "0",
+            "--models-dir",
+            str(models_dir),
+            "--models-preset",
+            str(preset),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert fragment in r.stderr, r.stderr
+
+
 NAMES = st.one_of(
     st.text(max_size=40),
     st.sampled_from(["../alpha", "alpha\u0000", "ALPHA", "alpha:", ":latest", "a" * 5000]),

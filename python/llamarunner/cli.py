@@ -16,9 +16,8 @@ from .config import DEFAULT_HOST, DEFAULT_MAX_BODY, DEFAULT_PORT, NoModelError, 
 from .router import (
     DEFAULT_KEEP_ALIVE,
     DEFAULT_MODELS_MAX,
-    discover,
-    from_files,
     router_config_json,
+    served_models,
 )
 from .server import ModelLoadError, Server
 
@@ -49,6 +48,13 @@ def _serve_parser(sub: Any) -> None:
         "--models-dir",
         help="serve every model in DIR by its name: NAME.gguf files, and NAME/ folders holding "
         "a model file and its mmproj*.gguf projector",
+    )
+    g.add_argument(
+        "--models-preset",
+        metavar="FILE",
+        help="per-model settings (TOML): a [NAME] table per model with serve's flags as keys "
+        "(ctx-size = 8192, parallel = 2, mmproj, lora, draft-model, chat-template, alias = "
+        "the name it is served by, model = PATH for a model not in --models-dir)",
     )
     g.add_argument(
         "--models-max",
@@ -435,7 +441,7 @@ def model_name(config: ServerConfig) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
-ROUTER_FLAGS = ("models_dir", "models_max", "keep_alive")
+ROUTER_FLAGS = ("models_dir", "models_preset", "models_max", "keep_alive")
 
 
 def serve_settings(
@@ -452,11 +458,14 @@ def serve_settings(
 
 def serve(args: argparse.Namespace) -> int:
     models, router, overrides = serve_settings(args)
-    if router["models_dir"] is not None or len(models) > 1:
+    if router["models_dir"] is not None or router["models_preset"] is not None or len(models) > 1:
         del overrides["model"]
         return serve_models(models, router, overrides)
     if router["models_max"] is not None or router["keep_alive"] is not None:
-        _fail("--models-max and --keep-alive are for many models (--models-dir, several MODELs)")
+        _fail(
+            "--models-max and --keep-alive are for many models (--models-dir, "
+            "--models-preset, several MODELs)"
+        )
     try:
         config = ServerConfig.resolve(overrides)
         server = Server(config=config)
@@ -512,9 +521,7 @@ def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str,
     try:
         if overrides.get("alias"):
             raise ValueError("--alias names one model; with many, each is served by its name")
-        files = from_files(models)
-        if router["models_dir"] is not None:
-            files += discover(router["models_dir"])
+        files = served_models(models, router["models_dir"], router["models_preset"])
         config = ServerConfig.resolve(overrides)
         native = _core.start_router(
             router_config_json(

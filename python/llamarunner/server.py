@@ -17,7 +17,7 @@ from typing import Any
 from . import _core
 from .client import Client
 from .config import ServerConfig
-from .router import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, discover, from_files, router_config_json
+from .router import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, router_config_json, served_models
 
 ModelLoadError = _core.ModelLoadError
 
@@ -58,15 +58,17 @@ class Server:
         config: ServerConfig | None = None,
         models_dir: str | Path | None = None,
         models: Sequence[str | Path] | None = None,
+        models_preset: str | Path | None = None,
         models_max: int = DEFAULT_MODELS_MAX,
         keep_alive: str | float = DEFAULT_KEEP_ALIVE,
         **settings: Any,
     ) -> None:
         """One model (``model``, default the default model), or many behind one endpoint:
         ``models_dir`` (every model in it by its name) and/or ``models`` (files, by file name),
-        each loaded on its first request in a process of its own, at most ``models_max`` at
-        once, unloaded after ``keep_alive`` idle (seconds or "5m"; negative: never). The other
-        settings apply to every model."""
+        with ``models_preset`` (a TOML file: per-model settings, more models; see
+        `llamarunner.router`), each loaded on its first request in a process of its own, at
+        most ``models_max`` at once, unloaded after ``keep_alive`` idle (seconds or "5m";
+        negative: never). The other settings apply to every model."""
         overrides = dict(settings)
         if model is not None:
             overrides["model"] = str(model)
@@ -75,10 +77,8 @@ class Server:
         else:
             config = dataclasses.replace(config, **overrides)
         self._router_json: str | None = None
-        if models_dir is not None or models:
-            files = from_files([str(m) for m in models or []])
-            if models_dir is not None:
-                files += discover(models_dir)
+        if models_dir is not None or models or models_preset is not None:
+            files = served_models([str(m) for m in models or []], models_dir, models_preset)
             self._router_json = router_config_json(
                 config, files, models_max=models_max, keep_alive=keep_alive
             )
