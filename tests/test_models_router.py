@@ -198,6 +198,42 @@ def test_models_max_unloads_the_idle_model_never_the_busy_one(
         srv.stop()
 
 
+def test_models_memory_refuses_a_model_that_cannot_fit_and_makes_room_for_one_that_can(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    # A tiny model's estimate: ~2.6 MiB of model, KV and buffers and 64 MiB of engine process.
+    for log_dir in ("small", "room"):
+        (tmp_path / log_dir).mkdir()
+    small = start(models_dir, tmp_path / "small", "--models-memory", "10", "--cache-ram", "0")
+    try:
+        r = completion(small.url, "alpha")
+        assert r.status_code == 507, r.text
+        err = r.json()["error"]
+        assert err["code"] == "insufficient_memory" and "--models-memory 10 MiB" in err["message"]
+        assert statuses(small.url)["alpha"]["value"] == "unloaded"
+        assert small.alive()
+    finally:
+        small.stop()
+    srv = start(models_dir, tmp_path / "room", "--models-memory", "100", "--cache-ram", "0")
+    url = srv.url
+    try:
+        assert completion(url, "alpha").status_code == 200
+        estimate = statuses(url)["alpha"]["memory_estimate_bytes"]
+        assert 64 << 20 < estimate < 100 << 20, estimate
+        assert completion(url, "bravo").status_code == 200  # alpha, idle, gave way
+        s = statuses(url)
+        assert s["alpha"]["value"] == "unloaded" and s["bravo"]["value"] == "loaded", s
+        body = {"model": "bravo", "prompt": "x", "max_tokens": 100000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            busy = completion(url, "alpha")
+            assert busy.status_code == 503, busy.text
+            assert "--models-memory" in busy.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
 def test_keep_alive_zero_and_idle_expiry_unload(models_dir: Path, tmp_path: Path) -> None:
     srv = start(models_dir, tmp_path, "--keep-alive", "1s")
     url = srv.url
@@ -406,6 +442,8 @@ def test_hostile_model_names_get_client_errors(
         (["--models-dir", "MODELS", "--keep-alive", "soon"], "--keep-alive"),
         (["--models-dir", "MODELS", "--models-max", "0"], "--models-max"),
         (["MODELS/alpha.gguf", "--models-max", "2"], "--models-max"),
+        (["MODELS/alpha.gguf", "--models-memory", "2"], "--models-memory"),
+        (["--models-dir", "MODELS", "--models-memory", "-2"], "--models-memory -2"),
     ],
 )
 def test_bad_router_settings_are_usage_errors(

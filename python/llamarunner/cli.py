@@ -63,6 +63,15 @@ def _serve_parser(sub: Any) -> None:
         f"make room (default {DEFAULT_MODELS_MAX})",
     )
     g.add_argument(
+        "--models-memory",
+        type=int,
+        metavar="MIB",
+        help="most memory the loaded models may take, by an estimate made before each load "
+        "(weights, KV cache for its slots, compute buffers, prompt cache); idle models are "
+        "unloaded to make room; a model that cannot fit is refused with 507 (default -1: 80 "
+        "%% of the machine's memory; 0: no budget)",
+    )
+    g.add_argument(
         "--keep-alive",
         help=f"how long a model stays loaded once idle: seconds or 5m, 1h ...; negative = "
         f"until the server stops; a request's keep_alive (Ollama's) replaces it "
@@ -441,7 +450,7 @@ def model_name(config: ServerConfig) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
-ROUTER_FLAGS = ("models_dir", "models_preset", "models_max", "keep_alive")
+ROUTER_FLAGS = ("models_dir", "models_preset", "models_max", "models_memory", "keep_alive")
 
 
 def serve_settings(
@@ -461,10 +470,10 @@ def serve(args: argparse.Namespace) -> int:
     if router["models_dir"] is not None or router["models_preset"] is not None or len(models) > 1:
         del overrides["model"]
         return serve_models(models, router, overrides)
-    if router["models_max"] is not None or router["keep_alive"] is not None:
+    if any(router[k] is not None for k in ("models_max", "models_memory", "keep_alive")):
         _fail(
-            "--models-max and --keep-alive are for many models (--models-dir, "
-            "--models-preset, several MODELs)"
+            "--models-max, --models-memory and --keep-alive are for many models "
+            "(--models-dir, --models-preset, several MODELs)"
         )
     try:
         config = ServerConfig.resolve(overrides)
@@ -533,6 +542,7 @@ def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str,
                 keep_alive=DEFAULT_KEEP_ALIVE
                 if router["keep_alive"] is None
                 else router["keep_alive"],
+                models_memory=-1 if router["models_memory"] is None else router["models_memory"],
             )
         )
     except (ValueError, OSError) as e:

@@ -203,14 +203,18 @@ def _import_default_model() -> Path:
     return Path(pkg.assemble())
 
 
+def total_memory_bytes() -> int:
+    """The machine's memory (16 GiB where it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
 def default_cache_ram_mib() -> int:
     """The prompt cache's default budget (``--cache-ram -1``) on this machine, as the server
     computes it: a quarter of the memory, at most 8192 MiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 << 30
-    return int(min(total // 4, 8 << 30) >> 20)
+    return int(min(total_memory_bytes() // 4, 8 << 30) >> 20)
 
 
 def default_model_path() -> Path:

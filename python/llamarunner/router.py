@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ServerConfig
+from .config import ServerConfig, default_cache_ram_mib, total_memory_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +28,18 @@ else:  # pragma: no cover - Python 3.9 and 3.10
 
 DEFAULT_MODELS_MAX = 4
 DEFAULT_KEEP_ALIVE = "5m"
+# --models-memory -1: this share of the machine's memory.
+DEFAULT_MODELS_MEMORY_SHARE = 0.8
+
+
+def models_memory_mib(value: int) -> int:
+    """``--models-memory``: MiB the loaded models' estimates may add up to; -1: 80 % of the
+    machine's memory; 0: no budget. Raises ValueError below -1."""
+    if value < -1:
+        raise ValueError(f"--models-memory {value}: give MiB, -1 (80 % of memory) or 0 (off)")
+    if value == -1:
+        return int(total_memory_bytes() * DEFAULT_MODELS_MEMORY_SHARE) >> 20
+    return value
 
 
 @dataclass(frozen=True)
@@ -232,9 +244,12 @@ def router_config_json(
     *,
     models_max: int = DEFAULT_MODELS_MAX,
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
+    models_memory: int = -1,
 ) -> str:
     """The native router's configuration: the front's HTTP settings from ``base``, and for
-    each model ``base``'s other settings with its file (and projector)."""
+    each model ``base``'s other settings with its file (and projector). A model whose
+    ``cache_ram`` is the default (-1) gets its share of the default budget: up to
+    ``models_max`` engines share it, as replicas on one node do."""
     if not models:
         raise ValueError("no models to serve: the models directory holds no .gguf file")
     front = dataclasses.asdict(base)
@@ -251,6 +266,8 @@ def router_config_json(
             mmproj=str(m.mmproj) if m.mmproj else base.mmproj,
             alias=m.name,
         )
+        if per_model.cache_ram == -1:
+            per_model.cache_ram = default_cache_ram_mib() // max(1, models_max)
         specs.append(
             {"name": m.name, "path": str(m.path), "config": json.loads(per_model.to_json())}
         )
@@ -259,6 +276,7 @@ def router_config_json(
             "front": front,
             "models": specs,
             "models_max": models_max,
+            "models_memory": models_memory_mib(models_memory),
             "keep_alive": keep_alive_seconds(keep_alive),
             "engine_command": [sys.executable, "-m", "llamarunner._engine"],
         }

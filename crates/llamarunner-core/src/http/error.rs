@@ -87,6 +87,9 @@ pub enum ApiError {
     /// A feature this server was not started with (`--slot-save-path`).
     #[error("{0}")]
     NotSupported(String),
+    /// A model larger than the memory it may take (`--models-memory`).
+    #[error("{0}")]
+    InsufficientMemory(String),
 }
 
 impl ApiError {
@@ -115,6 +118,7 @@ impl ApiError {
             | ApiError::FileNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SlotBusy(_) => StatusCode::CONFLICT,
             ApiError::NotSupported(_) => StatusCode::NOT_IMPLEMENTED,
+            ApiError::InsufficientMemory(_) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::LoadFailed(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -151,6 +155,7 @@ impl ApiError {
             ApiError::FileNotFound(_) => "file_not_found",
             ApiError::InvalidSlotFile(_) => "invalid_slot_file",
             ApiError::NotSupported(_) => "not_supported",
+            ApiError::InsufficientMemory(_) => "insufficient_memory",
         }
     }
 

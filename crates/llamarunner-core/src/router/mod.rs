@@ -14,6 +14,7 @@
 //! no router: `Runner` serves the model directly.
 
 pub mod engine_process;
+pub mod estimate;
 mod front;
 pub mod proxy;
 pub mod registry;
@@ -54,6 +55,10 @@ pub struct RouterConfig {
     pub models: Vec<ModelSpec>,
     /// Most models loaded at once (`--models-max`).
     pub models_max: usize,
+    /// The most memory, in MiB, the loaded models' estimates may add up to
+    /// (`--models-memory`); 0: no budget.
+    #[serde(default)]
+    pub models_memory: u64,
     /// Seconds a model stays loaded once idle (`--keep-alive`); negative: until the server
     /// stops; 0: unloaded after each request.
     pub keep_alive: f64,
@@ -153,6 +158,7 @@ impl ModelRouter {
         let registry = Registry::new(
             &config.models,
             config.models_max,
+            config.models_memory.saturating_mul(1 << 20),
             keep_alive,
             config.engine_command.clone(),
             load_timeout,

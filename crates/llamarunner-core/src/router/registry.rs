@@ -13,7 +13,8 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use super::engine_process::{EngineProcess, Exit};
-use super::ModelSpec;
+use super::{estimate, ModelSpec};
+use crate::config::RunnerConfig;
 use crate::http::error::ApiError;
 
 /// Where a model stands.
@@ -69,6 +70,8 @@ struct Inner {
     last_used: Instant,
     /// How long the model stays loaded once idle; None = until the server stops.
     keep_alive: Option<Duration>,
+    /// The memory its load was estimated to take (`--models-memory`), set when it loads.
+    estimate: Option<u64>,
 }
 
 /// One model the router serves.
@@ -99,6 +102,33 @@ impl Model {
 
     fn notify(&self) {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// The memory the model will take once loaded, estimated from its header and settings;
+    /// the file's size when the header cannot be read (its load then fails anyway).
+    fn estimate_memory(&self) -> u64 {
+        let (size, _) = self.file_facts();
+        let Ok(config) = serde_json::from_value::<RunnerConfig>(self.spec.config.clone()) else {
+            return size;
+        };
+        let Ok(shape) = estimate::read_shape(std::path::Path::new(&self.spec.path)) else {
+            return size;
+        };
+        let extra: Vec<&std::path::Path> = config
+            .mmproj
+            .iter()
+            .chain(&config.draft_model)
+            .map(|p| p.as_path())
+            .collect();
+        let served = estimate::Served {
+            ctx_size: u64::from(config.ctx_size),
+            parallel: u64::from(config.parallel),
+            batch_size: u64::from(config.batch_size),
+            kv_cache_type: &config.kv_cache_type,
+            cache_ram_bytes: config.cache_ram_bytes() as u64,
+            extra_files: extra,
+        };
+        estimate::estimate(&shape, size, &served)
     }
 
     /// The GGUF file's size and modification time (zero and the epoch when it cannot be read).
@@ -156,6 +186,9 @@ impl Drop for Lease {
 pub struct Registry {
     models: Vec<Arc<Model>>,
     max: usize,
+    /// The most memory the loaded models' estimates may add up to (`--models-memory`); 0:
+    /// no budget.
+    memory_budget: u64,
     command: Vec<String>,
     /// The key the engines require and the router sends: nothing else on the machine can use
     /// an engine's port.
@@ -177,11 +210,13 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
-    /// The registry of `specs`, at most `max` loaded at once, each kept `keep_alive` once
-    /// idle (None: for ever); engines are started with `command`.
+    /// The registry of `specs`, at most `max` loaded at once whose estimates add up to at
+    /// most `memory_budget` bytes (0: any), each kept `keep_alive` once idle (None: for
+    /// ever); engines are started with `command`.
     pub fn new(
         specs: &[ModelSpec],
         max: usize,
+        memory_budget: u64,
         keep_alive: Option<Duration>,
         command: Vec<String>,
         load_timeout: Duration,
@@ -199,6 +234,7 @@ impl Registry {
                         in_flight: 0,
                         last_used: Instant::now(),
                         keep_alive,
+                        estimate: None,
                     }),
                     changed: watch::channel(0).0,
                 })
@@ -207,6 +243,7 @@ impl Registry {
         Arc::new(Self {
             models,
             max: max.max(1),
+            memory_budget,
             command,
             key: uuid::Uuid::new_v4().simple().to_string(),
             load_timeout,
@@ -331,18 +368,8 @@ impl Registry {
             .filter(|m| m.lock().status.occupies())
             .count();
         if occupied >= self.max {
-            let idle = self
-                .models
-                .iter()
-                .filter(|m| !Arc::ptr_eq(m, model))
-                .filter_map(|m| {
-                    let inner = m.lock();
-                    (matches!(inner.status, Status::Loaded { .. }) && inner.in_flight == 0)
-                        .then(|| (inner.last_used, m.clone()))
-                })
-                .min_by_key(|(used, _)| *used);
-            match idle {
-                Some((_, lru)) => self.unload(&lru, "--models-max: making room"),
+            match self.least_recently_used_idle(model) {
+                Some(lru) => self.unload(&lru, "--models-max: making room"),
                 None => {
                     return Err(ApiError::Overloaded(format!(
                         "all {} model places (--models-max) are busy loading or serving; \
@@ -352,12 +379,23 @@ impl Registry {
                 }
             }
         }
+        let need = if self.memory_budget > 0 {
+            let m = model.clone();
+            let need = tokio::task::spawn_blocking(move || m.estimate_memory())
+                .await
+                .unwrap_or(0);
+            self.make_room_for(model, need)?;
+            Some(need)
+        } else {
+            None
+        };
         let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let config = self.engine_config(model);
         let spawned = EngineProcess::spawn(&self.command, &config, &model.name);
         let mut inner = model.lock();
         inner.generation = generation;
         inner.last_used = Instant::now();
+        inner.estimate = need;
         match spawned {
             Ok((process, events)) => {
                 tracing::info!(model = %model.name, port = process.port, "loading a model");
@@ -378,6 +416,68 @@ impl Registry {
         }
         model.notify();
         Ok(())
+    }
+
+    /// The loaded model, other than `except`, that has been idle longest.
+    fn least_recently_used_idle(&self, except: &Arc<Model>) -> Option<Arc<Model>> {
+        self.models
+            .iter()
+            .filter(|m| !Arc::ptr_eq(m, except))
+            .filter_map(|m| {
+                let inner = m.lock();
+                (matches!(inner.status, Status::Loaded { .. }) && inner.in_flight == 0)
+                    .then(|| (inner.last_used, m.clone()))
+            })
+            .min_by_key(|(used, _)| *used)
+            .map(|(_, m)| m)
+    }
+
+    /// Unloads idle models, least recently used first, until `need` more bytes fit in
+    /// `--models-memory` beside the models loading or loaded: 507 when `model` alone is
+    /// larger than the budget, 503 when the models that hold it are busy.
+    fn make_room_for(&self, model: &Arc<Model>, need: u64) -> Result<(), ApiError> {
+        const MIB: u64 = 1 << 20;
+        if need > self.memory_budget {
+            return Err(ApiError::InsufficientMemory(format!(
+                "model '{}' needs about {} MiB (weights, KV cache for its slots, compute \
+                 buffers, prompt cache), more than --models-memory {} MiB; serve it with \
+                 a smaller --ctx-size, --parallel or --cache-ram, or raise --models-memory",
+                model.name,
+                need.div_ceil(MIB),
+                self.memory_budget / MIB
+            )));
+        }
+        loop {
+            let used: u64 = self
+                .models
+                .iter()
+                .filter(|m| !Arc::ptr_eq(m, model))
+                .map(|m| {
+                    let inner = m.lock();
+                    if inner.status.occupies() {
+                        inner.estimate.unwrap_or(0)
+                    } else {
+                        0
+                    }
+                })
+                .sum();
+            if used.saturating_add(need) <= self.memory_budget {
+                return Ok(());
+            }
+            match self.least_recently_used_idle(model) {
+                Some(lru) => self.unload(&lru, "--models-memory: making room"),
+                None => {
+                    return Err(ApiError::Unavailable(format!(
+                        "model '{}' needs about {} MiB and the models loading or serving \
+                         hold {} of --models-memory {} MiB; retry when one is idle",
+                        model.name,
+                        need.div_ceil(MIB),
+                        used.div_ceil(MIB),
+                        self.memory_budget / MIB
+                    )))
+                }
+            }
+        }
     }
 
     /// The engine's configuration: the model's, on loopback, with the router's key.
@@ -517,6 +617,9 @@ impl Registry {
                 }
             }
         }
+        if let (true, Some(estimate)) = (inner.status.occupies(), inner.estimate) {
+            status["memory_estimate_bytes"] = json!(estimate);
+        }
         json!({
             "id": model.name,
             "object": "model",
@@ -572,7 +675,14 @@ mod tests {
                 config: json!({}),
             })
             .collect();
-        Registry::new(&specs, 2, None, vec!["true".into()], Duration::from_secs(1))
+        Registry::new(
+            &specs,
+            2,
+            0,
+            None,
+            vec!["true".into()],
+            Duration::from_secs(1),
+        )
     }
 
     #[test]

@@ -1,0 +1,370 @@
+//! How much memory a model will take once loaded, estimated before loading it, from its
+//! GGUF header and the settings it is served with (`--models-memory`).
+//!
+//! The estimate is the weights (the model file, its projector and draft model files: mapped
+//! and read whole), the KV cache of every slot (layers x context x KV heads x (key + value
+//! length) x the cache type's bytes), llama.cpp's compute buffers (a micro-batch's
+//! activations and the logits of one token per slot), the prompt cache's budget
+//! (`--cache-ram`) and the engine process's own (`ENGINE_PROCESS`). It errs high: every layer is counted with the whole context, sliding
+//! window or not.
+
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::Path;
+
+/// What the header says about the model's shape.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shape {
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Layers (`{arch}.block_count`).
+    pub layers: u64,
+    /// Embedding width (`{arch}.embedding_length`).
+    pub embd: u64,
+    /// Attention heads.
+    pub heads: u64,
+    /// KV heads (the largest, when given per layer); `heads` when absent.
+    pub kv_heads: u64,
+    /// Key and value widths per head; `embd / heads` when absent.
+    pub key_len: u64,
+    /// See `key_len`.
+    pub value_len: u64,
+    /// Tokens in the vocabulary (`tokenizer.ggml.tokens`).
+    pub vocab: u64,
+}
+
+/// The settings that size a loaded model (a `RunnerConfig`'s).
+#[derive(Clone, Debug)]
+pub struct Served<'a> {
+    /// Tokens per slot (`--ctx-size`).
+    pub ctx_size: u64,
+    /// Slots (`--parallel`).
+    pub parallel: u64,
+    /// Tokens per batch (`--batch-size`).
+    pub batch_size: u64,
+    /// `--kv-cache-type`.
+    pub kv_cache_type: &'a str,
+    /// The prompt cache's budget in bytes (`--cache-ram`; 0 when off).
+    pub cache_ram_bytes: u64,
+    /// Files read besides the model: projector, draft model.
+    pub extra_files: Vec<&'a Path>,
+}
+
+/// What an engine process takes before any model: the interpreter and llama.cpp's libraries
+/// (about 45 MiB measured for a tiny model's engine).
+pub const ENGINE_PROCESS: u64 = 64 << 20;
+
+/// The longest header read: past it the file is not a model we can size.
+const MAX_HEADER: u64 = 256 << 20;
+/// The longest string or array in a header.
+const MAX_ITEMS: u64 = 16 << 20;
+
+/// Reads the shape from a GGUF file's header. Errors say why the file cannot be sized.
+pub fn read_shape(path: &Path) -> Result<Shape, String> {
+    let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut r = Header {
+        inner: BufReader::new(file).take(MAX_HEADER),
+    };
+    parse(&mut r).map_err(|e| format!("{}: not a GGUF model header ({e})", path.display()))
+}
+
+/// The estimate in bytes for a model of this shape and file size served with `served`.
+pub fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
+    let extra: u64 = served
+        .extra_files
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    let cells = served.ctx_size.saturating_mul(served.parallel.max(1));
+    let per_cell = shape
+        .layers
+        .saturating_mul(shape.kv_heads)
+        .saturating_mul(shape.key_len.saturating_add(shape.value_len));
+    // Bytes per element, in 32nds (q8_0: 34 bytes per 32, q4_0: 18 per 32).
+    let elem_32ths: u64 = match served.kv_cache_type {
+        "f32" => 128,
+        "q8_0" => 34,
+        "q4_0" | "q4_1" | "iq4_nl" => 18,
+        "q5_0" | "q5_1" => 22,
+        _ => 64, // f16, bf16
+    };
+    let kv = cells.saturating_mul(per_cell).saturating_mul(elem_32ths) / 32;
+    let ubatch = served.batch_size.clamp(1, 512).min(cells.max(1));
+    // Activations of a micro-batch (a few embedding-wide f32 tensors per token, and the
+    // attention scores of a token against the context) and one row of logits per slot.
+    let activations = ubatch.saturating_mul(
+        shape.embd.saturating_mul(4 * 16).saturating_add(
+            served
+                .ctx_size
+                .saturating_mul(shape.heads)
+                .saturating_mul(4),
+        ),
+    );
+    let logits = shape
+        .vocab
+        .saturating_mul(4)
+        .saturating_mul(served.parallel.max(1).max(ubatch.min(8)));
+    ENGINE_PROCESS
+        .saturating_add(model_bytes)
+        .saturating_add(extra)
+        .saturating_add(kv)
+        .saturating_add(activations)
+        .saturating_add(logits)
+        .saturating_add(served.cache_ram_bytes)
+}
+
+struct Header<R: Read> {
+    inner: std::io::Take<R>,
+}
+
+#[derive(Debug)]
+enum Value {
+    Int(u64),
+    Str(String),
+    Array { count: u64, max: Option<u64> },
+    Other,
+}
+
+impl<R: Read> Header<R> {
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut b = [0u8; N];
+        self.inner
+            .read_exact(&mut b)
+            .map_err(|_| "it ends early".to_string())?;
+        Ok(b)
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.bytes()?))
+    }
+    fn skip(&mut self, n: u64) -> Result<(), String> {
+        let copied = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())
+            .map_err(|e| e.to_string())?;
+        if copied == n {
+            Ok(())
+        } else {
+            Err("it ends early".into())
+        }
+    }
+    fn string(&mut self) -> Result<String, String> {
+        let len = self.u64()?;
+        if len > MAX_ITEMS {
+            return Err(format!("a string of {len} bytes"));
+        }
+        let mut buf = Vec::new();
+        (&mut self.inner)
+            .take(len)
+            .read_to_end(&mut buf)
+            .map_err(|e| e.to_string())?;
+        if buf.len() as u64 != len {
+            return Err("it ends early".into());
+        }
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+    /// One value of type `kind`; integers as u64 (negative ones as 0).
+    fn value(&mut self, kind: u32) -> Result<Value, String> {
+        Ok(match kind {
+            0 => Value::Int(u64::from(self.bytes::<1>()?[0])),
+            1 => Value::Int(u64::try_from(i8::from_le_bytes(self.bytes()?)).unwrap_or(0)),
+            2 => Value::Int(u64::from(u16::from_le_bytes(self.bytes()?))),
+            3 => Value::Int(u64::try_from(i16::from_le_bytes(self.bytes()?)).unwrap_or(0)),
+            4 => Value::Int(u64::from(self.u32()?)),
+            5 => Value::Int(u64::try_from(i32::from_le_bytes(self.bytes()?)).unwrap_or(0)),
+            6 => {
+                self.skip(4)?;
+                Value::Other
+            }
+            7 => {
+                self.skip(1)?;
+                Value::Other
+            }
+            8 => Value::Str(self.string()?),
+            9 => {
+                let item = self.u32()?;
+                let count = self.u64()?;
+                if count > MAX_ITEMS {
+                    return Err(format!("an array of {count} items"));
+                }
+                let mut max = None;
+                for _ in 0..count {
+                    match self.value(item)? {
+                        Value::Int(v) => max = Some(max.map_or(v, |m: u64| m.max(v))),
+                        Value::Array { .. } => return Err("nested arrays".into()),
+                        _ => {}
+                    }
+                }
+                Value::Array { count, max }
+            }
+            10 => Value::Int(self.u64()?),
+            11 => Value::Int(u64::try_from(i64::from_le_bytes(self.bytes()?)).unwrap_or(0)),
+            12 => {
+                self.skip(8)?;
+                Value::Other
+            }
+            other => return Err(format!("a value of unknown type {other}")),
+        })
+    }
+}
+
+fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
+    if &r.bytes::<4>()? != b"GGUF" {
+        return Err("no GGUF magic".into());
+    }
+    let version = r.u32()?;
+    if !(2..=3).contains(&version) {
+        return Err(format!("version {version}"));
+    }
+    let _tensors = r.u64()?;
+    let kvs = r.u64()?;
+    if kvs > MAX_ITEMS {
+        return Err(format!("{kvs} metadata entries"));
+    }
+    let mut values = std::collections::HashMap::new();
+    for _ in 0..kvs {
+        let key = r.string()?;
+        let kind = r.u32()?;
+        let value = r.value(kind)?;
+        values.insert(key, value);
+    }
+    let arch = match values.get("general.architecture") {
+        Some(Value::Str(a)) => a.clone(),
+        _ => return Err("no general.architecture".into()),
+    };
+    let int = |name: &str| match values.get(&format!("{arch}.{name}")) {
+        Some(Value::Int(v)) => Some(*v),
+        Some(Value::Array { max, .. }) => *max,
+        _ => None,
+    };
+    let layers = int("block_count").ok_or("no block_count")?;
+    let embd = int("embedding_length").ok_or("no embedding_length")?;
+    let heads = int("attention.head_count").unwrap_or(1).max(1);
+    let kv_heads = int("attention.head_count_kv").unwrap_or(heads);
+    let key_len = int("attention.key_length").unwrap_or(embd / heads);
+    let value_len = int("attention.value_length").unwrap_or(embd / heads);
+    let vocab = match values.get("tokenizer.ggml.tokens") {
+        Some(Value::Array { count, .. }) => *count,
+        _ => int("vocab_size").unwrap_or(0),
+    };
+    Ok(Shape {
+        architecture: arch,
+        layers,
+        embd,
+        heads,
+        kv_heads,
+        key_len,
+        value_len,
+        vocab,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv_str(out: &mut Vec<u8>, key: &str, value: &str) {
+        out.extend((key.len() as u64).to_le_bytes());
+        out.extend(key.as_bytes());
+        out.extend(8u32.to_le_bytes());
+        out.extend((value.len() as u64).to_le_bytes());
+        out.extend(value.as_bytes());
+    }
+
+    fn kv_u32(out: &mut Vec<u8>, key: &str, value: u32) {
+        out.extend((key.len() as u64).to_le_bytes());
+        out.extend(key.as_bytes());
+        out.extend(4u32.to_le_bytes());
+        out.extend(value.to_le_bytes());
+    }
+
+    fn header() -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        out.extend(6u64.to_le_bytes());
+        kv_str(&mut out, "general.architecture", "llama");
+        kv_u32(&mut out, "llama.block_count", 4);
+        kv_u32(&mut out, "llama.embedding_length", 64);
+        kv_u32(&mut out, "llama.attention.head_count", 4);
+        kv_u32(&mut out, "llama.attention.head_count_kv", 2);
+        // tokenizer.ggml.tokens: an array of 3 strings.
+        let key = "tokenizer.ggml.tokens";
+        out.extend((key.len() as u64).to_le_bytes());
+        out.extend(key.as_bytes());
+        out.extend(9u32.to_le_bytes());
+        out.extend(8u32.to_le_bytes());
+        out.extend(3u64.to_le_bytes());
+        for t in ["a", "bb", "c"] {
+            out.extend((t.len() as u64).to_le_bytes());
+            out.extend(t.as_bytes());
+        }
+        out
+    }
+
+    fn shape_of(bytes: &[u8]) -> Result<Shape, String> {
+        parse(&mut Header {
+            inner: bytes.take(MAX_HEADER),
+        })
+    }
+
+    #[test]
+    fn the_shape_comes_from_the_header() {
+        let shape = shape_of(&header()).expect("a header");
+        assert_eq!(
+            shape,
+            Shape {
+                architecture: "llama".into(),
+                layers: 4,
+                embd: 64,
+                heads: 4,
+                kv_heads: 2,
+                key_len: 16,
+                value_len: 16,
+                vocab: 3,
+            }
+        );
+        let served = Served {
+            ctx_size: 100,
+            parallel: 2,
+            batch_size: 512,
+            kv_cache_type: "f16",
+            cache_ram_bytes: 1000,
+            extra_files: vec![],
+        };
+        // KV: 200 cells x 4 layers x 2 heads x 32 x 2 bytes.
+        let kv = 200 * 4 * 2 * 32 * 2;
+        let rest = estimate(&shape, 0, &served) - kv - 1000 - ENGINE_PROCESS;
+        assert!(rest > 0 && rest < 10 << 20, "{rest}");
+        let q8 = Served {
+            kv_cache_type: "q8_0",
+            ..served.clone()
+        };
+        assert!(estimate(&shape, 0, &q8) < estimate(&shape, 0, &served));
+    }
+
+    #[test]
+    fn a_cut_or_hostile_header_is_an_error_not_a_panic() {
+        let full = header();
+        for end in 0..full.len() {
+            assert!(shape_of(&full[..end]).is_err(), "cut at {end}");
+        }
+        let mut huge = full.clone();
+        // The first key's length: 2^60 bytes.
+        huge[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(shape_of(&huge).is_err());
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..2000 {
+            let mut bytes = full.clone();
+            for _ in 0..4 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let i = (x as usize) % bytes.len();
+                bytes[i] = (x >> 32) as u8;
+            }
+            let _ = shape_of(&bytes);
+        }
+    }
+}
