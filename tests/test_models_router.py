@@ -119,6 +119,36 @@ def test_listings_name_every_model_and_say_which_are_loaded(router: WatchedServe
     assert h.status_code == 200 and h.json()["status"] == "ready"
 
 
+def test_metrics_carry_each_models_name_in_one_exposition(router: WatchedServer) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = router.url
+    for name in WORDS:
+        assert completion(url, name).status_code == 200
+    r = httpx.get(f"{url}/metrics", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    generated = {
+        s.labels["model_name"]: s.value
+        for s in families["llamarunner:generation_tokens"].samples
+        if s.name.endswith("_total")
+    }
+    assert set(generated) == set(WORDS) and min(generated.values()) >= 10, generated
+    # Each family's HELP and TYPE once, with both models' samples under it.
+    assert r.text.count("# TYPE llamarunner:generation_tokens_total ") == 1
+    state = {
+        (s.labels["model_name"], s.labels["state"]): s.value
+        for s in families["llamarunner:router_model_state"].samples
+    }
+    assert state[("alpha", "loaded")] == 1 and state[("alpha", "unloaded")] == 0
+    starts = {
+        s.labels["model_name"]: s.value
+        for s in families["llamarunner:router_model_starts"].samples
+        if s.name.endswith("_total")
+    }
+    assert starts["alpha"] >= 1, starts
+
+
 def test_unknown_and_missing_models_get_errors_in_the_dialects_shape(
     router: WatchedServer,
 ) -> None:

@@ -1,6 +1,6 @@
 //! The router's own routes: the model listings of every dialect (`/v1/models`, `/api/tags`,
 //! `/api/ps`, llama-server's `GET /models`), `POST /models/load` and `/models/unload`,
-//! `/health`; every other request goes to the engine of the model it names (the body's
+//! `/health`, `/metrics` (every loaded engine's, merged); every other request goes to the engine of the model it names (the body's
 //! `model`, or `?model=` on a GET), loaded first if it is not.
 
 use std::collections::HashMap;
@@ -25,8 +25,12 @@ use crate::http::middleware::{self, HttpPolicy};
 type Shared = State<Arc<Registry>>;
 
 /// The front's route table, behind the request policy and the access log.
-pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>) -> Router {
-    let routes = Router::new()
+pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -> Router {
+    let mut routes = Router::new();
+    if metrics {
+        routes = routes.route("/metrics", get(super::metrics::handler));
+    }
+    let routes = routes
         .route("/health", get(health))
         .route("/models", get(models))
         .route("/models/load", post(load))

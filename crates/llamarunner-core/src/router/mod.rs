@@ -16,6 +16,7 @@
 pub mod engine_process;
 pub mod estimate;
 mod front;
+mod metrics;
 pub mod proxy;
 pub mod registry;
 
@@ -163,7 +164,7 @@ impl ModelRouter {
             config.engine_command.clone(),
             load_timeout,
         );
-        let app = front::router(registry.clone(), policy);
+        let app = front::router(registry.clone(), policy, !front.no_metrics);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("llamarunner-router")

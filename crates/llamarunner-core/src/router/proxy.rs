@@ -48,23 +48,41 @@ async fn send(port: u16, request: Request<Full<Bytes>>) -> Result<Response<Incom
         .map_err(|e| format!("the model's engine did not answer: {e}"))
 }
 
-/// The engine's `/health`: (ready, progress, error); None when it does not answer yet.
-pub async fn engine_health(port: u16, key: &str) -> Option<(bool, f32, Option<String>)> {
-    let request = Request::get("/health")
+/// A GET of `path` on the engine: its status and body; None when it does not answer within
+/// 2 s.
+async fn get(port: u16, key: &str, path: &str) -> Option<(StatusCode, Bytes)> {
+    let request = Request::get(path)
         .header(header::HOST, format!("127.0.0.1:{port}"))
         .header(header::AUTHORIZATION, format!("Bearer {key}"))
         .body(Full::new(Bytes::new()))
         .ok()?;
-    let response = tokio::time::timeout(std::time::Duration::from_secs(2), send(port, request))
-        .await
-        .ok()?
-        .ok()?;
-    let ok = response.status() == StatusCode::OK;
-    let body = response.into_body().collect().await.ok()?.to_bytes();
+    tokio::time::timeout(std::time::Duration::from_secs(2), async {
+        let response = send(port, request).await.ok()?;
+        let status = response.status();
+        let body = response.into_body().collect().await.ok()?.to_bytes();
+        Some((status, body))
+    })
+    .await
+    .ok()?
+}
+
+/// The engine's `/health`: (ready, progress, error); None when it does not answer yet.
+pub async fn engine_health(port: u16, key: &str) -> Option<(bool, f32, Option<String>)> {
+    let (status, body) = get(port, key, "/health").await?;
     let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
     let progress = v["progress"].as_f64().unwrap_or(0.0) as f32;
     let error = v["error"].as_str().map(str::to_string);
-    Some((ok && v["status"] == "ready", progress, error))
+    Some((
+        status == StatusCode::OK && v["status"] == "ready",
+        progress,
+        error,
+    ))
+}
+
+/// The body of a 200 answer to a GET of `path` on the engine, as text.
+pub async fn engine_get(port: u16, key: &str, path: &str) -> Option<String> {
+    let (status, body) = get(port, key, path).await?;
+    (status == StatusCode::OK).then(|| String::from_utf8_lossy(&body).into_owned())
 }
 
 /// Sends the request (`parts`, `body`) to the leased engine and streams its answer back; the

@@ -82,6 +82,9 @@ pub struct Model {
     inner: Mutex<Inner>,
     /// Bumped whenever the status changes: requests waiting for a load watch it.
     changed: watch::Sender<u64>,
+    /// Engine processes started, and loads failed or engines died (`/metrics`).
+    starts: AtomicU64,
+    failures: AtomicU64,
 }
 
 impl std::fmt::Debug for Model {
@@ -98,6 +101,14 @@ impl Model {
     /// The model's status now.
     pub fn status(&self) -> Status {
         self.lock().status.clone()
+    }
+
+    /// Engine processes started, and failures (loads that failed, engines that died).
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.starts.load(Ordering::Relaxed),
+            self.failures.load(Ordering::Relaxed),
+        )
     }
 
     fn notify(&self) {
@@ -237,6 +248,8 @@ impl Registry {
                         estimate: None,
                     }),
                     changed: watch::channel(0).0,
+                    starts: AtomicU64::new(0),
+                    failures: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -398,6 +411,7 @@ impl Registry {
         inner.estimate = need;
         match spawned {
             Ok((process, events)) => {
+                model.starts.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(model = %model.name, port = process.port, "loading a model");
                 inner.status = Status::Loading {
                     since: Instant::now(),
@@ -410,6 +424,7 @@ impl Registry {
                 tokio::spawn(async move { registry.follow(model, generation, events).await });
             }
             Err(e) => {
+                model.failures.fetch_add(1, Ordering::Relaxed);
                 inner.status = Status::Failed { error: e };
                 drop(inner);
             }
@@ -526,6 +541,7 @@ impl Registry {
                             inner.status = Status::Unloaded;
                         } else {
                             tracing::error!(model = %model.name, "{error}");
+                            model.failures.fetch_add(1, Ordering::Relaxed);
                             inner.status = Status::Failed { error };
                         }
                         true
