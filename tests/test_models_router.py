@@ -505,3 +505,47 @@ def test_in_process_server_with_a_models_dir(models_dir: Path) -> None:
         assert statuses(srv.url)["bravo"]["value"] == "unloaded"  # --models-max 1
         client.unload("alpha")
         assert statuses(srv.url)["alpha"]["value"] == "unloaded"
+
+
+@pytest.mark.real_model
+def test_the_official_clients_switch_between_the_default_model_and_a_tiny_one(
+    default_model: Path, tmp_path: Path
+) -> None:
+    import ollama
+    import openai
+
+    from llamarunner import Server
+
+    d = tmp_path / "models"
+    d.mkdir()
+    (d / "gemma").mkdir()
+    (d / "gemma" / default_model.name).symlink_to(default_model)
+    write_cycle_model(d / "alpha.gguf", WORDS["alpha"])
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with Server(models_dir=d, port=0, ctx_size=1024, threads=2) as srv:
+        oa = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        assert sorted(m.id for m in oa.models.list()) == ["alpha", "gemma"]
+        for _ in range(2):  # switching back and forth
+            r = oa.chat.completions.create(
+                model="gemma", messages=question, max_tokens=12, temperature=0
+            )
+            # (Greedy text is not compared across requests: llama.cpp's CPU kernels are not
+            # batch-invariant, and a cached prefix changes the prompt's batches.)
+            assert r.model == "gemma" and r.choices[0].message.content, r
+            assert r.usage is not None and r.usage.completion_tokens == 12
+            stream = oa.completions.create(
+                model="alpha", prompt="x", max_tokens=10, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in stream) == (WORDS["alpha"] * 2)[:10]
+        ol = ollama.Client(host=srv.url)
+        assert {m.model for m in ol.list().models} == {"alpha", "gemma"}
+        chat = ol.chat(
+            model="gemma:latest",
+            messages=question,
+            options={"num_predict": 12, "temperature": 0},
+        )
+        assert chat.message.content and chat.eval_count == 12, chat
+        assert {m.model for m in ol.ps().models} == {"alpha", "gemma"}
+        with pytest.raises(ollama.ResponseError) as e:
+            ol.generate(model="nope", prompt="x")
+        assert e.value.status_code == 404 and "gemma" in str(e.value)
