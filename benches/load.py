@@ -8,6 +8,9 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
     python -m benches.load --dialect openai --llama-server PATH  # + llama.cpp's llama-server
     python -m benches.load --dialect openai --llama-server PATH --repeat 3 --no-baseline
         # medians of 3 alternating runs, and a table of ratios to llama-server
+    python -m benches.load --router --scenarios single,parallel8 --repeat 3 --no-baseline
+        # + ours through the many-model router (serve --models-dir), the model named in
+        # every request; its note gives the first request's TTFT, the model's load included
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -217,6 +220,31 @@ def ratios(rows: list[Row], peer: str = "llama-server") -> str:
     return "\n".join(lines)
 
 
+def router_ratios(rows: list[Row]) -> str:
+    """Per scenario, the router's row against ours served directly: throughput ratio and the
+    TTFT p50 and ITL p50 differences in ms."""
+    lines = [
+        "| scenario | gen tok/s ratio | TTFT p50 router - direct ms | ITL p50 router - direct ms |",
+        "|---|---|---|---|",
+    ]
+    cells = {(r.server, r.scenario): dict(zip(HEADER, r.cells())) for r in rows}
+    for (server, scenario), routed in cells.items():
+        if " router " not in server:
+            continue
+        direct = cells.get((server.replace(" router ", " "), scenario))
+        if direct is None:
+            continue
+
+        def diff(k: str, routed: dict[str, str] = routed, direct: dict[str, str] = direct) -> str:
+            if "-" in (routed[k], direct[k]):
+                return "-"
+            return f"{float(routed[k]) - float(direct[k]):+.0f}"
+
+        ratio = float(routed["gen tok/s"]) / float(direct["gen tok/s"])
+        lines.append(f"| {scenario} | {ratio:.3f} | {diff('TTFT p50 ms')} | {diff('ITL p50 ms')} |")
+    return "\n".join(lines)
+
+
 # --- servers ---------------------------------------------------------------------------------
 
 
@@ -243,6 +271,10 @@ class Running:
     url: str
     proc: subprocess.Popen[bytes]
     protocol: str  # "native" or "openai"
+    # Through a router: the model each request names, and the engine's process.
+    model: str | None = None
+    engine_pid: int | None = None
+    note: str = ""
 
 
 @contextmanager
@@ -253,14 +285,24 @@ def ours(
     threads: int,
     extra: tuple[str, ...] = (),
     dialect: str = "native",
+    router: bool = False,
 ) -> Iterator[Running]:
     port = free_port()
+    models_dir = None
+    served: list[str] = [model]
+    if router:
+        import tempfile
+
+        models_dir = tempfile.TemporaryDirectory(prefix="bench-router-")
+        link = Path(models_dir.name) / Path(model).name
+        link.symlink_to(Path(model).resolve())
+        served = ["--models-dir", models_dir.name, "--keep-alive", "-1"]
     cmd = [
         sys.executable,
         "-m",
         "llamarunner",
         "serve",
-        model,
+        *served,
         "--port",
         str(port),
         "--parallel",
@@ -276,9 +318,20 @@ def ours(
         label = ", multiuser"
     else:
         label = f", {' '.join(extra)}" if extra else ""
-    name = f"llamarunner{via} (parallel {parallel}{label})"
-    with _process(cmd, name, port, dialect) as r:
-        yield r
+    name = f"llamarunner{via}{' router' if router else ''} (parallel {parallel}{label})"
+    try:
+        with _process(cmd, name, port, dialect) as r:
+            if router:
+                r.model = Path(model).name.removesuffix(".gguf")
+                # The model is not loaded yet: the first request's TTFT includes its load.
+                first = stream_once(r, "Hello", 1, seed=1)
+                r.note = f"first request TTFT {first.ttft * 1000:.0f} ms (load included)"
+                status = httpx.get(r.url + "/models", timeout=10).json()["data"][0]["status"]
+                r.engine_pid = status.get("pid")
+            yield r
+    finally:
+        if models_dir is not None:
+            models_dir.cleanup()
 
 
 @contextmanager
@@ -392,6 +445,8 @@ def stream_once(server: Running, prompt: str, max_tokens: int, seed: int) -> Sam
             "logit_bias": {},
             "ignore_eos": True,
         }
+    if server.model is not None:
+        body["model"] = server.model
     start = time.perf_counter()
     times: list[float] = []
     tokens = 0
@@ -448,8 +503,12 @@ def run_clients(
 def row(server: Running, scenario: str, samples: list[Sample], seconds: float) -> Row:
     failed = len(FAILURES)
     FAILURES.clear()
+    rss = peak_rss_mb(server.proc.pid)
+    if server.engine_pid is not None:
+        rss += peak_rss_mb(server.engine_pid)
+    notes = [f"{failed} requests failed"] if failed else []
     return Row(
-        note=f"{failed} requests failed" if failed else "",
+        note="; ".join(notes + ([server.note] if server.note else [])),
         server=server.name,
         scenario=scenario,
         clients=0,
@@ -458,7 +517,7 @@ def row(server: Running, scenario: str, samples: list[Sample], seconds: float) -
         seconds=seconds,
         ttft=[s.ttft for s in samples],
         itl=[g for s in samples for g in s.gaps],
-        rss_mb=peak_rss_mb(server.proc.pid),
+        rss_mb=rss,
     )
 
 
@@ -568,8 +627,10 @@ def run_server(
     plan: Plan,
 ) -> list[Row]:
     """Starts one server of `kind`, runs scenario `name` against it, stops it."""
-    if kind == "ours":
-        with ours(plan.model, parallel, ctx, plan.threads, extra, args.dialect) as srv:
+    if kind in ("ours", "router"):
+        with ours(
+            plan.model, parallel, ctx, plan.threads, extra, args.dialect, kind == "router"
+        ) as srv:
             return scenario_rows(name, srv, plan)
     if kind == "baseline":
         with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
@@ -621,6 +682,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the --parallel 1 replay of the parallel scenarios",
     )
+    ap.add_argument(
+        "--router",
+        action="store_true",
+        help="also run ours through the many-model router (serve --models-dir with the model "
+        "in it), each request naming the model, and a table of ratios to ours served directly",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -646,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         # Sharing a prefix between concurrent users is what --multiuser-cache is for.
         extra = ("--multiuser-cache",) if name == "shared" else ()
 
-        kinds = ["ours"]
+        kinds = ["ours", "router"] if args.router else ["ours"]
         if name.startswith("parallel") and name != "parallel1" and not args.no_baseline:
             kinds.append("baseline")
         if args.llama_server:
@@ -669,6 +736,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_server:
         print("Ratios, ours / llama-server (throughput: higher is better; the rest: lower):\n")
         print(ratios(rows), flush=True)
+    if args.router:
+        print("\nThrough the router against the same model served directly:\n")
+        print(router_ratios(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0

@@ -32,6 +32,13 @@ def test_bench_harness_runs(tiny_model: Path) -> None:
     assert "baseline: --parallel 1" in out
 
 
+def test_router_bench_runs(tiny_model: Path) -> None:
+    out = run_bench("load", tiny_model, "--scenarios", "single", "--requests", "1", "--router")
+    assert "llamarunner router (parallel 1)" in out and "load included" in out, out
+    assert "Through the router against the same model served directly" in out, out
+    assert "| single: prompt ~200, gen 128 | " in out.split("served directly")[-1], out
+
+
 def test_lora_bench_runs(tiny_model: Path) -> None:
     out = run_bench("lora", tiny_model, "--requests", "1", "--tokens", "4")
     for scenario in ("no adapter loaded", "one set", "two sets", "four sets"):
