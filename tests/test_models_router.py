@@ -182,6 +182,34 @@ def test_load_and_unload_routes(router: WatchedServer) -> None:
     assert httpx.post(f"{url}/models/load", content=b"\xff").status_code == 400
 
 
+def test_a_get_loads_no_model_and_ollamas_unload_loads_none_first(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    srv = start(models_dir, tmp_path)
+    url = srv.url
+    try:
+        # A web page's <img src=".../props?model=bravo"> must not pull models into memory.
+        r = httpx.get(f"{url}/props", params={"model": "bravo"}, timeout=TIMEOUT)
+        assert r.status_code == 503 and "POST /models/load" in r.text, r.text
+        assert statuses(url)["bravo"]["value"] == "unloaded"
+        # `ollama stop` (no prompt, keep_alive 0) on a model that is not loaded loads nothing.
+        stop = {"model": "bravo", "keep_alive": 0}
+        r = httpx.post(f"{url}/api/generate", json=stop, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+        assert statuses(url)["bravo"]["value"] == "unloaded"
+        # On a loaded one it unloads it; /api/chat with no messages too.
+        assert completion(url, "bravo").status_code == 200
+        assert httpx.get(f"{url}/props", params={"model": "bravo"}).status_code == 200
+        r = httpx.post(f"{url}/api/chat", json={**stop, "messages": []}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["done_reason"] == "unload" and r.json()["message"]["content"] == ""
+        assert statuses(url)["bravo"]["value"] == "unloaded"
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        assert 'llamarunner:router_model_starts_total{model_name="bravo"} 1' in metrics
+    finally:
+        srv.stop()
+
+
 def test_concurrent_first_requests_load_the_model_once(models_dir: Path, tmp_path: Path) -> None:
     srv = start(models_dir, tmp_path)
     try:
@@ -385,6 +413,8 @@ ctx_size = 1024
     url = srv.url
     try:
         assert list(statuses(url)) == ["alpha", "b2", "charlie"]
+        for name in ("alpha", "b2", "charlie"):
+            assert httpx.post(f"{url}/models/load", json={"model": name}).status_code == 200
         props = {
             name: httpx.get(f"{url}/props", params={"model": name}, timeout=TIMEOUT).json()
             for name in ("alpha", "b2", "charlie")

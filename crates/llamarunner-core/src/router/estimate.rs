@@ -184,16 +184,17 @@ impl<R: Read> Header<R> {
             8 => Value::Str(self.string()?),
             9 => {
                 let item = self.u32()?;
+                if item == 9 {
+                    return Err("nested arrays".into());
+                }
                 let count = self.u64()?;
                 if count > MAX_ITEMS {
                     return Err(format!("an array of {count} items"));
                 }
                 let mut max = None;
                 for _ in 0..count {
-                    match self.value(item)? {
-                        Value::Int(v) => max = Some(max.map_or(v, |m: u64| m.max(v))),
-                        Value::Array { .. } => return Err("nested arrays".into()),
-                        _ => {}
+                    if let Value::Int(v) = self.value(item)? {
+                        max = Some(max.map_or(v, |m: u64| m.max(v)));
                     }
                 }
                 Value::Array { count, max }
@@ -350,6 +351,13 @@ mod tests {
         for end in 0..full.len() {
             assert!(shape_of(&full[..end]).is_err(), "cut at {end}");
         }
+        // An array of arrays of arrays ...: refused at the first nesting, not recursed into.
+        let mut nested = full[..24].to_vec();
+        nested.extend(b"\x01\0\0\0\0\0\0\0k\x09\0\0\0");
+        for _ in 0..100_000 {
+            nested.extend(b"\x09\0\0\0\x01\0\0\0\0\0\0\0");
+        }
+        assert!(shape_of(&nested).is_err());
         let mut huge = full.clone();
         // The first key's length: 2^60 bytes.
         huge[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());

@@ -228,11 +228,14 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     };
     let mut name: Option<String> = None;
     let mut keep_alive = None;
-    if parts.method == Method::POST && !body.is_empty() {
+    let mut unload_only = false;
+    let posted = parts.method == Method::POST;
+    if posted && !body.is_empty() {
         let v: Value = match serde_json::from_slice(&body) {
             Ok(v) => v,
             Err(e) => return dialect.respond(ApiError::InvalidJson(e.to_string())),
         };
+        unload_only = is_ollama_unload(parts.uri.path(), &v);
         // `/api/show` and Ollama's older clients say `name`.
         name = v
             .get("model")
@@ -252,7 +255,25 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         Ok(m) => m,
         Err(e) => return dialect.respond(e),
     };
-    let mut lease = match registry.lease(&model).await {
+    if unload_only && keep_alive == Some(Some(Duration::ZERO)) {
+        // Ollama's `ollama stop`: unloads without loading first.
+        registry.unload(&model, "keep_alive 0 with nothing to generate");
+        return Json(ollama_unloaded(parts.uri.path(), &model.name)).into_response();
+    }
+    // A GET (`/props`, `/slots`, `/metrics?model=`) reads a loaded model and loads none: a
+    // web page's `<img src>` must not be able to cycle models through memory.
+    let lease = if posted {
+        registry.lease(&model).await
+    } else {
+        registry.lease_if_loaded(&model).ok_or_else(|| {
+            ApiError::Unavailable(format!(
+                "model '{}' is not loaded, and a GET loads none: POST /models/load, or send it \
+                 a request",
+                model.name
+            ))
+        })
+    };
+    let mut lease = match lease {
         Ok(l) => l,
         Err(e) => return dialect.respond(e),
     };
@@ -260,6 +281,35 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         lease.keep_alive(k);
     }
     proxy::forward(lease, &parts, body, registry.engine_key()).await
+}
+
+/// Ollama's unload request: `/api/generate` with no prompt or `/api/chat` with no messages
+/// (its keep_alive, 0, is checked by the caller).
+fn is_ollama_unload(path: &str, body: &Value) -> bool {
+    let empty = |field: &str| match body.get(field) {
+        None | Some(Value::Null) => true,
+        Some(Value::String(s)) => s.is_empty(),
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(_) => false,
+    };
+    match path {
+        "/api/generate" => empty("prompt") && empty("images"),
+        "/api/chat" => empty("messages"),
+        _ => false,
+    }
+}
+
+/// Ollama's answer to an unload request.
+fn ollama_unloaded(path: &str, model: &str) -> Value {
+    let created_at = crate::requests::common::rfc3339(std::time::SystemTime::now());
+    let mut v = json!({"model": model, "created_at": created_at, "done": true,
+                       "done_reason": "unload"});
+    if path == "/api/chat" {
+        v["message"] = json!({"role": "assistant", "content": ""});
+    } else {
+        v["response"] = json!("");
+    }
+    v
 }
 
 #[cfg(test)]

@@ -149,8 +149,9 @@ impl ModelRouter {
             );
         }
         let url = crate::runner::base_url(local);
+        // At most 100 years: an idle clock's end must fit an Instant and a SystemTime.
         let keep_alive = (config.keep_alive >= 0.0)
-            .then(|| Duration::try_from_secs_f64(config.keep_alive).unwrap_or(Duration::MAX));
+            .then(|| Duration::from_secs_f64(config.keep_alive.min(100.0 * 365.0 * 86400.0)));
         let load_timeout = if front.timeout > 0.0 {
             Duration::try_from_secs_f64(front.timeout).unwrap_or(DEFAULT_LOAD_TIMEOUT)
         } else {

@@ -158,6 +158,8 @@ pub struct Lease {
     registry: Arc<Registry>,
     /// The engine process's port.
     pub port: u16,
+    /// The engine process it runs on: a lease of an engine since replaced unloads nothing.
+    generation: u64,
     keep_alive: Option<Option<Duration>>,
     /// Ends without applying a keep-alive of 0 (`POST /models/load`'s lease).
     quiet: bool,
@@ -188,7 +190,13 @@ impl Drop for Lease {
             !self.quiet && inner.in_flight == 0 && inner.keep_alive == Some(Duration::ZERO)
         };
         if unload_now {
-            self.registry.unload(&self.model, "keep_alive 0");
+            let generation = self.generation;
+            self.registry
+                .unload_when(&self.model, "keep_alive 0", |inner| {
+                    inner.generation == generation
+                        && inner.in_flight == 0
+                        && inner.keep_alive == Some(Duration::ZERO)
+                });
         }
     }
 }
@@ -316,6 +324,23 @@ impl Registry {
             })
     }
 
+    /// A lease on `model` if it is loaded; None otherwise (nothing is loaded).
+    pub fn lease_if_loaded(self: &Arc<Self>, model: &Arc<Model>) -> Option<Lease> {
+        let mut inner = model.lock();
+        let Status::Loaded { port } = inner.status else {
+            return None;
+        };
+        inner.in_flight += 1;
+        Some(Lease {
+            model: model.clone(),
+            registry: self.clone(),
+            port,
+            generation: inner.generation,
+            keep_alive: None,
+            quiet: true,
+        })
+    }
+
     /// A lease on `model`, loading it first if it is not loaded (once, however many requests
     /// ask), waiting at most the load timeout.
     pub async fn lease(self: &Arc<Self>, model: &Arc<Model>) -> Result<Lease, ApiError> {
@@ -333,6 +358,7 @@ impl Registry {
                             model: model.clone(),
                             registry: self.clone(),
                             port,
+                            generation: inner.generation,
                             keep_alive: None,
                             quiet: false,
                         });
@@ -342,7 +368,18 @@ impl Registry {
                 }
             };
             if load_first {
-                self.load(model).await?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, self.load(model)).await {
+                    Ok(loaded) => loaded?,
+                    Err(_) => {
+                        return Err(ApiError::Timeout(format!(
+                            "model '{}' could not start loading within {:.0} s (other models \
+                             were loading)",
+                            model.name,
+                            self.load_timeout.as_secs_f64()
+                        )))
+                    }
+                }
                 // A load that failed at once (no such file) answers this request.
                 if let Status::Failed { error } = model.status() {
                     return Err(ApiError::LoadFailed(error));
@@ -371,6 +408,17 @@ impl Registry {
     /// Starts `model`'s engine unless it is loading or loaded, unloading the least recently
     /// used idle model first when `--models-max` are already loaded.
     pub async fn load(self: &Arc<Self>, model: &Arc<Model>) -> Result<(), ApiError> {
+        // Sized before the lock: a slow header read delays this load only.
+        let need = if self.memory_budget > 0 {
+            let m = model.clone();
+            Some(
+                tokio::task::spawn_blocking(move || m.estimate_memory())
+                    .await
+                    .unwrap_or(0),
+            )
+        } else {
+            None
+        };
         let _one_at_a_time = self.loading.lock().await;
         if model.lock().status.occupies() {
             return Ok(());
@@ -382,8 +430,8 @@ impl Registry {
             .count();
         if occupied >= self.max {
             match self.least_recently_used_idle(model) {
-                Some(lru) => self.unload(&lru, "--models-max: making room"),
-                None => {
+                Some(lru) if self.unload_idle(&lru, "--models-max: making room") => {}
+                _ => {
                     return Err(ApiError::Overloaded(format!(
                         "all {} model places (--models-max) are busy loading or serving; \
                          retry when one is idle",
@@ -392,16 +440,9 @@ impl Registry {
                 }
             }
         }
-        let need = if self.memory_budget > 0 {
-            let m = model.clone();
-            let need = tokio::task::spawn_blocking(move || m.estimate_memory())
-                .await
-                .unwrap_or(0);
+        if let Some(need) = need {
             self.make_room_for(model, need)?;
-            Some(need)
-        } else {
-            None
-        };
+        }
         let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let config = self.engine_config(model);
         let spawned = EngineProcess::spawn(&self.command, &config, &model.name);
@@ -420,8 +461,16 @@ impl Registry {
                 inner.process = Some(process);
                 drop(inner);
                 let registry = self.clone();
-                let model = model.clone();
-                tokio::spawn(async move { registry.follow(model, generation, events).await });
+                let followed = model.clone();
+                tokio::spawn(async move { registry.follow(followed, generation, events).await });
+                // An engine that neither becomes ready nor exits within the load timeout (a
+                // hung load) is stopped, so that it holds no place.
+                let registry = self.clone();
+                let watched = model.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(registry.load_timeout).await;
+                    registry.fail_if_still_loading(&watched, generation);
+                });
             }
             Err(e) => {
                 model.failures.fetch_add(1, Ordering::Relaxed);
@@ -480,8 +529,8 @@ impl Registry {
                 return Ok(());
             }
             match self.least_recently_used_idle(model) {
-                Some(lru) => self.unload(&lru, "--models-memory: making room"),
-                None => {
+                Some(lru) if self.unload_idle(&lru, "--models-memory: making room") => {}
+                _ => {
                     return Err(ApiError::Unavailable(format!(
                         "model '{}' needs about {} MiB and the models loading or serving \
                          hold {} of --models-memory {} MiB; retry when one is idle",
@@ -558,10 +607,17 @@ impl Registry {
     /// Unloads `model` (its engine process is killed; requests still running on it end with
     /// an error).
     pub fn unload(&self, model: &Model, why: &str) {
+        self.unload_when(model, why, |_| true);
+    }
+
+    /// Unloads `model` when it is loading or loaded and `allowed` holds, judged under the
+    /// same lock that marks it unloaded: a request that takes a lease in between is never
+    /// cut off by a decision made before it came. True when it was unloaded.
+    fn unload_when(&self, model: &Model, why: &str, allowed: impl FnOnce(&Inner) -> bool) -> bool {
         let process = {
             let mut inner = model.lock();
-            if !inner.status.occupies() {
-                return;
+            if !inner.status.occupies() || !allowed(&inner) {
+                return false;
             }
             inner.status = Status::Unloaded;
             inner.generation = inner.generation.wrapping_add(1 << 32);
@@ -572,6 +628,38 @@ impl Registry {
             p.kill();
         }
         model.notify();
+        true
+    }
+
+    /// Stops an engine still loading since `generation` began and marks the model failed.
+    fn fail_if_still_loading(&self, model: &Model, generation: u64) {
+        let process = {
+            let mut inner = model.lock();
+            if inner.generation != generation || !matches!(inner.status, Status::Loading { .. }) {
+                return;
+            }
+            model.failures.fetch_add(1, Ordering::Relaxed);
+            inner.status = Status::Failed {
+                error: format!(
+                    "the engine did not load the model within {:.0} s (--timeout) and was stopped",
+                    self.load_timeout.as_secs_f64()
+                ),
+            };
+            inner.generation = inner.generation.wrapping_add(1 << 32);
+            inner.process.take()
+        };
+        tracing::error!(model = %model.name, "a load timed out; its engine was stopped");
+        if let Some(p) = process {
+            p.kill();
+        }
+        model.notify();
+    }
+
+    /// Unloads `model` if it is loaded and idle (no lease).
+    fn unload_idle(&self, model: &Model, why: &str) -> bool {
+        self.unload_when(model, why, |inner| {
+            matches!(inner.status, Status::Loaded { .. }) && inner.in_flight == 0
+        })
     }
 
     /// Unloads every model whose idle time passed its keep-alive.
@@ -587,7 +675,12 @@ impl Registry {
                         .is_some_and(|k| now.saturating_duration_since(inner.last_used) >= k)
             };
             if expired {
-                self.unload(m, "idle past its keep_alive");
+                self.unload_when(m, "idle past its keep_alive", |inner| {
+                    inner.in_flight == 0
+                        && inner
+                            .keep_alive
+                            .is_some_and(|k| now.saturating_duration_since(inner.last_used) >= k)
+                });
             }
         }
     }
@@ -674,7 +767,7 @@ use sha2::Digest as _;
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use serde_json::json;
 
@@ -683,6 +776,14 @@ mod tests {
     use crate::router::ModelSpec;
 
     fn registry(names: &[&str]) -> std::sync::Arc<Registry> {
+        registry_running(names, &["true"], Duration::from_secs(1))
+    }
+
+    fn registry_running(
+        names: &[&str],
+        command: &[&str],
+        load_timeout: Duration,
+    ) -> std::sync::Arc<Registry> {
         let specs: Vec<ModelSpec> = names
             .iter()
             .map(|n| ModelSpec {
@@ -696,8 +797,8 @@ mod tests {
             2,
             0,
             None,
-            vec!["true".into()],
-            Duration::from_secs(1),
+            command.iter().map(|c| c.to_string()).collect(),
+            load_timeout,
         )
     }
 
@@ -755,5 +856,41 @@ mod tests {
         );
         assert!(matches!(m.status(), Status::Failed { .. }));
         assert_eq!(r.describe(&m)["status"]["value"], "failed");
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_hangs_while_loading_is_stopped_at_the_load_timeout() {
+        let r = registry_running(&["alpha"], &["sleep", "60"], Duration::from_millis(300));
+        let m = r.find(Some("alpha")).unwrap();
+        let started = Instant::now();
+        let e = r.lease(&m).await.unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "{e}");
+        // The watchdog marks it failed and kills the process: its place is free again.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !matches!(m.status(), Status::Failed { .. }) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        match m.status() {
+            Status::Failed { error } => assert!(error.contains("did not load"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(m.lock().process.is_none());
+        assert_eq!(m.counts(), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_stale_decision_does_not_unload_a_model_that_took_a_lease_since() {
+        let r = registry(&["alpha"]);
+        let m = r.find(Some("alpha")).unwrap();
+        {
+            let mut inner = m.lock();
+            inner.status = Status::Loaded { port: 1 };
+            inner.in_flight = 1; // a request came after the idle check
+        }
+        assert!(!r.unload_idle(&m, "test"));
+        assert!(matches!(m.status(), Status::Loaded { .. }));
+        m.lock().in_flight = 0;
+        assert!(r.unload_idle(&m, "test"));
+        assert_eq!(m.status(), Status::Unloaded);
     }
 }
