@@ -179,7 +179,11 @@ def test_cluster_takes_every_serve_flag() -> None:
     choices = sub.choices  # type: ignore[attr-defined]
     serve_flags = {o for a in choices["serve"]._actions for o in a.option_strings}
     cluster_flags = {o for a in choices["cluster"]._actions for o in a.option_strings}
-    assert serve_flags <= cluster_flags
+    # The many-model flags are serve's alone: a cluster serves one model.
+    router_flags = {"--models-dir", "--models-preset", "--models-max", "--models-memory"}
+    router_flags.add("--keep-alive")
+    assert serve_flags - router_flags <= cluster_flags
+    assert not router_flags & cluster_flags
     assert {"--replicas", "--address", "--min-replicas", "--max-replicas"} <= cluster_flags
     args = parser.parse_args(
         ["cluster", "m.gguf", "--replicas", "3", "--parallel", "2", "--ctx-size", "1024"]

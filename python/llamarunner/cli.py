@@ -442,6 +442,13 @@ class LoadProgress:
             self.shown = False
 
 
+def _stop_on_signals(handler: Any) -> None:
+    """SIGTERM and SIGINT stop the server, SIGINT even where the shell that started it in the
+    background set it to be ignored (as uvicorn does)."""
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def model_name(config: ServerConfig) -> str:
     """The name the server gives the model: ``--alias``, else the file name without .gguf."""
     if config.alias:
@@ -485,7 +492,7 @@ def serve(args: argparse.Namespace) -> int:
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    _stop_on_signals(on_sigterm)
     print(
         f"llamarunner: loading {server.config.model} on {server.url} "
         f"(parallel {server.config.parallel}, ctx-size {server.config.ctx_size})",
@@ -551,7 +558,7 @@ def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str,
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    _stop_on_signals(on_sigterm)
     names = ", ".join(f.name for f in files)
     print(
         f"llamarunner: ready on {native.url} ({len(files)} models, loaded on demand: {names})",
