@@ -542,6 +542,12 @@ def scenario_rows(name: str, server: Running, plan: Plan) -> list[Row]:
     if name == "single":
         samples, secs = run_clients(server, distinct(plan, 1, 178), 128)
         rows.append(row(server, "single: prompt ~200, gen 128", samples, secs))
+    elif name == "short":
+        # One cached two-word prompt, one token: what is left is the serving path's latency.
+        prompts = [["Hello there"] * max(20, plan.requests * 10)]
+        run_clients(server, [prompts[0][:1]], 1)
+        samples, secs = run_clients(server, prompts, 1)
+        rows.append(row(server, "short: cached prompt, gen 1", samples, secs))
     elif name.startswith("parallel"):
         n = int(name.removeprefix("parallel"))
         samples, secs = run_clients(server, distinct(plan, n, 178), 64)
@@ -578,7 +584,7 @@ def scenario_rows(name: str, server: Running, plan: Plan) -> list[Row]:
     else:
         raise ValueError(f"unknown scenario {name}")
     for r in rows:
-        r.clients = {"single": 1, "shared": 4, "mixed": 3}.get(name) or int(
+        r.clients = {"single": 1, "short": 1, "shared": 4, "mixed": 3}.get(name) or int(
             name.removeprefix("parallel")
         )
     return rows
@@ -706,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
     for name in scenarios:
-        parallel = {"single": 1, "shared": 4, "mixed": 4}.get(name) or int(
+        parallel = {"single": 1, "short": 1, "shared": 4, "mixed": 4}.get(name) or int(
             name.removeprefix("parallel")
         )
         ctx = 4096 if name == "mixed" else 2048
