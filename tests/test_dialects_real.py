@@ -1,6 +1,6 @@
-"""The three dialects on the real default model (Gemma 3 270M, which has no chat template of
+"""The four dialects on the real default model (Gemma 3 270M, which has no chat template of
 its own, so the built-in Gemma one is used): the same conversation gives the same greedy text
-through the native API, OpenAI's and Ollama's."""
+through the native API, OpenAI's, Ollama's and Anthropic's."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import jsonschema
 import ollama
@@ -75,11 +76,28 @@ def test_same_conversation_same_greedy_text_in_every_dialect(gemma: Server) -> N
         .chat(model=name, messages=CONVERSATION, options=greedy)
         .message.content
     )
+    with anthropic.Anthropic(base_url=gemma.url, api_key="unused", max_retries=0) as an:
+        m = an.messages.create(
+            model=name,
+            messages=CONVERSATION,  # type: ignore[arg-type]
+            max_tokens=N,
+            extra_body={"temperature": 0},
+        )
+        via_anthropic = "".join(b.text for b in m.content if b.type == "text")
+        with an.messages.stream(
+            model=name,
+            messages=CONVERSATION,  # type: ignore[arg-type]
+            max_tokens=N,
+            extra_body={"temperature": 0},
+        ) as s:
+            via_anthropic_stream = "".join(s.text_stream)
     print(f"\ngreedy answer: {native!r}")
     assert native.startswith("The capital of France is Paris.")
     assert via_openai == native
     assert via_openai_stream == native
     assert via_ollama == native
+    assert via_anthropic == native
+    assert via_anthropic_stream == native
 
 
 def test_json_schema_on_the_real_model(gemma: Server) -> None:

@@ -97,6 +97,8 @@ class Reply:
 
 
 def dialect_of(path: str) -> str:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path.startswith("/v1/"):
         return "openai"
     if path.startswith("/api/"):
@@ -165,6 +167,8 @@ def error_shape_problem(dialect: str, data: bytes) -> str | None:
     if not isinstance(err, dict) or "error" not in err:
         return f"the error body has no 'error': {show(data, 200)}"
     e = err["error"]
+    if dialect == "anthropic" and err.get("type") != "error":
+        return f"an Anthropic error must be {{'type': 'error', 'error': ...}}: {show(data, 200)}"
     if dialect == "ollama":
         if not isinstance(e, str) or not e:
             return f"an Ollama error must be {{'error': str}}: {show(data, 200)}"
@@ -225,6 +229,21 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
             if not isinstance(choices, list) or len(choices) != 1 or "usage" not in obj:
                 return f"not a completion object: {show(data)}"
             return None
+        if path == "/v1/messages":
+            if "text/event-stream" in reply.content_type:
+                events = [json.loads(p) for p in sse_payloads(data)]
+                kinds = [e.get("type") for e in events]
+                if not kinds or kinds[0] != "message_start" or kinds[-1] != "message_stop":
+                    return f"the event stream is not message_start ... message_stop: {kinds}"
+                if "error" in kinds:
+                    return f"an error inside the event stream: {show(data[-300:])}"
+                return None
+            if want_stream:
+                return f"stream:true answered {reply.content_type}, not SSE"
+            obj = json.loads(data)
+            if obj.get("type") != "message" or not isinstance(obj.get("content"), list):
+                return f"not a message object: {show(data)}"
+            return None
         if path in ("/api/generate", "/api/chat"):
             lines = json_lines(data)
             if not lines:
@@ -248,6 +267,8 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
             )
         elif path == "/api/embeddings":
             ok = numbers(obj.get("embedding"))
+        elif path == "/v1/messages/count_tokens":
+            ok = isinstance(obj.get("input_tokens"), int)
         elif path == "/apply-template":
             ok = isinstance(obj.get("prompt"), str)
         elif path == "/tokenize":
@@ -638,6 +659,112 @@ OPENAI_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "grammar": GRAMMARS,
     "user": STRINGS,
 }
+ANTHROPIC_BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": either(PROMPTS)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image"),
+            "source": either(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["base64", "url", "file"]),
+                        "media_type": either(st.sampled_from(["image/png", "text/plain"])),
+                        "data": either(st.text(max_size=12)),
+                        "url": STRINGS,
+                    }
+                )
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": either(st.sampled_from(["toolu_1", ""])),
+            "name": either(st.sampled_from(["f", "get_weather", ""])),
+            "input": either(st.dictionaries(st.text(max_size=4), HOSTILE, max_size=3)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": either(st.just("toolu_1")),
+            "content": either(
+                st.one_of(
+                    PROMPTS,
+                    st.lists(
+                        st.fixed_dictionaries({"type": st.just("text"), "text": PROMPTS}),
+                        max_size=2,
+                    ),
+                )
+            ),
+            "is_error": BOOLS,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": either(st.sampled_from(["thinking", "document", "redacted_thinking"])),
+            "thinking": STRINGS,
+        }
+    ),
+    HOSTILE,
+)
+ANTHROPIC_MESSAGES = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": either(st.sampled_from(["user", "assistant", "system"])),
+                "content": st.one_of(PROMPTS, st.lists(ANTHROPIC_BLOCK, max_size=4), HOSTILE),
+            }
+        ),
+        max_size=4,
+    ),
+    HOSTILE,
+)
+ANTHROPIC_TOOL = st.fixed_dictionaries(
+    {
+        "name": either(st.sampled_from(["f", "get_weather", "", "a b"])),
+        "input_schema": either(
+            st.sampled_from(
+                [{"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}]
+            )
+        ),
+    },
+    optional={
+        "type": either(st.sampled_from(["custom", "web_search_20250305"])),
+        "description": STRINGS,
+    },
+)
+ANTHROPIC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "model": MODELS,
+    "messages": ANTHROPIC_MESSAGES,
+    "system": either(st.one_of(PROMPTS, st.lists(ANTHROPIC_BLOCK, max_size=2))),
+    "max_tokens": either(SMALL_N),
+    "stop_sequences": STOP,
+    "stream": BOOLS,
+    "temperature": either(st.floats(0, 1.5)),
+    "top_p": either(st.floats(0, 1)),
+    "top_k": either(st.integers(-1, 100)),
+    "tools": either(st.lists(ANTHROPIC_TOOL, max_size=3)),
+    "tool_choice": either(
+        st.fixed_dictionaries(
+            {"type": either(st.sampled_from(["auto", "any", "tool", "none"]))},
+            optional={"name": either(st.just("f")), "disable_parallel_tool_use": BOOLS},
+        )
+    ),
+    "thinking": either(
+        st.fixed_dictionaries(
+            {"type": either(st.sampled_from(["enabled", "disabled"]))},
+            optional={"budget_tokens": either(st.integers(0, 5000))},
+        )
+    ),
+    "metadata": HOSTILE,
+    "ignore_eos": BOOLS,
+}
+ANTHROPIC_VALID_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": PROMPTS}),
+    min_size=1,
+    max_size=3,
+)
 OLLAMA_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "model": MODELS,
     "stream": BOOLS,
@@ -764,6 +891,23 @@ ROUTES = {
                 "dimensions": either(st.integers(0, 128)),
                 "user": STRINGS,
             },
+        ),
+        Route(
+            "/v1/messages",
+            st.fixed_dictionaries(
+                {
+                    "model": st.just(MODEL),
+                    "messages": ANTHROPIC_VALID_MESSAGES,
+                    "max_tokens": st.integers(1, 4),
+                    "stream": st.booleans(),
+                }
+            ),
+            ANTHROPIC_FIELDS,
+        ),
+        Route(
+            "/v1/messages/count_tokens",
+            st.fixed_dictionaries({"model": st.just(MODEL), "messages": ANTHROPIC_VALID_MESSAGES}),
+            ANTHROPIC_FIELDS,
         ),
         Route(
             "/api/generate",

@@ -102,6 +102,19 @@ def test_each_dialect_reaches_the_model_it_names(router: WatchedServer) -> None:
         assert completion(url, f"{name}:latest").status_code == 200
         props = httpx.get(f"{url}/props", params={"model": name}, timeout=TIMEOUT)
         assert props.status_code == 200 and props.json()["model_alias"] == name
+        a = httpx.post(
+            f"{url}/v1/messages",
+            json={
+                "model": name,
+                "max_tokens": 5,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            timeout=TIMEOUT,
+        )
+        assert a.status_code == 200, a.text
+        assert a.json()["content"] == [{"type": "text", "text": text[:5]}]
+        assert a.json()["model"] == name
 
 
 def test_listings_name_every_model_and_say_which_are_loaded(router: WatchedServer) -> None:
@@ -165,6 +178,10 @@ def test_unknown_and_missing_models_get_errors_in_the_dialects_shape(
     assert m.status_code == 400 and "alpha" in m.text, m.text
     bad = httpx.post(f"{url}/v1/completions", content=b"{not json")
     assert bad.status_code == 400, bad.text
+    a = httpx.post(f"{url}/v1/messages", json={"model": "nope", "max_tokens": 1, "messages": []})
+    assert a.status_code == 404, a.text
+    assert a.json()["type"] == "error" and a.json()["error"]["type"] == "not_found_error"
+    assert "alpha" in a.json()["error"]["message"]
 
 
 def test_load_and_unload_routes(router: WatchedServer) -> None:

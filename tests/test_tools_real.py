@@ -1,6 +1,7 @@
-"""Tool calling with the official ``openai`` and ``ollama`` clients on the default model (Gemma
-3 270M, generic tool format: its template does not render tools, so the system prompt
-introduces them). The grammar makes every call well-formed: ``unit`` always obeys its enum."""
+"""Tool calling with the official ``openai``, ``ollama`` and ``anthropic`` clients on the
+default model (Gemma 3 270M, generic tool format: its template does not render tools, so the
+system prompt introduces them). The grammar makes every call well-formed: ``unit`` always obeys
+its enum."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import jsonschema
 import ollama
 import openai
@@ -174,3 +176,86 @@ def test_ollama_client_calls_and_gets_the_answer(gemma: Server) -> None:
     messages += [r.message, {"role": "tool", "tool_name": "get_weather", "content": "18 degrees"}]
     r = client.chat(model=NAME, messages=messages, options={"temperature": 0, "num_predict": 48})
     assert r.message.content
+
+
+def test_anthropic_tool_use_then_the_answer(gemma: Server) -> None:
+    """The agent loop in Anthropic's shape: a forced tool_use, its tool_result sent back, a
+    text answer; the auto mode with an example exchange calls for Paris."""
+    tool: Any = {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "input_schema": PARAMS,
+    }
+    example: Any = [
+        {"role": "user", "content": "What is the weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_rome",
+                    "name": "get_weather",
+                    "input": {"city": "Rome", "unit": "celsius"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_rome",
+                    "content": "25 degrees celsius, sunny",
+                }
+            ],
+        },
+        {"role": "assistant", "content": "It is 25 degrees celsius and sunny in Rome."},
+    ]
+    greedy = {"temperature": 0}
+    with anthropic.Anthropic(base_url=gemma.url, api_key="unused", max_retries=0) as client:
+        messages: Any = [ASK]
+        m = client.messages.create(
+            model=NAME,
+            messages=messages,
+            tools=[tool],
+            tool_choice={"type": "any"},
+            max_tokens=128,
+            extra_body=greedy,
+        )
+        assert m.stop_reason == "tool_use"
+        use = next(b for b in m.content if b.type == "tool_use")
+        assert use.name == "get_weather"
+        jsonschema.validate(use.input, PARAMS)
+        messages += [
+            {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use.id,
+                        "content": "18 degrees celsius, cloudy",
+                    }
+                ],
+            },
+        ]
+        m = client.messages.create(
+            model=NAME,
+            messages=messages,
+            tools=[tool],
+            tool_choice={"type": "none"},
+            max_tokens=48,
+            extra_body=greedy,
+        )
+        assert m.stop_reason in ("end_turn", "max_tokens")
+        assert [b.type for b in m.content] == ["text"]
+        m = client.messages.create(
+            model=NAME,
+            messages=[*example, ASK],
+            tools=[tool],
+            max_tokens=128,
+            extra_body=greedy,
+        )
+        assert m.stop_reason == "tool_use", m.content
+        use = next(b for b in m.content if b.type == "tool_use")
+        assert use.input["city"] == "Paris"  # type: ignore[index]

@@ -429,6 +429,7 @@ mod tests {
             truncated: false,
             draft_count: 0,
             draft_accepted_count: 0,
+            stop_string: None,
         };
         let record = |f: &dyn Fn(&mut RecordState)| {
             let r = Record::new("id".into());

@@ -223,6 +223,50 @@ impl IntoResponse for OpenAiError {
     }
 }
 
+impl ApiError {
+    /// Anthropic's error type for this status.
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            504 => "timeout_error",
+            400..=499 => "invalid_request_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The body in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, with
+    /// our stable kind as `error.code`.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        json!({"type": "error", "error": {
+            "type": self.anthropic_type(),
+            "message": self.to_string(),
+            "code": self.kind(),
+        }})
+    }
+}
+
+/// An error answered in Anthropic's shape (`/v1/messages`).
+#[derive(Debug)]
+pub struct AnthropicError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for AnthropicError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        self.0.log();
+        (self.0.status(), Json(self.0.anthropic_body())).into_response()
+    }
+}
+
 /// An error answered in Ollama's shape, `{"error": "..."}` (the `/api` routes).
 #[derive(Debug)]
 pub struct OllamaError(pub ApiError);
@@ -248,6 +292,8 @@ pub enum Dialect {
     Native,
     /// OpenAI's, under `/v1/`.
     OpenAi,
+    /// Anthropic's, `/v1/messages` and below: `{"type": "error", "error": {...}}`.
+    Anthropic,
     /// Ollama's, under `/api/`: `{"error": "..."}`.
     Ollama,
 }
@@ -255,7 +301,9 @@ pub enum Dialect {
 impl Dialect {
     /// The dialect of a request path.
     pub fn of_path(path: &str) -> Self {
-        if path.starts_with("/v1/") {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Dialect::Anthropic
+        } else if path.starts_with("/v1/") {
             Dialect::OpenAi
         } else if path.starts_with("/api/") {
             Dialect::Ollama
@@ -269,6 +317,7 @@ impl Dialect {
         match self {
             Dialect::Native => err.into_response(),
             Dialect::OpenAi => OpenAiError(err).into_response(),
+            Dialect::Anthropic => AnthropicError(err).into_response(),
             Dialect::Ollama => OllamaError(err).into_response(),
         }
     }

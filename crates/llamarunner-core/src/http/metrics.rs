@@ -457,6 +457,7 @@ mod tests {
             truncated: false,
             draft_count: 0,
             draft_accepted_count: 0,
+            stop_string: None,
         }
     }
 

@@ -71,6 +71,9 @@ pub struct Completion {
     pub draft_count: usize,
     /// Drafted tokens accepted (each one a decode step saved).
     pub draft_accepted_count: usize,
+    /// The stop string that ended it (None when it ended otherwise: end of generation, a
+    /// grammar's end, a limit).
+    pub stop_string: Option<String>,
 }
 
 /// The class of an engine-side failure, which decides its HTTP status.

@@ -276,15 +276,21 @@ pub async fn chat_prompt_with(
 pub struct Generation {
     rx: Receiver<Event>,
     record: Option<Arc<Record>>,
+    /// The prompt's positions in the slot (images' included), as queued.
+    pub prompt_tokens: usize,
 }
 
 impl Generation {
-    fn new(rx: Receiver<Event>) -> Self {
+    fn new(rx: Receiver<Event>, prompt_tokens: usize) -> Self {
         let record = access::current();
         if let Some(r) = &record {
             r.generation_started();
         }
-        Self { rx, record }
+        Self {
+            rx,
+            record,
+            prompt_tokens,
+        }
     }
 
     /// The next event; None once the engine has sent the last.
@@ -361,6 +367,7 @@ pub async fn start_generation(
     let images = image_prompt::decode_images(&info, images).await?;
     let valid = validate::generation(&info, &state.limits, text, images, params).await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
+    let prompt_tokens = valid.tokens.len();
     state.engine.submit(Request {
         id: access::current_id(),
         prompt: Input::Tokens(valid.tokens),
@@ -372,7 +379,7 @@ pub async fn start_generation(
         images: valid.images,
     })?;
     match rx.recv().await {
-        Some(Event::Started) => Ok(Generation::new(rx)),
+        Some(Event::Started) => Ok(Generation::new(rx, prompt_tokens)),
         Some(Event::Error(e)) => Err(e.into()),
         Some(other) => Err(ApiError::Internal(format!(
             "unexpected first event {other:?}"

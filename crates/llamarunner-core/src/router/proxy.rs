@@ -153,12 +153,17 @@ pub async fn forward(lease: Lease, parts: &Parts, body: Bytes, key: &str) -> Res
 fn broken_stream_line(dialect: Dialect, event_stream: bool) -> Bytes {
     let message = "the model's engine stopped while answering; retry (the model is loaded again)";
     let err = ApiError::Internal(message.into());
+    if event_stream && dialect == Dialect::Anthropic {
+        let body = err.anthropic_body();
+        return Bytes::from(format!("event: error\ndata: {body}\n\n"));
+    }
     if event_stream {
         let body = err.openai_body();
         return Bytes::from(format!("data: {body}\n\n"));
     }
     let line = match dialect {
         Dialect::Ollama => json!({"error": message}),
+        Dialect::Anthropic => err.anthropic_body(),
         _ => json!({"done": true, "done_reason": "error", "error": err.body()["error"]}),
     };
     Bytes::from(format!("{line}\n"))

@@ -1552,6 +1552,7 @@ impl<B: Backend> Scheduler<B> {
             truncated: seq.truncated,
             draft_count: seq.spec.drafted,
             draft_accepted_count: seq.spec.accepted,
+            stop_string: seq.text.stopped_by().map(str::to_string),
         }));
         self.slots[index].last_used = Some(std::time::SystemTime::now());
         self.send_all(seq.events, events);

@@ -20,6 +20,8 @@ pub struct TextStream {
     /// How many of `token_ends` are at or before `released` (advanced as text is released, so
     /// counting returned tokens stays linear over a whole generation).
     returned: usize,
+    /// The index in `stops` of the stop string that ended the text.
+    stopped_by: Option<usize>,
 }
 
 /// What pushing one token's bytes produced.
@@ -47,7 +49,8 @@ impl TextStream {
         self.decode_partial();
         self.decoded += self.held.len() - before;
         self.token_ends.push(self.decoded);
-        if let Some(at) = self.earliest_stop() {
+        if let Some((at, which)) = self.earliest_stop() {
+            self.stopped_by = Some(which);
             self.held.truncate(at);
             self.partial.clear();
             return Pushed {
@@ -106,11 +109,20 @@ impl TextStream {
         self.partial.drain(..used);
     }
 
-    /// Byte offset in `held` of the earliest stop string, if any.
-    fn earliest_stop(&self) -> Option<usize> {
+    /// The stop string that ended the text, if one did.
+    pub fn stopped_by(&self) -> Option<&str> {
+        self.stopped_by
+            .and_then(|i| self.stops.get(i))
+            .map(String::as_str)
+    }
+
+    /// Byte offset in `held` of the earliest stop string, if any, and its index in `stops`
+    /// (the first listed, of two found at the same offset).
+    fn earliest_stop(&self) -> Option<(usize, usize)> {
         self.stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, i)))
             .min()
     }
 
@@ -242,6 +254,20 @@ mod tests {
         let (out, stopped, _) = run(&["c", "a"], &[b"xabc"]);
         assert!(stopped);
         assert_eq!(out.concat(), "x");
+    }
+
+    #[test]
+    fn the_stop_string_that_ended_the_text_is_known() {
+        let mut s = TextStream::new(vec!["c".into(), "ab".into()]);
+        assert_eq!(s.stopped_by(), None);
+        assert!(!s.push(b"xa").stopped);
+        assert_eq!(s.stopped_by(), None);
+        assert!(s.push(b"bc").stopped);
+        assert_eq!(s.stopped_by(), Some("ab"));
+        let mut s = TextStream::new(vec!["q".into()]);
+        s.push(b"no stop here");
+        s.finish();
+        assert_eq!(s.stopped_by(), None);
     }
 
     #[test]
