@@ -1,6 +1,6 @@
-"""The four dialects on the real default model (Gemma 3 270M, which has no chat template of
+"""The dialects on the real default model (Gemma 3 270M, which has no chat template of
 its own, so the built-in Gemma one is used): the same conversation gives the same greedy text
-through the native API, OpenAI's, Ollama's and Anthropic's."""
+through the native API, OpenAI's chat and Responses APIs, Ollama's and Anthropic's."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def test_same_conversation_same_greedy_text_in_every_dialect(gemma: Server) -> N
             stream=True,
         )
         via_openai_stream = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        via_responses = oa.responses.create(
+            model=name,
+            input=CONVERSATION,  # type: ignore[arg-type]
+            temperature=0,
+            max_output_tokens=N,
+        ).output_text
     via_ollama = (
         ollama.Client(host=gemma.url)
         .chat(model=name, messages=CONVERSATION, options=greedy)
@@ -97,6 +103,7 @@ def test_same_conversation_same_greedy_text_in_every_dialect(gemma: Server) -> N
     assert via_openai_stream == native
     assert via_ollama == native
     assert via_anthropic == native
+    assert via_responses == native
     assert via_anthropic_stream == native
 
 

@@ -229,6 +229,23 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
             if not isinstance(choices, list) or len(choices) != 1 or "usage" not in obj:
                 return f"not a completion object: {show(data)}"
             return None
+        if path == "/v1/responses":
+            if "text/event-stream" in reply.content_type:
+                events = [json.loads(p) for p in sse_payloads(data)]
+                kinds = [e.get("type") for e in events]
+                ends = ("response.completed", "response.incomplete")
+                if not kinds or kinds[0] != "response.created" or kinds[-1] not in ends:
+                    return f"the event stream is not response.created ... completed: {kinds}"
+                return None
+            if want_stream:
+                return f"stream:true answered {reply.content_type}, not SSE"
+            obj = json.loads(data)
+            if obj.get("object") != "response" or obj.get("status") not in (
+                "completed",
+                "incomplete",
+            ):
+                return f"not a finished response object: {show(data)}"
+            return None
         if path == "/v1/messages":
             if "text/event-stream" in reply.content_type:
                 events = [json.loads(p) for p in sse_payloads(data)]
@@ -760,6 +777,94 @@ ANTHROPIC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "metadata": HOSTILE,
     "ignore_eos": BOOLS,
 }
+RESPONSES_PART = st.one_of(
+    st.fixed_dictionaries(
+        {"type": either(st.sampled_from(["input_text", "output_text"])), "text": either(PROMPTS)}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("input_image"), "image_url": either(st.sampled_from(["data:,", "x"]))}
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["input_file", "refusal"]), "file_id": STRINGS}),
+    HOSTILE,
+)
+RESPONSES_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": either(st.sampled_from(["user", "assistant", "system", "developer", "tool"])),
+            "content": st.one_of(PROMPTS, st.lists(RESPONSES_PART, max_size=3), HOSTILE),
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": either(st.just("call_1")),
+            "name": either(st.just("f")),
+            "arguments": either(st.sampled_from(["{}", "{", '{"a": 1}'])),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": either(st.just("call_1")),
+            "output": either(PROMPTS),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"])}),
+    HOSTILE,
+)
+RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "model": MODELS,
+    "input": either(st.one_of(PROMPTS, st.lists(RESPONSES_ITEM, max_size=4))),
+    "instructions": STRINGS,
+    "previous_response_id": either(st.sampled_from(["resp_nope", ""])),
+    "store": BOOLS,
+    "stream": BOOLS,
+    "max_output_tokens": either(SMALL_N),
+    "temperature": either(st.floats(0, 2.5)),
+    "top_p": either(st.floats(0, 1)),
+    "tools": either(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "type": either(st.sampled_from(["function", "web_search"])),
+                    "name": either(st.sampled_from(["f", "", "a b"])),
+                },
+                optional={"parameters": either(st.just({"type": "object"}))},
+            ),
+            max_size=3,
+        )
+    ),
+    "tool_choice": either(
+        st.one_of(
+            st.sampled_from(["auto", "none", "required"]),
+            st.fixed_dictionaries({"type": st.just("function"), "name": either(st.just("f"))}),
+        )
+    ),
+    "parallel_tool_calls": BOOLS,
+    "text": either(
+        st.fixed_dictionaries(
+            {
+                "format": either(
+                    st.sampled_from(
+                        [
+                            {"type": "text"},
+                            {"type": "json_object"},
+                            {"type": "json_schema", "name": "x", "schema": {"type": "object"}},
+                            {"type": "json_schema"},
+                        ]
+                    )
+                )
+            }
+        )
+    ),
+    "reasoning": either(
+        st.fixed_dictionaries({"effort": either(st.sampled_from(["none", "high"]))})
+    ),
+    "truncation": either(st.sampled_from(["auto", "disabled"])),
+    "metadata": HOSTILE,
+    "ignore_eos": BOOLS,
+}
 ANTHROPIC_VALID_MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": PROMPTS}),
     min_size=1,
@@ -891,6 +996,18 @@ ROUTES = {
                 "dimensions": either(st.integers(0, 128)),
                 "user": STRINGS,
             },
+        ),
+        Route(
+            "/v1/responses",
+            st.fixed_dictionaries(
+                {
+                    "model": st.just(MODEL),
+                    "input": st.one_of(PROMPTS, ANTHROPIC_VALID_MESSAGES),
+                    "max_output_tokens": st.integers(1, 4),
+                    "stream": st.booleans(),
+                }
+            ),
+            RESPONSES_FIELDS,
         ),
         Route(
             "/v1/messages",

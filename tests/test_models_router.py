@@ -115,6 +115,13 @@ def test_each_dialect_reaches_the_model_it_names(router: WatchedServer) -> None:
         assert a.status_code == 200, a.text
         assert a.json()["content"] == [{"type": "text", "text": text[:5]}]
         assert a.json()["model"] == name
+        resp = httpx.post(
+            f"{url}/v1/responses",
+            json={"model": name, "input": "x", "max_output_tokens": 5, "temperature": 0},
+            timeout=TIMEOUT,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["output"][0]["content"][0]["text"] == text[:5]
 
 
 def test_listings_name_every_model_and_say_which_are_loaded(router: WatchedServer) -> None:

@@ -3,7 +3,7 @@
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::dialects::{anthropic, native, ollama, openai};
+use crate::dialects::{anthropic, native, ollama, openai, responses};
 use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::{access, middleware, AppState};
 use crate::ops::{lora, metrics, props, slots, tokenizer};
@@ -31,6 +31,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(openai::models))

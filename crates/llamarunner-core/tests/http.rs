@@ -337,7 +337,7 @@ async fn unknown_routes_are_404_in_their_dialect() {
         v["error"].as_str().unwrap().contains("cannot pull"),
         "{text}"
     );
-    let (s, text) = post_to(&app, "/v1/responses", "{}").await;
+    let (s, text) = post_to(&app, "/v1/assistants", "{}").await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["code"], "not_found");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::{stream, StreamExt};
@@ -551,7 +551,11 @@ pub async fn messages(
     let mut writer = Blocks::new(meta, output);
     let events = rx.flat_map(move |e| stream::iter(writer.on(e)));
     let body = stream::iter(head).chain(events).map(Ok::<_, Infallible>);
-    Ok(Sse::new(body).into_response())
+    // A call is held back until it is whole: pings keep a quiet stream alive, as Anthropic's.
+    let ping = SseEvent::default().event("ping").data(r#"{"type":"ping"}"#);
+    Ok(Sse::new(body)
+        .keep_alive(KeepAlive::new().event(ping))
+        .into_response())
 }
 
 /// Body of `POST /v1/messages/count_tokens`' answer: the prompt's tokens, as the request
@@ -605,9 +609,11 @@ impl Meta {
     }
 }
 
+/// Anthropic's usage: `input_tokens` are the prompt tokens decoded, those reused from the
+/// cache are `cache_read_input_tokens` (the prompt is their sum, as Anthropic counts it).
 fn usage(done: &Completion) -> Value {
     json!({
-        "input_tokens": done.prompt_eval_count,
+        "input_tokens": done.prompt_eval_count.saturating_sub(done.prompt_cached_count),
         "output_tokens": done.eval_count,
         "cache_read_input_tokens": done.prompt_cached_count,
         "cache_creation_input_tokens": 0,

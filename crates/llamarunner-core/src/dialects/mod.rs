@@ -5,10 +5,13 @@
 //! - `openai.rs`: OpenAI's chat completions, completions, embeddings and models;
 //! - `ollama.rs`: Ollama's `/api/*`;
 //! - `anthropic.rs`: Anthropic's Messages API (`/v1/messages`, its token count);
+//! - `responses.rs`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
+//!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);
 //! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader.
 
 pub mod anthropic;
 pub mod native;
 pub mod ollama;
 pub mod openai;
+pub mod responses;
 pub mod stream_json;

@@ -9,6 +9,7 @@ pub mod error;
 pub mod fallback;
 pub mod metrics;
 pub mod middleware;
+pub mod response_store;
 pub mod state;
 
 pub use state::{AppState, Limits, IMAGES_IN_FLIGHT};

@@ -48,6 +48,8 @@ pub struct AppState {
     /// each holds its pixels, then the projector's preprocessed input, until its request has
     /// a slot.
     pub images_in_flight: Arc<tokio::sync::Semaphore>,
+    /// The responses `POST /v1/responses` keeps for `previous_response_id`.
+    pub responses: Arc<super::response_store::ResponseStore>,
 }
 
 impl AppState {
@@ -63,6 +65,7 @@ impl AppState {
             lora: Arc::default(),
             reasoning_format: crate::config::ReasoningFormat::Auto,
             images_in_flight: Arc::new(tokio::sync::Semaphore::new(IMAGES_IN_FLIGHT)),
+            responses: Arc::default(),
         }
     }
 
