@@ -3,6 +3,8 @@
 //! (a step's cost by width, measured before any request), and the scheduler serves the inbox
 //! until the runner stops.
 
+pub mod step_cost_cache;
+
 #[cfg(feature = "llama")]
 use crate::backend::llama;
 #[cfg(feature = "llama")]
@@ -24,7 +26,9 @@ pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
     let stop = inbox.shutdown.clone();
     let served = llama::load(config, &health, stop, |mut backend, loaded| {
         let speculation = speculation(config, loaded.recurrent, |widths| {
-            llama::step_times(&mut backend, widths)
+            step_cost_cache::cached(config, &llama::system_info(), widths, || {
+                llama::step_times(&mut backend, widths)
+            })
         });
         Scheduler::new(backend, inbox, config.parallel as usize)
             .with_multiuser_cache(config.multiuser_cache)
@@ -72,7 +76,7 @@ fn speculation(
     let cost = step_times(widths).map_or(StepCost::FREE, |times| StepCost::from_times(&times));
     tracing::info!(
         step_us = ?cost.times(),
-        "measured the decode step's cost by width (how much drafting pays)"
+        "the decode step's cost by width (how much drafting pays)"
     );
     SpecConfig {
         cost,

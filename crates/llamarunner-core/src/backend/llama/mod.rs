@@ -308,7 +308,7 @@ fn sliding_window(model: &LlamaModel) -> Option<usize> {
 }
 
 /// llama.cpp's description of its compute backends and the CPU features its kernels use.
-fn system_info() -> String {
+pub fn system_info() -> String {
     // SAFETY: llama_print_system_info takes no arguments and returns a pointer to a
     // NUL-terminated string in a static buffer of llama.cpp's (or null).
     let p = unsafe { llama_cpp_sys_2::llama_print_system_info() };
