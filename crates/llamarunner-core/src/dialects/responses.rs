@@ -177,18 +177,31 @@ impl ResponsesRequest {
 /// reads as `system`), `function_call`s (the assistant's calls) and `function_call_output`s
 /// (`tool` messages); `reasoning` items are dropped (the template gets the answer, not the
 /// thinking, as OpenAI's models do).
+#[cfg(test)]
 fn input_messages(input: Option<&Value>) -> Result<Vec<Value>, ApiError> {
+    input_messages_after(Vec::new(), input)
+}
+
+/// `input_messages` appended to `out` (the conversation a previous response ended): a call
+/// the client sends again right after the turn that made it is not repeated.
+fn input_messages_after(
+    mut out: Vec<Value>,
+    input: Option<&Value>,
+) -> Result<Vec<Value>, ApiError> {
     let items = match input {
-        Some(Value::String(s)) => return Ok(vec![json!({"role": "user", "content": s})]),
+        Some(Value::String(s)) => {
+            out.push(json!({"role": "user", "content": s}));
+            return Ok(out);
+        }
         Some(Value::Array(items)) => items,
-        None | Some(Value::Null) => return Ok(Vec::new()),
+        None | Some(Value::Null) => return Ok(out),
         Some(_) => {
             return Err(ApiError::invalid(
                 "input must be a string or an array of input items",
             ))
         }
     };
-    let mut out: Vec<Value> = Vec::with_capacity(items.len());
+    out.reserve(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = format!("input[{i}]");
         let kind = item.get("type").and_then(Value::as_str);
@@ -209,6 +222,9 @@ fn input_messages(input: Option<&Value>) -> Result<Vec<Value>, ApiError> {
                 match out.last_mut() {
                     Some(last) if last["role"] == "assistant" => {
                         match last.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                            // A call sent again (a client that re-sends the previous output
+                            // with previous_response_id) is that call, once.
+                            Some(calls) if calls.iter().any(|c| c["id"] == call["id"]) => {}
                             Some(calls) => calls.push(call),
                             None => last["tool_calls"] = json!([call]),
                         }
@@ -374,19 +390,18 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
     let mut params = req.params()?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     // The conversation: the previous response's, then this input.
-    let mut history = match req.previous_response_id.as_deref() {
+    let history = match req.previous_response_id.as_deref() {
         None | Some("") => Vec::new(),
-        Some(id) => {
-            state
-                .responses
-                .get(id)
-                .ok_or_else(|| {
-                    ApiError::NotFound(format!("Previous response with id {id:?} not found."))
-                })?
-                .messages
-        }
+        Some(id) => state
+            .responses
+            .get(id)
+            .ok_or_else(|| {
+                ApiError::NotFound(format!("Previous response with id {id:?} not found."))
+            })?
+            .messages
+            .clone(),
     };
-    history.extend(input_messages(req.input.as_ref())?);
+    let history = input_messages_after(history, req.input.as_ref())?;
     if history.is_empty() {
         return Err(ApiError::invalid("input is required").into());
     }
@@ -421,7 +436,11 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
         if !answer.calls.is_empty() {
             pieces.push(OutPiece::Calls(answer.calls));
         }
-        let items: Vec<Value> = pieces.into_iter().flat_map(whole_items).collect();
+        let status = item_status(&all.done);
+        let items: Vec<Value> = pieces
+            .into_iter()
+            .flat_map(|p| whole_items(p, status))
+            .collect();
         let response = meta.object(&Finished::from(&all.done), &items);
         if let Some((store, history)) = store {
             keep_response(&store, &meta.id, history, &items, &response);
@@ -449,7 +468,7 @@ pub async fn retrieve(
         .responses
         .get(&id)
         .ok_or_else(|| ApiError::NotFound(format!("Response with id {id:?} not found.")))?;
-    Ok(Json(stored.response).into_response())
+    Ok(Json(stored.response.clone()).into_response())
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -571,7 +590,7 @@ impl Meta {
         let (status, usage) = match finished {
             Finished::InProgress => ("in_progress", None),
             Finished::Failed(e) => {
-                r["error"] = json!({"code": e.kind(), "message": e.to_string()});
+                r["error"] = json!({"code": response_error_code(e), "message": e.to_string()});
                 ("failed", None)
             }
             Finished::Done(done) => {
@@ -598,10 +617,19 @@ impl Meta {
     }
 }
 
+/// A failed response's `error.code`, among those OpenAI's `ResponseError` names.
+fn response_error_code(e: &ApiError) -> &'static str {
+    match e {
+        ApiError::InvalidImage(_) | ApiError::ImagesNotSupported(_) => "invalid_image",
+        ApiError::Overloaded(_) => "rate_limit_exceeded",
+        _ => "server_error",
+    }
+}
+
 fn usage(done: &Completion) -> Value {
     json!({
         "input_tokens": done.prompt_eval_count,
-        "input_tokens_details": {"cached_tokens": done.prompt_cached_count},
+        "input_tokens_details": {"cached_tokens": done.prompt_cached_count, "cache_write_tokens": 0},
         "output_tokens": done.eval_count,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": done.prompt_eval_count + done.eval_count,
@@ -639,10 +667,20 @@ fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str)
 }
 
 /// The output items of a piece of a whole answer.
-fn whole_items(piece: OutPiece) -> Vec<Value> {
+/// An answer's last message item's status: `incomplete` when the answer was cut.
+fn item_status(done: &Completion) -> &'static str {
+    match done.done_reason {
+        DoneReason::Stop => "completed",
+        DoneReason::Length | DoneReason::Timeout => "incomplete",
+    }
+}
+
+/// The output items of a piece of a whole answer; a message cut by the token limit is
+/// `incomplete` (`status`).
+fn whole_items(piece: OutPiece, status: &str) -> Vec<Value> {
     match piece {
         OutPiece::Reasoning(t) => vec![reasoning_item(&new_id("rs"), &t)],
-        OutPiece::Content(t) => vec![message_item(&new_id("msg"), &t, "completed")],
+        OutPiece::Content(t) => vec![message_item(&new_id("msg"), &t, status)],
         OutPiece::Calls(calls) => calls
             .into_iter()
             .map(|c| {
@@ -713,7 +751,7 @@ impl Items {
                 for piece in self.output.finish() {
                     self.piece(piece, &mut out);
                 }
-                self.close(&mut out);
+                self.close_as(&mut out, item_status(&done));
                 let finished = Finished::from(&done);
                 let response = self.meta.object(&finished, &self.done);
                 if let Some((store, history)) = self.store.take() {
@@ -731,7 +769,7 @@ impl Items {
                 let e = ApiError::from(e);
                 out.push(self.event(
                     "error",
-                    json!({"code": e.kind(), "message": e.to_string(), "param": null}),
+                    json!({"code": response_error_code(&e), "message": e.to_string(), "param": null}),
                 ));
                 let response = self.meta.object(&Finished::Failed(e), &self.done);
                 out.push(self.event("response.failed", json!({"response": response})));
@@ -836,6 +874,11 @@ impl Items {
     }
 
     fn close(&mut self, out: &mut Vec<SseEvent>) {
+        self.close_as(out, "completed");
+    }
+
+    /// Closes the open item; a message gets `status`.
+    fn close_as(&mut self, out: &mut Vec<SseEvent>, status: &str) {
         let index = self.index();
         let item = match self.open.take() {
             None => return,
@@ -857,7 +900,7 @@ impl Items {
                     json!({"item_id": id, "output_index": index, "content_index": 0,
                            "part": {"type": "output_text", "text": text, "annotations": []}}),
                 ));
-                message_item(&id, &text, "completed")
+                message_item(&id, &text, status)
             }
         };
         out.push(self.event(
@@ -905,6 +948,24 @@ mod tests {
                 ]}),
                 json!({"role": "tool", "tool_call_id": "call_1", "content": "20C"}),
                 json!({"role": "tool", "tool_call_id": "call_2", "content": "18C"}),
+            ]
+        );
+        // A call re-sent after the turn that made it is that call, once.
+        let turn = json!({"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let again = input_messages_after(
+            vec![turn.clone()],
+            Some(&json!([
+                {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+            ])),
+        )
+        .unwrap();
+        assert_eq!(
+            again,
+            vec![
+                turn,
+                json!({"role": "tool", "tool_call_id": "call_1", "content": "ok"})
             ]
         );
         assert_eq!(

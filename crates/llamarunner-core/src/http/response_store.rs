@@ -29,7 +29,8 @@ pub struct Stored {
 
 #[derive(Debug)]
 struct Entry {
-    stored: Stored,
+    /// Shared: a read copies no conversation under the lock.
+    stored: std::sync::Arc<Stored>,
     at: Instant,
     bytes: usize,
 }
@@ -82,6 +83,13 @@ impl ResponseStore {
     pub fn put(&self, id: String, stored: Stored) -> bool {
         let bytes = size(&stored);
         if bytes > self.max_bytes || self.max_responses == 0 {
+            tracing::warn!(
+                id,
+                bytes,
+                max_bytes = self.max_bytes,
+                "a response too large for the response store is not kept: \
+                 previous_response_id cannot continue it"
+            );
             return false;
         }
         let mut inner = self.lock();
@@ -99,7 +107,7 @@ impl ResponseStore {
         inner.entries.insert(
             id,
             Entry {
-                stored,
+                stored: std::sync::Arc::new(stored),
                 at: Instant::now(),
                 bytes,
             },
@@ -108,7 +116,7 @@ impl ResponseStore {
     }
 
     /// The response kept under `id`, unless it is older than the age limit.
-    pub fn get(&self, id: &str) -> Option<Stored> {
+    pub fn get(&self, id: &str) -> Option<std::sync::Arc<Stored>> {
         let mut inner = self.lock();
         let expired = inner.entries.get(id)?.at.elapsed() > self.max_age;
         if expired {
