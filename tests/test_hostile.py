@@ -608,6 +608,22 @@ MESSAGES = st.one_of(
 )
 MODELS = either(st.sampled_from([MODEL, f"{MODEL}:latest", "tiny-model.gguf", "", "gpt-4o"]))
 
+# llama-server's samplers, in every dialect (DRY's window and breakers are where llama.cpp
+# allocates and where the bindings panic on a NUL).
+SAMPLER_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "dry_multiplier": either(st.floats(0, 5)),
+    "dry_base": either(st.floats(0, 3)),
+    "dry_allowed_length": INTS,
+    "dry_penalty_last_n": INTS,
+    "dry_sequence_breakers": either(
+        st.lists(st.one_of(st.text(max_size=5), st.just("a\u0000b")), max_size=20)
+    ),
+    "xtc_probability": either(st.floats(0, 1)),
+    "xtc_threshold": either(st.floats(0, 1)),
+    "top_n_sigma": either(st.floats(-1, 5)),
+    "dynatemp_range": either(st.floats(0, 2)),
+    "dynatemp_exponent": either(st.floats(0, 2)),
+}
 OPTION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "num_predict": either(SMALL_N),
     "num_keep": either(st.integers(-2, 10)),
@@ -636,6 +652,7 @@ OPTION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "use_mmap": HOSTILE,
     "tfs_z": FLOATS,
     "penalize_newline": HOSTILE,
+    **SAMPLER_FIELDS,
 }
 OPTIONS = st.one_of(
     st.fixed_dictionaries(
@@ -675,6 +692,7 @@ OPENAI_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": BOOLS,
     "grammar": GRAMMARS,
     "user": STRINGS,
+    **SAMPLER_FIELDS,
 }
 ANTHROPIC_BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": either(PROMPTS)}),
@@ -776,6 +794,7 @@ ANTHROPIC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "metadata": HOSTILE,
     "ignore_eos": BOOLS,
+    **SAMPLER_FIELDS,
 }
 RESPONSES_PART = st.one_of(
     st.fixed_dictionaries(
@@ -864,6 +883,7 @@ RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "truncation": either(st.sampled_from(["auto", "disabled"])),
     "metadata": HOSTILE,
     "ignore_eos": BOOLS,
+    **SAMPLER_FIELDS,
 }
 ANTHROPIC_VALID_MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": PROMPTS}),

@@ -188,3 +188,166 @@ def test_bad_values_name_the_option(
     r = httpx.post(f"{tiny_server.url}/completion", json={"prompt": "x", **body})
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# llama-server's samplers: DRY, XTC, top-n-sigma, dynamic temperature
+
+
+@pytest.fixture(scope="module")
+def looper(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A model whose greedy text is "alph " over and over: a repeat DRY must break."""
+    from tinymodel import write_cycle_model
+
+    model = write_cycle_model(tmp_path_factory.mktemp("loop") / "loop.gguf", "alph ")
+    with Server(str(model), port=0, ctx_size=512, threads=2, alias="loop") as srv:
+        yield srv
+
+
+def test_dry_breaks_a_repeat_even_when_greedy(looper: Server) -> None:
+    plain = greedy(looper, "x", repeat_penalty=1.0)
+    assert plain == ("alph " * 10)[:N]
+    dry = greedy(looper, "x", repeat_penalty=1.0, dry_multiplier=5.0, dry_allowed_length=2)
+    assert dry != plain
+    # Broken where a repeat grows past the allowed length, not before.
+    assert dry[:5] == plain[:5]
+
+    # A later allowed length lets the loop run longer before DRY breaks it.
+    def kept(text: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), len(text))
+
+    later = greedy(looper, "x", repeat_penalty=1.0, dry_multiplier=5.0, dry_allowed_length=12)
+    assert kept(later) > kept(dry), (dry, later)
+    # Sequence breakers are taken (their effect depends on how the vocabulary splits them).
+    assert greedy(looper, "x", dry_multiplier=5.0, dry_sequence_breakers=[" ", "ph"])
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"xtc_probability": 1.0, "xtc_threshold": 0.01},
+        {"top_n_sigma": 0.01},
+        {"dynatemp_range": 0.9, "dynatemp_exponent": 0.5},
+    ],
+)
+def test_sampled_text_changes_with_each_sampler(
+    tiny_server: Server, option: dict[str, Any]
+) -> None:
+    base = sampled(tiny_server, top_k=0, top_p=1.0)
+    assert sampled(tiny_server, top_k=0, top_p=1.0) == base
+    changed = sampled(tiny_server, top_k=0, top_p=1.0, **option)
+    assert changed != base
+    # Fixed by the seed, as the others are.
+    assert sampled(tiny_server, top_k=0, top_p=1.0, **option) == changed
+
+
+def test_the_samplers_are_read_in_every_dialect(looper: Server) -> None:
+    """The same DRY request through the OpenAI, Anthropic and Responses dialects breaks the
+    loop the same way as the native one."""
+    native = greedy(looper, "x", repeat_penalty=1.0, dry_multiplier=5.0)
+    extra = {"dry_multiplier": 5.0, "temperature": 0, "ignore_eos": True}
+    chat = httpx.post(
+        f"{looper.url}/v1/completions",
+        json={"model": "loop", "prompt": "x", "max_tokens": N, **extra},
+        timeout=60,
+    ).json()["choices"][0]["text"]
+    assert chat == native
+    for path, body, read in [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": N},
+            lambda r: r["choices"][0]["message"]["content"],
+        ),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": N},
+            lambda r: r["content"][0]["text"],
+        ),
+        (
+            "/v1/responses",
+            {"input": "x", "max_output_tokens": N},
+            lambda r: r["output"][0]["content"][0]["text"],
+        ),
+    ]:
+        on = httpx.post(f"{looper.url}{path}", json={"model": "loop", **body, **extra}, timeout=60)
+        off = httpx.post(
+            f"{looper.url}{path}",
+            json={"model": "loop", **body, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert on.status_code == 200 and off.status_code == 200, (path, on.text)
+        assert read(off.json()).startswith("alph alph alph"), path
+        assert read(on.json()) != read(off.json()), path
+    ollama = httpx.post(
+        f"{looper.url}/api/generate",
+        json={
+            "model": "loop",
+            "prompt": "x",
+            "raw": True,
+            "stream": False,
+            "options": {
+                "num_predict": N,
+                "repeat_penalty": 1.0,
+                "dry_multiplier": 5.0,
+                "temperature": 0,
+            },
+        },
+        timeout=60,
+    ).json()["response"]
+    assert ollama == native
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/completion", {"prompt": "x", "options": {"dry_multiplier": -1}}, "dry_multiplier"),
+        (
+            "/completion",
+            {"prompt": "x", "options": {"dry_sequence_breakers": ["a\u0000"]}},
+            "dry_sequence_breakers",
+        ),
+        (
+            "/completion",
+            {"prompt": "x", "options": {"dry_sequence_breakers": ["b"] * 17}},
+            "dry_sequence_breakers",
+        ),
+        (
+            "/completion",
+            {"prompt": "x", "options": {"dry_penalty_last_n": -5}},
+            "dry_penalty_last_n",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "xtc_probability": 2},
+            "xtc_probability",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_n_sigma": 1e9},
+            "top_n_sigma",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": "tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}],
+                "dynatemp_range": -1,
+            },
+            "dynatemp_range",
+        ),
+        ("/v1/responses", {"model": "tiny", "input": "x", "dry_base": float("1e40")}, "dry_base"),
+    ],
+)
+def test_bad_sampler_values_are_400s_naming_them(
+    tiny_server: Server, path: str, body: dict[str, Any], fragment: str
+) -> None:
+    r = httpx.post(f"{tiny_server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert fragment in r.text
+
+
+def test_a_huge_dry_window_is_clamped_to_the_slot(tiny_server: Server) -> None:
+    # llama.cpp allocates DRY's ring of recent tokens at its window: 2^31 would be gigabytes.
+    text = greedy(tiny_server, dry_multiplier=0.5, dry_penalty_last_n=2**31 - 1)
+    assert isinstance(text, str) and text

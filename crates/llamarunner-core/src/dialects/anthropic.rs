@@ -56,6 +56,9 @@ struct MessagesRequest {
     ignore_eos: Option<bool>,
     lora: Option<Value>,
     cache_prompt: Option<bool>,
+    /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
+    #[serde(flatten)]
+    samplers: crate::requests::options::SamplerFields,
 }
 
 impl MessagesRequest {
@@ -95,6 +98,7 @@ impl MessagesRequest {
                 .collect(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            samplers: self.samplers.samplers(),
             ..defaults
         };
         validate::check_options(&p).map_err(|e| {

@@ -84,6 +84,9 @@ struct OpenAiRequest {
     speculative: Option<bool>,
     /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
     cache_prompt: Option<bool>,
+    /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
+    #[serde(flatten)]
+    samplers: crate::requests::options::SamplerFields,
 }
 
 impl OpenAiRequest {
@@ -139,6 +142,7 @@ impl OpenAiRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             speculative: self.speculative,
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            samplers: self.samplers.samplers(),
             ..defaults
         };
         crate::requests::validate::check_options(&p)

@@ -63,6 +63,9 @@ struct ResponsesRequest {
     ignore_eos: Option<bool>,
     lora: Option<Value>,
     cache_prompt: Option<bool>,
+    /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
+    #[serde(flatten)]
+    samplers: crate::requests::options::SamplerFields,
 }
 
 impl ResponsesRequest {
@@ -113,6 +116,7 @@ impl ResponsesRequest {
             seed: self.seed.unwrap_or(-1),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            samplers: self.samplers.samplers(),
             ..defaults
         };
         validate::check_options(&p).map_err(|e| ApiError::invalid(e.replace("options.", "")))?;

@@ -67,6 +67,59 @@ pub struct SamplingParams {
     /// Reuse a cached prefix of the prompt (a slot's, a fork's or the prompt cache's); false
     /// decodes the whole prompt (llama-server's `cache_prompt`).
     pub cache_prompt: bool,
+    /// DRY, XTC, top-n-sigma and dynamic temperature (llama-server's samplers), off by default.
+    pub samplers: ExtraSamplers,
+}
+
+/// The samplers llama-server has beyond Ollama's, under its names and defaults; each is off at
+/// its default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExtraSamplers {
+    /// DRY ("don't repeat yourself") penalty strength; 0 = off.
+    pub dry_multiplier: f32,
+    /// DRY's base: the penalty grows as base^(repeat length - allowed length).
+    pub dry_base: f32,
+    /// Repeats up to this length are not penalized.
+    pub dry_allowed_length: i32,
+    /// Tokens DRY looks back over; -1 = the slot (clamped to it).
+    pub dry_penalty_last_n: i32,
+    /// Strings a repeat does not extend across.
+    pub dry_sequence_breakers: Vec<String>,
+    /// XTC ("exclude top choices"): how often it acts; 0 = off.
+    pub xtc_probability: f32,
+    /// XTC removes every token above this probability but the least likely of them.
+    pub xtc_threshold: f32,
+    /// Keep tokens within n standard deviations of the best logit; <= 0 = off.
+    pub top_n_sigma: f32,
+    /// Dynamic temperature: the temperature ranges over temperature ± this by the entropy;
+    /// 0 = off.
+    pub dynatemp_range: f32,
+    /// How the entropy maps onto that range.
+    pub dynatemp_exponent: f32,
+}
+
+impl Default for ExtraSamplers {
+    fn default() -> Self {
+        Self {
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: -1,
+            dry_sequence_breakers: ["\n", ":", "\"", "*"].map(String::from).to_vec(),
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            top_n_sigma: -1.0,
+            dynatemp_range: 0.0,
+            dynatemp_exponent: 1.0,
+        }
+    }
+}
+
+impl ExtraSamplers {
+    /// DRY acts (llama.cpp's own conditions).
+    pub fn dry(&self) -> bool {
+        self.dry_multiplier > 0.0 && self.dry_base >= 1.0 && self.dry_penalty_last_n != 0
+    }
 }
 
 impl Default for SamplingParams {
@@ -97,6 +150,7 @@ impl Default for SamplingParams {
             lora: None,
             speculative: None,
             cache_prompt: true,
+            samplers: ExtraSamplers::default(),
         }
     }
 }

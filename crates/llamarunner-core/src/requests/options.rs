@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use crate::protocol::params::SamplingParams;
+use crate::protocol::params::{ExtraSamplers, SamplingParams};
 
 /// The `options` object of native and Ollama requests: Ollama's names and defaults. Unknown
 /// fields (Ollama's load-time options such as `num_ctx`) are ignored.
@@ -49,6 +49,48 @@ pub struct Options {
     pub lora: Option<serde_json::Value>,
     /// Draft tokens by prompt lookup (speculative decoding); None: the server's default.
     pub speculative: Option<bool>,
+    /// DRY, XTC, top-n-sigma, dynamic temperature.
+    #[serde(flatten)]
+    pub samplers: SamplerFields,
+}
+
+/// llama-server's sampler fields (`dry_*`, `xtc_*`, `top_n_sigma`, `dynatemp_*`), as every
+/// dialect takes them (flattened into its request or `options`); absent ones are off.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct SamplerFields {
+    dry_multiplier: Option<f32>,
+    dry_base: Option<f32>,
+    dry_allowed_length: Option<i32>,
+    dry_penalty_last_n: Option<i32>,
+    dry_sequence_breakers: Option<Vec<String>>,
+    xtc_probability: Option<f32>,
+    xtc_threshold: Option<f32>,
+    top_n_sigma: Option<f32>,
+    dynatemp_range: Option<f32>,
+    dynatemp_exponent: Option<f32>,
+}
+
+impl SamplerFields {
+    /// The samplers, defaults where absent (checked later with the other options).
+    pub fn samplers(&self) -> ExtraSamplers {
+        let d = ExtraSamplers::default();
+        ExtraSamplers {
+            dry_multiplier: self.dry_multiplier.unwrap_or(d.dry_multiplier),
+            dry_base: self.dry_base.unwrap_or(d.dry_base),
+            dry_allowed_length: self.dry_allowed_length.unwrap_or(d.dry_allowed_length),
+            dry_penalty_last_n: self.dry_penalty_last_n.unwrap_or(d.dry_penalty_last_n),
+            dry_sequence_breakers: self
+                .dry_sequence_breakers
+                .clone()
+                .unwrap_or(d.dry_sequence_breakers),
+            xtc_probability: self.xtc_probability.unwrap_or(d.xtc_probability),
+            xtc_threshold: self.xtc_threshold.unwrap_or(d.xtc_threshold),
+            top_n_sigma: self.top_n_sigma.unwrap_or(d.top_n_sigma),
+            dynatemp_range: self.dynatemp_range.unwrap_or(d.dynatemp_range),
+            dynatemp_exponent: self.dynatemp_exponent.unwrap_or(d.dynatemp_exponent),
+        }
+    }
 }
 
 impl Default for Options {
@@ -79,6 +121,7 @@ impl From<SamplingParams> for Options {
             ignore_eos: p.ignore_eos,
             lora: None,
             speculative: p.speculative,
+            samplers: SamplerFields::default(),
         }
     }
 }
@@ -106,6 +149,7 @@ impl Options {
             stop: self.stop,
             ignore_eos: self.ignore_eos,
             speculative: self.speculative,
+            samplers: self.samplers.samplers(),
             ..SamplingParams::default()
         }
     }
@@ -169,5 +213,53 @@ mod tests {
         assert!(serde_json::from_str::<Options>(r#"{"top_k":"x"}"#).is_err());
         let o: Options = serde_json::from_str(r#"{"num_ctx":8192,"top_k":3}"#).unwrap();
         assert_eq!(o.top_k, 3);
+    }
+
+    #[test]
+    fn llama_servers_samplers_are_read_and_checked() {
+        let o: Options = serde_json::from_str(
+            r#"{"dry_multiplier":0.8,"dry_sequence_breakers":["\n"],"xtc_probability":0.5,
+                "top_n_sigma":1.5,"dynatemp_range":0.3,"top_k":7}"#,
+        )
+        .unwrap();
+        let p = o.into_params();
+        assert_eq!(p.top_k, 7);
+        let s = &p.samplers;
+        assert_eq!(
+            (s.dry_multiplier, s.dry_base, s.dry_allowed_length),
+            (0.8, 1.75, 2)
+        );
+        assert_eq!(s.dry_sequence_breakers, vec!["\n"]);
+        assert_eq!((s.xtc_probability, s.xtc_threshold), (0.5, 0.1));
+        assert_eq!(
+            (s.top_n_sigma, s.dynatemp_range, s.dynatemp_exponent),
+            (1.5, 0.3, 1.0)
+        );
+        assert!(s.dry());
+        crate::requests::validate::check_options(&p).unwrap();
+        let d = Options::default().into_params();
+        assert!(!d.samplers.dry() && d.samplers == ExtraSamplers::default());
+        for body in [
+            r#"{"dry_multiplier":-1}"#,
+            r#"{"dry_multiplier":1000}"#,
+            r#"{"dry_allowed_length":-1}"#,
+            r#"{"dry_penalty_last_n":-2}"#,
+            r#"{"dry_sequence_breakers":[""]}"#,
+            r#"{"dry_sequence_breakers":["a\u0000b"]}"#,
+            r#"{"dry_sequence_breakers":["aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]}"#,
+            r#"{"dry_sequence_breakers":["1","2","3","4","5","6","7","8","9","10","11","12","13","14","15","16","17"]}"#,
+            r#"{"xtc_probability":1.5}"#,
+            r#"{"xtc_threshold":-0.1}"#,
+            r#"{"top_n_sigma":1000}"#,
+            r#"{"dynatemp_range":-1}"#,
+            r#"{"dynatemp_exponent":-1}"#,
+        ] {
+            let p = serde_json::from_str::<Options>(body).unwrap().into_params();
+            assert!(
+                crate::requests::validate::check_options(&p).is_err(),
+                "{body} was accepted"
+            );
+        }
+        assert!(serde_json::from_str::<Options>(r#"{"dry_sequence_breakers":"x"}"#).is_err());
     }
 }

@@ -126,12 +126,79 @@ pub fn check_options(p: &SamplingParams) -> Result<(), String> {
             "options.stop: a stop string may have at most {MAX_STOP_BYTES} bytes"
         ));
     }
+    check_samplers(&p.samplers)
+}
+
+/// Most DRY sequence breakers one request may give (llama.cpp matches each against the whole
+/// vocabulary when the sampler is made).
+pub const MAX_DRY_BREAKERS: usize = 16;
+/// Longest DRY sequence breaker, in bytes (llama.cpp reads at most 40 characters of one).
+pub const MAX_DRY_BREAKER_BYTES: usize = 40;
+
+fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), String> {
+    for (name, v) in [
+        ("dry_multiplier", s.dry_multiplier),
+        ("dry_base", s.dry_base),
+        ("xtc_probability", s.xtc_probability),
+        ("xtc_threshold", s.xtc_threshold),
+        ("top_n_sigma", s.top_n_sigma),
+        ("dynatemp_range", s.dynatemp_range),
+        ("dynatemp_exponent", s.dynatemp_exponent),
+    ] {
+        if !v.is_finite() {
+            return Err(format!("options.{name} must be a finite number"));
+        }
+    }
+    for (name, v, max) in [
+        ("dry_multiplier", s.dry_multiplier, 100.0),
+        ("dry_base", s.dry_base, 100.0),
+        ("dynatemp_range", s.dynatemp_range, 10.0),
+        ("dynatemp_exponent", s.dynatemp_exponent, 100.0),
+        ("top_n_sigma", s.top_n_sigma.max(0.0), 100.0),
+    ] {
+        if !(0.0..=max).contains(&v) {
+            return Err(format!(
+                "options.{name} must be between 0 and {max}, got {v}"
+            ));
+        }
+    }
+    for (name, v) in [
+        ("xtc_probability", s.xtc_probability),
+        ("xtc_threshold", s.xtc_threshold),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(format!("options.{name} must be between 0 and 1, got {v}"));
+        }
+    }
+    if s.dry_allowed_length < 0 {
+        return Err("options.dry_allowed_length must be >= 0".into());
+    }
+    if s.dry_penalty_last_n < -1 {
+        return Err("options.dry_penalty_last_n must be -1 (the slot) or >= 0".into());
+    }
+    let breakers = &s.dry_sequence_breakers;
+    if breakers.len() > MAX_DRY_BREAKERS {
+        return Err(format!(
+            "options.dry_sequence_breakers: at most {MAX_DRY_BREAKERS}, got {}",
+            breakers.len()
+        ));
+    }
+    if breakers
+        .iter()
+        .any(|b| b.is_empty() || b.len() > MAX_DRY_BREAKER_BYTES || b.contains('\0'))
+    {
+        return Err(format!(
+            "options.dry_sequence_breakers: each must have 1 to {MAX_DRY_BREAKER_BYTES} bytes \
+             and no NUL"
+        ));
+    }
     Ok(())
 }
 
 /// Checks what depends on the model and the server's limits, and clamps what llama.cpp would
-/// allocate by: `num_predict` to `--max-tokens`, `repeat_last_n` to the slot (its penalty ring
-/// is allocated and zeroed at that size), `logit_bias` ids inside the vocabulary.
+/// allocate by: `num_predict` to `--max-tokens`, `repeat_last_n` and `dry_penalty_last_n` to the
+/// slot (their rings are allocated and zeroed at that size), `logit_bias` ids inside the
+/// vocabulary.
 pub fn check_for_model(
     p: &mut SamplingParams,
     info: &ModelInfo,
@@ -154,6 +221,12 @@ pub fn check_for_model(
     if p.repeat_last_n < 0 || p.repeat_last_n > slot {
         p.repeat_last_n = slot;
     }
+    // DRY allocates its ring of recent tokens at this size, as the penalties do.
+    let dry = &mut p.samplers.dry_penalty_last_n;
+    if *dry < 0 || *dry > slot {
+        *dry = slot;
+    }
+    p.samplers.dry_allowed_length = p.samplers.dry_allowed_length.min(slot);
     if p.logit_bias.len() > MAX_LOGIT_BIAS {
         return Err(ApiError::invalid(format!(
             "logit_bias: at most {MAX_LOGIT_BIAS} entries, got {}",

@@ -1046,6 +1046,26 @@ impl Backend for LlamaEngine<'_> {
                 p.presence_penalty,
             ));
         }
+        let extra = &p.samplers;
+        // DRY acts on greedy requests too, as the penalties do (llama-server's order:
+        // penalties, DRY, then the truncations and the temperature).
+        let dry_window = if extra.dry() {
+            let window = extra
+                .dry_penalty_last_n
+                .clamp(0, i32::try_from(self.slot_ctx).unwrap_or(i32::MAX));
+            stages.push(LlamaSampler::dry(
+                self.model,
+                extra.dry_multiplier,
+                extra.dry_base,
+                extra.dry_allowed_length,
+                window,
+                // NUL-free: `requests::validate` refuses breakers with one (this panics on one).
+                extra.dry_sequence_breakers.iter().map(String::as_bytes),
+            ));
+            window
+        } else {
+            0
+        };
         let seed = p.effective_seed();
         if p.greedy() {
             stages.push(LlamaSampler::greedy());
@@ -1066,6 +1086,9 @@ impl Backend for LlamaEngine<'_> {
                 p.mirostat_eta,
             ));
         } else {
+            if extra.top_n_sigma > 0.0 {
+                stages.push(LlamaSampler::top_n_sigma(extra.top_n_sigma));
+            }
             if p.top_k > 0 {
                 stages.push(LlamaSampler::top_k(p.top_k));
             }
@@ -1078,14 +1101,35 @@ impl Backend for LlamaEngine<'_> {
             if p.min_p > 0.0 {
                 stages.push(LlamaSampler::min_p(p.min_p, 1));
             }
-            stages.push(LlamaSampler::temp(p.temperature));
+            if extra.xtc_probability > 0.0 {
+                stages.push(LlamaSampler::xtc(
+                    extra.xtc_probability,
+                    extra.xtc_threshold,
+                    1,
+                    seed,
+                ));
+            }
+            if extra.dynatemp_range > 0.0 {
+                stages.push(LlamaSampler::temp_ext(
+                    p.temperature,
+                    extra.dynatemp_range,
+                    extra.dynatemp_exponent,
+                ));
+            } else {
+                stages.push(LlamaSampler::temp(p.temperature));
+            }
             stages.push(LlamaSampler::dist(seed));
         }
         let guide = crate::constrain::Guide::for_request(p.grammar.as_ref())
             .map_err(BackendError::Sampler)?;
         let mut chain = LlamaSampler::chain_simple(stages);
-        if penalize {
-            // The prompt seeds the penalty window, as in llama.cpp's common sampler.
+        if penalize || dry_window > 0 {
+            // The prompt seeds the penalty and DRY windows, as in llama.cpp's common sampler.
+            let last_n = if penalize {
+                last_n.max(dry_window)
+            } else {
+                dry_window
+            };
             let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
             chain.accept_many(
                 history[history.len() - window..]
