@@ -229,3 +229,45 @@ def test_leaving_a_stream_early_frees_the_slot(client: ollama.Client, tiny_serve
         for _ in range(3):
             next(lines)
     wait_idle(tiny_server.url)
+
+
+def test_logprobs_on_generate_and_chat(client: ollama.Client, tiny_server: Server) -> None:
+    """Ollama's `logprobs` / `top_logprobs`: one entry per generated token, each with its
+    alternatives best first, whole and streamed; the same figures as the OpenAI dialect's."""
+    g = client.generate(model=MODEL, prompt="hello", options=GREEDY, logprobs=True, top_logprobs=3)
+    assert g.logprobs is not None and len(g.logprobs) == 8
+    for entry in g.logprobs:
+        assert entry.logprob <= 0
+        assert entry.top_logprobs is not None and len(entry.top_logprobs) == 3
+        alternatives = [t.logprob for t in entry.top_logprobs]
+        assert alternatives == sorted(alternatives, reverse=True)
+        # Of the raw logits (ignore_eos bans end tokens after them): none above the best.
+        assert entry.logprob <= alternatives[0] + 1e-5
+    streamed = list(
+        client.generate(
+            model=MODEL, prompt="hello", options=GREEDY, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
+    entries = [e for part in streamed for e in (part.logprobs or [])]
+    assert [(e.token, round(e.logprob, 4)) for e in entries] == [
+        (e.token, round(e.logprob, 4)) for e in g.logprobs
+    ]
+    c = client.chat(model=MODEL, messages=MESSAGES, options=GREEDY, logprobs=True)
+    assert c.logprobs is not None and len(c.logprobs) == 8
+    assert all(not e.top_logprobs for e in c.logprobs)
+    parts = list(
+        client.chat(model=MODEL, messages=MESSAGES, options=GREEDY, logprobs=True, stream=True)
+    )
+    assert sum(len(p.logprobs or []) for p in parts) == 8
+    plain = client.generate(model=MODEL, prompt="hello", options=GREEDY)
+    assert plain.logprobs is None
+    for body, fragment in [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "needs logprobs"),
+    ]:
+        r = httpx.post(
+            f"{tiny_server.url}/api/generate",
+            json={"model": MODEL, "prompt": "x", "stream": False, **body},
+            timeout=30,
+        )
+        assert r.status_code == 400 and fragment in r.json()["error"], r.text

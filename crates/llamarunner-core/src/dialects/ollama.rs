@@ -22,7 +22,7 @@ use crate::http::error::{ApiError, OllamaError};
 use crate::http::state::AppState;
 use crate::protocol::nanos;
 use crate::protocol::params::SamplingParams;
-use crate::protocol::{Completion, Event, ModelInfo};
+use crate::protocol::{Completion, Event, ModelInfo, TokenLogprob};
 use crate::requests::common::{
     chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
     parse_json, parse_messages, rfc3339, start_generation,
@@ -55,6 +55,8 @@ struct OllamaRequest {
     format: Option<Value>,
     options: Option<Options>,
     think: Option<Value>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u32>,
 }
 
 impl OllamaRequest {
@@ -93,8 +95,29 @@ impl OllamaRequest {
         let mut params = self.options.clone().unwrap_or_default().into_params();
         params.grammar = grammar_for_format(self.format.as_ref().unwrap_or(&Value::Null))
             .map_err(ApiError::invalid)?;
+        params.logprobs = match (self.logprobs, self.top_logprobs) {
+            (_, Some(n)) if n > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::invalid(format!(
+                    "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+                )))
+            }
+            (Some(true), n) => Some(n.unwrap_or(0) as usize),
+            (_, Some(n)) if n > 0 => {
+                return Err(ApiError::invalid("top_logprobs needs logprobs: true"))
+            }
+            _ => None,
+        };
         Ok(params)
     }
+}
+
+/// Most alternatives `top_logprobs` may ask for (Ollama's limit, as OpenAI's).
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// `logprobs` of a line: each token's entry (`openai::chat_logprob`'s shape, which Ollama's
+/// API shares).
+fn logprob_entries(entries: &[TokenLogprob]) -> Value {
+    entries.iter().map(super::openai::chat_logprob).collect()
 }
 
 /// What a streamed line or the final object needs.
@@ -258,11 +281,15 @@ async fn respond_chat(
     streaming: bool,
     mut output: ChatOutput,
 ) -> Result<Response, OllamaError> {
+    let want_logprobs = params.logprobs.is_some();
     let rx = start_generation(&state, prompt, params).await?;
     if !streaming {
         let all = collect(rx).await?;
         let answer = output.read_all(&all.text);
         let mut v = meta.done(&answer.content, &all.done);
+        if want_logprobs {
+            v["logprobs"] = logprob_entries(&all.logprobs);
+        }
         if !answer.reasoning.is_empty() {
             v["message"]["thinking"] = json!(answer.reasoning);
         }
@@ -275,11 +302,21 @@ async fn respond_chat(
     let lines = rx.flat_map(move |event| {
         let lines: Vec<Value> = match event {
             Event::Started => Vec::new(),
-            Event::Text { text, .. } => output
-                .push(&text)
-                .into_iter()
-                .map(|p| meta.piece_line(p))
-                .collect(),
+            Event::Text { text, logprobs } => {
+                let mut lines: Vec<Value> = output
+                    .push(&text)
+                    .into_iter()
+                    .map(|p| meta.piece_line(p))
+                    .collect();
+                if want_logprobs && !logprobs.is_empty() {
+                    // Held-back text still reports its tokens, on a line of its own.
+                    if lines.is_empty() {
+                        lines.push(meta.line(""));
+                    }
+                    lines[0]["logprobs"] = logprob_entries(&logprobs);
+                }
+                lines
+            }
             Event::Done(c) => {
                 let mut lines: Vec<Value> = output
                     .finish()
@@ -307,16 +344,27 @@ async fn respond(
     meta: Meta,
     streaming: bool,
 ) -> Result<Response, OllamaError> {
+    let want_logprobs = params.logprobs.is_some();
     let rx = start_generation(&state, prompt, params).await?;
     if !streaming {
         let all = collect(rx).await?;
-        return Ok(Json(meta.done(&all.text, &all.done)).into_response());
+        let mut v = meta.done(&all.text, &all.done);
+        if want_logprobs {
+            v["logprobs"] = logprob_entries(&all.logprobs);
+        }
+        return Ok(Json(v).into_response());
     }
     let meta = Arc::new(meta);
     let lines = rx.filter_map(move |event| {
         let line = match event {
             Event::Started => None,
-            Event::Text { text, .. } => Some(meta.line(&text)),
+            Event::Text { text, logprobs } => {
+                let mut line = meta.line(&text);
+                if want_logprobs {
+                    line["logprobs"] = logprob_entries(&logprobs);
+                }
+                Some(line)
+            }
             Event::Done(c) => Some(meta.done("", &c)),
             Event::Error(e) => Some(json!({"error": ApiError::from(e).to_string()})),
         };

@@ -387,7 +387,9 @@ fn token_text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-fn chat_logprob(l: &TokenLogprob) -> Value {
+/// One token's entry as OpenAI's chat (and Ollama's API) write it: its text, log-probability,
+/// bytes and the top alternatives.
+pub(crate) fn chat_logprob(l: &TokenLogprob) -> Value {
     json!({
         "token": token_text(&l.sampled.bytes),
         "logprob": l.sampled.logprob,
