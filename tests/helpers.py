@@ -762,3 +762,16 @@ def assert_serve_refuses(model: Path, flag: str, value: str) -> None:
     )
     assert r.returncode == 2, r.stderr
     assert flag in r.stderr, r.stderr
+
+
+# A get_weather tool's parameters for the tiny random models. The city is ASCII letters: the
+# random model writes bytes that are not UTF-8, whose replacement characters a validator counts
+# differently from the grammar.
+TINY_WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}

@@ -16,6 +16,7 @@ import pytest
 
 from llamarunner import Server
 
+from helpers import TINY_WEATHER_PARAMS as WEATHER_SCHEMA
 from tinymodel import write_chain_model, write_cycle_model, write_tiny_model
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -23,15 +24,6 @@ MODEL = "tiny"
 GREEDY = {"temperature": 0}
 # The tiny model is random: ignore_eos makes token counts exact.
 EXACT = {"ignore_eos": True}
-WEATHER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        # ASCII letters: the random model writes bytes that are not UTF-8.
-        "city": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-}
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",

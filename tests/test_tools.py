@@ -22,6 +22,7 @@ import pytest
 
 from llamarunner import Server
 
+from helpers import TINY_WEATHER_PARAMS as WEATHER_PARAMS
 from tinymodel import write_cycle_model, write_tiny_model
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -33,16 +34,6 @@ TEMPLATE_OF = {
     "mistral": "mistral.jinja",
 }
 
-WEATHER_PARAMS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        # ASCII letters: the random model writes bytes that are not UTF-8, whose replacement
-        # characters a validator counts differently from the grammar.
-        "city": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-}
 WEATHER = {
     "type": "function",
     "function": {

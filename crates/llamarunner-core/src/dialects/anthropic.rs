@@ -626,8 +626,7 @@ fn usage(done: &Completion) -> Value {
 
 /// A tool_use id as Anthropic writes them: `toolu_` and 24 letters and digits.
 fn tool_use_id() -> String {
-    let hex = uuid::Uuid::new_v4().simple().to_string();
-    format!("toolu_{}", &hex[..24])
+    tool_calls::call_id_with("toolu")
 }
 
 /// One server-sent event named by its `type`, as Anthropic sends them.

@@ -16,6 +16,7 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::openai::MAX_TOP_LOGPROBS;
 use crate::chat::tools::ToolCall;
 use crate::chat::ChatMessage;
 use crate::http::error::{ApiError, OllamaError};
@@ -110,9 +111,6 @@ impl OllamaRequest {
         Ok(params)
     }
 }
-
-/// Most alternatives `top_logprobs` may ask for (Ollama's limit, as OpenAI's).
-const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// `logprobs` of a line: each token's entry (`openai::chat_logprob`'s shape, which Ollama's
 /// API shares).

@@ -30,8 +30,8 @@ use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
-/// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
-const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most alternatives `top_logprobs` may ask for (OpenAI's limit; Ollama's API has the same).
+pub(crate) const MAX_TOP_LOGPROBS: u32 = 20;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]

@@ -423,7 +423,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
         text,
         images: chat.images,
     };
-    let meta = Arc::new(Meta::new(&state, &req, &params, &body));
+    let meta = Arc::new(Meta::new(&state, &req, &params));
     let rx = start_generation(&state, prompt, params).await?;
     let keep = req.store != Some(false);
     let store = keep.then(|| (state.responses.clone(), history));
@@ -553,9 +553,9 @@ struct Meta {
 }
 
 impl Meta {
-    fn new(state: &AppState, req: &ResponsesRequest, params: &SamplingParams, body: &[u8]) -> Self {
-        // The request's own tools and choice, echoed as given.
-        let raw: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    fn new(state: &AppState, req: &ResponsesRequest, params: &SamplingParams) -> Self {
+        // The request's own tools, choice, format and reasoning, echoed as given (read once,
+        // with the request).
         let echo = json!({
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -563,10 +563,10 @@ impl Meta {
             "previous_response_id": req.previous_response_id,
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "tool_choice": raw.get("tool_choice").filter(|v| !v.is_null()).cloned().unwrap_or(json!("auto")),
-            "tools": raw.get("tools").filter(|v| v.is_array()).cloned().unwrap_or(json!([])),
-            "text": raw.get("text").filter(|v| v.is_object()).cloned().unwrap_or(json!({"format": {"type": "text"}})),
-            "reasoning": raw.get("reasoning").filter(|v| v.is_object()).cloned().unwrap_or(json!({"effort": null, "summary": null})),
+            "tool_choice": req.tool_choice.clone().filter(|v| !v.is_null()).unwrap_or(json!("auto")),
+            "tools": req.tools.clone().unwrap_or_default(),
+            "text": req.text.clone().filter(Value::is_object).unwrap_or(json!({"format": {"type": "text"}})),
+            "reasoning": req.reasoning.clone().filter(Value::is_object).unwrap_or(json!({"effort": null, "summary": null})),
             "store": req.store != Some(false),
             "truncation": req.truncation.as_deref().unwrap_or("disabled"),
             "metadata": req.metadata.clone().filter(Value::is_object).unwrap_or(json!({})),

@@ -523,8 +523,13 @@ pub fn reasoning_enabled(state: &AppState, info: &ModelInfo, think: Option<bool>
 
 /// A call id as OpenAI writes them: `call_` and 24 letters and digits.
 pub fn call_id() -> String {
+    call_id_with("call")
+}
+
+/// A call id with this prefix and 24 letters and digits (Anthropic's are `toolu_…`).
+pub fn call_id_with(prefix: &str) -> String {
     let hex = uuid::Uuid::new_v4().simple().to_string();
-    format!("call_{}", &hex[..24])
+    format!("{prefix}_{}", &hex[..24])
 }
 
 #[cfg(test)]
