@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from helpers import WatchedServer, metric, wait_idle, wait_until
-from tinymodel import write_tiny_model
+from tinymodel import FIM_TOKENS, write_tiny_model
 
 # Hypothesis keeps a cache (and by default an example database) under ./.hypothesis; keep the
 # working tree clean.
@@ -212,6 +212,20 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
                 return f"the NDJSON stream does not end with one done:true line: {lines[-1]}"
             if "error" in lines[-1]:
                 return f"the stream ended with an error: {lines[-1]}"
+            return None
+        if path == "/infill":
+            if "text/event-stream" in reply.content_type:
+                events = [json.loads(p) for p in sse_payloads(data)]
+                if not events or events[-1].get("stop") is not True:
+                    return f"the infill stream does not end with stop:true: {show(data[-300:])}"
+                if any("error" in e for e in events):
+                    return f"an error inside the infill stream: {show(data[-300:])}"
+                return None
+            if want_stream:
+                return f"stream:true answered {reply.content_type}, not SSE"
+            obj = json.loads(data)
+            if obj.get("stop") is not True or not isinstance(obj.get("content"), str):
+                return f"not an infill answer: {show(data)}"
             return None
         if path in ("/v1/chat/completions", "/v1/completions"):
             if "text/event-stream" in reply.content_type:
@@ -948,6 +962,35 @@ ROUTES = {
             has_options=True,
         ),
         Route(
+            "/infill",
+            st.fixed_dictionaries(
+                {"input_prefix": PROMPTS, "input_suffix": PROMPTS, "n_predict": st.integers(1, 4)}
+            ),
+            {
+                **{k: v for k, v in OPTION_FIELDS.items() if k != "num_predict"},
+                "input_prefix": either(st.one_of(PROMPTS, LONG_TEXT)),
+                "input_suffix": either(st.one_of(PROMPTS, LONG_TEXT)),
+                "prompt": either(st.one_of(PROMPTS, LONG_TEXT)),
+                "input_extra": either(
+                    st.lists(
+                        st.one_of(
+                            st.fixed_dictionaries(
+                                {"text": STRINGS}, optional={"filename": either(STRINGS)}
+                            ),
+                            HOSTILE,
+                        ),
+                        max_size=4,
+                    )
+                ),
+                "n_predict": SMALL_N,
+                "stream": BOOLS,
+                "cache_prompt": BOOLS,
+                "grammar": GRAMMARS,
+                "t_max_prompt_ms": INTS,
+                "samplers": HOSTILE,
+            },
+        ),
+        Route(
             "/embedding",
             st.fixed_dictionaries({"content": PROMPTS}),
             {"content": either(PROMPTS), "Content": either(PROMPTS), "truncate": BOOLS},
@@ -1200,7 +1243,8 @@ class Target:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     d = tmp_path_factory.mktemp("hostile")
-    t = Target(write_tiny_model(d / "tiny-model.gguf"), d)
+    # With fill-in-the-middle tokens, so that /infill and completions' suffix get past them.
+    t = Target(write_tiny_model(d / "tiny-model.gguf", fim=FIM_TOKENS), d)
     yield t
     t.close()
     print("\n=== test_hostile: statuses per route ===")

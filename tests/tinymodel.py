@@ -25,6 +25,10 @@ HEAD_DIM = N_EMBD // N_HEAD
 WORDS = ["▁the", "▁a", "▁hello", "▁world", "▁cat", "▁dog", "▁is", "▁and", "▁of", "▁to"]
 
 
+FIRST_EXTRA_TOKEN = 3 + 256 + len(WORDS)
+FIM_TOKENS = ("pre", "suf", "mid", "rep", "sep")
+
+
 def vocabulary(extra_tokens: int = 0) -> tuple[list[str], list[float], list[int]]:
     """The tokens, scores and types; ``extra_tokens`` control tokens ``<x0>``, ``<x1>``, ...
     at the end (never produced by tokenizing text) make a large vocabulary."""
@@ -107,14 +111,20 @@ def write_tiny_model(
     tensors: dict[str, np.ndarray] | None = None,
     extra_tokens: int = 0,
     heads: tuple[int, int] = (N_HEAD, N_HEAD_KV),
+    fim: tuple[str, ...] = (),
 ) -> Path:
     """Writes the tiny model; ``tensors`` replaces the tensors of `model_tensors` (to write a
     model with merged LoRA weights, say); ``heads`` as there (quantized KV caches need a head
-    size that is a multiple of 32: ``heads=(2, 1)``)."""
+    size that is a multiple of 32: ``heads=(2, 1)``). ``fim`` names fill-in-the-middle tokens
+    of `FIM_TOKENS` ("pre", "suf", "mid", "rep", "sep") for the first extra tokens to be: a
+    code model's vocabulary (``<x0>`` is the first named, and so on)."""
+    extra_tokens = max(extra_tokens, len(fim))
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-test-llama")
     add_llama_hparams(w, context_length=context_length, heads=heads)
     add_vocabulary(w, extra_tokens)
+    for i, name in enumerate(fim):
+        w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIRST_EXTRA_TOKEN + i)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     if tensors is None:

@@ -2,6 +2,7 @@
 //! `requests/`) and the engine's events into its responses, and nothing else.
 //!
 //! - `native.rs`: the runner's own (`/completion`, `/embedding`);
+//! - `infill.rs`: llama-server's fill-in-the-middle route for editors (`/infill`);
 //! - `openai.rs`: OpenAI's chat completions, completions, embeddings and models;
 //! - `ollama.rs`: Ollama's `/api/*`;
 //! - `anthropic.rs`: Anthropic's Messages API (`/v1/messages`, its token count);
@@ -10,6 +11,7 @@
 //! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader.
 
 pub mod anthropic;
+pub mod infill;
 pub mod native;
 pub mod ollama;
 pub mod openai;

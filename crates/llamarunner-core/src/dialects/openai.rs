@@ -24,10 +24,11 @@ use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event, TokenLogprob};
 use crate::requests::common::{
     check_dimensions, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
-    parse_messages, start_generation, unix_seconds,
+    parse_messages, start_generation, unix_seconds, PromptSource,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::infill;
 use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit; Ollama's API has the same).
@@ -449,7 +450,7 @@ pub async fn chat_completions(
         text,
         images: chat.images,
     };
-    respond(state, &req, prompt, params, Some(output)).await
+    respond(state, &req, prompt.into(), params, Some(output)).await
 }
 
 /// `POST /v1/completions`.
@@ -460,9 +461,6 @@ pub async fn completions(
     let req = parse_request(&state, &body)?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo is not supported").into());
-    }
-    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("suffix (fill-in-the-middle) is not supported").into());
     }
     let prompt = match &req.prompt {
         Some(Value::String(s)) => s.clone(),
@@ -477,18 +475,32 @@ pub async fn completions(
         }
         _ => return Err(ApiError::invalid("prompt is required and must be a string").into()),
     };
-    if prompt.is_empty() {
+    if prompt.is_empty() && req.suffix.as_ref().is_none_or(|s| s.is_empty()) {
         return Err(ApiError::invalid("prompt must not be empty").into());
     }
     let mut params = req.params(false)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
-    respond(state, &req, prompt.into(), params, None).await
+    // With a suffix, the prompt is the code before the cursor (`requests/infill.rs`).
+    let prompt = match req.suffix.clone().filter(|s| !s.is_empty()) {
+        Some(suffix) => {
+            let info = model_info(&state)?;
+            let parts = infill::Parts {
+                prefix: prompt,
+                suffix,
+                ..infill::Parts::default()
+            };
+            params.truncate = false;
+            PromptSource::Tokens(infill::tokens(&info, parts, params.num_predict).await?)
+        }
+        None => prompt.into(),
+    };
+    respond(state, &req, prompt, params, None).await
 }
 
 async fn respond(
     state: AppState,
     req: &OpenAiRequest,
-    prompt: Prompt,
+    prompt: PromptSource,
     params: SamplingParams,
     output: Option<ChatOutput>,
 ) -> Result<Response, OpenAiError> {

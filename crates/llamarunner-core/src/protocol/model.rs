@@ -156,6 +156,24 @@ pub struct ModelInfo {
     pub constraints: Arc<crate::constrain::Compiler>,
     /// Tokenizes prompts with images off the engine thread; None without `--mmproj`.
     pub vision: Option<Arc<dyn super::VisionModel>>,
+    /// The fill-in-the-middle tokens, when the vocabulary has them (`/infill`).
+    pub fim: Option<FimTokens>,
+}
+
+/// A code model's fill-in-the-middle tokens: prefix, suffix and middle markers, and the
+/// repository and file separators of models trained on repositories.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FimTokens {
+    /// Opens the code before the cursor.
+    pub pre: Token,
+    /// Opens the code after it.
+    pub suf: Token,
+    /// Asks for the middle.
+    pub mid: Token,
+    /// Opens a repository's context (`<|repo_name|>`).
+    pub rep: Option<Token>,
+    /// Opens one file of it (`<|file_sep|>`).
+    pub sep: Option<Token>,
 }
 
 /// The three load states.

@@ -333,7 +333,7 @@ impl Stream for Generation {
 /// is a proper HTTP error. The generation then yields text and a final `Done` or `Error`.
 pub async fn start_generation(
     state: &AppState,
-    prompt: impl Into<Prompt>,
+    prompt: impl Into<PromptSource>,
     params: SamplingParams,
 ) -> Result<Generation, ApiError> {
     let received = Instant::now();
@@ -342,7 +342,13 @@ pub async fn start_generation(
     if params.lora.is_none() {
         params.lora = Some(state.lora.defaults());
     }
-    let Prompt { text, images } = prompt.into();
+    let Prompt { text, images } = match prompt.into() {
+        PromptSource::Text(prompt) => prompt,
+        PromptSource::Tokens(tokens) => {
+            let valid = validate::generation_tokens(&info, &state.limits, tokens, params).await?;
+            return submit(state, received, valid).await;
+        }
+    };
     // Held until the request has a slot (the end of this function): until then its images
     // are held here or in the queue (`image_prompt::IMAGES_IN_FLIGHT`).
     image_prompt::check_images(&info, images.len())?;
@@ -366,6 +372,37 @@ pub async fn start_generation(
     };
     let images = image_prompt::decode_images(&info, images).await?;
     let valid = validate::generation(&info, &state.limits, text, images, params).await?;
+    submit(state, received, valid).await
+}
+
+/// What a generation starts from: text (with images), or tokens built by the handler (the
+/// fill-in-the-middle prompt, `requests/infill.rs`).
+#[derive(Debug)]
+pub enum PromptSource {
+    /// Text, tokenized here.
+    Text(Prompt),
+    /// Tokens, checked against the slot here.
+    Tokens(Vec<crate::protocol::Token>),
+}
+
+impl From<Prompt> for PromptSource {
+    fn from(prompt: Prompt) -> Self {
+        Self::Text(prompt)
+    }
+}
+
+impl From<String> for PromptSource {
+    fn from(text: String) -> Self {
+        Self::Text(text.into())
+    }
+}
+
+/// Queues a validated request; returns its stream once the engine has taken it.
+async fn submit(
+    state: &AppState,
+    received: Instant,
+    valid: validate::Generation,
+) -> Result<Generation, ApiError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
     let prompt_tokens = valid.tokens.len();
     state.engine.submit(Request {

@@ -13,6 +13,7 @@ pub mod common;
 pub mod format;
 pub mod image_prompt;
 pub mod images;
+pub mod infill;
 pub mod lora;
 pub mod options;
 pub mod tool_calls;

@@ -436,6 +436,31 @@ pub async fn generation(
     })
 }
 
+/// Validates a request whose prompt the handler tokenized (`requests/infill.rs`): its options,
+/// grammar, and the prompt against the slot, as `generation` does for text.
+pub async fn generation_tokens(
+    info: &Arc<ModelInfo>,
+    limits: &Limits,
+    mut tokens: Vec<Token>,
+    mut params: SamplingParams,
+) -> Result<Generation, ApiError> {
+    check_for_model(&mut params, info, limits)?;
+    compile_grammar(info, &mut params).await?;
+    let n_vocab = i32::try_from(info.n_vocab).unwrap_or(i32::MAX);
+    if tokens.is_empty() || tokens.iter().any(|&t| !(0..n_vocab).contains(&t)) {
+        return Err(ApiError::Internal(
+            "a handler built a prompt that is empty or outside the vocabulary".into(),
+        ));
+    }
+    let truncated = fit_prompt(&mut tokens, &params, info)?;
+    Ok(Generation {
+        tokens,
+        params,
+        truncated,
+        images: Vec::new(),
+    })
+}
+
 /// Validates one embedding input: its tokens, fitted into the embedding context (cut when
 /// `truncate`, else a `context_length_exceeded`). Returns the tokens and whether they were cut.
 pub async fn embedding_input(

@@ -750,6 +750,7 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
             &(Arc::new(FakeText) as Arc<dyn TextModel>),
         ),
         vision: None,
+        fim: None,
     }
 }
 

@@ -347,6 +347,22 @@ fn tokenize(model: &LlamaModel, text: &str, add_special: bool) -> Result<Vec<Tok
         .collect())
 }
 
+/// The vocabulary's fill-in-the-middle tokens; None unless it has all of prefix, suffix and
+/// middle (llama.cpp answers -1 for a token the vocabulary lacks).
+fn fim_tokens(model: &LlamaModel) -> Option<crate::protocol::model::FimTokens> {
+    let vocab = model.vocab();
+    let known = |t: llama_cpp_2::token::LlamaToken| {
+        Some(t.0).filter(|&t| (0..model.n_vocab()).contains(&t))
+    };
+    Some(crate::protocol::model::FimTokens {
+        pre: known(vocab.fim_pre())?,
+        suf: known(vocab.fim_suf())?,
+        mid: known(vocab.fim_mid())?,
+        rep: known(vocab.fim_rep()),
+        sep: known(vocab.fim_sep()),
+    })
+}
+
 /// Describes the loaded model and picks its chat template.
 fn model_info(
     model: &std::sync::Arc<LlamaModel>,
@@ -394,6 +410,7 @@ fn model_info(
         constraints: crate::protocol::model::compiler_for(&text),
         text,
         vision: None,
+        fim: fim_tokens(model),
     })
 }
 

@@ -1,0 +1,185 @@
+//! llama-server's `POST /infill`, the route editor plugins (llama.vim, llama.vscode) complete
+//! code through: `input_prefix`, `input_suffix`, `input_extra` and `prompt`, laid out with the
+//! model's fill-in-the-middle tokens (`requests/infill.rs`), sampled with llama-server's
+//! option names at the top level. The answer is llama-server's completion object (`content`,
+//! `stop`, `tokens_predicted`, `timings`...), or its SSE stream with `stream: true`.
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::http::error::ApiError;
+use crate::http::AppState;
+use crate::protocol::{Completion, DoneReason, Event};
+use crate::requests::common::{
+    collect, ensure_ready, model_info, parse_json, start_generation, PromptSource,
+};
+use crate::requests::infill::{self, ExtraFile, Parts};
+use crate::requests::options::Options;
+
+/// Body of `POST /infill`. Unknown fields (llama.vim's `t_max_prompt_ms`, `samplers`,
+/// `id_slot`...) are ignored.
+#[derive(Debug, Deserialize)]
+struct InfillRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    input_prefix: Option<String>,
+    #[serde(default)]
+    input_suffix: Option<String>,
+    #[serde(default)]
+    input_extra: Option<Vec<ExtraFile>>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+    /// Tokens to generate (llama-server's name); `num_predict` is taken too.
+    #[serde(default)]
+    n_predict: Option<i64>,
+    #[serde(default)]
+    cache_prompt: Option<bool>,
+    #[serde(default)]
+    grammar: Option<String>,
+    /// Sampling, under llama-server's names (which Ollama's options share).
+    #[serde(flatten)]
+    options: Options,
+}
+
+/// `POST /infill`.
+pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    ensure_ready(&state)?;
+    let req = request_with_defaults(parse_json(&body)?)?;
+    crate::requests::common::check_model(&state, req.model.as_deref())?;
+    let info = model_info(&state)?;
+    infill::fim_of(&info)?;
+    let lora = state.lora.for_request(req.options.lora.as_ref())?;
+    let mut params = req.options.into_params();
+    if let Some(n) = req.n_predict {
+        params.num_predict = n;
+    }
+    params.lora = lora;
+    params.cache_prompt = req.cache_prompt.unwrap_or(true);
+    // The cursor's context is laid out to fit; a cut of it would drop the FIM markers.
+    params.truncate = false;
+    params.grammar = req
+        .grammar
+        .filter(|g| !g.trim().is_empty())
+        .map(|g| crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(g)));
+    let parts = Parts {
+        prefix: req.input_prefix.unwrap_or_default(),
+        suffix: req.input_suffix.unwrap_or_default(),
+        prompt: req.prompt.unwrap_or_default(),
+        extra: req.input_extra.unwrap_or_default(),
+    };
+    let tokens = infill::tokens(&info, parts, params.num_predict).await?;
+    let model = state.model_name.to_string();
+    let generation = start_generation(&state, PromptSource::Tokens(tokens), params).await?;
+    if req.stream != Some(true) {
+        let all = collect(generation).await?;
+        let mut body = final_fields(&model, &all.done);
+        body["content"] = json!(all.text);
+        return Ok(Json(body).into_response());
+    }
+    let events = generation.map(move |event| {
+        let value = match event {
+            Event::Text { text, .. } => json!({"content": text, "stop": false}),
+            Event::Done(c) => final_fields(&model, &c),
+            Event::Error(e) => ApiError::from(e).body(),
+            Event::Started => json!({"content": "", "stop": false}),
+        };
+        Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&value)))
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+/// llama-server's sampling defaults where Ollama's (which `Options` has) differ: no
+/// repetition penalty, top_p 0.95, min_p 0.05. A code completion repeats its context by
+/// nature, and the same prompt on both servers should sample alike.
+const LLAMA_SERVER_DEFAULTS: [(&str, f64); 3] =
+    [("repeat_penalty", 1.0), ("top_p", 0.95), ("min_p", 0.05)];
+
+/// The request, llama-server's defaults filled in for the fields it leaves out.
+fn request_with_defaults(mut body: Value) -> Result<InfillRequest, ApiError> {
+    let Some(fields) = body.as_object_mut() else {
+        return Err(ApiError::InvalidJson(
+            "the body must be a JSON object".into(),
+        ));
+    };
+    for (name, value) in LLAMA_SERVER_DEFAULTS {
+        fields.entry(name).or_insert(json!(value));
+    }
+    serde_path_to_error::deserialize(body).map_err(|e| {
+        let path = e.path().to_string();
+        ApiError::InvalidJson(format!("{path}: {}", e.into_inner()))
+    })
+}
+
+/// The last object's fields (content empty): why it stopped, the counts and the timings.
+fn final_fields(model: &str, c: &Completion) -> Value {
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let per_second = |n: usize, ns: u64| {
+        if ns == 0 {
+            0.0
+        } else {
+            n as f64 * 1e9 / ns as f64
+        }
+    };
+    let prompt_n = c.prompt_eval_count.saturating_sub(c.prompt_cached_count);
+    let stop_type = match (c.done_reason, &c.stop_string) {
+        (DoneReason::Stop, Some(_)) => "word",
+        (DoneReason::Stop, None) => "eos",
+        _ => "limit",
+    };
+    json!({
+        "content": "",
+        "stop": true,
+        "model": model,
+        "stop_type": stop_type,
+        "stopping_word": c.stop_string.clone().unwrap_or_default(),
+        "tokens_predicted": c.eval_count,
+        "tokens_evaluated": c.prompt_eval_count,
+        "tokens_cached": c.prompt_cached_count,
+        "truncated": c.truncated,
+        "timings": {
+            "cache_n": c.prompt_cached_count,
+            "prompt_n": prompt_n,
+            "prompt_ms": ms(c.prompt_eval_duration_ns),
+            "prompt_per_second": per_second(prompt_n, c.prompt_eval_duration_ns),
+            "predicted_n": c.eval_count,
+            "predicted_ms": ms(c.eval_duration_ns),
+            "predicted_per_second": per_second(c.eval_count, c.eval_duration_ns),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_server_defaults_fill_only_what_is_absent() {
+        let req = request_with_defaults(json!({"top_p": 0.5, "input_prefix": "a"})).unwrap();
+        assert_eq!(req.options.top_p, 0.5);
+        assert_eq!(req.options.repeat_penalty, 1.0);
+        assert!((req.options.min_p - 0.05).abs() < 1e-6);
+        for bad in [
+            json!([]),
+            json!("x"),
+            json!({"top_p": "high"}),
+            json!({"input_extra": 1}),
+        ] {
+            assert_eq!(
+                request_with_defaults(bad.clone()).unwrap_err().kind(),
+                "invalid_json",
+                "{bad}"
+            );
+        }
+    }
+}
