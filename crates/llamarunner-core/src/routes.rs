@@ -3,9 +3,9 @@
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::dialects::{anthropic, native, ollama, openai, responses};
+use crate::dialects::{anthropic, infill, native, ollama, openai, responses};
 use crate::http::fallback::{method_not_allowed, not_found};
-use crate::http::{access, middleware, AppState};
+use crate::http::{access, middleware, ui, AppState};
 use crate::ops::{lora, metrics, props, slots, tokenizer};
 
 /// All routes, behind the request policy's layers (`middleware.rs`), all behind the access
@@ -20,6 +20,7 @@ pub fn router(state: AppState) -> Router {
     let routes = routes
         .route("/completion", post(native::completion))
         .route("/embedding", post(native::embedding))
+        .route("/infill", post(infill::infill))
         .route("/health", get(props::health))
         .route("/slots", get(slots::list))
         .route("/slots/{id}", post(slots::action))
@@ -48,7 +49,9 @@ pub fn router(state: AppState) -> Router {
         .route("/api/show", post(ollama::show))
         .route("/api/ps", get(ollama::ps))
         .route("/api/version", get(ollama::version))
-        .route("/", get(ollama::root))
+        .route("/", get(ui::root))
+        .route("/dashboard", get(ui::dashboard))
+        .route("/ui/{name}", get(ui::file))
         // Keep this after the last route: it applies to the routes registered before it.
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)

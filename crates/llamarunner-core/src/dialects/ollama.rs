@@ -590,11 +590,6 @@ pub async fn version() -> Response {
     Json(json!({"version": OLLAMA_API_VERSION})).into_response()
 }
 
-/// `GET /` and `HEAD /`: the liveness line Ollama answers.
-pub async fn root() -> &'static str {
-    "llamarunner is running"
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

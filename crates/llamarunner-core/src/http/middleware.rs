@@ -289,9 +289,12 @@ async fn check_host_and_origin(
     response
 }
 
-/// 401 without a valid key, when keys are configured; `GET /health` stays open (probes).
+/// 401 without a valid key, when keys are configured; `GET /health` stays open (probes), and so
+/// do the page's static files (`ui.rs`: they hold no data, and the page asks for the key).
 async fn authenticate(State(policy): State<Arc<HttpPolicy>>, req: Request, next: Next) -> Response {
-    let open = req.uri().path() == "/health" && matches!(*req.method(), Method::GET | Method::HEAD);
+    let path = req.uri().path();
+    let open = (path == "/health" || super::ui::is_open_path(path))
+        && matches!(*req.method(), Method::GET | Method::HEAD);
     if !policy.requires_key() || open || policy.authorized(req.headers()) {
         return next.run(req).await;
     }

@@ -11,5 +11,6 @@ pub mod metrics;
 pub mod middleware;
 pub mod response_store;
 pub mod state;
+pub mod ui;
 
 pub use state::{AppState, Limits, IMAGES_IN_FLIGHT};

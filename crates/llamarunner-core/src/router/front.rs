@@ -18,9 +18,9 @@ use serde_json::{json, Value};
 use super::proxy;
 use super::registry::{Registry, Status};
 use crate::dialects::ollama;
-use crate::http::access;
 use crate::http::error::{ApiError, Dialect};
 use crate::http::middleware::{self, HttpPolicy};
+use crate::http::{access, ui};
 
 type Shared = State<Arc<Registry>>;
 
@@ -40,7 +40,9 @@ pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -
         .route("/api/tags", get(tags))
         .route("/api/ps", get(ps))
         .route("/api/version", get(ollama::version))
-        .route("/", get(ollama::root))
+        .route("/", get(ui::root))
+        .route("/dashboard", get(ui::dashboard))
+        .route("/ui/{name}", get(ui::file))
         .fallback(forward)
         .with_state(registry);
     access::layer(middleware::apply(routes, policy), None)
