@@ -240,8 +240,10 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
                 return f"stream:true answered {reply.content_type}, not SSE"
             obj = json.loads(data)
             choices = obj.get("choices")
-            if not isinstance(choices, list) or len(choices) != 1 or "usage" not in obj:
-                return f"not a completion object: {show(data)}"
+            n = request.get("n") if isinstance(request, dict) else None
+            want = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+            if not isinstance(choices, list) or len(choices) != want or "usage" not in obj:
+                return f"not a completion object with {want} choices: {show(data)}"
             return None
         if path == "/v1/responses":
             if "text/event-stream" in reply.content_type:

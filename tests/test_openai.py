@@ -290,7 +290,7 @@ def test_errors_have_openai_shape_and_status(client: openai.OpenAI, tiny_server:
     assert e.body["code"] == "model_not_found" and "tiny" in e.body["message"]
     assert e.body["type"] == "invalid_request_error"
     for kwargs, code in [
-        ({"n": 2}, "invalid_request"),
+        ({"n": 9}, "invalid_request"),
         ({"temperature": 5}, "invalid_request"),
         ({"messages": []}, "invalid_request"),
         ({"logprobs": False, "top_logprobs": 2}, "invalid_request"),

@@ -31,6 +31,9 @@ use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::infill;
 use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
+/// Most choices `n` may ask for: each is a sequence in a slot of its own.
+pub(crate) const MAX_CHOICES: u32 = 8;
+
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit; Ollama's API has the same).
 pub(crate) const MAX_TOP_LOGPROBS: u32 = 20;
 
@@ -94,10 +97,10 @@ impl OpenAiRequest {
     /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1, no repetition
     /// penalty; Ollama's top_k 40 unless given).
     fn params(&self, chat: bool) -> Result<SamplingParams, ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid(
-                "n: only 1 choice per request is supported",
-            ));
+        if self.n.is_some_and(|n| n == 0 || n > MAX_CHOICES) {
+            return Err(ApiError::invalid(format!(
+                "n must be between 1 and {MAX_CHOICES}"
+            )));
         }
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("best_of: only 1 is supported"));
@@ -270,6 +273,11 @@ struct Meta {
     model: String,
     chat: bool,
     include_usage: bool,
+    /// The choice's `index` (`n` > 1 gives several).
+    index: usize,
+    /// Whether this choice's end ends the stream (usage, `[DONE]`): false for the choices of
+    /// `n` > 1, whose stream ends after the last of them.
+    ends_stream: bool,
     /// Where the next token's text starts in the whole completion (`text_offset`), carried
     /// from one streamed chunk to the next.
     offsets: std::sync::Mutex<TextOffsets>,
@@ -311,6 +319,22 @@ impl Meta {
             model: state.model_name.to_string(),
             chat,
             include_usage,
+            index: 0,
+            ends_stream: true,
+            offsets: std::sync::Mutex::default(),
+        }
+    }
+
+    /// The description of choice `index` of several, in the same response.
+    fn for_choice(&self, index: usize) -> Self {
+        Self {
+            id: self.id.clone(),
+            created: self.created,
+            model: self.model.clone(),
+            chat: self.chat,
+            include_usage: self.include_usage,
+            index,
+            ends_stream: false,
             offsets: std::sync::Mutex::default(),
         }
     }
@@ -342,7 +366,8 @@ impl Meta {
         } else {
             Value::Null
         };
-        let mut choice = json!({"index": 0, "logprobs": logprobs, "finish_reason": finish});
+        let mut choice =
+            json!({"index": self.index, "logprobs": logprobs, "finish_reason": finish});
         match (self.chat, chunk) {
             (true, true) => {
                 choice["delta"] = match text {
@@ -507,6 +532,10 @@ async fn respond(
     let chat = output.is_some();
     let want_logprobs = params.logprobs.is_some();
     let meta = Arc::new(Meta::new(&state, chat, req.include_usage()));
+    let n = req.n.unwrap_or(1) as usize;
+    if n > 1 {
+        return respond_many(state, req, meta, prompt, params, output, n).await;
+    }
     let rx = start_generation(&state, prompt, params).await?;
     if req.stream != Some(true) {
         let all = collect(rx).await?;
@@ -544,6 +573,123 @@ async fn respond(
     });
     let body = stream::iter(first).chain(events).map(Ok::<_, Infallible>);
     Ok(Sse::new(body).into_response())
+}
+
+/// `n` > 1 choices of one prompt. The first is started alone and, once its first token is
+/// out (its prompt is in its slot's cache), the others, which then fork that prompt from its
+/// slot (prefix sharing between slots, `--multiuser-cache`) rather than decode it again. A
+/// seeded request gives choice `i` the seed + `i`, so that the choices differ. `usage` counts
+/// the prompt once and every choice's tokens.
+async fn respond_many(
+    state: AppState,
+    req: &OpenAiRequest,
+    meta: Arc<Meta>,
+    prompt: PromptSource,
+    params: SamplingParams,
+    output: Option<ChatOutput>,
+    n: usize,
+) -> Result<Response, OpenAiError> {
+    let want_logprobs = params.logprobs.is_some();
+    let mut generations = Vec::with_capacity(n);
+    let mut first = start_generation(&state, prompt.clone(), params.clone()).await?;
+    first.wait_first().await;
+    generations.push(first);
+    for i in 1..n {
+        let mut p = params.clone();
+        if p.seed >= 0 {
+            p.seed = (p.seed % (1 << 32) + i as i64) % (1 << 32);
+        }
+        generations.push(start_generation(&state, prompt.clone(), p).await?);
+    }
+    let metas: Vec<Meta> = (0..n).map(|i| meta.for_choice(i)).collect();
+    if req.stream != Some(true) {
+        let all = futures_util::future::join_all(generations.into_iter().map(collect)).await;
+        let mut choices = Vec::with_capacity(n);
+        let mut dones = Vec::with_capacity(n);
+        for (i, one) in all.into_iter().enumerate() {
+            let one = one?;
+            let m = &metas[i];
+            let mut choice = m.choice(
+                Some(&one.text),
+                &one.logprobs,
+                want_logprobs,
+                Some(finish_reason(one.done.done_reason)),
+                false,
+            );
+            if let Some(output) = output.clone() {
+                let answer = output.read_all(&one.text);
+                if !answer.calls.is_empty() {
+                    choice["finish_reason"] = json!("tool_calls");
+                }
+                choice["message"] = chat_message(&answer);
+            }
+            choices.push(choice);
+            dones.push(one.done);
+        }
+        let mut body = meta.body(false, choices);
+        body["usage"] = usage_of_choices(&dones);
+        return Ok(Json(body).into_response());
+    }
+    let chat = output.is_some();
+    let first_chunks: Vec<SseEvent> = if chat {
+        metas
+            .iter()
+            .map(|m| {
+                let mut choice = m.choice(None, &[], false, None, true);
+                choice["delta"] = json!({"role": "assistant", "content": ""});
+                sse(with_usage_null(m, m.body(true, vec![choice])))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut readers: Vec<Option<ChatOutput>> = vec![output; n];
+    let mut called = vec![false; n];
+    // By choice, so that the usage's prompt is the first choice's.
+    let mut dones: Vec<Option<Completion>> = vec![None; n];
+    let mut ended = 0;
+    let merged = stream::select_all(
+        generations
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| g.map(move |event| (i, event)).boxed()),
+    );
+    let events = merged.flat_map(move |(i, event)| {
+        let finished = matches!(event, Event::Done(_) | Event::Error(_));
+        if let Event::Done(done) = &event {
+            dones[i] = Some(done.clone());
+        }
+        let m = &metas[i];
+        let mut out = match readers[i].as_mut() {
+            Some(reader) => chat_chunks(m, reader, &mut called[i], event, want_logprobs),
+            None => chunks_for(m, event, want_logprobs),
+        };
+        ended += usize::from(finished);
+        if finished && ended == n {
+            let dones: Vec<Completion> = dones.iter().flatten().cloned().collect();
+            out.extend(stream_end(&meta, usage_of_choices(&dones)));
+        }
+        stream::iter(out)
+    });
+    let body = stream::iter(first_chunks)
+        .chain(events)
+        .map(Ok::<_, Infallible>);
+    Ok(Sse::new(body).into_response())
+}
+
+/// The usage of several choices of one prompt: the prompt once (the first choice's, which
+/// decoded it), the generated tokens of all.
+fn usage_of_choices(dones: &[Completion]) -> Value {
+    let Some(first) = dones.first() else {
+        return Value::Null;
+    };
+    let mut all = first.clone();
+    for d in &dones[1..] {
+        all.eval_count += d.eval_count;
+        all.draft_count += d.draft_count;
+        all.draft_accepted_count += d.draft_accepted_count;
+    }
+    usage(&all)
 }
 
 /// OpenAI's `finish_reason`: its clients know "stop" and "length"; a request cut by the
@@ -585,9 +731,18 @@ fn done_chunks(meta: &Meta, done: &Completion, finish: &str) -> Vec<SseEvent> {
     let text = if meta.chat { None } else { Some("") };
     let choice = meta.choice(text, &[], false, Some(finish), true);
     let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
+    if meta.ends_stream {
+        out.extend(stream_end(meta, usage(done)));
+    }
+    out
+}
+
+/// The stream's last events: the usage when asked for, `[DONE]`.
+fn stream_end(meta: &Meta, usage: Value) -> Vec<SseEvent> {
+    let mut out = Vec::new();
     if meta.include_usage {
         let mut last = meta.body(true, Vec::new());
-        last["usage"] = usage(done);
+        last["usage"] = usage;
         out.push(sse(last));
     }
     out.push(SseEvent::default().data("[DONE]"));

@@ -276,6 +276,8 @@ pub async fn chat_prompt_with(
 pub struct Generation {
     rx: Receiver<Event>,
     record: Option<Arc<Record>>,
+    /// An event read ahead (`wait_first`), given out next.
+    pending: Option<Event>,
     /// The prompt's positions in the slot (images' included), as queued.
     pub prompt_tokens: usize,
 }
@@ -289,12 +291,25 @@ impl Generation {
         Self {
             rx,
             record,
+            pending: None,
             prompt_tokens,
+        }
+    }
+
+    /// Waits for the first event after the slot was taken: the first token (the prompt is in
+    /// the slot's cache by then, for another request to fork), or the end. The event is kept
+    /// for the next `recv` or poll.
+    pub async fn wait_first(&mut self) {
+        if self.pending.is_none() {
+            self.pending = self.recv().await;
         }
     }
 
     /// The next event; None once the engine has sent the last.
     pub async fn recv(&mut self) -> Option<Event> {
+        if let Some(event) = self.pending.take() {
+            return Some(event);
+        }
         let event = self.rx.recv().await;
         self.note(event.as_ref());
         event
@@ -320,6 +335,9 @@ impl Stream for Generation {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
         let this = self.get_mut();
+        if let Some(event) = this.pending.take() {
+            return Poll::Ready(Some(event));
+        }
         let polled = this.rx.poll_recv(cx);
         if let Poll::Ready(event) = &polled {
             this.note(event.as_ref());
@@ -377,7 +395,7 @@ pub async fn start_generation(
 
 /// What a generation starts from: text (with images), or tokens built by the handler (the
 /// fill-in-the-middle prompt, `requests/infill.rs`).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum PromptSource {
     /// Text, tokenized here.
     Text(Prompt),

@@ -378,7 +378,7 @@ pub enum OutPiece {
 
 /// Reads a chat answer as it streams: thinking, then text, then calls. Text that may start a
 /// call is held back until it is known; once a call starts, the rest is read at the end.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ChatOutput {
     think: Option<ThinkSplitter>,
     tools: Option<ToolParse>,
