@@ -177,6 +177,7 @@ def test_a_prompt_that_leaves_no_room_is_a_400(fim_server: Server) -> None:
         {"input_extra": "text"},
         {"input_extra": [{"text": 5}]},
         {"input_extra": [{"filename": "a.py", "text": "x"}] * 257},
+        {"input_extra": [{}] * 100_000},
         {"n_predict": "many"},
         {"temperature": -1},
         {"grammar": "root ::= ("},
@@ -228,3 +229,31 @@ def test_a_model_without_fim_tokens_is_a_400(tmp_path: Path) -> None:
             f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60
         )
         assert r.status_code == 200
+
+
+def test_special_tokens_written_in_the_code_stay_text(fim_server: Server) -> None:
+    """``<x2>`` is fim_mid's text: written in a file it is text (four bytes), not the marker,
+    so the prompt is as long as with any other four characters there."""
+    counts = [
+        infill(fim_server.url, input_prefix=f"a{mark}b", input_suffix=mark, **GREEDY)[
+            "tokens_evaluated"
+        ]
+        for mark in ("<x2>", "<y2>")
+    ]
+    assert counts[0] == counts[1]
+
+
+def test_text_beyond_what_a_slot_reads_is_cut_not_refused(fim_server: Server) -> None:
+    """A slot of 256 tokens reads at most 64 KiB of text: 200 KB of code around the cursor and
+    a long ring of extra files (as llama.vim keeps) are cut, and served."""
+    files = [{"filename": f"f{i}.py", "text": "z = 1\n" * 2000} for i in range(20)]
+    got = infill(
+        fim_server.url,
+        input_prefix="x = 1\n" * 20000,
+        input_suffix="y = 2\n" * 20000,
+        input_extra=files,
+        n_predict=4,
+        temperature=0,
+    )
+    assert 0 < got["tokens_evaluated"] <= 256 - 4
+    assert got["tokens_predicted"] == 4

@@ -204,7 +204,7 @@ async fn openai_errors_have_openai_shape() {
     let long = "x".repeat(100);
     let cases = [
         (r#"{"model":"other","prompt":"x"}"#, 404, "model_not_found"),
-        (r#"{"prompt":"x","n":3}"#, 400, "invalid_request"),
+        (r#"{"prompt":"x","n":9}"#, 400, "invalid_request"),
         (r#"{"prompt":"x","echo":true}"#, 400, "invalid_request"),
         (r#"{"prompt":"x","suffix":"y"}"#, 400, "invalid_request"),
         (r#"{"prompt":[1,2,3]}"#, 400, "invalid_request"),

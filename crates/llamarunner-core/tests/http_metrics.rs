@@ -161,7 +161,7 @@ async fn every_generation_is_counted_once_in_every_dialect() {
         .unwrap();
     let (s, _) = post(&app, "/completion", r#"{"prompt":""}"#).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = post(&app, "/v1/completions", r#"{"prompt":"x","n":3}"#).await;
+    let (s, _) = post(&app, "/v1/completions", r#"{"prompt":"x","n":9}"#).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
 
     let after = scrape(&app).await;

@@ -99,7 +99,7 @@ fn assert_error_shape(answer: &Answer, shape: Shape, kind: &str, openai_type: &s
 }
 
 /// One route of each kind in each dialect, with a body that the handler accepts.
-const ROUTES: [(&str, &str, &str, Shape); 9] = [
+const ROUTES: [(&str, &str, &str, Shape); 8] = [
     ("GET", "/slots", "", Shape::Native),
     (
         "POST",
@@ -122,10 +122,60 @@ const ROUTES: [(&str, &str, &str, Shape); 9] = [
         Shape::Ollama,
     ),
     ("GET", "/api/version", "", Shape::Ollama),
-    ("GET", "/", "", Shape::Native),
     // An unknown route needs a key too (no probing for routes).
     ("GET", "/no/such/route", "", Shape::Native),
 ];
+
+/// The browser page's files need no key (they hold no data; the page asks for the key), and
+/// no spelling of a path opens anything else.
+#[tokio::test]
+async fn the_page_needs_no_key_and_opens_nothing_else() {
+    let (app, handle) = guarded(keyed());
+    for path in [
+        "/",
+        "/dashboard",
+        "/ui/index.html",
+        "/ui/app.js",
+        "/ui/app.css",
+    ] {
+        let a = send(&app, request("GET", path, "", &[("accept", "text/html")])).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}");
+        assert!(a.headers.contains_key("content-security-policy"), "{path}");
+    }
+    // API clients get the plain line at / (no key needed either).
+    let a = send(&app, request("GET", "/", "", &[])).await;
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (StatusCode::OK, "llamarunner is running")
+    );
+    // Another name under /ui/ is not open.
+    let a = send(&app, request("GET", "/ui/nothing.js", "", &[])).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    for path in [
+        "/ui/../slots",
+        "/ui/%2e%2e/slots",
+        "//slots",
+        "/dashboard/../slots",
+        "/ui//metrics",
+    ] {
+        let a = send(&app, request("GET", path, "", &[])).await;
+        assert!(
+            a.status == StatusCode::UNAUTHORIZED || a.status == StatusCode::NOT_FOUND,
+            "{path}: {}",
+            a.status
+        );
+        assert!(!a.body.contains("\"slots\""), "{path}");
+    }
+    for (method, path) in [
+        ("POST", "/"),
+        ("POST", "/dashboard"),
+        ("POST", "/ui/app.js"),
+    ] {
+        let a = send(&app, request(method, path, "{}", &[])).await;
+        assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{method} {path}");
+    }
+    handle.shutdown();
+}
 
 #[tokio::test]
 async fn every_route_but_health_needs_a_key_in_every_dialect() {
@@ -740,4 +790,46 @@ fn a_bad_http_setting_or_key_file_fails_the_start() {
         e.starts_with("api-key-file /no/such/keys: cannot read"),
         "{e}"
     );
+}
+
+/// The chat page reached at a LAN address calls back with its own origin: allowed when the
+/// server requires a key (a rebinding page cannot have it), refused when it does not.
+#[tokio::test]
+async fn a_page_of_the_servers_own_origin_may_call_when_a_key_is_required() {
+    let lan = |keys: &[String]| HttpPolicy::new(keys, &[], false, 1 << 20);
+    let own = [
+        ("host", "192.168.1.5:8080"),
+        ("origin", "http://192.168.1.5:8080"),
+        ("authorization", "Bearer secret-1"),
+    ];
+    let (app, handle) = guarded(lan(&["secret-1".into()]));
+    let a = send(&app, request("GET", "/v1/models", "", &own)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(
+        a.headers["access-control-allow-origin"],
+        "http://192.168.1.5:8080"
+    );
+    // Without the key: 401, not 403 (the page then asks for it).
+    let a = send(&app, request("GET", "/v1/models", "", &own[..2])).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    for (host, origin) in [
+        ("192.168.1.5:8080", "http://192.168.1.5:9090"),
+        ("192.168.1.5:8080", "http://192.168.1.6:8080"),
+        ("192.168.1.5:8080", "ftp://192.168.1.5:8080"),
+        ("192.168.1.5:8080", "http://"),
+        ("", "http://"),
+    ] {
+        let headers = [
+            ("host", host),
+            ("origin", origin),
+            ("authorization", "Bearer secret-1"),
+        ];
+        let a = send(&app, request("GET", "/v1/models", "", &headers)).await;
+        assert_eq!(a.status, StatusCode::FORBIDDEN, "{host} {origin}");
+    }
+    handle.shutdown();
+    let (app, handle) = guarded(lan(&[]));
+    let a = send(&app, request("GET", "/v1/models", "", &own[..2])).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN);
+    handle.shutdown();
 }

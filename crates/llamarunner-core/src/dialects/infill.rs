@@ -23,13 +23,12 @@ use crate::requests::common::{
 };
 use crate::requests::infill::{self, ExtraFile, Parts};
 use crate::requests::options::Options;
+use crate::requests::validate;
 
 /// Body of `POST /infill`. Unknown fields (llama.vim's `t_max_prompt_ms`, `samplers`,
 /// `id_slot`...) are ignored.
 #[derive(Debug, Deserialize)]
 struct InfillRequest {
-    #[serde(default)]
-    model: Option<String>,
     #[serde(default)]
     input_prefix: Option<String>,
     #[serde(default)]
@@ -55,8 +54,9 @@ struct InfillRequest {
 /// `POST /infill`.
 pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
+    // `model` is read by a router to pick the engine; a server of one model ignores it here,
+    // as llama-server does (editor plugins send placeholders).
     let req = request_with_defaults(parse_json(&body)?)?;
-    crate::requests::common::check_model(&state, req.model.as_deref())?;
     let info = model_info(&state)?;
     infill::fim_of(&info)?;
     let lora = state.lora.for_request(req.options.lora.as_ref())?;
@@ -78,6 +78,8 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         prompt: req.prompt.unwrap_or_default(),
         extra: req.input_extra.unwrap_or_default(),
     };
+    // The options' refusals come before the cost of tokenizing.
+    validate::check_options(&params).map_err(ApiError::InvalidRequest)?;
     let tokens = infill::tokens(&info, parts, params.num_predict).await?;
     let model = state.model_name.to_string();
     let generation = start_generation(&state, PromptSource::Tokens(tokens), params).await?;
@@ -112,6 +114,16 @@ fn request_with_defaults(mut body: Value) -> Result<InfillRequest, ApiError> {
             "the body must be a JSON object".into(),
         ));
     };
+    // Counted before the files become structs (an 8 MiB body holds millions of `{}`).
+    if let Some(files) = fields.get("input_extra").and_then(Value::as_array) {
+        if files.len() > infill::MAX_EXTRA_FILES {
+            return Err(ApiError::invalid(format!(
+                "input_extra: at most {} files, got {}",
+                infill::MAX_EXTRA_FILES,
+                files.len()
+            )));
+        }
+    }
     for (name, value) in LLAMA_SERVER_DEFAULTS {
         fields.entry(name).or_insert(json!(value));
     }

@@ -515,6 +515,7 @@ pub async fn completions(
                 ..infill::Parts::default()
             };
             params.truncate = false;
+            crate::requests::validate::check_options(&params).map_err(ApiError::InvalidRequest)?;
             PromptSource::Tokens(infill::tokens(&info, parts, params.num_predict).await?)
         }
         None => prompt.into(),
@@ -998,7 +999,9 @@ mod tests {
         assert_eq!((p.temperature, p.top_p, p.repeat_penalty), (1.0, 1.0, 1.0));
         assert_eq!(p.num_predict, -1);
         for body in [
-            r#"{"n":2}"#,
+            r#"{"n":0}"#,
+            r#"{"n":9}"#,
+            r#"{"best_of":2}"#,
             r#"{"temperature":3}"#,
             r#"{"logit_bias":{"x":1}}"#,
             r#"{"logit_bias":{"5":200}}"#,

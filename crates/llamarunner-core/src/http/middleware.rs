@@ -167,6 +167,20 @@ fn is_loopback_host(host: &str) -> bool {
         || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Whether `origin` is the server's own (its `host[:port]` is the request's `Host`): the chat
+/// page served from the address the server is reached at (a LAN address). Taken only when the
+/// server requires a key: a DNS-rebinding page is same-origin too, but cannot have the key
+/// (the page keeps it in the real origin's storage).
+fn is_same_origin(origin: &str, host: Option<&HeaderValue>) -> bool {
+    let Some(host) = host.and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    let authority = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    authority.is_some_and(|a| !a.is_empty() && a.eq_ignore_ascii_case(host))
+}
+
 /// An `http(s)://` origin on a loopback host (any port), or a local app's scheme.
 fn is_local_origin(origin: &str) -> bool {
     let Some((scheme, rest)) = origin.split_once("://") else {
@@ -272,7 +286,8 @@ async fn check_host_and_origin(
         return next.run(req).await;
     };
     let shown = origin.to_str().unwrap_or("(not text)");
-    if !policy.origin_allowed(shown) {
+    let same_origin = policy.requires_key() && is_same_origin(shown, req.headers().get(HOST));
+    if !same_origin && !policy.origin_allowed(shown) {
         return refuse(format!(
             "Origin {shown:?} is not allowed: only pages on localhost can call this server \
              unless it is started with --allow-origin"

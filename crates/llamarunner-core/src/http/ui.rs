@@ -41,9 +41,14 @@ const ASSETS: [(&str, &str, &str); 3] = [
     ),
 ];
 
-/// Paths under which the page and its assets are served without an API key.
+/// The paths of the page and its assets, served without an API key (nothing else is: not
+/// another name under `/ui/`, which a router would forward to an engine).
 pub fn is_open_path(path: &str) -> bool {
-    path == "/" || path == "/dashboard" || path.starts_with("/ui/")
+    path == "/"
+        || path == "/dashboard"
+        || path
+            .strip_prefix("/ui/")
+            .is_some_and(|name| ASSETS.iter().any(|(n, _, _)| *n == name))
 }
 
 /// The total size of the embedded page, in bytes (what `/props` and the docs report).
@@ -133,6 +138,31 @@ mod tests {
         let mut api = HeaderMap::new();
         api.insert(ACCEPT, HeaderValue::from_static("application/json"));
         assert!(!wants_html(&api));
+    }
+
+    #[test]
+    fn only_the_page_and_its_three_files_are_open() {
+        for path in [
+            "/",
+            "/dashboard",
+            "/ui/index.html",
+            "/ui/app.js",
+            "/ui/app.css",
+        ] {
+            assert!(is_open_path(path), "{path}");
+        }
+        for path in [
+            "/ui/",
+            "/ui/a/b",
+            "/ui/app.js/x",
+            "/ui/../slots",
+            "//",
+            "/dashboard/",
+            "/slots",
+            "/ui",
+        ] {
+            assert!(!is_open_path(path), "{path}");
+        }
     }
 
     #[test]

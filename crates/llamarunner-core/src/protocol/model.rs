@@ -19,6 +19,11 @@ pub trait TextModel: Send + Sync + std::fmt::Debug {
     /// Tokenizes with special tokens parsed; `add_special` adds BOS (and EOS) when the model
     /// wants them, as `tokenize` always does.
     fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError>;
+    /// Tokenizes text as text: special tokens written in it (`<|fim_middle|>` in a file of
+    /// code) stay text, and no BOS is added. The fake's tokenizer parses nothing anyway.
+    fn tokenize_literal(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        self.tokenize_with(text, false)
+    }
     /// The bytes a token renders to, special tokens as their text (`<s>`); may be part of a
     /// UTF-8 character. The token must be inside the vocabulary (`0..n_vocab`): llama.cpp does
     /// not check.

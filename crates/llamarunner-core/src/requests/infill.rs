@@ -9,9 +9,16 @@
 //! ```
 //!
 //! Without a file separator token the extra files are joined by a "--- snippet ---" line.
-//! When the parts do not fit the slot (less the tokens to generate), the prefix keeps its end
-//! (the code nearest the cursor), the suffix its start, in a 3:1 share of the room, and the
-//! extra context what is left, nearest the prefix first.
+//! The parts are tokenized apart, as text (a `<|fim_middle|>` written in a file stays text);
+//! only `prompt` has its special tokens parsed, as llama-server does.
+//!
+//! When the parts do not fit the slot (less the tokens to generate), the extra context gets at
+//! most half the room, its end (the files nearest the prefix) kept, and that share does not
+//! move while the code around the cursor fills the other half, so that the cached prompt
+//! survives typing; the prefix keeps its end (the code nearest the cursor) and the suffix its
+//! start, 3:1. Text beyond what a slot can hold is cut (oldest extra files first, then the
+//! prefix's start and the suffix's end) before it is tokenized: only a `prompt` too long on its
+//! own is refused.
 
 use std::sync::Arc;
 
@@ -89,22 +96,7 @@ pub async fn tokens(
             parts.extra.len()
         )));
     }
-    let bytes = parts.prefix.len()
-        + parts.suffix.len()
-        + parts.prompt.len()
-        + parts
-            .extra
-            .iter()
-            .map(|f| f.text.len() + f.filename.as_ref().map_or(0, String::len))
-            .sum::<usize>();
-    let max = max_text_bytes(info);
-    if bytes > max {
-        return Err(ApiError::ContextLength(format!(
-            "the input length exceeds the context length: the infill parts have {bytes} bytes \
-             of text, at most {max} are read for a slot of {} tokens (raise --ctx-size)",
-            info.slot_ctx
-        )));
-    }
+    let parts = fit_bytes(parts, max_text_bytes(info), info.slot_ctx)?;
     let model = info.text.clone();
     let tokenized = blocking(move || tokenize_parts(model.as_ref(), &fim, &parts))
         .await?
@@ -115,13 +107,68 @@ pub async fn tokens(
     assemble(&fim, info.bos, tokenized, room)
 }
 
+/// Bytes of text of all the parts.
+fn text_bytes(parts: &Parts) -> usize {
+    parts.prefix.len()
+        + parts.suffix.len()
+        + parts.prompt.len()
+        + parts
+            .extra
+            .iter()
+            .map(|f| f.text.len() + f.filename.as_ref().map_or(0, String::len))
+            .sum::<usize>()
+}
+
+/// The parts cut to at most `max` bytes of text (more than a slot of `slot_ctx` tokens can
+/// hold): the oldest extra files out first, then the prefix's start and the suffix's end,
+/// 3:1; a 400 only for a `prompt` over `max` on its own.
+fn fit_bytes(mut parts: Parts, max: usize, slot_ctx: usize) -> Result<Parts, ApiError> {
+    if parts.prompt.len() > max {
+        return Err(ApiError::ContextLength(format!(
+            "the input length exceeds the context length: the infill prompt has {} bytes of \
+             text, at most {max} are read for a slot of {slot_ctx} tokens (raise --ctx-size)",
+            parts.prompt.len()
+        )));
+    }
+    // At most MAX_EXTRA_FILES files: this loop is short.
+    while text_bytes(&parts) > max && !parts.extra.is_empty() {
+        parts.extra.remove(0);
+    }
+    let budget = max.saturating_sub(text_bytes(&Parts {
+        prompt: parts.prompt.clone(),
+        extra: parts.extra.clone(),
+        ..Parts::default()
+    }));
+    if parts.prefix.len() + parts.suffix.len() > budget {
+        let (prefix_take, suffix_take) = share(parts.prefix.len(), parts.suffix.len(), budget);
+        let mut start = parts.prefix.len() - prefix_take;
+        while !parts.prefix.is_char_boundary(start) {
+            start += 1;
+        }
+        parts.prefix.drain(..start);
+        let mut end = suffix_take;
+        while !parts.suffix.is_char_boundary(end) {
+            end -= 1;
+        }
+        parts.suffix.truncate(end);
+    }
+    Ok(parts)
+}
+
+/// How much of a (kept from its end) and b (from its start) fit in `free`: b gets a quarter,
+/// a the rest, and what one does not use goes to the other.
+fn share(a: usize, b: usize, free: usize) -> (usize, usize) {
+    let a_take = a.min(free - b.min(free / 4));
+    (a_take, b.min(free - a_take))
+}
+
 /// Tokenizes each part without BOS, the extra files with their separators.
 fn tokenize_parts(
     model: &dyn crate::protocol::TextModel,
     fim: &FimTokens,
     parts: &Parts,
 ) -> Result<Tokenized, crate::protocol::BackendError> {
-    let plain = |text: &str| model.tokenize_with(text, false);
+    let plain = |text: &str| model.tokenize_literal(text);
     let mut extra = Vec::new();
     if let Some(rep) = fim.rep {
         extra.push(rep);
@@ -145,7 +192,7 @@ fn tokenize_parts(
     Ok(Tokenized {
         prefix: plain(&parts.prefix)?,
         suffix: plain(&parts.suffix)?,
-        prompt: plain(&parts.prompt)?,
+        prompt: model.tokenize_with(&parts.prompt, false)?,
         extra,
     })
 }
@@ -165,11 +212,11 @@ fn assemble(
              generating) leaves none for the code around the cursor"
         )));
     };
-    // 3:1 between prefix and suffix; what one does not use goes to the other.
-    let suffix_share = free / 4;
-    let prefix_take = t.prefix.len().min(free - suffix_share.min(t.suffix.len()));
-    let suffix_take = t.suffix.len().min(free - prefix_take);
-    let extra_take = t.extra.len().min(free - prefix_take - suffix_take);
+    // The extra context's share stays put while the code around the cursor fills half the
+    // room; prefix and suffix share the rest 3:1.
+    let cursor = (t.prefix.len() + t.suffix.len()).min(free / 2);
+    let extra_take = t.extra.len().min(free - cursor);
+    let (prefix_take, suffix_take) = share(t.prefix.len(), t.suffix.len(), free - extra_take);
     t.prefix.drain(..t.prefix.len() - prefix_take);
     t.suffix.truncate(suffix_take);
     let extra = &t.extra[t.extra.len() - extra_take..];
@@ -216,8 +263,8 @@ mod tests {
 
     #[test]
     fn a_long_prefix_keeps_its_end_and_a_long_suffix_its_start() {
-        // 40 tokens of room: 3 markers, 37 free; the suffix's share is 9.
-        let out = assemble(&FIM, None, parts(100, 100, 0, 50), 40).unwrap();
+        // 40 tokens of room: 3 markers, 37 free; no extra context: the suffix's share is 9.
+        let out = assemble(&FIM, None, parts(100, 100, 0, 0), 40).unwrap();
         assert_eq!(out.len(), 40);
         assert_eq!(out[0], 900);
         assert_eq!(out[1], 100 + 100 - 28, "the prefix's last 28 tokens");
@@ -228,22 +275,64 @@ mod tests {
             "the suffix's first tokens"
         );
         assert_eq!(out.len() - suf - 2, 9);
-        assert!(
-            !out.contains(&700),
-            "no room was left for the extra context"
-        );
     }
 
     #[test]
-    fn room_one_part_leaves_goes_to_the_others() {
-        // A short suffix leaves its share to the prefix, and the rest goes to extra context,
-        // the end of it (nearest the prefix).
-        let out = assemble(&FIM, None, parts(100, 2, 0, 50), 40).unwrap();
-        assert_eq!(out.iter().filter(|&&t| (300..400).contains(&t)).count(), 2);
-        assert_eq!(out.iter().filter(|&&t| (100..200).contains(&t)).count(), 35);
+    fn the_extra_context_keeps_half_the_room_whatever_the_cursor_code() {
+        // 37 free: the code around the cursor fills 18, the extra context's end the other 19,
+        // for every prefix long enough; a short prefix and suffix leave the extra more.
+        let count = |out: &[Token], r: std::ops::Range<i32>| {
+            out.iter().filter(|&&t| r.contains(&t)).count()
+        };
+        for prefix in [18, 50, 100, 200] {
+            let out = assemble(&FIM, None, parts(prefix, 100, 0, 50), 40).unwrap();
+            assert_eq!(out.len(), 40);
+            assert_eq!(&out[..19], (731..750).collect::<Vec<_>>(), "{prefix}");
+            assert_eq!(count(&out, 100..300), 14, "{prefix}");
+            assert_eq!(count(&out, 300..400), 4, "{prefix}");
+        }
         let out = assemble(&FIM, None, parts(5, 5, 0, 50), 40).unwrap();
         assert_eq!(out.len(), 40);
         assert_eq!(out[0], 700 + 50 - 27, "the extra context's last 27 tokens");
+    }
+
+    #[test]
+    fn room_one_part_leaves_goes_to_the_other() {
+        let out = assemble(&FIM, None, parts(100, 2, 0, 0), 40).unwrap();
+        assert_eq!(out.iter().filter(|&&t| (300..400).contains(&t)).count(), 2);
+        assert_eq!(out.iter().filter(|&&t| (100..200).contains(&t)).count(), 35);
+    }
+
+    #[test]
+    fn text_beyond_a_slot_is_cut_before_tokenizing() {
+        let file = |name: &str, n: usize| ExtraFile {
+            filename: Some(name.into()),
+            text: "x".repeat(n),
+        };
+        let parts = Parts {
+            prefix: "é".repeat(300),
+            suffix: "s".repeat(300),
+            prompt: "p".repeat(10),
+            extra: vec![file("old", 500), file("new", 100)],
+        };
+        // The old file goes, and the rest fits.
+        let fit = fit_bytes(parts.clone(), 1100, 64).unwrap();
+        assert_eq!(fit.extra.len(), 1);
+        assert_eq!(fit.extra[0].filename.as_deref(), Some("new"));
+        assert_eq!((fit.prefix.len(), fit.suffix.len()), (600, 300));
+        // With less room both files go; then the prefix keeps its end and the suffix its
+        // start, whole characters (é is 2 bytes).
+        let fit = fit_bytes(parts.clone(), 800, 64).unwrap();
+        assert!(fit.extra.is_empty());
+        assert!(text_bytes(&fit) <= 800, "{}", text_bytes(&fit));
+        assert!(fit.prefix.chars().all(|c| c == 'é') && fit.prefix.len() > 500);
+        assert!(fit.suffix.starts_with('s') && fit.suffix.len() < 300);
+        assert_eq!(fit.prompt, parts.prompt);
+        // What fits is left alone.
+        assert_eq!(fit_bytes(parts.clone(), 10_000, 64).unwrap(), parts);
+        // A prompt too long on its own is refused.
+        let e = fit_bytes(parts, 9, 64).unwrap_err();
+        assert_eq!(e.kind(), "context_length_exceeded");
     }
 
     #[test]

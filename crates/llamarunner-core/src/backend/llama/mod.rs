@@ -331,6 +331,16 @@ pub fn system_info() -> String {
 /// in it) or of more bytes than a C int counts is refused here, with the messages the
 /// C-string and integer conversions give (as llama-cpp-2 refused them before 0.1.160).
 fn tokenize(model: &LlamaModel, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
+    tokenize_parsing(model, text, add_special, true)
+}
+
+/// `tokenize`, with special tokens written in the text parsed or left as text.
+fn tokenize_parsing(
+    model: &LlamaModel,
+    text: &str,
+    add_special: bool,
+    parse_special: bool,
+) -> Result<Vec<Token>, BackendError> {
     if let Some(at) = text.bytes().position(|b| b == 0) {
         return Err(BackendError::Tokenize(format!(
             "nul byte found in provided data at position: {at}"
@@ -341,7 +351,7 @@ fn tokenize(model: &LlamaModel, text: &str, add_special: bool) -> Result<Vec<Tok
     }
     Ok(model
         .vocab()
-        .tokenize(text.as_bytes(), add_special, true)
+        .tokenize(text.as_bytes(), add_special, parse_special)
         .into_iter()
         .map(|t| t.0)
         .collect())
@@ -427,6 +437,10 @@ impl std::fmt::Debug for LlamaText {
 impl TextModel for LlamaText {
     fn tokenize_with(&self, text: &str, add_special: bool) -> Result<Vec<Token>, BackendError> {
         tokenize(&self.0, text, add_special)
+    }
+
+    fn tokenize_literal(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        tokenize_parsing(&self.0, text, false, false)
     }
 
     fn piece(&self, token: Token) -> Vec<u8> {
