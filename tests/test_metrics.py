@@ -315,7 +315,7 @@ def test_rejections_are_counted_by_reason(srv: Server) -> None:
     # 400: a body that is not JSON, and an option out of range.
     r = httpx.post(f"{url}/completion", headers=AUTH, content=b"{", timeout=10)
     assert r.status_code == 400
-    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x", "n": 2}, timeout=10)
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x", "n": 9}, timeout=10)
     assert r.status_code == 400
     # 401: no key.
     r = httpx.post(f"{url}/completion", json={"prompt": "x"}, timeout=10)

@@ -30,8 +30,12 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pty")
 
 # Runs `python -m llamarunner ARGS` with the pty (its stdin) as the controlling terminal, so
 # that Ctrl-C typed on it sends SIGINT, as in a shell.
+# SIGINT is set to its default first: a test run started in the background by a
+# non-interactive shell (as CI may be) has it ignored, and an ignored signal stays ignored
+# through exec, so Python would install no KeyboardInterrupt handler.
 _ON_TTY = (
-    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "import fcntl, os, signal, sys, termios; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
     "os.execv(sys.executable, [sys.executable, '-m', 'llamarunner', *sys.argv[1:]])"
 )
 PROMPT = ">>> "
@@ -226,6 +230,9 @@ def test_bye_ctrl_d_and_ctrl_c_at_the_prompt(
     tiny_server: Server, chat: Callable[..., Chat], tmp_path: Path
 ) -> None:
     c = chat("--host", tiny_server.url)
+    # The prompt is written before readline has the terminal: a Ctrl-C typed in that moment
+    # can be lost. A person never types that fast; give readline a moment.
+    time.sleep(0.5)
     c.type("\x03")  # at an empty prompt: a hint, and the chat goes on
     assert "Use /bye or Ctrl-D to leave." in c.prompt()
     assert "unknown command '/nope'" in c.say("/nope")
