@@ -166,11 +166,15 @@ def test_ollama_client_calls_and_gets_the_answer(gemma: Server) -> None:
         calls.extend(part.message.tool_calls or [])
     # The second request reuses the first one's cached prefix, so its last prompt positions
     # are decoded in batches of other shapes; where two argument values are nearly tied that
-    # can tip the greedy choice (helpers.NEAR_TIE). The call is the same function, with valid
-    # arguments, for the same city.
-    assert [c.function.name for c in calls] == ["get_weather"], calls
+    # can tip the greedy choice (helpers.NEAR_TIE). The end of the turn after a call is one such
+    # near tie on this base model: in CI the streamed answer once went on to call again (five
+    # calls, cut by num_predict) where the whole one stopped after one. So: every streamed call
+    # is the same function with valid arguments, and the first is for the same city.
+    assert calls, "the streamed answer made no call"
+    assert all(c.function.name == "get_weather" for c in calls), calls
+    for c in calls:
+        jsonschema.validate(dict(c.function.arguments), PARAMS)
     streamed = dict(calls[0].function.arguments)
-    jsonschema.validate(streamed, PARAMS)
     assert streamed.get("city") == args.get("city"), (streamed, args)
     # The result goes back; the next turn answers.
     messages += [r.message, {"role": "tool", "tool_name": "get_weather", "content": "18 degrees"}]
