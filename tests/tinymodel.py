@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, TokenType
+from gguf import GGUFWriter, PoolingType, TokenType
 
 N_EMBD = 64
 N_LAYER = 2
@@ -150,8 +150,9 @@ def add_llama_hparams(
     w.add_file_type(0)  # all f32
 
 
-def add_vocabulary(w: GGUFWriter, extra_tokens: int = 0) -> None:
-    """The SPM vocabulary of `vocabulary`, BOS 1 (added), EOS 2, UNK 0."""
+def add_vocabulary(w: GGUFWriter, extra_tokens: int = 0, *, add_eos: bool = False) -> None:
+    """The SPM vocabulary of `vocabulary`, BOS 1 (added), EOS 2 (added when ``add_eos``),
+    UNK 0."""
     tokens, scores, types = vocabulary(extra_tokens)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -161,7 +162,7 @@ def add_vocabulary(w: GGUFWriter, extra_tokens: int = 0) -> None:
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    w.add_add_eos_token(add_eos)
 
 
 def write_gguf(w: GGUFWriter, path: Path, tensors: dict[str, np.ndarray]) -> Path:
@@ -217,14 +218,19 @@ def _successor_model(path: Path, text: str, then_eos: bool) -> Path:
 
 
 def hidden_states(
-    tokens: list[int], tensors: dict[str, np.ndarray], *, f16_cache: bool = True
+    tokens: list[int],
+    tensors: dict[str, np.ndarray],
+    *,
+    f16_cache: bool = True,
+    qwen3: bool = False,
 ) -> np.ndarray:
     """The tiny model's forward pass in numpy (float64), all tokens in one piece: the final
     normalized hidden state of every token (n_tokens x N_EMBD), what llama.cpp returns as
     per-token embeddings. Llama: RMS norm, RoPE on adjacent pairs (llama.cpp's normal mode),
     grouped-query causal attention, SwiGLU. ``f16_cache`` rounds keys and values to float16
     as llama.cpp's default KV cache stores them (with flash attention, the rest of its
-    arithmetic is float32: the results then agree to about 1e-5)."""
+    arithmetic is float32: the results then agree to about 1e-5). ``qwen3``: Qwen3's layers
+    instead (each head's query and key RMS-normalized before RoPE, NeoX RoPE on the halves)."""
     t = {k: v.astype(np.float64) for k, v in tensors.items()}
     n = len(tokens)
 
@@ -237,8 +243,14 @@ def hidden_states(
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
 
     def rope(x: np.ndarray) -> np.ndarray:  # (n, heads, HEAD_DIM)
-        even, odd = x[..., 0::2], x[..., 1::2]
         out = np.empty_like(x)
+        if qwen3:  # NeoX: the first half of each head rotates with the second
+            half = HEAD_DIM // 2
+            lo, hi = x[..., :half], x[..., half:]
+            out[..., :half] = lo * cos - hi * sin
+            out[..., half:] = lo * sin + hi * cos
+            return out
+        even, odd = x[..., 0::2], x[..., 1::2]
         out[..., 0::2] = even * cos - odd * sin
         out[..., 1::2] = even * sin + odd * cos
         return out
@@ -248,8 +260,12 @@ def hidden_states(
     for i in range(N_LAYER):
         p = f"blk.{i}"
         h = rms(x) * t[f"{p}.attn_norm.weight"]
-        q = rope((h @ t[f"{p}.attn_q.weight"].T).reshape(n, N_HEAD, HEAD_DIM))
-        k = rope((h @ t[f"{p}.attn_k.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM))
+        q = (h @ t[f"{p}.attn_q.weight"].T).reshape(n, N_HEAD, HEAD_DIM)
+        k = (h @ t[f"{p}.attn_k.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM)
+        if qwen3:
+            q = rms(q) * t[f"{p}.attn_q_norm.weight"]
+            k = rms(k) * t[f"{p}.attn_k_norm.weight"]
+        q, k = rope(q), rope(k)
         v = (h @ t[f"{p}.attn_v.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM)
         if f16_cache:
             k = k.astype(np.float16).astype(np.float64)
@@ -296,3 +312,53 @@ def write_spark2_5_model(path: Path, *, seed: int = 0) -> Path:
     w.add_sliding_window_pattern(SPARK_SWA_PATTERN)
     add_vocabulary(w)
     return write_gguf(w, path, tensors)
+
+
+# A reranker: Qwen3's layers with a two-label head (``yes``, ``no``) as Qwen3-Reranker's GGUFs
+# have, rank pooling: llama.cpp scores a query-document pair with the softmax of the head over
+# the last token's final hidden state, and the relevance is its first value (P(yes)).
+RERANK_LABELS = ["yes", "no"]
+# The separator a reranker without a template puts between query and document (<x0>).
+RERANK_SEP = FIRST_EXTRA_TOKEN
+
+
+def reranker_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """The tiny reranker's tensors: the tiny model's, per-head query and key norms, and the
+    head ``cls.output`` (numpy (labels, N_EMBD))."""
+    tensors = model_tensors(seed=seed, extra_tokens=1)
+    rng = np.random.default_rng(seed + 7)
+    for i in range(N_LAYER):
+        for name in ("attn_q_norm", "attn_k_norm"):
+            weight = 1.0 + 0.2 * rng.standard_normal(HEAD_DIM)
+            tensors[f"blk.{i}.{name}.weight"] = weight.astype(np.float32)
+    head = rng.standard_normal((len(RERANK_LABELS), N_EMBD)) * 0.5
+    tensors["cls.output.weight"] = head.astype(np.float32)
+    return tensors
+
+
+def write_reranker_model(path: Path, *, template: str | None = None, seed: int = 0) -> Path:
+    """A tiny random-weight Qwen3 reranker (rank pooling, `reranker_tensors`). With
+    ``template`` (a ``tokenizer.chat_template.rerank`` holding ``{query}`` and ``{document}``)
+    pairs are laid out by it; without, as ``<s> query </s> <x0> document </s>`` (BOS, EOS and
+    the separator each added by the vocabulary)."""
+    w = GGUFWriter(str(path), "qwen3")
+    w.add_name("tiny-test-reranker")
+    add_llama_hparams(w, context_length=4096)
+    w.add_pooling_type(PoolingType.RANK)
+    w.add_classifier_output_labels(RERANK_LABELS)
+    add_vocabulary(w, extra_tokens=1, add_eos=template is None)
+    if template is None:
+        w.add_sep_token_id(RERANK_SEP)
+        w.add_add_sep_token(True)
+    else:
+        w.add_string("tokenizer.chat_template.rerank", template)
+    return write_gguf(w, path, reranker_tensors(seed))
+
+
+def rerank_score(tokens: list[int], tensors: dict[str, np.ndarray]) -> float:
+    """What llama.cpp's rank pooling gives the tiny reranker for ``tokens``: P(yes) from the
+    head over the last token's hidden state."""
+    h = hidden_states(tokens, tensors, qwen3=True)[-1]
+    logits = tensors["cls.output.weight"].astype(np.float64) @ h
+    p = np.exp(logits - logits.max())
+    return float(p[0] / p.sum())

@@ -82,6 +82,23 @@ def embed(text: str, truncate: bool, model: str | None = None) -> Request[list[f
     return Request("POST", "/embedding", body, _embedding)
 
 
+def rerank(
+    query: str, documents: list[str], top_n: int | None, model: str | None = None
+) -> Request[list[tuple[int, float]]]:
+    """Ranks ``documents`` against ``query`` on a reranker (`POST /v1/rerank`)."""
+    body: dict[str, Any] = {"query": query, "documents": documents}
+    if top_n is not None:
+        body["top_n"] = top_n
+    if model is not None:
+        body["model"] = model
+    return Request(
+        "POST",
+        "/v1/rerank",
+        body,
+        lambda data: [(int(r["index"]), float(r["relevance_score"])) for r in data["results"]],
+    )
+
+
 def models() -> Request[list[dict[str, Any]]]:
     """The models served (`/v1/models`; on a server of many, each with its ``status``)."""
     return Request("GET", "/v1/models", None, lambda data: list(data["data"]))

@@ -276,6 +276,18 @@ class Client:
         """The embedding of ``text`` (pooled, not normalized)."""
         return self._call(_requests.embed(text, truncate, model))
 
+    def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        *,
+        top_n: int | None = None,
+        model: str | None = None,
+    ) -> list[tuple[int, float]]:
+        """``(index, relevance score)`` of each of ``documents`` against ``query``, most relevant
+        first (at most ``top_n``), from a reranker model (rank pooling)."""
+        return self._call(_requests.rerank(query, documents, top_n, model))
+
     def models(self) -> list[dict[str, Any]]:
         """The models the server serves (``id``; on a server of many, ``status`` too)."""
         return self._call(_requests.models())
@@ -518,6 +530,17 @@ class AsyncClient:
     ) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
         return await self._call(_requests.embed(text, truncate, model))
+
+    async def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        *,
+        top_n: int | None = None,
+        model: str | None = None,
+    ) -> list[tuple[int, float]]:
+        """Ranks ``documents`` against ``query``; see `Client.rerank`."""
+        return await self._call(_requests.rerank(query, documents, top_n, model))
 
     async def models(self) -> list[dict[str, Any]]:
         """The models the server serves; see `Client.models`."""

@@ -3,7 +3,7 @@
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::dialects::{anthropic, infill, native, ollama, openai, responses};
+use crate::dialects::{anthropic, infill, native, ollama, openai, rerank, responses};
 use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::{access, middleware, ui, AppState};
 use crate::ops::{lora, metrics, props, slots, tokenizer};
@@ -32,6 +32,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/rerank", post(rerank::rerank))
+        .route("/v1/reranking", post(rerank::rerank))
+        .route("/rerank", post(rerank::rerank))
+        .route("/reranking", post(rerank::rerank))
         .route("/v1/responses", post(responses::create))
         .route(
             "/v1/responses/{id}",

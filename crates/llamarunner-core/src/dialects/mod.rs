@@ -8,6 +8,8 @@
 //! - `anthropic.rs`: Anthropic's Messages API (`/v1/messages`, its token count);
 //! - `responses.rs`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
 //!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);
+//! - `rerank.rs`: reranking documents against a query (`/v1/rerank`, Jina's, Cohere's and
+//!   TEI's shapes) for reranker models;
 //! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader.
 
 pub mod anthropic;
@@ -15,5 +17,6 @@ pub mod infill;
 pub mod native;
 pub mod ollama;
 pub mod openai;
+pub mod rerank;
 pub mod responses;
 pub mod stream_json;

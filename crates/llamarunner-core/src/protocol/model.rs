@@ -163,6 +163,25 @@ pub struct ModelInfo {
     pub vision: Option<Arc<dyn super::VisionModel>>,
     /// The fill-in-the-middle tokens, when the vocabulary has them (`/infill`).
     pub fim: Option<FimTokens>,
+    /// How a query and a document become one input, when the model is a reranker (its
+    /// pooling is llama.cpp's `rank`: `/v1/rerank`); None for every other model.
+    pub rerank: Option<RerankFormat>,
+}
+
+/// How a reranker pairs a query with a document (llama-server's layout): the model's own
+/// `rerank` template with `{query}` and `{document}` replaced, else
+/// `[BOS] query [EOS] [SEP] document [EOS]`, each marker where the vocabulary adds it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RerankFormat {
+    /// The GGUF's `tokenizer.chat_template.rerank`.
+    pub template: Option<String>,
+    /// Opens the pair (when the vocabulary adds BOS).
+    pub bos: Option<Token>,
+    /// Ends the query and the document (EOS, or SEP where the vocabulary has no EOS; when the
+    /// vocabulary adds EOS).
+    pub eos: Option<Token>,
+    /// Between the query and the document (when the vocabulary adds SEP).
+    pub sep: Option<Token>,
 }
 
 /// A code model's fill-in-the-middle tokens: prefix, suffix and middle markers, and the

@@ -499,16 +499,31 @@ pub async fn embed_all(
             inputs.len()
         )));
     }
+    if info.rerank.is_some() {
+        return Err(ApiError::invalid(
+            "this model is a reranker (its pooling is rank): its pooled output is a relevance \
+             score, not an embedding; rank documents with POST /v1/rerank",
+        ));
+    }
     let mut valid = Vec::with_capacity(inputs.len());
     for text in inputs {
         valid.push(validate::embedding_input(&info, text, truncate).await?);
     }
+    embed_tokens(state, valid).await
+}
+
+/// Embeds inputs already tokenized and fitted (`(tokens, whether cut)`), one after another
+/// (see `embed_all`), and records the tokens embedded on the access line.
+pub async fn embed_tokens(
+    state: &AppState,
+    valid: Vec<(Vec<crate::protocol::Token>, bool)>,
+) -> Result<Vec<Embedding>, ApiError> {
     let mut out = Vec::with_capacity(valid.len());
     for (tokens, truncated) in valid {
         let (reply, answer) = tokio::sync::oneshot::channel();
         state.engine.submit_embed(EmbedRequest {
             content: Input::Tokens(tokens),
-            truncate,
+            truncate: false,
             reply,
         })?;
         let mut embedding = answer

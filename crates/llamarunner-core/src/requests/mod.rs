@@ -5,6 +5,7 @@
 //! - `options.rs`: Ollama's `options` object; `format.rs`: `format` / `response_format`;
 //! - `images.rs`, `image_prompt.rs`: images decoded, counted and placed in prompts;
 //! - `lora.rs`: a request's LoRA scales;
+//! - `rerank.rs`: a reranker's query-document pairs;
 //! - `tool_calls.rs`: tool definitions, their call grammars and the calls read from output;
 //! - `common.rs`: what every dialect's handler does (readiness, the model name, chat prompts,
 //!   starting and collecting a generation, embeddings).
@@ -16,5 +17,6 @@ pub mod images;
 pub mod infill;
 pub mod lora;
 pub mod options;
+pub mod rerank;
 pub mod tool_calls;
 pub mod validate;

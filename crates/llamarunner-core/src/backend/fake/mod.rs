@@ -751,6 +751,7 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
         ),
         vision: None,
         fim: None,
+        rerank: None,
     }
 }
 

@@ -421,6 +421,36 @@ fn model_info(
         text,
         vision: None,
         fim: fim_tokens(model),
+        rerank: rerank_format(model),
+    })
+}
+
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`, as GGUF's `{arch}.pooling_type` writes it.
+const POOLING_RANK: &str = "4";
+
+/// How the model pairs a query with a document, when its pooling is rank (a reranker); None
+/// for every other model. The markers are llama-server's (`format_prompt_rerank`).
+fn rerank_format(model: &LlamaModel) -> Option<crate::protocol::model::RerankFormat> {
+    let arch = model.meta_val_str("general.architecture").ok()?;
+    let pooling = model.meta_val_str(&format!("{arch}.pooling_type")).ok()?;
+    if pooling.trim() != POOLING_RANK {
+        return None;
+    }
+    let vocab = model.vocab();
+    let known = |t: llama_cpp_2::token::LlamaToken| {
+        Some(t.0).filter(|&t| (0..model.n_vocab()).contains(&t))
+    };
+    // Read from the GGUF's metadata: llama-cpp-2 0.1.160's `chat_template(Some(name))`
+    // drops the name's CString before llama.cpp reads it (the pointer dangles; it found no
+    // template here).
+    let template = model.meta_val_str("tokenizer.chat_template.rerank").ok();
+    Some(crate::protocol::model::RerankFormat {
+        template,
+        bos: known(vocab.bos()).filter(|_| vocab.should_add_bos()),
+        eos: known(vocab.eos())
+            .or_else(|| known(vocab.sep()))
+            .filter(|_| vocab.should_add_eos()),
+        sep: known(vocab.sep()).filter(|_| vocab.should_add_sep()),
     })
 }
 

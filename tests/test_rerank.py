@@ -1,0 +1,211 @@
+"""Reranking: ``POST /v1/rerank`` (and llama-server's aliases) on tiny generated Qwen3
+rerankers (rank pooling, a ``yes``/``no`` head), with and without a rerank template. Each
+score is checked against a numpy forward pass of the same weights over the pair's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llamarunner import Client, Server
+
+from tinymodel import RERANK_SEP, rerank_score, reranker_tensors, write_reranker_model
+
+QUERY = "cat"
+DOCS = ["the cat", "a dog", "hello world", "the cat and the dog", "of"]
+TEMPLATE = "<s>query:{query}<x0>document:{document}"
+# llama.cpp computes in float32 with an f16 KV cache; the numpy pass in float64.
+TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rerank")
+
+
+@pytest.fixture(scope="module")
+def reranker(model_dir: Path) -> Iterator[Server]:
+    """No template: ``<s> query </s> <x0> document </s>``."""
+    model = write_reranker_model(model_dir / "reranker.gguf")
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def templated(model_dir: Path) -> Iterator[Server]:
+    model = write_reranker_model(model_dir / "templated.gguf", template=TEMPLATE)
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2) as srv:
+        yield srv
+
+
+def tokens(url: str, text: str, add_special: bool = False) -> list[int]:
+    r = httpx.post(
+        f"{url}/tokenize", json={"content": text, "add_special": add_special}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    out: list[int] = r.json()["tokens"]
+    return out
+
+
+def rerank(url: str, path: str = "/v1/rerank", **body: Any) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def test_scores_are_the_models_and_results_come_best_first(reranker: Server) -> None:
+    r = rerank(reranker.url, model="reranker", query=QUERY, documents=DOCS)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "reranker"
+    results = body["results"]
+    assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
+    scores = [x["relevance_score"] for x in results]
+    assert scores == sorted(scores, reverse=True)
+    tensors = reranker_tensors()
+    query = tokens(reranker.url, QUERY)
+    want_tokens = 0
+    for x in results:
+        pair = [1, *query, 2, RERANK_SEP, *tokens(reranker.url, DOCS[x["index"]]), 2]
+        want_tokens += len(pair)
+        assert x["relevance_score"] == pytest.approx(rerank_score(pair, tensors), abs=TOLERANCE)
+        assert "document" not in x
+    assert body["usage"] == {"prompt_tokens": want_tokens, "total_tokens": want_tokens}
+    # The scores differ: a broken head (or the same hidden state for every pair) would not.
+    assert len({round(s, 4) for s in scores}) > 1
+
+
+def test_a_template_lays_out_the_pair(templated: Server) -> None:
+    r = rerank(templated.url, query=QUERY, documents=DOCS[:3])
+    assert r.status_code == 200, r.text
+    tensors = reranker_tensors()
+    for x in r.json()["results"]:
+        text = TEMPLATE.replace("{query}", QUERY).replace("{document}", DOCS[x["index"]])
+        # The template's control tokens are parsed; nothing is added.
+        pair = tokens(templated.url, text)
+        assert pair[0] == 1 and RERANK_SEP in pair
+        assert x["relevance_score"] == pytest.approx(rerank_score(pair, tensors), abs=TOLERANCE)
+
+
+def test_a_score_does_not_depend_on_the_other_documents(reranker: Server) -> None:
+    alone = rerank(reranker.url, query=QUERY, documents=[DOCS[3]]).json()["results"][0]
+    among = rerank(reranker.url, query=QUERY, documents=DOCS).json()["results"]
+    same = next(x for x in among if x["index"] == 3)
+    assert same["relevance_score"] == pytest.approx(alone["relevance_score"], abs=1e-6)
+
+
+def test_top_n_echo_and_every_alias_and_shape(reranker: Server) -> None:
+    full = rerank(reranker.url, query=QUERY, documents=DOCS).json()["results"]
+    for path in ("/v1/rerank", "/rerank", "/reranking", "/v1/reranking"):
+        r = rerank(reranker.url, path, query=QUERY, documents=DOCS, top_n=2)
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["results"] == full[:2], path
+    # Jina's objects and return_documents.
+    r = rerank(
+        reranker.url,
+        query=QUERY,
+        documents=[{"text": d} for d in DOCS],
+        return_documents=True,
+    )
+    assert r.status_code == 200, r.text
+    for x in r.json()["results"]:
+        assert x["document"] == {"text": DOCS[x["index"]]}
+    # TEI's shape: `texts` in, a bare array of index and score out.
+    r = rerank(reranker.url, query=QUERY, texts=DOCS, return_text=True)
+    assert r.status_code == 200, r.text
+    tei = r.json()
+    assert [x["index"] for x in tei] == [x["index"] for x in full]
+    for x, y in zip(tei, full):
+        assert x["score"] == pytest.approx(y["relevance_score"], abs=1e-6)
+        assert x["text"] == DOCS[x["index"]]
+
+
+def test_the_client_ranks(reranker: Server) -> None:
+    with Client(reranker.url) as client:
+        ranked = client.rerank(QUERY, DOCS, top_n=3)
+    full = rerank(reranker.url, query=QUERY, documents=DOCS).json()["results"]
+    assert ranked == [(x["index"], pytest.approx(x["relevance_score"])) for x in full[:3]]
+
+
+def test_embeddings_of_a_reranker_are_refused(reranker: Server) -> None:
+    r = httpx.post(f"{reranker.url}/v1/embeddings", json={"input": "cat"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "reranker" in r.json()["error"]["message"]
+    r = httpx.post(f"{reranker.url}/embedding", json={"content": "cat"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+def test_a_model_that_is_not_a_reranker_is_a_clear_400(tiny_server: Server) -> None:
+    r = rerank(tiny_server.url, query=QUERY, documents=DOCS)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "not a reranker" in error["message"]
+    assert error["type"] == "invalid_request_error"  # OpenAI's shape under /v1/
+    r = rerank(tiny_server.url, "/rerank", query=QUERY, documents=DOCS)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request", r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"documents": DOCS}, 400, "query"),
+        ({"query": QUERY}, 400, "documents"),
+        ({"query": QUERY, "documents": []}, 400, "non-empty"),
+        ({"query": QUERY, "documents": DOCS, "texts": DOCS}, 400, "not both"),
+        ({"query": QUERY, "documents": DOCS, "top_n": 0}, 400, "top_n"),
+        ({"query": QUERY, "documents": DOCS, "top_n": -3}, 400, "top_n"),
+        ({"query": 5, "documents": DOCS}, 400, "query"),
+        ({"query": QUERY, "documents": [1, 2]}, 400, "documents"),
+        ({"query": QUERY, "documents": ["x" * 4000]}, 400, "context"),
+        ({"query": QUERY, "documents": ["ok"] * 2049}, 400, "2048"),
+        ({"query": QUERY, "documents": DOCS, "model": "other"}, 404, "other"),
+    ],
+)
+def test_bad_requests_are_clear_errors(
+    reranker: Server, body: dict[str, Any], status: int, says: str
+) -> None:
+    r = rerank(reranker.url, **body)
+    assert r.status_code == status, r.text
+    assert says in r.json()["error"]["message"], r.text
+
+
+def test_truncate_cuts_a_long_pair_instead(reranker: Server) -> None:
+    long = "ab" * 200  # 400 byte tokens: past the 256-token slot
+    r = rerank(reranker.url, query=QUERY, documents=[long, "of"])
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
+    r = rerank(reranker.url, query=QUERY, documents=[long, "of"], truncate=True)
+    assert r.status_code == 200, r.text
+    short = rerank(reranker.url, query=QUERY, documents=["of"]).json()["usage"]["prompt_tokens"]
+    # The long pair is cut to the 256-token slot; the short one is whole.
+    assert r.json()["usage"]["prompt_tokens"] == 256 + short
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    body=st.dictionaries(
+        st.sampled_from(
+            ["query", "documents", "texts", "top_n", "return_documents", "truncate", "model"]
+        ),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**63), 2**63),
+            st.floats(allow_nan=False, allow_infinity=False),
+            st.text(max_size=40),
+            st.lists(st.one_of(st.text(max_size=30), st.integers()), max_size=5),
+            st.lists(st.fixed_dictionaries({"text": st.text(max_size=20)}), max_size=3),
+        ),
+    )
+)
+def test_hostile_bodies_never_crash(reranker: Server, body: dict[str, Any]) -> None:
+    r = httpx.post(f"{reranker.url}/v1/rerank", json=body, timeout=60)
+    assert r.status_code in (200, 400, 404, 422), (r.status_code, r.text, body)
+    assert httpx.get(f"{reranker.url}/health", timeout=10).status_code == 200
