@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from llamarunner import Client, Server
 
-from tinymodel import RERANK_SEP, rerank_score, reranker_tensors, write_reranker_model
+from tinymodel import (
+    RERANK_SEP,
+    rerank_score,
+    reranker_tensors,
+    write_reranker_model,
+    write_tiny_model,
+)
 
 QUERY = "cat"
 DOCS = ["the cat", "a dog", "hello world", "the cat and the dog", "of"]
@@ -209,3 +215,28 @@ def test_hostile_bodies_never_crash(reranker: Server, body: dict[str, Any]) -> N
     r = httpx.post(f"{reranker.url}/v1/rerank", json=body, timeout=60)
     assert r.status_code in (200, 400, 404, 422), (r.status_code, r.text, body)
     assert httpx.get(f"{reranker.url}/health", timeout=10).status_code == 200
+
+
+def test_the_router_routes_rerank_by_model(
+    model_dir: Path, reranker: Server, tmp_path: Path
+) -> None:
+    """Through a server of many models: the reranker named by ``model`` answers with the scores
+    it gives when served alone; a generative model named there is the same clear 400."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "ranker.gguf").write_bytes((model_dir / "reranker.gguf").read_bytes())
+    write_tiny_model(models / "writer.gguf")
+    direct = rerank(reranker.url, query=QUERY, documents=DOCS).json()["results"]
+    with Server(models_dir=models, port=0, ctx_size=256, parallel=1) as srv:
+        r = rerank(srv.url, model="ranker", query=QUERY, documents=DOCS)
+        assert r.status_code == 200, r.text
+        routed = r.json()["results"]
+        assert [x["index"] for x in routed] == [x["index"] for x in direct]
+        for x, y in zip(routed, direct):
+            assert x["relevance_score"] == pytest.approx(y["relevance_score"], abs=1e-6)
+        with srv.client() as client:
+            assert client.rerank(QUERY, DOCS, top_n=1, model="ranker")[0][0] == direct[0]["index"]
+        r = rerank(srv.url, model="writer", query=QUERY, documents=DOCS)
+        assert r.status_code == 400 and "not a reranker" in r.text, r.text
+        r = rerank(srv.url, model="nobody", query=QUERY, documents=DOCS)
+        assert r.status_code == 404, r.text
