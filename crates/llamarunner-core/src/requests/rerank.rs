@@ -14,10 +14,10 @@ use crate::requests::validate;
 /// The model's reranking layout; a clear 400 for a model that is no reranker.
 pub fn format_of(info: &ModelInfo) -> Result<&RerankFormat, ApiError> {
     info.rerank.as_ref().ok_or_else(|| {
+        // The model is named by its architecture only: its file path is the server's own.
         ApiError::invalid(format!(
-            "this model ({}) is not a reranker: reranking needs a model whose pooling is rank \
-             (a GGUF with {}.pooling_type = 4, such as bge-reranker or Qwen3-Reranker)",
-            info.path.display(),
+            "this model is not a reranker: reranking needs a model whose pooling is rank (a \
+             GGUF with {}.pooling_type = 4, such as bge-reranker or Qwen3-Reranker)",
             info.architecture
         ))
     })
