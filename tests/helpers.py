@@ -56,6 +56,17 @@ def complete(
     raise AssertionError("stream ended without a final message")
 
 
+def token_ids(url: str, text: str, add_special: bool = False) -> list[int]:
+    """``POST /tokenize``'s token ids of ``text`` (special tokens parsed; BOS only when
+    ``add_special``)."""
+    r = httpx.post(
+        f"{url}/tokenize", json={"content": text, "add_special": add_special}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    out: list[int] = r.json()["tokens"]
+    return out
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
     """Polls ``condition`` until it holds; fails naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout

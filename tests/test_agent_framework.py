@@ -179,6 +179,19 @@ def check_the_exchange(api: str, result: RunResultBase, wire: Wire) -> None:
     assert usage.input_tokens > 0 and usage.output_tokens > 0, usage
 
 
+def forced_settings(max_tokens: int) -> ModelSettings:
+    """Greedy, the first call forced, one call at a time: with parallel calls allowed (up to 16)
+    the base model repeats the forced call until max_tokens."""
+    return ModelSettings(
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=max_tokens,
+        # Streamed, the SDK asks a server other than OpenAI's for usage only when told.
+        include_usage=True,
+    )
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_agent_answers_in_text_after_the_tool_call(gemma: Server, stream: bool) -> None:
     """Chat Completions: the forced call runs the tool, and the model's text answer (the run's
@@ -195,16 +208,7 @@ def test_agent_answers_in_text_after_the_tool_call(gemma: Server, stream: bool) 
         name="weather",
         instructions="You answer questions about the weather.",
         tools=[get_weather],
-        # One call: with parallel calls allowed (up to 16) the base model repeats the forced
-        # call until max_tokens.
-        model_settings=ModelSettings(
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=48,
-            # Streamed, the SDK asks a server other than OpenAI's for usage only when told.
-            include_usage=True,
-        ),
+        model_settings=forced_settings(max_tokens=48),
     )
     result, wire = asyncio.run(
         run_agent(gemma.url, "chat", agent, [*EXAMPLE_TEXT_ANSWER, ASK], stream)
@@ -236,13 +240,7 @@ def test_agent_loop_ends_with_a_final_answer_tool(gemma: Server, api: str, strea
         instructions="You answer questions about the weather.",
         tools=list(make_tools(calls)),
         tool_use_behavior=StopAtTools(stop_at_tool_names=["final_answer"]),
-        model_settings=ModelSettings(
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=64,
-            include_usage=True,
-        ),
+        model_settings=forced_settings(max_tokens=64),
     )
     result, wire = asyncio.run(
         run_agent(gemma.url, api, agent, [*EXAMPLE_FINAL_ANSWER_TOOL, ASK], stream)

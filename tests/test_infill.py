@@ -14,7 +14,7 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import complete, wait_idle
+from helpers import complete, token_ids, wait_idle
 from tinymodel import write_tiny_model
 
 GREEDY = {"temperature": 0, "n_predict": 12, "ignore_eos": True}
@@ -50,21 +50,12 @@ def infill(url: str, **body: Any) -> dict[str, Any]:
     return out
 
 
-def tokens(url: str, text: str, add_special: bool = False) -> list[int]:
-    r = httpx.post(
-        f"{url}/tokenize", json={"content": text, "add_special": add_special}, timeout=30
-    )
-    assert r.status_code == 200, r.text
-    out: list[int] = r.json()["tokens"]
-    return out
-
-
 def test_the_prompt_is_prefix_suffix_middle(fim_server: Server) -> None:
     """The answer is the one a plain completion gives for the same tokens written out:
     BOS, fim_pre, the prefix, fim_suf, the suffix, fim_mid (control tokens are parsed)."""
     got = infill(fim_server.url, input_prefix=PREFIX, input_suffix=SUFFIX, **GREEDY)
     written = f"<x0>{PREFIX}<x1>{SUFFIX}<x2>"
-    expected_tokens = tokens(fim_server.url, written, add_special=True)
+    expected_tokens = token_ids(fim_server.url, written, add_special=True)
     assert got["tokens_evaluated"] == len(expected_tokens)
     # Greedy, and without the native route's default repetition penalty (infill has
     # llama-server's defaults: none).
@@ -95,9 +86,9 @@ def test_the_prompt_field_follows_the_prefix(fim_server: Server) -> None:
     expected = (
         1
         + 3
-        + len(tokens(fim_server.url, PREFIX))
-        + len(tokens(fim_server.url, "return"))
-        + len(tokens(fim_server.url, SUFFIX))
+        + len(token_ids(fim_server.url, PREFIX))
+        + len(token_ids(fim_server.url, "return"))
+        + len(token_ids(fim_server.url, SUFFIX))
     )
     assert got["tokens_evaluated"] == expected
     assert isinstance(text, str)
@@ -205,7 +196,7 @@ def test_extra_files_go_before_the_prefix_with_their_separators(repo_server: Ser
         PREFIX,
         SUFFIX,
     ]
-    expected = 8 + sum(len(tokens(url, p)) for p in pieces)
+    expected = 8 + sum(len(token_ids(url, p)) for p in pieces)
     assert got["tokens_evaluated"] == expected
     without = infill(url, input_prefix=PREFIX, input_suffix=SUFFIX, **GREEDY)
     assert without["content"] != got["content"]
