@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,17 @@ def gauges(url: str, replica: str) -> dict[str, float]:
 
 
 def replicas_of(url: str, n: int = 40) -> set[str]:
-    """The replica names GET /health reaches in ``n`` tries (keyless: power of two choices)."""
+    """The replica names GET /health reaches in ``n`` tries (keyless: power of two choices).
+
+    Spread over two seconds: the router weighs each replica's load by its gauges, which are up
+    to a stats period (1 s) old, so a replica that was busy a moment ago may get none of a
+    quick burst."""
     seen = set()
     for _ in range(n):
         r = httpx.get(f"{url}/health", timeout=30)
         assert r.status_code == 200
         seen.add(r.headers[REPLICA_HEADER])
+        time.sleep(0.05)
     return seen
 
 
@@ -270,6 +276,20 @@ def test_requests_reach_both_replicas_and_can_be_pinned(app: str) -> None:
             r = httpx.get(f"{app}/slots", headers={REPLICA_HEADER: name}, timeout=30)
             assert r.headers[REPLICA_HEADER] == name
             assert len(r.json()["slots"]) == REPLICA["parallel"]
+
+
+def test_keyless_requests_still_reach_both_replicas_after_concurrent_bursts(app: str) -> None:
+    # After concurrent requests, Ray's queue-length cache could keep a finished request on one
+    # replica for 10 s, and a routing callback arriving after its request's completion counted
+    # it again for good: either made one idle replica look busy, and every keyless request
+    # went to the other (before the fix, one round in six here).
+    def health(_: int) -> str:
+        return httpx.get(f"{app}/health", timeout=30).headers[REPLICA_HEADER]
+
+    for _ in range(4):
+        with ThreadPoolExecutor(8) as pool:
+            assert len(set(pool.map(health, range(120)))) == 2
+        assert len({health(i) for i in range(40)}) == 2
 
 
 # --- cancellation ------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 try:
     import ray  # noqa: F401
@@ -22,6 +24,7 @@ from llamarunner.cli import build_parser
 from llamarunner.ray.affinity import (
     MAX_KEY_CHARS,
     AffinityPolicy,
+    InFlight,
     PrefixTable,
     choose,
     common_prefix_len,
@@ -136,6 +139,88 @@ def test_keyless_requests_spread_over_idle_replicas() -> None:
     rng = random.Random(1)
     firsts = {choose(None, ["A", "B"], {}, t, AffinityPolicy(), rng)[0][0] for _ in range(50)}
     assert firsts == {"A", "B"}
+
+
+def test_in_flight_counts_a_request_until_it_completes() -> None:
+    f = InFlight(ttl_s=10)
+    f.chosen("r1", "A", now=0)
+    assert (f.count("A", 0), f.count("B", 0)) == (1, 0)
+    f.routed("r1", "A", now=0.1)  # the acceptance of the same choice: still one
+    assert f.count("A", 0.1) == 1
+    f.completed("r1", "A")
+    assert f.count("A", 0.2) == 0
+
+
+def test_in_flight_a_completion_before_the_routing_callback_leaves_nothing() -> None:
+    # Ray registers the done-callback before it awaits the replica's acceptance: a fast
+    # request (GET /health) completes first. Counting it again would make its replica look
+    # busy for good, and every keyless request would go to the other one.
+    f = InFlight(ttl_s=10)
+    f.chosen("r1", "A", now=0)
+    f.completed("r1", "A")
+    f.routed("r1", "A", now=0.1)
+    assert f.count("A", 0.1) == 0
+
+
+def test_in_flight_follows_a_refused_request_to_its_next_replica() -> None:
+    f = InFlight(ttl_s=10)
+    f.chosen("r1", "A", now=0)
+    f.routed("r1", "B", now=0.1)  # Ray sent it to the next rank
+    assert (f.count("A", 0.1), f.count("B", 0.1)) == (0, 1)
+    f.completed("r1", "B")
+    # Refused by A (its cancelled try completes), then chosen again for B.
+    f.chosen("r2", "A", now=1)
+    f.completed("r2", "A")
+    f.chosen("r2", "B", now=1.1)
+    f.routed("r2", "B", now=1.2)
+    assert (f.count("A", 1.2), f.count("B", 1.2)) == (0, 1)
+    # A late callback of the refused try does not drop the retry's count.
+    f.completed("r2", "A")
+    assert f.count("B", 1.3) == 1
+
+
+def test_in_flight_counts_expire_and_dead_replicas_are_forgotten() -> None:
+    f = InFlight(ttl_s=10)
+    f.chosen("never-sent", "A", now=0)
+    f.chosen("r2", "A", now=5)
+    assert f.count("A", 9) == 2
+    assert f.count("A", 10) == 1  # the first one's completion never came
+    assert f.count("A", 15) == 0
+    f.chosen("r3", "A", now=20)
+    f.chosen("r4", "B", now=20)
+    f.retain({"B"})
+    assert (f.count("A", 20), f.count("B", 20)) == (0, 1)
+    f.forget("B")
+    assert f.count("B", 20) == 0
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["chosen", "routed", "completed"]),
+            st.integers(0, 5),
+            st.sampled_from("AB"),
+        ),
+        max_size=60,
+    )
+)
+def test_in_flight_counts_stay_within_the_requests_and_end_at_zero(
+    events: list[tuple[str, int, str]],
+) -> None:
+    f = InFlight(ttl_s=1e9)
+    where: dict[str, str] = {}
+    for n, (op, rid, name) in enumerate(events):
+        if op == "completed":
+            f.completed(f"r{rid}", name)
+        else:
+            getattr(f, op)(f"r{rid}", name, float(n))
+        counts = [f.count(r, float(n)) for r in "AB"]
+        assert all(c >= 0 for c in counts) and sum(counts) <= 6
+        if op != "completed":
+            where[f"r{rid}"] = name
+    for rid, name in where.items():
+        f.completed(rid, name)
+    assert f.count("A", 0) == f.count("B", 0) == 0
 
 
 @pytest.mark.parametrize(

@@ -208,3 +208,94 @@ def choose(
     first = min(pair, key=order)
     rest = sorted((r for r in candidates if r != first), key=order)
     return [[first], rest] if rest else [[first]]
+
+
+# How long the router counts a request it chose against a replica without hearing that it
+# completed. The replica's own gauges (routing stats, refreshed every
+# ``request_routing_stats_period_s``, 1 s by default) show a running request within a period
+# or two, so the router's count only has to bridge that gap; past this age it is dropped, so
+# a request whose completion never reaches the router (cancelled before it was sent, say)
+# cannot skew routing for long.
+IN_FLIGHT_TTL_S = 15.0
+
+# Completed request ids remembered, so that a routing callback arriving after the request
+# already completed does not count it again.
+_FINISHED_MEMORY = 4096
+
+
+class InFlight:
+    """The requests a router has sent that have not completed, by replica.
+
+    Ray Serve tells the router about a request three times, in an order it does not fix:
+    the router's own choice, ``on_request_routed`` once the replica accepted it, and
+    ``on_request_completed`` when it finished (its done-callback is registered before Ray
+    waits for the acceptance, so a fast request such as GET /health can complete first).
+    A count must neither outlive its request (a replica would look busy for ever and get no
+    keyless request again) nor miss one sent in a burst."""
+
+    def __init__(self, ttl_s: float = IN_FLIGHT_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        # request id -> (replica, when counted), oldest first.
+        self._counted: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._by_replica: dict[str, int] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    def chosen(self, request_id: str, replica: str, now: float) -> None:
+        """The router chose ``replica`` for the request (a new try: a replica that refused
+        it gets it no more)."""
+        self._finished.pop(request_id, None)
+        self._count(request_id, replica, now)
+
+    def routed(self, request_id: str, replica: str, now: float) -> None:
+        """The replica accepted the request (it may have completed already)."""
+        if request_id not in self._finished:
+            self._count(request_id, replica, now)
+
+    def completed(self, request_id: str, replica: str) -> None:
+        """The request to ``replica`` completed, or was refused or cancelled there."""
+        counted = self._counted.get(request_id)
+        if counted is not None and counted[0] != replica:
+            return  # a refused try's callback, after the retry went elsewhere
+        self._drop(request_id)
+        self._finished[request_id] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def count(self, replica: str, now: float) -> int:
+        self._expire(now)
+        return self._by_replica.get(replica, 0)
+
+    def forget(self, replica: str) -> None:
+        """The replica is gone: its requests are not counted any more."""
+        for request_id in [r for r, (name, _) in self._counted.items() if name == replica]:
+            self._drop(request_id)
+
+    def retain(self, live: set[str]) -> None:
+        """Only ``live`` replicas are left: the others' requests are not counted any more."""
+        for replica in [r for r in self._by_replica if r not in live]:
+            self.forget(replica)
+
+    def _count(self, request_id: str, replica: str, now: float) -> None:
+        counted = self._counted.get(request_id)
+        if counted is not None and counted[0] == replica:
+            return
+        self._drop(request_id)
+        self._counted[request_id] = (replica, now)
+        self._by_replica[replica] = self._by_replica.get(replica, 0) + 1
+
+    def _drop(self, request_id: str) -> None:
+        counted = self._counted.pop(request_id, None)
+        if counted is None:
+            return
+        left = self._by_replica.get(counted[0], 0) - 1
+        if left > 0:
+            self._by_replica[counted[0]] = left
+        else:
+            self._by_replica.pop(counted[0], None)
+
+    def _expire(self, now: float) -> None:
+        while self._counted:
+            request_id, (_, when) = next(iter(self._counted.items()))
+            if now - when < self.ttl_s:
+                break
+            self._drop(request_id)

@@ -2,17 +2,24 @@
 the policy of `affinity.choose`.
 
 Ray Serve makes one router per deployment handle (here: per ingress replica); each keeps its
-own `PrefixTable` of what it sent where. A replica's load is the largest of three readings:
-the server's own gauges (``requests_running + requests_waiting`` from `/metrics`, delivered
-as the replica's routing stats every ``request_routing_stats_period_s``, so up to that old),
-Ray's queue-length cache of the replica (as fresh as its last probe), and the requests this
-router has chosen it for that have not completed (counted when chosen, so exact at once, but
-blind to other routers'): a burst sent within one stats period is still seen.
+own `PrefixTable` of what it sent where. A replica's load is the larger of two readings: the
+server's own gauges (``requests_running + requests_waiting`` from `/metrics`, delivered as the
+replica's routing stats every ``request_routing_stats_period_s``, so up to that old, but
+counting every router's requests), and the requests this router has chosen it for that have
+not completed (`affinity.InFlight`: counted when chosen, so exact at once, but blind to other
+routers'): a burst sent within one stats period is still seen.
+
+Ray's own queue-length cache of each replica is not read. It is set from the count a replica
+reports when it accepts a request and decremented when one completes; those two messages
+cross, so after concurrent requests the cache can hold a request that has finished, for up to
+its staleness timeout (10 s). Idle replicas then differ by a phantom request, and every keyless
+request goes to the other one (seen: 40 GET /health in a row to one of two idle replicas).
 """
 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import (
@@ -23,7 +30,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .affinity import AffinityPolicy, PrefixTable, choose
+from .affinity import AffinityPolicy, InFlight, PrefixTable, choose
 from .replica import ProxyRequest
 
 
@@ -44,15 +51,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.policy = AffinityPolicy(**kwargs)
         self.table = PrefixTable(self.policy.max_prefixes_per_replica)
         self._rng = random.Random()
-        self._in_flight: dict[str, int] = {}
-        # The replica each uncompleted request is counted against, by Ray's request id.
-        self._counted: dict[str, str] = {}
+        self.in_flight = InFlight()
 
     def replica_load(self, replica: RunningReplica) -> float:
-        queued = max(
-            self.replica_queue_len_cache.get(replica.replica_id) or 0,
-            self._in_flight.get(replica.replica_id.unique_id, 0),
-        )
+        queued = self.in_flight.count(replica.replica_id.unique_id, time.monotonic())
         stats = replica.routing_stats or {}
         served = float(stats.get("requests_running", 0.0)) + float(
             stats.get("requests_waiting", 0.0)
@@ -69,7 +71,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if req is not None and req.replica is not None:
             pinned = by_name.get(req.replica)
             if pinned is not None:
-                self._count(pending_request, pinned.replica_id.unique_id)
+                self._chosen(pending_request, pinned.replica_id.unique_id)
                 return [[pinned]]
         load = {name: self.replica_load(r) for name, r in by_name.items()}
         ranks = choose(
@@ -86,46 +88,30 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         # run routed a whole burst home before it), and corrects the count if Ray sent the
         # request elsewhere.
         if ranks and ranks[0]:
-            self._count(pending_request, ranks[0][0])
+            self._chosen(pending_request, ranks[0][0])
         return [[by_name[name] for name in rank] for rank in ranks]
 
-    def _count(self, pending_request: PendingRequest | None, name: str) -> None:
-        """Counts the request as in flight on `name` (moving it there if counted elsewhere)."""
-        if pending_request is None:
-            return
-        request_id = pending_request.metadata.internal_request_id
-        old = self._counted.get(request_id)
-        if old == name:
-            return
-        if old is not None:
-            self._uncount(old)
-        self._counted[request_id] = name
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
-
-    def _uncount(self, name: str) -> None:
-        left = self._in_flight.get(name, 0) - 1
-        if left > 0:
-            self._in_flight[name] = left
-        else:
-            self._in_flight.pop(name, None)
+    def _chosen(self, pending_request: PendingRequest | None, name: str) -> None:
+        if pending_request is not None:
+            request_id = pending_request.metadata.internal_request_id
+            self.in_flight.chosen(request_id, name, time.monotonic())
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        self._count(pending_request, replica_id.unique_id)
+        request_id = pending_request.metadata.internal_request_id
+        self.in_flight.routed(request_id, replica_id.unique_id, time.monotonic())
         req = _proxy_request(pending_request)
         if req is not None and req.routing_key:
             self.table.insert(replica_id.unique_id, req.routing_key)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        name = self._counted.pop(internal_request_id, None)
-        if name is not None:
-            self._uncount(name)
+        self.in_flight.completed(internal_request_id, replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.table.remove(replica_id.unique_id)
-        self._in_flight.pop(replica_id.unique_id, None)
+        self.in_flight.forget(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -133,4 +119,4 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         for name in self.table.replicas():
             if name not in live:
                 self.table.remove(name)
-                self._in_flight.pop(name, None)
+        self.in_flight.retain(live)
