@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from helpers import ndjson, parse_ndjson
-from tinymodel import write_tiny_model
+from tinymodel import write_cycle_model, write_tiny_model
 
 try:
     import ray
@@ -476,6 +476,77 @@ def test_autoscaling_adds_a_replica_when_the_gauges_show_a_queue(cluster: str, t
         for t in threads:
             t.join()
         serve.delete("scaled")
+
+
+# --- many models --------------------------------------------------------------------------------
+
+# Each tiny model repeats its own word: an answer says which model made it.
+MODEL_WORDS = {"alpha": "alph ", "bravo": "brvo "}
+
+
+@pytest.fixture(scope="module")
+def models_app(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Two replicas, each a router of a models directory (two models), at /many."""
+    d = tmp_path_factory.mktemp("ray-models")
+    for name, text in MODEL_WORDS.items():
+        write_cycle_model(d / f"{name}.gguf", text)
+    serve.run(
+        build_app(
+            models_dir=str(d),
+            replicas=2,
+            keep_alive=-1,
+            parallel=2,
+            ctx_size=512,
+            threads=1,
+            multiuser_cache=True,
+        ),
+        name="many",
+        route_prefix="/many",
+    )
+    yield cluster + "/many"
+    serve.delete("many")
+
+
+def test_a_models_directory_behind_the_ingress_serves_each_model_by_name(models_app: str) -> None:
+    import ollama
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{models_app}/v1", api_key="unused", max_retries=0)
+    assert sorted(m.id for m in oa.models.list().data) == sorted(MODEL_WORDS)
+    for name, word in MODEL_WORDS.items():
+        r = oa.completions.create(model=name, prompt="x", max_tokens=6, temperature=0)
+        assert r.choices[0].text.strip().startswith(word.strip()), (name, r.choices[0].text)
+        g = ollama.Client(host=models_app).generate(
+            model=name, prompt="y", options={"num_predict": 4, "temperature": 0}
+        )
+        assert word.strip() in g.response, (name, g.response)
+    # An unknown name: 404 in the dialect's shape, naming the models there are.
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert "alpha" in str(e.value) and "bravo" in str(e.value)
+    # Each replica's gauges reach the router summed over its models (labelled by model).
+    for replica in replicas_of(models_app, 20):
+        r = httpx.get(f"{models_app}/metrics", headers={REPLICA_HEADER: replica}, timeout=30)
+        assert r.status_code == 200 and 'model_name="' in r.text
+
+
+def test_a_conversation_stays_with_the_replica_holding_its_model_and_prefix(
+    models_app: str,
+) -> None:
+    for name in MODEL_WORDS:
+        messages = [{"role": "user", "content": f"an opening for {name}"}]
+        replicas = set()
+        for turn in range(3):
+            body = {"model": name, "messages": messages, "max_tokens": 3, "temperature": 0}
+            r = httpx.post(f"{models_app}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            replicas.add(r.headers[REPLICA_HEADER])
+            answer = r.json()["choices"][0]["message"]["content"]
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
+        assert len(replicas) == 1, (name, replicas)
 
 
 # --- failures ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 try:
-    import ray  # noqa: F401
+    import ray
 except ImportError:
     if os.environ.get("LLAMARUNNER_TESTS_REQUIRE_RAY", "") not in ("", "0"):
         raise
@@ -59,6 +59,20 @@ def test_keys_of_prompts_tokens_parts_and_embeddings() -> None:
     )
     assert key("/v1/embeddings", {"input": "text"}) == "text"
     assert key("/embedding", {"content": "text"}) == "text"
+
+
+def test_the_model_named_leads_the_key() -> None:
+    # Replicas that serve many models: one model's cached prefix is no use to another's.
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    a = key("/v1/chat/completions", {"model": "a", **chat})
+    b = key("/v1/chat/completions", {"model": "b", **chat})
+    assert a == "model\x1fa\x1euser\x1fhi\x1e" and b == "model\x1fb\x1euser\x1fhi\x1e"
+    more = {"model": "a", "messages": [*chat["messages"], {"role": "assistant", "content": "yo"}]}
+    assert (key("/v1/chat/completions", more) or "").startswith(a)
+    # A model and no prompt is no key; a name that is not a string is left out.
+    assert key("/api/generate", {"model": "a"}) is None
+    assert key("/api/generate", {"model": "a", "prompt": ""}) is None
+    assert key("/completion", {"model": 5, "prompt": "abc"}) == "abc"
 
 
 @pytest.mark.parametrize(
@@ -264,16 +278,30 @@ def test_cluster_takes_every_serve_flag() -> None:
     choices = sub.choices  # type: ignore[attr-defined]
     serve_flags = {o for a in choices["serve"]._actions for o in a.option_strings}
     cluster_flags = {o for a in choices["cluster"]._actions for o in a.option_strings}
-    # The many-model flags are serve's alone: a cluster serves one model.
-    router_flags = {"--models-dir", "--models-preset", "--models-max", "--models-memory"}
-    router_flags.add("--keep-alive")
-    assert serve_flags - router_flags <= cluster_flags
-    assert not router_flags & cluster_flags
+    assert serve_flags <= cluster_flags  # the many-model flags too: each replica's router's
     assert {"--replicas", "--address", "--min-replicas", "--max-replicas"} <= cluster_flags
     args = parser.parse_args(
         ["cluster", "m.gguf", "--replicas", "3", "--parallel", "2", "--ctx-size", "1024"]
     )
-    assert (args.model, args.replicas, args.parallel, args.ctx_size) == ("m.gguf", 3, 2, 1024)
+    assert (args.model, args.replicas, args.parallel, args.ctx_size) == (["m.gguf"], 3, 2, 1024)
+    args = parser.parse_args(["cluster", "--models-dir", "d", "--models-max", "2"])
+    assert (args.model, args.models_dir, args.models_max) == ([], "d", 2)
+
+
+def test_cluster_refuses_bad_many_model_flags_before_starting_ray(tmp_path: Path) -> None:
+    from llamarunner.ray.cluster import run_cluster
+
+    parser = build_parser()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (
+        ["cluster", "m.gguf", "--models-max", "2"],  # router flags need many models
+        ["cluster", "--models-dir", str(empty)],  # no model in it
+        ["cluster", "--models-dir", str(tmp_path / "missing")],
+        ["cluster", "a.gguf", "--models-dir", str(empty), "--keep-alive", "soon"],
+    ):
+        assert run_cluster(parser.parse_args(argv)) == 2, argv
+    assert not ray.is_initialized()
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "k8s"

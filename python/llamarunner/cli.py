@@ -44,6 +44,11 @@ def _serve_parser(sub: Any) -> None:
         argument_default=None,
     )
     add_server_arguments(p, several_models=True)
+    add_models_arguments(p)
+
+
+def add_models_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of many models behind one endpoint (`serve`, and `cluster` for each replica)."""
     g = p.add_argument_group("many models (a router in front of one engine process per model)")
     g.add_argument(
         "--models-dir",
@@ -333,19 +338,23 @@ def add_server_arguments(p: argparse.ArgumentParser, several_models: bool = Fals
 def _cluster_parser(sub: Any) -> None:
     p = sub.add_parser(
         "cluster",
-        help="serve a GGUF model from many replicas on a Ray cluster (pip install "
+        help="serve GGUF models from many replicas on a Ray cluster (pip install "
         "'llamarunner[ray]')",
         description=(
             "Serve one GGUF model from --replicas replicas on Ray Serve behind one endpoint "
             "that speaks the same APIs as `serve`, routing each request to the replica whose "
-            "KV cache holds its prefix. Starts a local Ray cluster, or joins the one at "
+            "KV cache holds its prefix. With --models-dir DIR (or several MODELs, or "
+            "--models-preset) each replica serves every model, loading each on its first "
+            "request there, and a request goes to the replica where its model holds its "
+            "prefix. Starts a local Ray cluster, or joins the one at "
             "--address; serves until Ctrl-C or SIGTERM, then removes what it started. Every "
             "`serve` flag is each replica's setting (--parallel, --ctx-size, --threads, ...); "
             "--host and --port are where the endpoint listens. See docs/scaling.md."
         ),
         argument_default=None,
     )
-    add_server_arguments(p)
+    add_server_arguments(p, several_models=True)
+    add_models_arguments(p)
     ray_group = p.add_argument_group("cluster")
     ray_group.add_argument(
         "--replicas", type=int, default=1, help="replicas (at start, when autoscaling; default 1)"

@@ -58,8 +58,15 @@ def routing_key(path: str, body: bytes) -> str | None:
             if name in data:
                 parts.append(_text(data[name]))
                 break
-    key = "".join(parts)[:MAX_KEY_CHARS]
-    return key or None
+    prompt = "".join(parts)
+    if not prompt:
+        return None
+    # The model the request names leads: on replicas that serve many models, a conversation
+    # goes where its model holds its prefix (one model's cache is no use to another's prompt).
+    model = data.get("model")
+    if isinstance(model, str) and model:
+        prompt = "model" + _ROLE_SEP + model[:256] + _MSG_SEP + prompt
+    return prompt[:MAX_KEY_CHARS]
 
 
 def _text(value: Any, depth: int = 0) -> str:

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ray import serve
 from ray.serve import Application, Deployment
 
 from ..config import ServerConfig, default_cache_ram_mib
+from ..router import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MODELS_MAX,
+    keep_alive_seconds,
+    models_memory_mib,
+    served_models,
+)
 from .affinity import AffinityPolicy
 from .ingress import Ingress, key_digest
 from .replica import LlamaReplica
@@ -34,10 +42,23 @@ def build_app(
     max_ongoing_requests: int | None = None,
     routing_stats_period_s: float = 1.0,
     autoscaling: Mapping[str, Any] | None = None,
+    models: Sequence[str | Path] | None = None,
+    models_dir: str | Path | None = None,
+    models_preset: str | Path | None = None,
+    models_max: int = DEFAULT_MODELS_MAX,
+    keep_alive: str | float = DEFAULT_KEEP_ALIVE,
+    models_memory: int = -1,
     **server_config: Any,
 ) -> Application:
     """A Ray Serve application serving ``model`` from ``replicas`` replicas behind one HTTP
     ingress that speaks the native, OpenAI and Ollama APIs.
+
+    Many models: ``models_dir``, ``models`` (files) and ``models_preset`` as for
+    `llamarunner.Server`; then every replica is a router of them all (each model loaded on
+    its first request there, at most ``models_max`` at once, unloaded after ``keep_alive``
+    idle), and the routing key leads with the request's ``model``, so a conversation goes to
+    the replica where its model holds its prefix. ``models_memory`` -1 (the default): the
+    replicas share 80 % of the memory of the machine this runs on.
 
     ``server_config`` is each replica's configuration, as `llamarunner.Server` takes it
     (``parallel``, ``ctx_size``, ``threads``, ...; ``LLAMARUNNER_*`` variables apply as for
@@ -60,6 +81,9 @@ def build_app(
         raise ValueError(f"routing must be one of {', '.join(ROUTERS)}, not {routing!r}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
+    many = models_dir is not None or bool(models) or models_preset is not None
+    if many and model is not None:
+        raise ValueError("give model, or models / models_dir / models_preset, not both")
     config = ServerConfig.resolve({"model": model, **server_config})
     if config.parallel < 1:
         raise ValueError("parallel must be >= 1")
@@ -108,13 +132,35 @@ def build_app(
         max_ongoing_requests=config.max_connections,
     )(Ingress)
     replica_config = dataclasses.asdict(config)
+    most = max(1, options.get("autoscaling_config", {}).get("max_replicas", replicas))
+    router: dict[str, Any] | None = None
+    if many:
+        if models_max < 1:
+            raise ValueError("models_max must be >= 1")
+        keep_alive_seconds(keep_alive)  # raises on a bad value now, not in every replica
+        # Found now, so that an empty directory or a bad presets file is refused here; each
+        # replica reads them again (the paths must be readable on every node).
+        if not served_models([str(m) for m in models or []], models_dir, models_preset):
+            raise ValueError("no models to serve: the models directory holds no .gguf file")
+        router = {
+            "models": [str(m) for m in models or []],
+            "models_dir": None if models_dir is None else str(models_dir),
+            "models_preset": None if models_preset is None else str(models_preset),
+            "models_max": models_max,
+            "keep_alive": keep_alive,
+            # Replicas may share a node: by default they share its budget.
+            "models_memory": models_memory_mib(models_memory) // most
+            if models_memory == -1
+            else models_memory,
+        }
     if config.cache_ram < 0:
         # Each replica's prompt cache would take a quarter of its node's memory; replicas may
-        # share a node, so by default they share that quarter.
-        most = options.get("autoscaling_config", {}).get("max_replicas", replicas)
-        replica_config["cache_ram"] = default_cache_ram_mib() // max(1, most)
+        # share a node, so by default they share that quarter (and a replica's models, its
+        # share).
+        share = most * (models_max if many else 1)
+        replica_config["cache_ram"] = default_cache_ram_mib() // share
     app: Application = ingress.bind(
-        replica.bind(replica_config),
+        replica.bind(replica_config, router),
         config.max_body,
         [key_digest(k) for k in config.api_keys()],
     )

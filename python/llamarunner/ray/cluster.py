@@ -15,6 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from ..cli import ROUTER_FLAGS
 from ..config import NoModelError, ServerConfig
 from .app import build_app
 
@@ -42,6 +43,19 @@ def _say(message: str) -> None:
 def run_cluster(args: argparse.Namespace) -> int:
     values = vars(args)
     server_config = {k: v for k, v in values.items() if k not in CLUSTER_FLAGS and v is not None}
+    models: list[str] = server_config.pop("model", None) or []
+    router = {k: server_config.pop(k) for k in ROUTER_FLAGS if k in server_config}
+    many = "models_dir" in router or "models_preset" in router or len(models) > 1
+    if not many and router:
+        _say(
+            "error: --models-max, --models-memory and --keep-alive are for many models "
+            "(--models-dir, --models-preset, several MODELs)"
+        )
+        return 2
+    if many:
+        router["models"] = models
+    elif models:
+        server_config["model"] = models[0]
     try:
         # The endpoint's address: flags, then LLAMARUNNER_HOST/PORT, as for `serve`.
         config = ServerConfig.resolve(server_config)
@@ -68,6 +82,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             ray_actor_options=actor_options,
             routing=args.routing,
             affinity=affinity,
+            **router,
             **server_config,
         )
     except (ValueError, TypeError, NoModelError) as e:
@@ -75,7 +90,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
 
     started_ray = args.address is None
-    if started_ray:
+    if started_ray and not many:
         # One machine: the replicas read the model here, so a missing one is a usage error
         # now rather than replicas failing to start.
         try:
@@ -102,7 +117,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         # Ray's driver installs its own SIGTERM handler (it aborts the process): ours again.
         signal.signal(signal.SIGTERM, on_sigterm)
         serve.start(http_options={"host": host, "port": port})
-        _say(f"deploying {args.replicas} replica(s) of {config.model or 'the default model'}")
+        what = "many models" if many else config.model or "the default model"
+        _say(f"deploying {args.replicas} replica(s) of {what}")
         serve.run(app, name=APP_NAME, route_prefix="/")
         _say(f"ready on http://{host}:{port} ({args.replicas} replica(s), routing {args.routing})")
         while True:

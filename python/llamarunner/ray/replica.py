@@ -75,7 +75,9 @@ def forwardable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """The `GAUGES` samples of a Prometheus text page (labels ignored: one sample each)."""
+    """The `GAUGES` samples of a Prometheus text page, labels ignored: a router of many models
+    has one sample per loaded model (its ``model_name``), summed, but for the KV cache usage,
+    whose largest is taken (the fullest model's cache)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -85,20 +87,25 @@ def parse_gauges(text: str) -> dict[str, float]:
         if short is None:
             continue
         try:
-            out[short] = float(line.rsplit(" ", 1)[1])
+            value = float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
             continue
+        if short == "kv_cache_usage_perc":
+            out[short] = max(out.get(short, 0.0), value)
+        else:
+            out[short] = out.get(short, 0.0) + value
     return out
 
 
 class LlamaReplica:
-    """A Ray Serve replica serving one model with one llamarunner server (the deployment
+    """A Ray Serve replica serving one model with one llamarunner server, or many models
+    with a router of them (``router``: `Server`'s many-models keywords) (the deployment
     class; `build_app` wraps it in ``serve.deployment``)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], router: dict[str, Any] | None = None) -> None:
         # Always on loopback and a free port: only this replica's proxy talks to it.
         cfg = dataclasses.replace(ServerConfig(**config), host="127.0.0.1", port=0)
-        self._server = Server(config=cfg).start()
+        self._server = Server(config=cfg, **(router or {})).start()
         self._server.wait_ready()
         self._key = self._server.config.first_api_key()
         self._http = httpx.AsyncClient(
