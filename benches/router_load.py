@@ -3,6 +3,7 @@ for its first token, through our many-model router (``llamarunner serve --models
 llama.cpp's router (``llama-server --models-dir``), in one run, one table.
 
     python -m benches.router_load --llama-server PATH/bin/llama-server --rounds 5
+    python -m benches.router_load --rounds 3          # ours only
 
 Both routers serve a directory holding only the model (a symlink), with the same slots,
 context per slot and threads, and start each model in a process of its own. Each round, for
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def ttft(r: Router, max_tokens: int = 8) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="GGUF model (default: the default model)")
-    ap.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
+    ap.add_argument("--llama-server", help="also llama.cpp's router: its llama-server binary")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--ctx-size", type=int, default=4096, help="context per slot")
@@ -133,10 +134,11 @@ def main() -> int:
     models_dir = tempfile.TemporaryDirectory(prefix="bench-router-load-")
     cache_dir = tempfile.TemporaryDirectory(prefix="bench-router-load-cache-")
     (Path(models_dir.name) / Path(model).name).symlink_to(Path(model).resolve())
-    version = subprocess.run(
-        [args.llama_server, "--version"], capture_output=True, text=True, check=False
-    )
-    print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
+    if args.llama_server:
+        version = subprocess.run(
+            [args.llama_server, "--version"], capture_output=True, text=True, check=False
+        )
+        print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
     env = {**os.environ, "LLAMARUNNER_LOG": "warn", "LLAMARUNNER_CACHE_DIR": cache_dir.name}
     p_ours, p_peer = free_port(), free_port()
     ours_cmd = [
@@ -176,13 +178,15 @@ def main() -> int:
         "--threads-batch",
         str(args.threads),
     ]
-    with (
-        started(ours_cmd, "llamarunner router", p_ours, env) as ours,
-        started(peer_cmd, "llama-server router", p_peer, env) as peer,
-    ):
+    with ExitStack() as stack:
+        routers = [stack.enter_context(started(ours_cmd, "llamarunner router", p_ours, env))]
+        if args.llama_server:
+            routers.append(
+                stack.enter_context(started(peer_cmd, "llama-server router", p_peer, env))
+            )
         for n in range(args.rounds):
             # Alternating which goes first, so neither always follows the other's load.
-            for r in (ours, peer) if n % 2 == 0 else (peer, ours):
+            for r in routers if n % 2 == 0 else routers[::-1]:
                 unload(r)
                 r.cold.append(ttft(r))
                 r.warm.append(ttft(r))
@@ -190,12 +194,12 @@ def main() -> int:
                 f"round {n + 1}: "
                 + ", ".join(
                     f"{r.name} {r.cold[-1] * 1000:.0f} ms (then {r.warm[-1] * 1000:.0f})"
-                    for r in (ours, peer)
+                    for r in routers
                 ),
                 flush=True,
             )
-        unload(ours)
-        unload(peer)
+        for r in routers:
+            unload(r)
     models_dir.cleanup()
     cache_dir.cleanup()
 
@@ -204,7 +208,7 @@ def main() -> int:
 
     print("\n| router | first load ms | later loads: median ms | range ms | loaded: TTFT ms |")
     print("|---|---|---|---|---|")
-    for r in (ours, peer):
+    for r in routers:
         later = r.cold[1:]
         span = f"{min(later) * 1000:.0f}-{max(later) * 1000:.0f}" if later else "-"
         print(f"| {r.name} | {r.cold[0] * 1000:.0f} | {ms(later)} | {span} | {ms(r.warm)} |")

@@ -39,6 +39,13 @@ def test_router_bench_runs(tiny_model: Path) -> None:
     assert "| single: prompt ~200, gen 128 | " in out.split("served directly")[-1], out
 
 
+def test_router_load_bench_runs(tiny_model: Path) -> None:
+    out = run_bench(
+        "router_load", tiny_model, "--rounds", "2", "--parallel", "1", "--ctx-size", "256"
+    )
+    assert "| llamarunner router |" in out and "round 2:" in out
+
+
 def test_lora_bench_runs(tiny_model: Path) -> None:
     out = run_bench("lora", tiny_model, "--requests", "1", "--tokens", "4")
     for scenario in ("no adapter loaded", "one set", "two sets", "four sets"):

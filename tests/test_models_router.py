@@ -603,3 +603,17 @@ def test_the_official_clients_switch_between_the_default_model_and_a_tiny_one(
         with pytest.raises(ollama.ResponseError) as e:
             ol.generate(model="nope", prompt="x")
         assert e.value.status_code == 404 and "gemma" in str(e.value)
+
+
+def test_an_engine_process_imports_only_the_core() -> None:
+    # Every load starts `python -m llamarunner._engine`: importing the client (httpx) and the
+    # package's metadata with it took ~0.3 s of each load.
+    heavy = ("httpx", "llamarunner.client", "llamarunner.server", "importlib.metadata")
+    code = f"import sys, llamarunner._engine; print([m for m in {heavy!r} if m in sys.modules])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    # The package's names are all still there, on first use.
+    code = "import llamarunner; print(all(getattr(llamarunner, n) for n in llamarunner.__all__))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "True", r.stderr
