@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from .load import _process, free_port
 
 PROMPT = "The history of the river town begins with"
 
@@ -46,39 +47,11 @@ class Router:
     warm: list[float] = field(default_factory=list)  # TTFT of the next request, s
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
-def started(cmd: list[str], name: str, port: int, env: dict[str, str]) -> Iterator[Router]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(url + "/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start")
-            time.sleep(0.2)
-        models = httpx.get(url + "/models", timeout=10).json()["data"]
-        yield Router(name, url, models[0]["id"])
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def started(cmd: list[str], name: str, port: int) -> Iterator[Router]:
+    with _process(cmd, name, port, "openai") as running:
+        models = httpx.get(running.url + "/models", timeout=10).json()["data"]
+        yield Router(name, running.url, models[0]["id"])
 
 
 def status(r: Router) -> str:
@@ -139,7 +112,8 @@ def main() -> int:
             [args.llama_server, "--version"], capture_output=True, text=True, check=False
         )
         print(f"llama-server --version: {(version.stdout + version.stderr).strip()}\n")
-    env = {**os.environ, "LLAMARUNNER_LOG": "warn", "LLAMARUNNER_CACHE_DIR": cache_dir.name}
+    # Read by our engine processes (`_process` passes the environment on).
+    os.environ["LLAMARUNNER_CACHE_DIR"] = cache_dir.name
     p_ours, p_peer = free_port(), free_port()
     ours_cmd = [
         sys.executable,
@@ -179,11 +153,9 @@ def main() -> int:
         str(args.threads),
     ]
     with ExitStack() as stack:
-        routers = [stack.enter_context(started(ours_cmd, "llamarunner router", p_ours, env))]
+        routers = [stack.enter_context(started(ours_cmd, "llamarunner router", p_ours))]
         if args.llama_server:
-            routers.append(
-                stack.enter_context(started(peer_cmd, "llama-server router", p_peer, env))
-            )
+            routers.append(stack.enter_context(started(peer_cmd, "llama-server router", p_peer)))
         for n in range(args.rounds):
             # Alternating which goes first, so neither always follows the other's load.
             for r in routers if n % 2 == 0 else routers[::-1]:
