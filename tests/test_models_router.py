@@ -617,3 +617,18 @@ def test_an_engine_process_imports_only_the_core() -> None:
     code = "import llamarunner; print(all(getattr(llamarunner, n) for n in llamarunner.__all__))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "True", r.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["a.gguf", "b.gguf", "--alias", "one"], "--alias names one model"),
+        (["m.gguf", "--models-max", "2"], "are for many models"),
+        (["m.gguf", "--keep-alive", "5m"], "are for many models"),
+    ],
+)
+def test_serve_refuses_flags_that_do_not_go_with_its_models(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "llamarunner", "serve", *flags, "--port", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr

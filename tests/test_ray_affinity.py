@@ -299,6 +299,8 @@ def test_cluster_refuses_bad_many_model_flags_before_starting_ray(tmp_path: Path
         ["cluster", "--models-dir", str(empty)],  # no model in it
         ["cluster", "--models-dir", str(tmp_path / "missing")],
         ["cluster", "a.gguf", "--models-dir", str(empty), "--keep-alive", "soon"],
+        ["cluster", "a.gguf", "b.gguf", "--alias", "one"],  # --alias names one model
+        ["cluster", "a.gguf", "b.gguf", "--models-memory", "-5"],
     ):
         assert run_cluster(parser.parse_args(argv)) == 2, argv
     assert not ray.is_initialized()

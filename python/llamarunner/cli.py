@@ -514,27 +514,44 @@ ROUTER_FLAGS = ("models_dir", "models_preset", "models_max", "models_memory", "k
 
 
 def serve_settings(
-    args: argparse.Namespace,
+    args: argparse.Namespace, exclude: Sequence[str] = ()
 ) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
-    """Split `serve`'s parsed flags into the MODELs, the router's flags (``ROUTER_FLAGS``) and
-    the ``ServerConfig`` overrides, whose ``model`` is the first MODEL (or None)."""
-    overrides = {k: v for k, v in vars(args).items() if k != "command"}
+    """Split `serve`'s (or `cluster`'s, less its own flags ``exclude``) parsed flags into the
+    MODELs, the router's flags (``ROUTER_FLAGS``) and the ``ServerConfig`` overrides, whose
+    ``model`` is the first MODEL (or None)."""
+    overrides = {k: v for k, v in vars(args).items() if k != "command" and k not in exclude}
     models: list[str] = overrides.pop("model") or []
     router = {k: overrides.pop(k) for k in ROUTER_FLAGS}
     overrides["model"] = models[0] if models else None
     return models, router, overrides
 
 
-def serve(args: argparse.Namespace) -> int:
-    models, router, overrides = serve_settings(args)
-    if router["models_dir"] is not None or router["models_preset"] is not None or len(models) > 1:
-        del overrides["model"]
-        return serve_models(models, router, overrides)
-    if any(router[k] is not None for k in ("models_max", "models_memory", "keep_alive")):
-        _fail(
+def many_models(models: list[str], router: dict[str, Any], overrides: dict[str, Any]) -> bool:
+    """Whether `serve_settings`' split asks for many models (--models-dir, --models-preset or
+    several MODELs); raises ValueError for a flag that does not go with the answer."""
+    many = router["models_dir"] is not None or router["models_preset"] is not None
+    many = many or len(models) > 1
+    if many and overrides.get("alias"):
+        raise ValueError("--alias names one model; with many, each is served by its name")
+    if not many and any(
+        router[k] is not None for k in ("models_max", "models_memory", "keep_alive")
+    ):
+        raise ValueError(
             "--models-max, --models-memory and --keep-alive are for many models "
             "(--models-dir, --models-preset, several MODELs)"
         )
+    return many
+
+
+def serve(args: argparse.Namespace) -> int:
+    models, router, overrides = serve_settings(args)
+    try:
+        many = many_models(models, router, overrides)
+    except ValueError as e:
+        _fail(str(e))
+    if many:
+        del overrides["model"]
+        return serve_models(models, router, overrides)
     try:
         config = ServerConfig.resolve(overrides)
         server = Server(config=config)
@@ -588,8 +605,6 @@ def serve(args: argparse.Namespace) -> int:
 def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str, Any]) -> int:
     """`serve` with many models: the router, until SIGTERM or Ctrl-C."""
     try:
-        if overrides.get("alias"):
-            raise ValueError("--alias names one model; with many, each is served by its name")
         files = served_models(models, router["models_dir"], router["models_preset"])
         config = ServerConfig.resolve(overrides)
         native = _core.start_router(

@@ -14,8 +14,8 @@ from ..config import ServerConfig, default_cache_ram_mib
 from ..router import (
     DEFAULT_KEEP_ALIVE,
     DEFAULT_MODELS_MAX,
-    keep_alive_seconds,
     models_memory_mib,
+    router_config_json,
     served_models,
 )
 from .affinity import AffinityPolicy
@@ -137,13 +137,19 @@ def build_app(
     if many:
         if models_max < 1:
             raise ValueError("models_max must be >= 1")
-        keep_alive_seconds(keep_alive)  # raises on a bad value now, not in every replica
-        # Found now, so that an empty directory or a bad presets file is refused here; each
-        # replica reads them again (the paths must be readable on every node).
-        if not served_models([str(m) for m in models or []], models_dir, models_preset):
-            raise ValueError("no models to serve: the models directory holds no .gguf file")
+        files = [str(m) for m in models or []]
+        # The router's configuration, made here as each replica's `Server` makes it, so that
+        # an empty directory, a bad presets file, keep-alive or memory budget is refused now,
+        # not in every replica (which reads the paths again: they must exist on every node).
+        router_config_json(
+            config,
+            served_models(files, models_dir, models_preset),
+            models_max=models_max,
+            keep_alive=keep_alive,
+            models_memory=models_memory,
+        )
         router = {
-            "models": [str(m) for m in models or []],
+            "models": files,
             "models_dir": None if models_dir is None else str(models_dir),
             "models_preset": None if models_preset is None else str(models_preset),
             "models_max": models_max,

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from ..cli import ROUTER_FLAGS
+from ..cli import many_models, serve_settings
 from ..config import NoModelError, ServerConfig
 from .app import build_app
 
@@ -42,20 +42,17 @@ def _say(message: str) -> None:
 
 def run_cluster(args: argparse.Namespace) -> int:
     values = vars(args)
-    server_config = {k: v for k, v in values.items() if k not in CLUSTER_FLAGS and v is not None}
-    models: list[str] = server_config.pop("model", None) or []
-    router = {k: server_config.pop(k) for k in ROUTER_FLAGS if k in server_config}
-    many = "models_dir" in router or "models_preset" in router or len(models) > 1
-    if not many and router:
-        _say(
-            "error: --models-max, --models-memory and --keep-alive are for many models "
-            "(--models-dir, --models-preset, several MODELs)"
-        )
+    models, router_flags, settings = serve_settings(args, exclude=CLUSTER_FLAGS)
+    try:
+        many = many_models(models, router_flags, settings)
+    except ValueError as e:
+        _say(f"error: {e}")
         return 2
+    server_config = {k: v for k, v in settings.items() if v is not None}
+    router = {k: v for k, v in router_flags.items() if v is not None}
     if many:
+        server_config.pop("model", None)
         router["models"] = models
-    elif models:
-        server_config["model"] = models[0]
     try:
         # The endpoint's address: flags, then LLAMARUNNER_HOST/PORT, as for `serve`.
         config = ServerConfig.resolve(server_config)
