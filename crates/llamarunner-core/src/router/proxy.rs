@@ -60,6 +60,13 @@ impl<T> Held<T> {
         self.lease.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
+    fn released(&self) -> bool {
+        self.lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
     fn millis(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
     }
@@ -83,12 +90,7 @@ async fn stall_watchdog<T>(held: Weak<Held<T>>, limit: Duration, tick: Duration)
             }
             return;
         }
-        if held
-            .lease
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
-        {
+        if held.released() {
             return;
         }
     }
@@ -276,21 +278,21 @@ mod tests {
         ));
         // Waiting on the engine (a long queue, a slow prompt) is not the client's stall.
         tokio::time::sleep(Duration::from_millis(250)).await;
-        assert!(held.lease.lock().unwrap().is_some());
+        assert!(!held.released());
         // Bytes handed on and taken again and again: still held.
         for _ in 0..10 {
             held.handed();
             tokio::time::sleep(Duration::from_millis(20)).await;
             held.asked();
         }
-        assert!(held.lease.lock().unwrap().is_some());
+        assert!(!held.released());
         // Handed on and never asked for again: the lease ends.
         held.handed();
         tokio::time::timeout(Duration::from_secs(5), watchdog)
             .await
             .expect("the watchdog ends")
             .expect("it does not panic");
-        assert!(held.lease.lock().unwrap().is_none());
+        assert!(held.released());
     }
 
     #[tokio::test]
