@@ -94,6 +94,32 @@ def test_hostile_values_do_not_raise() -> None:
     assert key("/completion", {"prompt": deep}) is None
 
 
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(
+    st.sampled_from(["/completion", "/v1/chat/completions", "/api/generate", "/v1/embeddings"]),
+    st.dictionaries(
+        st.sampled_from(["model", "prompt", "messages", "system", "input", "content"]),
+        JSON | st.text(min_size=300, max_size=400),
+    ),
+)
+def test_generated_bodies_give_a_bounded_key_led_by_a_string_model(
+    path: str, body: dict[str, object]
+) -> None:
+    k = routing_key(path, json.dumps(body).encode())
+    assert k is None or (0 < len(k) <= MAX_KEY_CHARS)
+    model = body.get("model")
+    if k is not None and isinstance(model, str) and model:
+        assert k.startswith("model\x1f" + model[:256] + "\x1e")
+
+
 def test_deep_or_huge_bodies_give_a_bounded_key_or_none() -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     assert routing_key("/completion", b'{"prompt": ' + deep + b"}") is None
