@@ -11,6 +11,8 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
     python -m benches.load --router --scenarios single,parallel8 --repeat 3 --no-baseline
         # + ours through the many-model router (serve --models-dir), the model named in
         # every request; its note gives the first request's TTFT, the model's load included
+    python -m benches.load --router --scenarios single,parallel8 --repeat 8 --together
+        # every server up at once, rounds alternating between them: per-round paired ratios
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -31,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -623,6 +625,77 @@ def raw_llama_cpp(plan: Plan) -> list[Row]:
     return rows
 
 
+@contextmanager
+def serving(
+    kind: str,
+    parallel: int,
+    ctx: int,
+    extra: tuple[str, ...],
+    args: argparse.Namespace,
+    plan: Plan,
+) -> Iterator[Running]:
+    """Starts one server of `kind` for a scenario of `parallel` clients; stops it on exit."""
+    if kind in ("ours", "router"):
+        with ours(
+            plan.model, parallel, ctx, plan.threads, extra, args.dialect, kind == "router"
+        ) as srv:
+            yield srv
+    elif kind == "baseline":
+        with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
+            yield srv
+    elif kind == "llama-server":
+        with llama_server(args.llama_server, plan.model, parallel, ctx, plan.threads) as srv:
+            yield srv
+    else:
+        with llama_cpp_python_server(plan.model, ctx, plan.threads) as srv:
+            yield srv
+
+
+def scenario_on(kind: str, name: str, srv: Running, plan: Plan) -> list[Row]:
+    """Runs scenario `name` on a started server of `kind`; returns its rows."""
+    if kind != "baseline":
+        return scenario_rows(name, srv, plan)
+    out = [r for r in scenario_rows(name, srv, plan) if not r.scenario.startswith("mixed baseline")]
+    out[-1].note = "baseline: --parallel 1"
+    return out
+
+
+def paired_ratios(runs: list[list[Row]]) -> str:
+    """Per scenario and pair (ours against llama-server, the router against ours served
+    directly), the throughput ratio of each round and their median, and the median of the
+    rounds' TTFT p50 differences: pairs measured in the same round share its drift."""
+    lines = [
+        "| pair | scenario | gen tok/s ratio per round | median | TTFT p50 diff median ms |",
+        "|---|---|---|---|---|",
+    ]
+    pairs: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for run in runs:
+        cells = {(r.server, r.scenario): dict(zip(HEADER, r.cells())) for r in run}
+        for (server, scenario), mine in cells.items():
+            if " router " in server:
+                label, other = (
+                    "router / direct",
+                    cells.get((server.replace(" router ", " "), scenario)),
+                )
+            elif server.startswith("llamarunner") and "baseline" not in mine["note"]:
+                label, other = "ours / llama-server", cells.get(("llama-server", scenario))
+            else:
+                continue
+            if other is None or "-" in (mine["gen tok/s"], other["gen tok/s"]):
+                continue
+            ratios_, diffs = pairs.setdefault((label, scenario), ([], []))
+            ratios_.append(float(mine["gen tok/s"]) / float(other["gen tok/s"]))
+            if "-" not in (mine["TTFT p50 ms"], other["TTFT p50 ms"]):
+                diffs.append(float(mine["TTFT p50 ms"]) - float(other["TTFT p50 ms"]))
+    for (label, scenario), (ratios_, diffs) in pairs.items():
+        per = " ".join(f"{x:.3f}" for x in ratios_)
+        diff = f"{statistics.median(diffs):+.0f}" if diffs else "-"
+        lines.append(
+            f"| {label} | {scenario} | {per} | **{statistics.median(ratios_):.3f}** | {diff} |"
+        )
+    return "\n".join(lines)
+
+
 def run_server(
     kind: str,
     name: str,
@@ -633,25 +706,8 @@ def run_server(
     plan: Plan,
 ) -> list[Row]:
     """Starts one server of `kind`, runs scenario `name` against it, stops it."""
-    if kind in ("ours", "router"):
-        with ours(
-            plan.model, parallel, ctx, plan.threads, extra, args.dialect, kind == "router"
-        ) as srv:
-            return scenario_rows(name, srv, plan)
-    if kind == "baseline":
-        with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
-            out = [
-                r
-                for r in scenario_rows(name, srv, plan)
-                if not r.scenario.startswith("mixed baseline")
-            ]
-        out[-1].note = "baseline: --parallel 1"
-        return out
-    if kind == "llama-server":
-        with llama_server(args.llama_server, plan.model, parallel, ctx, plan.threads) as srv:
-            return scenario_rows(name, srv, plan)
-    with llama_cpp_python_server(plan.model, ctx, plan.threads) as srv:
-        return scenario_rows(name, srv, plan)
+    with serving(kind, parallel, ctx, extra, args, plan) as srv:
+        return scenario_on(kind, name, srv, plan)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -694,6 +750,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also run ours through the many-model router (serve --models-dir with the model "
         "in it), each request naming the model, and a table of ratios to ours served directly",
     )
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="start each scenario's servers once and keep them all up through its --repeat "
+        "rounds (the idle ones wait), instead of a fresh start per round: start-up and drift "
+        "cancel out of the per-round ratios",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -704,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(model, args.threads, args.requests, random.Random(1234))
     scenarios = [s for s in args.scenarios.split(",") if s]
     rows: list[Row] = []
+    all_runs: list[list[Row]] = []
     if args.peers and "single" in scenarios:
         rows += raw_llama_cpp(plan)
     if args.llama_server:
@@ -727,16 +791,28 @@ def main(argv: list[str] | None = None) -> int:
         if args.peers:
             kinds.append("llama-cpp-python")
         runs: list[list[Row]] = []
-        for rep in range(args.repeat):
-            # Alternate who goes first, so that drift (heat, page cache) favours nobody.
-            order = kinds if rep % 2 == 0 else kinds[::-1]
-            by_kind = {}
-            for k in order:
-                # Every server of a repetition gets the same prompts.
-                plan.rng.seed(f"{name}/{rep}")
-                by_kind[k] = run_server(k, name, parallel, ctx, extra, args, plan)
-            runs.append([r for k in kinds for r in by_kind[k]])
+        with ExitStack() as stack:
+            # --together: every server up for the whole scenario (the idle ones wait on
+            # their sockets), so that each round compares servers a minute apart at most.
+            up: dict[str, Running] = {}
+            if args.together:
+                for k in kinds:
+                    up[k] = stack.enter_context(serving(k, parallel, ctx, extra, args, plan))
+                    stream_once(up[k], "Hello", 4, seed=1)  # warm, as a round is
+            for rep in range(args.repeat):
+                # Alternate who goes first, so that drift (heat, page cache) favours nobody.
+                order = kinds if rep % 2 == 0 else kinds[::-1]
+                by_kind = {}
+                for k in order:
+                    # Every server of a repetition gets the same prompts.
+                    plan.rng.seed(f"{name}/{rep}")
+                    if k in up:
+                        by_kind[k] = scenario_on(k, name, up[k], plan)
+                    else:
+                        by_kind[k] = run_server(k, name, parallel, ctx, extra, args, plan)
+                runs.append([r for k in kinds for r in by_kind[k]])
         rows += runs[0] if args.repeat == 1 else medians(runs)
+        all_runs += runs
         print(table(rows), flush=True)
         print(flush=True)
     if args.llama_server:
@@ -745,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.router:
         print("\nThrough the router against the same model served directly:\n")
         print(router_ratios(rows), flush=True)
+    if args.repeat > 1 and (args.router or args.llama_server):
+        print("\nPaired by round (both sides of a ratio ran in the same round):\n")
+        print(paired_ratios(all_runs), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0

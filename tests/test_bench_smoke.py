@@ -33,10 +33,18 @@ def test_bench_harness_runs(tiny_model: Path) -> None:
 
 
 def test_router_bench_runs(tiny_model: Path) -> None:
-    out = run_bench("load", tiny_model, "--scenarios", "single", "--requests", "1", "--router")
+    out = run_bench(
+        "load", tiny_model, "--scenarios", "single", "--requests", "1", "--router",
+        "--repeat", "2", "--together",
+    )  # fmt: skip
     assert "llamarunner router (parallel 1)" in out and "load included" in out, out
     assert "Through the router against the same model served directly" in out, out
     assert "| single: prompt ~200, gen 128 | " in out.split("served directly")[-1], out
+    # Both rounds ran on the same two servers, and each round gave a paired ratio.
+    paired = out.split("Paired by round")[-1]
+    assert "| router / direct | single: prompt ~200, gen 128 | " in paired, out
+    per_round = paired.split("gen 128 | ")[1].split(" | ")[0].split()
+    assert len(per_round) == 2 and all(float(x) > 0 for x in per_round), out
 
 
 def test_router_load_bench_runs(tiny_model: Path) -> None:
