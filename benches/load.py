@@ -665,8 +665,9 @@ def paired_ratios(runs: list[list[Row]]) -> str:
     directly), the throughput ratio of each round and their median, and the median of the
     rounds' TTFT p50 differences: pairs measured in the same round share its drift."""
     lines = [
-        "| pair | scenario | gen tok/s ratio per round | median | TTFT p50 diff median ms |",
-        "|---|---|---|---|---|",
+        "| pair | scenario | gen tok/s ratio per round | median | TTFT p50 diff median ms "
+        "| TTFT p50 diff range ms |",
+        "|---|---|---|---|---|---|",
     ]
     pairs: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for run in runs:
@@ -690,8 +691,10 @@ def paired_ratios(runs: list[list[Row]]) -> str:
     for (label, scenario), (ratios_, diffs) in pairs.items():
         per = " ".join(f"{x:.3f}" for x in ratios_)
         diff = f"{statistics.median(diffs):+.0f}" if diffs else "-"
+        spread = f"{min(diffs):+.0f} to {max(diffs):+.0f}" if diffs else "-"
         lines.append(
-            f"| {label} | {scenario} | {per} | **{statistics.median(ratios_):.3f}** | {diff} |"
+            f"| {label} | {scenario} | {per} | **{statistics.median(ratios_):.3f}** | {diff} "
+            f"| {spread} |"
         )
     return "\n".join(lines)
 

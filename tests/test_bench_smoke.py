@@ -72,3 +72,12 @@ def test_agent_loop_bench_runs(tiny_model: Path) -> None:
     # Each follow-up continues its own conversation, from a slot or the prompt cache.
     follow_cached = float(rows[1].split(" | ")[7].rstrip(" %"))
     assert follow_cached > 50, out
+
+
+def test_router_hop_bench_runs(tiny_model: Path) -> None:
+    out = run_bench("router_hop", tiny_model, "--blocks", "2", "--per-block", "3")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 3 * 2, out  # the header, 3 kinds x 2 connection kinds
+    for line in rows[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[3]) > 0, line
