@@ -353,3 +353,64 @@ def test_a_huge_dry_window_is_clamped_to_the_slot(tiny_server: Server) -> None:
     # llama.cpp allocates DRY's ring of recent tokens at its window: 2^31 would be gigabytes.
     text = greedy(tiny_server, dry_multiplier=0.5, dry_penalty_last_n=2**31 - 1)
     assert isinstance(text, str) and text
+
+
+# --- the shortlist: a chain whose first cut is a top-k sees only its candidates ----------------
+# (backend/shortlist.rs). A top-n-sigma of 100 keeps every token and makes the same chain see
+# the whole vocabulary, so the same seed must give the same text both ways.
+
+WHOLE_VOCABULARY = {"top_n_sigma": 100.0}
+
+SHORTLISTED = [
+    {},  # the OpenAI dialect's defaults: top-k 40, no penalty
+    {"top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64},  # Ollama's defaults
+    {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repeat_last_n": 16, "top_k": 8},
+    {"top_k": 200, "min_p": 0.02, "temperature": 1.6},
+    {"logit_bias": {"2": 4.0, "30": 8.0, "31": -100}, "top_k": 5},
+    {"ignore_eos": True, "repeat_penalty": 1.3},
+]
+
+
+def openai_text(srv: Server, model: str, prompt: str, **body: Any) -> str:
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 1.2, **body},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("options", SHORTLISTED, ids=lambda o: ",".join(o) or "defaults")
+def test_the_shortlist_samples_as_the_whole_vocabulary(
+    tiny_server: Server, options: dict[str, Any]
+) -> None:
+    model = tiny_server.client().models()[0]["id"]
+    texts = set()
+    for seed in (1, 2, 3):
+        short = openai_text(tiny_server, model, "the cat is", seed=seed, **options)
+        whole = openai_text(
+            tiny_server, model, "the cat is", seed=seed, **options, **WHOLE_VOCABULARY
+        )
+        assert short == whole, (seed, short, whole)
+        texts.add(short)
+    assert len(texts) > 1, "the seeds should sample differently"
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model: Any) -> Any:
+    with Server(str(default_model), port=0, ctx_size=1024, parallel=1, threads=2) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("options", SHORTLISTED[:3], ids=lambda o: ",".join(o) or "defaults")
+def test_the_shortlist_samples_as_the_whole_vocabulary_of_the_default_model(
+    default_server: Server, options: dict[str, Any]
+) -> None:
+    # 262,144 tokens, of which the shortlist hands the chain at most 320.
+    model = default_server.client().models()[0]["id"]
+    prompt = "Write a short story about a lighthouse keeper."
+    for seed in (7, 8):
+        short = openai_text(default_server, model, prompt, seed=seed, **options)
+        whole = openai_text(default_server, model, prompt, seed=seed, **options, **WHOLE_VOCABULARY)
+        assert short == whole, (seed, short, whole)

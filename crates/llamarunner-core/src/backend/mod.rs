@@ -6,6 +6,9 @@
 pub mod fake;
 #[cfg(feature = "llama")]
 pub mod llama;
+// Used by the llama backend; pure, so unit-tested in every build.
+#[cfg_attr(not(feature = "llama"), allow(dead_code))]
+pub mod shortlist;
 
 pub use crate::protocol::{BackendError, Token};
 

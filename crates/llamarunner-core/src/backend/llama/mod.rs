@@ -1007,6 +1007,9 @@ impl<'m> LlamaEngine<'m> {
 pub struct ChainSampler {
     chain: LlamaSampler,
     guide: Option<crate::constrain::Guide>,
+    /// The tokens the chain is handed instead of the whole vocabulary, when its first cut is
+    /// a top-k or greedy (`backend/shortlist.rs`).
+    shortlist: Option<crate::backend::shortlist::Shortlist>,
 }
 
 impl Backend for LlamaEngine<'_> {
@@ -1183,6 +1186,25 @@ impl Backend for LlamaEngine<'_> {
         }
         let guide = crate::constrain::Guide::for_request(p.grammar.as_ref())
             .map_err(BackendError::Sampler)?;
+        // The chain's first cut, when the stages before it change only known tokens (biases
+        // and the penalty window; DRY may change any token of the history, top-n-sigma and
+        // mirostat read them all): it then sees a shortlist instead of every token. A guide
+        // picks from what the grammar allows, which a shortlist cannot know.
+        let cut = if p.greedy() {
+            Some(1)
+        } else if p.mirostat == 0 && extra.top_n_sigma <= 0.0 {
+            usize::try_from(p.top_k).ok().filter(|&k| k > 0)
+        } else {
+            None
+        };
+        let shortlist = match cut {
+            Some(k) if guide.is_none() && dry_window == 0 => {
+                let biased: Vec<i32> = biases.iter().map(|b| b.token().0).collect();
+                let window = penalize.then(|| usize::try_from(last_n).unwrap_or(usize::MAX));
+                crate::backend::shortlist::Shortlist::new(k, &biased, window)
+            }
+            _ => None,
+        };
         let mut chain = LlamaSampler::chain_simple(stages);
         if penalize || dry_window > 0 {
             // The prompt seeds the penalty and DRY windows, as in llama.cpp's common sampler.
@@ -1198,7 +1220,20 @@ impl Backend for LlamaEngine<'_> {
                     .map(|&t| LlamaToken(t)),
             );
         }
-        Ok(ChainSampler { chain, guide })
+        let shortlist = shortlist.map(|mut list| {
+            if penalize {
+                let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
+                for &t in &history[history.len() - window..] {
+                    list.accept(t);
+                }
+            }
+            list
+        });
+        Ok(ChainSampler {
+            chain,
+            guide,
+            shortlist,
+        })
     }
 
     fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError> {
@@ -1242,6 +1277,31 @@ impl Backend for LlamaEngine<'_> {
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
         let index = i32::try_from(index).unwrap_or(i32::MAX);
         let Some(guide) = sampler.guide.as_mut() else {
+            if let Some(list) = sampler.shortlist.as_mut() {
+                // What llama_sampler_sample does, on the shortlist instead of every token.
+                let logits = self.logits_ith(index);
+                let data: Vec<LlamaTokenData> = list
+                    .candidates(logits)
+                    .into_iter()
+                    .filter_map(|t| {
+                        let logit = *logits.get(usize::try_from(t).ok()?)?;
+                        Some(LlamaTokenData::new(
+                            LlamaToken(i32::try_from(t).ok()?),
+                            logit,
+                            0.0,
+                        ))
+                    })
+                    .collect();
+                let mut candidates = LlamaTokenDataArray::new(data, false);
+                candidates.apply_sampler(&mut sampler.chain);
+                let token = candidates
+                    .selected
+                    .and_then(|i| candidates.data.get(i))
+                    .map(|d| d.id())?;
+                sampler.chain.accept(token);
+                list.accept(token.0);
+                return Some(token.0);
+            }
             // `sample` also accepts the token into the chain (penalty history); no second accept.
             return Some(sampler.chain.sample(&self.ctx, index).0);
         };
