@@ -222,6 +222,17 @@ def ratios(rows: list[Row], peer: str = "llama-server") -> str:
     return "\n".join(lines)
 
 
+def partner(server: str, note: str) -> tuple[str, str] | None:
+    """What a row of `server` is compared with: the pair's label and the other row's server
+    (ours through the router against ours served directly, ours against llama-server); None
+    for the peers' rows and the --parallel 1 baseline."""
+    if " router " in server:
+        return "router / direct", server.replace(" router ", " ")
+    if server.startswith("llamarunner") and "baseline" not in note:
+        return "ours / llama-server", "llama-server"
+    return None
+
+
 def router_ratios(rows: list[Row]) -> str:
     """Per scenario, the router's row against ours served directly: throughput ratio and the
     TTFT p50 and ITL p50 differences in ms."""
@@ -231,9 +242,10 @@ def router_ratios(rows: list[Row]) -> str:
     ]
     cells = {(r.server, r.scenario): dict(zip(HEADER, r.cells())) for r in rows}
     for (server, scenario), routed in cells.items():
-        if " router " not in server:
+        pair = partner(server, routed["note"])
+        if pair is None or pair[0] != "router / direct":
             continue
-        direct = cells.get((server.replace(" router ", " "), scenario))
+        direct = cells.get((pair[1], scenario))
         if direct is None:
             continue
 
@@ -673,15 +685,10 @@ def paired_ratios(runs: list[list[Row]]) -> str:
     for run in runs:
         cells = {(r.server, r.scenario): dict(zip(HEADER, r.cells())) for r in run}
         for (server, scenario), mine in cells.items():
-            if " router " in server:
-                label, other = (
-                    "router / direct",
-                    cells.get((server.replace(" router ", " "), scenario)),
-                )
-            elif server.startswith("llamarunner") and "baseline" not in mine["note"]:
-                label, other = "ours / llama-server", cells.get(("llama-server", scenario))
-            else:
+            pair = partner(server, mine["note"])
+            if pair is None:
                 continue
+            label, other = pair[0], cells.get((pair[1], scenario))
             if other is None or "-" in (mine["gen tok/s"], other["gen tok/s"]):
                 continue
             ratios_, diffs = pairs.setdefault((label, scenario), ([], []))
@@ -697,20 +704,6 @@ def paired_ratios(runs: list[list[Row]]) -> str:
             f"| {spread} |"
         )
     return "\n".join(lines)
-
-
-def run_server(
-    kind: str,
-    name: str,
-    parallel: int,
-    ctx: int,
-    extra: tuple[str, ...],
-    args: argparse.Namespace,
-    plan: Plan,
-) -> list[Row]:
-    """Starts one server of `kind`, runs scenario `name` against it, stops it."""
-    with serving(kind, parallel, ctx, extra, args, plan) as srv:
-        return scenario_on(kind, name, srv, plan)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -812,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
                     if k in up:
                         by_kind[k] = scenario_on(k, name, up[k], plan)
                     else:
-                        by_kind[k] = run_server(k, name, parallel, ctx, extra, args, plan)
+                        with serving(k, parallel, ctx, extra, args, plan) as srv:
+                            by_kind[k] = scenario_on(k, name, srv, plan)
                 runs.append([r for k in kinds for r in by_kind[k]])
         rows += runs[0] if args.repeat == 1 else medians(runs)
         all_runs += runs

@@ -25,8 +25,8 @@ pub struct Shortlist {
     /// Tokens with a logit bias (`logit_bias`, `ignore_eos`'s bans), sorted, without repeats.
     biased: Vec<u32>,
     /// The repetition penalties' window: the last `window_len` tokens accepted (as llama.cpp's
-    /// penalties sampler keeps them), when penalties are on.
-    window: Option<VecDeque<u32>>,
+    /// penalties sampler keeps them); `window_len` is 0 when penalties are off.
+    window: VecDeque<u32>,
     window_len: usize,
 }
 
@@ -50,23 +50,23 @@ impl Shortlist {
         Some(Self {
             k,
             biased: fixed,
-            window: window_len.map(VecDeque::with_capacity),
+            window: VecDeque::with_capacity(window_len.unwrap_or(0)),
             window_len: window_len.unwrap_or(0),
         })
     }
 
     /// Records a token the chain accepted (the penalty window moves on).
     pub fn accept(&mut self, token: i32) {
-        let (Some(window), Ok(token)) = (self.window.as_mut(), u32::try_from(token)) else {
+        let Ok(token) = u32::try_from(token) else {
             return;
         };
         if self.window_len == 0 {
             return;
         }
-        if window.len() == self.window_len {
-            window.pop_front();
+        if self.window.len() == self.window_len {
+            self.window.pop_front();
         }
-        window.push_back(token);
+        self.window.push_back(token);
     }
 
     /// The tokens to hand the chain for these logits: the `k + m` best by raw logit and the
@@ -77,7 +77,7 @@ impl Shortlist {
             .biased
             .iter()
             .copied()
-            .chain(self.window.iter().flatten().copied())
+            .chain(self.window.iter().copied())
             .filter(|&t| t < n_vocab)
             .collect();
         changed.sort_unstable();

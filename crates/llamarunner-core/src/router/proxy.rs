@@ -268,14 +268,15 @@ mod tests {
 
     const TICK: Duration = Duration::from_millis(10);
 
+    /// A watchdog over `held` with this `limit`, ticking every `TICK`.
+    fn watch(held: &Arc<Held<&'static str>>, limit: Duration) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(stall_watchdog(Arc::downgrade(held), limit, TICK))
+    }
+
     #[tokio::test]
     async fn a_client_that_stops_reading_loses_the_lease_after_the_limit() {
         let held = Arc::new(Held::new("lease"));
-        let watchdog = tokio::spawn(stall_watchdog(
-            Arc::downgrade(&held),
-            Duration::from_millis(100),
-            TICK,
-        ));
+        let watchdog = watch(&held, Duration::from_millis(100));
         // Waiting on the engine (a long queue, a slow prompt) is not the client's stall.
         tokio::time::sleep(Duration::from_millis(250)).await;
         assert!(!held.released());
@@ -298,22 +299,14 @@ mod tests {
     #[tokio::test]
     async fn the_watchdog_ends_with_its_answer() {
         let held = Arc::new(Held::new("lease"));
-        let watchdog = tokio::spawn(stall_watchdog(
-            Arc::downgrade(&held),
-            Duration::from_secs(3600),
-            TICK,
-        ));
+        let watchdog = watch(&held, Duration::from_secs(3600));
         let _ = held.release(); // the answer's last byte
         tokio::time::timeout(Duration::from_secs(5), watchdog)
             .await
             .expect("ends once the lease is gone")
             .unwrap();
         let held = Arc::new(Held::new("lease"));
-        let watchdog = tokio::spawn(stall_watchdog(
-            Arc::downgrade(&held),
-            Duration::from_secs(3600),
-            TICK,
-        ));
+        let watchdog = watch(&held, Duration::from_secs(3600));
         drop(held); // the client left: the response body is dropped
         tokio::time::timeout(Duration::from_secs(5), watchdog)
             .await

@@ -1206,29 +1206,22 @@ impl Backend for LlamaEngine<'_> {
             _ => None,
         };
         let mut chain = LlamaSampler::chain_simple(stages);
+        let mut shortlist = shortlist;
         if penalize || dry_window > 0 {
-            // The prompt seeds the penalty and DRY windows, as in llama.cpp's common sampler.
+            // The prompt seeds the penalty and DRY windows, as in llama.cpp's common sampler
+            // (and the shortlist's copy of the penalty window; it has none with DRY).
             let last_n = if penalize {
                 last_n.max(dry_window)
             } else {
                 dry_window
             };
             let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
-            chain.accept_many(
-                history[history.len() - window..]
-                    .iter()
-                    .map(|&t| LlamaToken(t)),
-            );
-        }
-        let shortlist = shortlist.map(|mut list| {
-            if penalize {
-                let window = usize::try_from(last_n).unwrap_or(0).min(history.len());
-                for &t in &history[history.len() - window..] {
-                    list.accept(t);
-                }
+            let seed = &history[history.len() - window..];
+            chain.accept_many(seed.iter().map(|&t| LlamaToken(t)));
+            if let Some(list) = shortlist.as_mut() {
+                seed.iter().for_each(|&t| list.accept(t));
             }
-            list
-        });
+        }
         Ok(ChainSampler {
             chain,
             guide,
@@ -1280,24 +1273,11 @@ impl Backend for LlamaEngine<'_> {
             if let Some(list) = sampler.shortlist.as_mut() {
                 // What llama_sampler_sample does, on the shortlist instead of every token.
                 let logits = self.logits_ith(index);
-                let data: Vec<LlamaTokenData> = list
+                let listed = list
                     .candidates(logits)
                     .into_iter()
-                    .filter_map(|t| {
-                        let logit = *logits.get(usize::try_from(t).ok()?)?;
-                        Some(LlamaTokenData::new(
-                            LlamaToken(i32::try_from(t).ok()?),
-                            logit,
-                            0.0,
-                        ))
-                    })
-                    .collect();
-                let mut candidates = LlamaTokenDataArray::new(data, false);
-                candidates.apply_sampler(&mut sampler.chain);
-                let token = candidates
-                    .selected
-                    .and_then(|i| candidates.data.get(i))
-                    .map(|d| d.id())?;
+                    .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
+                let token = apply_chain(&mut sampler.chain, listed)?.id();
                 sampler.chain.accept(token);
                 list.accept(token.0);
                 return Some(token.0);
@@ -1311,32 +1291,13 @@ impl Backend for LlamaEngine<'_> {
         let logits = self.logits_ith(index);
         let chain = &mut sampler.chain;
         let pick = |mask: Option<&llguidance::toktrie::SimpleVob>| {
-            let data: Vec<LlamaTokenData> = match mask {
-                None => logits
-                    .iter()
-                    .enumerate()
-                    .map(|(t, &l)| {
-                        LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
-                    })
-                    .collect(),
-                Some(m) => logits
-                    .iter()
-                    .enumerate()
-                    .filter(|&(t, _)| u32::try_from(t).is_ok_and(|t| m.is_allowed(t)))
-                    .map(|(t, &l)| {
-                        LlamaTokenData::new(LlamaToken(i32::try_from(t).unwrap_or(0)), l, 0.0)
-                    })
-                    .collect(),
+            let allowed = (0u32..).zip(logits.iter().copied());
+            let picked = match mask {
+                None => apply_chain(chain, allowed),
+                Some(m) => apply_chain(chain, allowed.filter(|&(t, _)| m.is_allowed(t))),
             };
-            if data.is_empty() {
-                return None;
-            }
-            let mut candidates = LlamaTokenDataArray::new(data, false);
-            candidates.apply_sampler(chain);
             // A pick the chain banned (`ignore_eos` bans end-of-generation tokens) is none.
-            candidates
-                .selected
-                .and_then(|i| candidates.data.get(i))
+            picked
                 .filter(|d| d.logit().is_finite())
                 .and_then(|d| u32::try_from(d.id().0).ok())
         };
@@ -1655,6 +1616,30 @@ impl LlamaEngine<'_> {
 
 /// Candidates `draft_pick` weighs (llama.cpp's drafts sample from the top 10).
 const DRAFT_TOP_K: usize = 10;
+
+/// Runs `chain` on the `candidates` (token, logit) as `llama_sampler_sample` runs it on every
+/// token's logit, without accepting the pick: the entry it selected, None when there were no
+/// candidates or it selected none.
+fn apply_chain(
+    chain: &mut LlamaSampler,
+    candidates: impl Iterator<Item = (u32, f32)>,
+) -> Option<LlamaTokenData> {
+    let data: Vec<LlamaTokenData> = candidates
+        .filter_map(|(t, logit)| {
+            Some(LlamaTokenData::new(
+                LlamaToken(i32::try_from(t).ok()?),
+                logit,
+                0.0,
+            ))
+        })
+        .collect();
+    if data.is_empty() {
+        return None;
+    }
+    let mut array = LlamaTokenDataArray::new(data, false);
+    array.apply_sampler(chain);
+    array.selected.and_then(|i| array.data.get(i)).copied()
+}
 
 /// The most likely token of `logits` and its probability among the `DRAFT_TOP_K` most likely
 /// (softmax over those), as llama.cpp's draft sampler judges `p_min`. None when no logit is
