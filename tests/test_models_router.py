@@ -605,6 +605,40 @@ def test_the_official_clients_switch_between_the_default_model_and_a_tiny_one(
         assert e.value.status_code == 404 and "gemma" in str(e.value)
 
 
+def test_a_sliding_window_models_estimate_is_near_what_it_takes(
+    default_model: Path, tmp_path: Path
+) -> None:
+    # Gemma 3: 15 of its 18 layers slide over 512 tokens. With 4 slots of 8,192 tokens, llama.cpp
+    # gives those layers 4 x 1,024 cells, not 4 x 8,192: counting them whole doubled the
+    # estimate (1,021 MB against 500 MB taken); `--swa-full` gives them the whole context.
+    d = tmp_path / "models"
+    d.mkdir()
+    (d / "gemma.gguf").symlink_to(default_model)
+    taken = {}
+    for swa_full in (False, True):
+        log_dir = tmp_path / f"log-{swa_full}"
+        log_dir.mkdir()
+        flags = ["--ctx-size", "8192", "--parallel", "4", "--cache-ram", "0"]
+        srv = WatchedServer(
+            None, log_dir, "--models-dir", str(d), *flags, *(["--swa-full"] if swa_full else [])
+        )
+        try:
+            r = httpx.post(f"{srv.url}/models/load", json={"model": "gemma"}, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            assert completion(srv.url, "gemma", n=4).status_code == 200
+            s = statuses(srv.url)["gemma"]
+            taken[swa_full] = (s["memory_estimate_bytes"], s["memory_bytes"])
+        finally:
+            srv.stop()
+    (estimate, rss), (full_estimate, full_rss) = taken[False], taken[True]
+    # Windowed: within a few tens of MB of what the engine holds, on the high side.
+    assert 0.9 * rss < estimate < 1.4 * rss, taken
+    # The full cache's extra 15 x 4 x 7,168 cells of 1 KiB each (440 MiB) are in its estimate.
+    cells = 15 * 4 * (8192 - 1024)
+    assert full_estimate - estimate == cells * 1024, taken
+    assert full_rss > rss + 0.5 * cells * 1024, taken
+
+
 def test_an_engine_process_imports_only_the_core() -> None:
     # Every load starts `python -m llamarunner._engine`: importing the client (httpx) and the
     # package's metadata with it took ~0.3 s of each load.

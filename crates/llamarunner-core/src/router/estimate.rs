@@ -5,8 +5,11 @@
 //! and read whole), the KV cache of every slot (layers x context x KV heads x (key + value
 //! length) x the cache type's bytes), llama.cpp's compute buffers (a micro-batch's
 //! activations and the logits of one token per slot), the prompt cache's budget
-//! (`--cache-ram`) and the engine process's own (`ENGINE_PROCESS`). It errs high: every layer is counted with the whole context, sliding
-//! window or not.
+//! (`--cache-ram`) and the engine process's own (`ENGINE_PROCESS`). Sliding-window layers
+//! (Gemma 2 and 3, Cohere 2, gpt-oss) are counted with the cells llama.cpp gives them, the
+//! window and a micro-batch per slot, unless `--swa-full`; where the header does not say which
+//! layers slide (another architecture with a window), every layer is counted with the whole
+//! context, which errs high.
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -31,6 +34,31 @@ pub struct Shape {
     pub value_len: u64,
     /// Tokens in the vocabulary (`tokenizer.ggml.tokens`).
     pub vocab: u64,
+    /// Tokens a sliding-window layer attends to (`{arch}.attention.sliding_window`); 0 when
+    /// none slides.
+    pub window: u64,
+    /// How many layers slide: from `{arch}.attention.sliding_window_pattern` (a flag per
+    /// layer, or a period) or the architecture's own period, as llama.cpp sets it; 0 when
+    /// unknown (every layer is then counted as a full one).
+    pub window_layers: u64,
+}
+
+/// The period of sliding-window layers where the header gives none (llama.cpp's
+/// `load_swa_pattern` defaults): in each period, all layers but the last slide.
+const WINDOW_PERIODS: [(&str, u64); 5] = [
+    ("gemma2", 2),
+    ("gemma3", 6),
+    ("gemma3n", 5),
+    ("cohere2", 4),
+    ("gpt-oss", 2),
+];
+
+/// Layers of `layers` that slide when all but the last of each `period` do (0: all slide).
+fn sliding_in_period(layers: u64, period: u64) -> u64 {
+    match period {
+        0 => layers,
+        p => layers / p * (p - 1) + (layers % p).min(p - 1),
+    }
 }
 
 /// The settings that size a loaded model (a `RunnerConfig`'s).
@@ -48,6 +76,15 @@ pub struct Served<'a> {
     pub cache_ram_bytes: u64,
     /// Files read besides the model: projector, draft model.
     pub extra_files: Vec<&'a Path>,
+    /// `--swa-full`: sliding-window layers keep the whole context.
+    pub swa_full: bool,
+}
+
+/// llama.cpp pads cache sizes to this many cells.
+const CELL_PAD: u64 = 256;
+
+fn pad_cells(n: u64) -> u64 {
+    n.div_ceil(CELL_PAD).saturating_mul(CELL_PAD)
 }
 
 /// What an engine process takes before any model: the interpreter and llama.cpp's libraries
@@ -76,10 +113,23 @@ pub fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
         .filter_map(|p| std::fs::metadata(p).ok())
         .map(|m| m.len())
         .sum();
-    let cells = served.ctx_size.saturating_mul(served.parallel.max(1));
-    let per_cell = shape
-        .layers
-        .saturating_mul(shape.kv_heads)
+    let parallel = served.parallel.max(1);
+    let cells = served.ctx_size.saturating_mul(parallel);
+    // Each slot has its own stream of cells (llama.cpp's non-unified cache): the context,
+    // padded, for a full layer; the window and a micro-batch, padded, for a sliding one.
+    let slot_cells = pad_cells(served.ctx_size);
+    let window_layers = if served.swa_full || shape.window == 0 {
+        0
+    } else {
+        shape.window_layers.min(shape.layers)
+    };
+    let window_cells = pad_cells(shape.window.saturating_add(served.batch_size)).min(slot_cells);
+    let layer_cells = (shape.layers - window_layers)
+        .saturating_mul(slot_cells)
+        .saturating_add(window_layers.saturating_mul(window_cells))
+        .saturating_mul(parallel);
+    let per_layer_cell = shape
+        .kv_heads
         .saturating_mul(shape.key_len.saturating_add(shape.value_len));
     // Bytes per element, in 32nds (q8_0: 34 bytes per 32, q4_0: 18 per 32).
     let elem_32ths: u64 = match served.kv_cache_type {
@@ -89,7 +139,10 @@ pub fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
         "q5_0" | "q5_1" => 22,
         _ => 64, // f16, bf16
     };
-    let kv = cells.saturating_mul(per_cell).saturating_mul(elem_32ths) / 32;
+    let kv = layer_cells
+        .saturating_mul(per_layer_cell)
+        .saturating_mul(elem_32ths)
+        / 32;
     let ubatch = served.batch_size.clamp(1, 512).min(cells.max(1));
     // Activations of a micro-batch (a few embedding-wide f32 tensors per token, and the
     // attention scores of a token against the context) and one row of logits per slot.
@@ -122,7 +175,12 @@ struct Header<R: Read> {
 enum Value {
     Int(u64),
     Str(String),
-    Array { count: u64, max: Option<u64> },
+    /// An array: its length, its largest integer and how many of its integers are not 0.
+    Array {
+        count: u64,
+        max: Option<u64>,
+        nonzero: u64,
+    },
     Other,
 }
 
@@ -177,10 +235,7 @@ impl<R: Read> Header<R> {
                 self.skip(4)?;
                 Value::Other
             }
-            7 => {
-                self.skip(1)?;
-                Value::Other
-            }
+            7 => Value::Int(u64::from(self.bytes::<1>()?[0] != 0)),
             8 => Value::Str(self.string()?),
             9 => {
                 let item = self.u32()?;
@@ -192,12 +247,18 @@ impl<R: Read> Header<R> {
                     return Err(format!("an array of {count} items"));
                 }
                 let mut max = None;
+                let mut nonzero = 0;
                 for _ in 0..count {
                     if let Value::Int(v) = self.value(item)? {
                         max = Some(max.map_or(v, |m: u64| m.max(v)));
+                        nonzero += u64::from(v != 0);
                     }
                 }
-                Value::Array { count, max }
+                Value::Array {
+                    count,
+                    max,
+                    nonzero,
+                }
             }
             10 => Value::Int(self.u64()?),
             11 => Value::Int(u64::try_from(i64::from_le_bytes(self.bytes()?)).unwrap_or(0)),
@@ -249,6 +310,18 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
         Some(Value::Array { count, .. }) => *count,
         _ => int("vocab_size").unwrap_or(0),
     };
+    // Gemma 2 slides over 4,096 tokens when its header does not say.
+    let window = int("attention.sliding_window")
+        .or((arch == "gemma2").then_some(4096))
+        .unwrap_or(0);
+    let window_layers = match values.get(&format!("{arch}.attention.sliding_window_pattern")) {
+        Some(Value::Array { nonzero, .. }) => *nonzero,
+        Some(Value::Int(period)) => sliding_in_period(layers, *period),
+        _ => WINDOW_PERIODS
+            .iter()
+            .find(|(a, _)| *a == arch)
+            .map_or(0, |(_, period)| sliding_in_period(layers, *period)),
+    };
     Ok(Shape {
         architecture: arch,
         layers,
@@ -258,6 +331,8 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
         key_len,
         value_len,
         vocab,
+        window,
+        window_layers,
     })
 }
 
@@ -324,6 +399,8 @@ mod tests {
                 key_len: 16,
                 value_len: 16,
                 vocab: 3,
+                window: 0,
+                window_layers: 0,
             }
         );
         let served = Served {
@@ -333,9 +410,10 @@ mod tests {
             kv_cache_type: "f16",
             cache_ram_bytes: 1000,
             extra_files: vec![],
+            swa_full: false,
         };
-        // KV: 200 cells x 4 layers x 2 heads x 32 x 2 bytes.
-        let kv = 200 * 4 * 2 * 32 * 2;
+        // KV: 2 slots x 256 cells (100, padded) x 4 layers x 2 heads x 32 x 2 bytes.
+        let kv = 2 * 256 * 4 * 2 * 32 * 2;
         let rest = estimate(&shape, 0, &served) - kv - 1000 - ENGINE_PROCESS;
         assert!(rest > 0 && rest < 10 << 20, "{rest}");
         let q8 = Served {
@@ -343,6 +421,123 @@ mod tests {
             ..served.clone()
         };
         assert!(estimate(&shape, 0, &q8) < estimate(&shape, 0, &served));
+    }
+
+    /// A header of `arch` with 12 layers, 1 KV head of 256 + 256, and `extra` entries.
+    fn windowed(arch: &str, extra: &[(&str, u32)], pattern: Option<&[bool]>) -> Shape {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        let n = 7 + extra.len() + usize::from(pattern.is_some());
+        out.extend((n as u64).to_le_bytes());
+        kv_str(&mut out, "general.architecture", arch);
+        for (key, value) in [
+            ("block_count", 12),
+            ("embedding_length", 640),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 256),
+            ("attention.value_length", 256),
+        ] {
+            kv_u32(&mut out, &format!("{arch}.{key}"), value);
+        }
+        for (key, value) in extra {
+            kv_u32(&mut out, &format!("{arch}.{key}"), *value);
+        }
+        if let Some(flags) = pattern {
+            let key = format!("{arch}.attention.sliding_window_pattern");
+            out.extend((key.len() as u64).to_le_bytes());
+            out.extend(key.as_bytes());
+            out.extend(9u32.to_le_bytes());
+            out.extend(7u32.to_le_bytes());
+            out.extend((flags.len() as u64).to_le_bytes());
+            out.extend(flags.iter().map(|f| u8::from(*f)));
+        }
+        shape_of(&out).expect("a header")
+    }
+
+    #[test]
+    fn sliding_window_layers_are_counted_with_their_window() {
+        let gemma3 = windowed("gemma3", &[("attention.sliding_window", 512)], None);
+        // Five of each six layers slide (llama.cpp's period for Gemma 3).
+        assert_eq!((gemma3.window, gemma3.window_layers), (512, 10));
+        let served = Served {
+            ctx_size: 8192,
+            parallel: 4,
+            batch_size: 512,
+            kv_cache_type: "f16",
+            cache_ram_bytes: 0,
+            extra_files: vec![],
+            swa_full: false,
+        };
+        // Per layer and cell: 1 head x (256 + 256) x 2 bytes. Full layers: 4 slots x 8192
+        // cells; sliding ones: 4 slots x (512 + 512) cells, as llama.cpp sizes them.
+        let cell = 512 * 2;
+        let kv = (2 * 4 * 8192 + 10 * 4 * 1024) * cell;
+        let full_kv = 12 * 4 * 8192 * cell;
+        let windowed_total = estimate(&gemma3, 0, &served);
+        let full = Served {
+            swa_full: true,
+            ..served.clone()
+        };
+        assert_eq!(estimate(&gemma3, 0, &full) - windowed_total, full_kv - kv);
+        // A window wider than the context is the context.
+        let short = Served {
+            ctx_size: 300,
+            ..served.clone()
+        };
+        let no_window = Shape {
+            window: 0,
+            ..gemma3.clone()
+        };
+        assert_eq!(
+            estimate(&gemma3, 0, &short),
+            estimate(&no_window, 0, &short)
+        );
+
+        // Gemma 3 without a window has none; Gemma 2 has 4,096 by default, every other
+        // layer.
+        let plain = windowed("gemma3", &[], None);
+        assert_eq!((plain.window, plain.window_layers), (0, 10));
+        assert_eq!(estimate(&plain, 0, &served), estimate(&gemma3, 0, &full));
+        let gemma2 = windowed("gemma2", &[], None);
+        assert_eq!((gemma2.window, gemma2.window_layers), (4096, 6));
+        // The header's pattern wins: a flag per layer, or a period.
+        let flags = [
+            true, false, true, true, false, false, true, true, true, true, true, false,
+        ];
+        let flagged = windowed("gemma3", &[("attention.sliding_window", 512)], Some(&flags));
+        assert_eq!(flagged.window_layers, 8);
+        let period = windowed(
+            "gemma3",
+            &[
+                ("attention.sliding_window", 512),
+                ("attention.sliding_window_pattern", 4),
+            ],
+            None,
+        );
+        assert_eq!(period.window_layers, 9);
+        // An architecture whose pattern we do not know: every layer counts as full.
+        let other = windowed("mistral", &[("attention.sliding_window", 4096)], None);
+        assert_eq!((other.window, other.window_layers), (4096, 0));
+        let mistral_full = Shape {
+            window: 0,
+            ..other.clone()
+        };
+        assert_eq!(
+            estimate(&other, 0, &served),
+            estimate(&mistral_full, 0, &served)
+        );
+    }
+
+    #[test]
+    fn periods_count_all_but_the_last_layer_of_each() {
+        assert_eq!(sliding_in_period(12, 6), 10);
+        assert_eq!(sliding_in_period(18, 6), 15);
+        assert_eq!(sliding_in_period(26, 6), 22); // 4 full periods and 2 sliding layers
+        assert_eq!(sliding_in_period(5, 2), 3);
+        assert_eq!(sliding_in_period(5, 1), 0);
+        assert_eq!(sliding_in_period(5, 0), 5);
     }
 
     #[test]

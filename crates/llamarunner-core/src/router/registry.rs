@@ -138,6 +138,7 @@ impl Model {
             kv_cache_type: &config.kv_cache_type,
             cache_ram_bytes: config.cache_ram_bytes() as u64,
             extra_files: extra,
+            swa_full: config.swa_full,
         };
         estimate::estimate(&shape, size, &served)
     }
