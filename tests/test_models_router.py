@@ -234,6 +234,71 @@ def test_a_get_loads_no_model_and_ollamas_unload_loads_none_first(
         srv.stop()
 
 
+def test_posts_to_unknown_routes_and_padded_names_load_nothing(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    srv = start(models_dir, tmp_path)
+    url = srv.url
+    try:
+        # No engine serves these routes: a 404 from the router, with no model loaded for it.
+        for route in ("/no/such/route", "/api/pull", "/api/delete", "/v1/chat/completions/x"):
+            r = httpx.post(f"{url}{route}", json={"model": "bravo"}, timeout=TIMEOUT)
+            assert r.status_code == 404, (route, r.text)
+        # Names are exact, as the engines compare them: a padded one is not served.
+        for name in (" bravo ", "bravo\n", "  "):
+            r = completion(url, name)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert statuses(url)["bravo"]["value"] == "unloaded"
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        assert 'router_model_starts_total{model_name="bravo"} 0' in metrics
+    finally:
+        srv.stop()
+
+
+def test_names_that_are_other_models_tags_or_file_names_reach_their_own_model(
+    tmp_path: Path,
+) -> None:
+    # alpha.gguf.gguf is served as "alpha.gguf" and alpha:latest.gguf as "alpha:latest": the
+    # exact name comes before another model's tag or file name.
+    d = tmp_path / "models"
+    d.mkdir()
+    words = {"alpha": "alph ", "alpha.gguf": "dotg ", "alpha:latest": "late "}
+    for name, text in words.items():
+        write_cycle_model(d / f"{name}.gguf", text)
+    srv = start(d, tmp_path)
+    try:
+        listed = httpx.get(f"{srv.url}/v1/models", timeout=TIMEOUT).json()["data"]
+        assert sorted(m["id"] for m in listed) == sorted(words)
+        for name, text in words.items():
+            r = completion(srv.url, name)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == (text * 2)[:10], name
+            assert r.json()["model"] == name
+    finally:
+        srv.stop()
+
+
+def test_a_request_just_after_its_idle_engine_is_killed_starts_it_again(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    # The request reaches a dead engine's port before the router has seen the process end:
+    # refused at the door, it waits for the exit and goes to the model started again.
+    srv = start(models_dir, tmp_path)
+    url = srv.url
+    try:
+        for _ in range(4):
+            assert completion(url, "alpha").status_code == 200
+            pid = statuses(url)["alpha"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            r = completion(url, "alpha")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == (WORDS["alpha"] * 2)[:10]
+            assert statuses(url)["alpha"]["pid"] != pid
+        assert srv.alive()
+    finally:
+        srv.stop()
+
+
 def test_concurrent_first_requests_load_the_model_once(models_dir: Path, tmp_path: Path) -> None:
     srv = start(models_dir, tmp_path)
     try:

@@ -140,7 +140,7 @@ def test_model_management_is_404(client: ollama.Client, tiny_server: Server) -> 
         with pytest.raises(ollama.ResponseError) as info:
             call()
         assert info.value.status_code == 404
-        assert "serves the one model it was started with" in info.value.error
+        assert "serves the model files it was started with" in info.value.error
     for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"):
         method = "DELETE" if path == "/api/delete" else "POST"
         r = httpx.request(method, f"{tiny_server.url}{path}", json={"model": MODEL}, timeout=10)

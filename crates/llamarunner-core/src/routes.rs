@@ -8,6 +8,52 @@ use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::{access, middleware, ui, AppState};
 use crate::ops::{lora, metrics, props, slots, tokenizer};
 
+/// The paths where a POST acts on a model (`{id}`: any one path segment). Many models'
+/// router (`router/front.rs`) loads a model only for these, so that a POST to an unknown path
+/// cannot cycle models through memory. Every POST route of `router` below is one of them
+/// (`tests/http.rs` checks that each is served).
+pub const MODEL_POSTS: [&str; 23] = [
+    "/completion",
+    "/embedding",
+    "/infill",
+    "/slots/{id}",
+    "/tokenize",
+    "/detokenize",
+    "/lora-adapters",
+    "/apply-template",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/reranking",
+    "/rerank",
+    "/reranking",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/api/generate",
+    "/api/chat",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/show",
+];
+
+/// Whether a POST to `path` acts on a model: it matches one of `MODEL_POSTS`.
+pub fn is_model_post(path: &str) -> bool {
+    MODEL_POSTS.iter().any(|pattern| {
+        let mut want = pattern.split('/');
+        let mut got = path.split('/');
+        loop {
+            match (want.next(), got.next()) {
+                (None, None) => return true,
+                (Some("{id}"), Some(segment)) if !segment.is_empty() => {}
+                (Some(w), Some(g)) if w == g => {}
+                _ => return false,
+            }
+        }
+    })
+}
+
 /// All routes, behind the request policy's layers (`middleware.rs`), all behind the access
 /// layer (`access.rs`: request ids, outcomes, access lines).
 pub fn router(state: AppState) -> Router {
@@ -17,6 +63,7 @@ pub fn router(state: AppState) -> Router {
     if metrics.is_some() {
         routes = routes.route("/metrics", get(metrics::handler));
     }
+    // A POST route added here must be added to `MODEL_POSTS` too.
     let routes = routes
         .route("/completion", post(native::completion))
         .route("/embedding", post(native::embedding))
@@ -61,4 +108,33 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .with_state(state);
     access::layer(middleware::apply(routes, policy), metrics)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_model_post;
+
+    #[test]
+    fn model_posts_match_whole_paths_and_one_segment_ids() {
+        for path in ["/v1/chat/completions", "/api/chat", "/slots/3", "/slots/x"] {
+            assert!(is_model_post(path), "{path}");
+        }
+        for path in [
+            "/",
+            "",
+            "/v1/chat",
+            "/v1/chat/completions/",
+            "/v1/chat/completions/x",
+            "/slots",
+            "/slots/",
+            "/slots/1/2",
+            "/api/pull",
+            "/api/delete",
+            "/no/such/route",
+            "//api/chat",
+            "/API/chat",
+        ] {
+            assert!(!is_model_post(path), "{path}");
+        }
+    }
 }

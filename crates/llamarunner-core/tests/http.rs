@@ -426,3 +426,20 @@ async fn streamed_text_offsets_continue_across_chunks() {
     assert_eq!(offsets, (0..6).collect::<Vec<u64>>());
     handle.shutdown();
 }
+
+#[tokio::test]
+async fn every_model_post_is_a_route_of_the_engine() {
+    // Many models' router loads a model only for a POST to one of `MODEL_POSTS`: each must
+    // be served (an empty body is a 400 or 422 there, never the fallback's 404 or 405).
+    let (app, handle) = app(FakeConfig::default());
+    for pattern in llamarunner_core::routes::MODEL_POSTS {
+        let path = pattern.replace("{id}", "0");
+        assert!(llamarunner_core::routes::is_model_post(&path), "{path}");
+        let (s, text) = post_to(&app, &path, "{}").await;
+        assert!(
+            s != StatusCode::NOT_FOUND && s != StatusCode::METHOD_NOT_ALLOWED,
+            "{path}: {s} {text}"
+        );
+    }
+    handle.shutdown();
+}

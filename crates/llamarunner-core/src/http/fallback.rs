@@ -15,8 +15,8 @@ pub async fn not_found(
             path,
             "/api/pull" | "/api/push" | "/api/create" | "/api/copy" | "/api/delete"
         ) {
-            "; llamarunner serves the one model it was started with and cannot pull, push, \
-             create, copy or delete models"
+            "; llamarunner serves the model files it was started with and cannot pull, \
+             push, create, copy or delete models"
         } else {
             ""
         };

@@ -19,6 +19,7 @@ use super::proxy;
 use super::registry::{Registry, Status};
 use crate::dialects::ollama;
 use crate::http::error::{ApiError, Dialect};
+use crate::http::fallback::not_found;
 use crate::http::middleware::{self, HttpPolicy};
 use crate::http::{access, ui};
 
@@ -120,7 +121,7 @@ fn named_model(registry: &Registry, body: &Bytes) -> Result<Arc<super::registry:
     let v: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     match v.get("model") {
-        Some(Value::String(name)) if !name.trim().is_empty() => registry.find(Some(name)),
+        Some(Value::String(name)) if !name.is_empty() => registry.find(Some(name)),
         _ => Err(ApiError::invalid(format!(
             "give the model to act on as {{\"model\": NAME}}; the models are: {}",
             registry.names()
@@ -232,6 +233,10 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     let mut keep_alive = None;
     let mut unload_only = false;
     let posted = parts.method == Method::POST;
+    if posted && !crate::routes::is_model_post(parts.uri.path()) {
+        // No engine serves it: answered here, without loading the model it names.
+        return not_found(parts.method, parts.uri).await;
+    }
     if posted && !body.is_empty() {
         let v: Value = match serde_json::from_slice(&body) {
             Ok(v) => v,
@@ -262,28 +267,69 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         registry.unload(&model, "keep_alive 0 with nothing to generate");
         return Json(ollama_unloaded(parts.uri.path(), &model.name)).into_response();
     }
-    // A GET (`/props`, `/slots`, `/metrics?model=`) reads a loaded model and loads none: a
-    // web page's `<img src>` must not be able to cycle models through memory.
-    let lease = if posted {
-        registry.lease(&model).await
+    let first = match lease_for(&registry, &model, posted, keep_alive).await {
+        Ok(l) => l,
+        Err(e) => return dialect.respond(e),
+    };
+    let key = registry.engine_key();
+    let unanswered = match proxy::forward(first, &parts, body.clone(), key).await {
+        Ok(response) => return response,
+        Err(unanswered) => unanswered,
+    };
+    // No answer began: the engine's process has died (killed, crashed), perhaps just before
+    // the request came, with its exit not seen yet. Once it is, the request is sent once more,
+    // to the model started again: what the dead engine did with it died with it. A model
+    // unloaded on purpose is not loaded back, and a second failure is the client's error.
+    if !registry
+        .engine_died(&unanswered.lease, ENGINE_EXIT_WAIT)
+        .await
+    {
+        return dialect.respond(ApiError::Unavailable(unanswered.error));
+    }
+    drop(unanswered.lease);
+    tracing::warn!(
+        model = %model.name,
+        error = %unanswered.error,
+        "a model's engine died before answering; sending the request to the model started again"
+    );
+    let again = match lease_for(&registry, &model, posted, keep_alive).await {
+        Ok(l) => l,
+        Err(e) => return dialect.respond(e),
+    };
+    match proxy::forward(again, &parts, body, key).await {
+        Ok(response) => response,
+        Err(unanswered) => dialect.respond(ApiError::Unavailable(unanswered.error)),
+    }
+}
+
+/// A lease on `model` for a request: a POST loads it when needed; a GET (`/props`, `/slots`,
+/// `/metrics?model=`) reads a loaded model and loads none, so that a web page's `<img src>`
+/// cannot cycle models through memory.
+async fn lease_for(
+    registry: &Arc<Registry>,
+    model: &Arc<super::registry::Model>,
+    posted: bool,
+    keep_alive: Option<Option<Duration>>,
+) -> Result<super::registry::Lease, ApiError> {
+    let mut lease = if posted {
+        registry.lease(model).await?
     } else {
-        registry.lease_if_loaded(&model).ok_or_else(|| {
+        registry.lease_if_loaded(model).ok_or_else(|| {
             ApiError::Unavailable(format!(
                 "model '{}' is not loaded, and a GET loads none: POST /models/load, or send it \
                  a request",
                 model.name
             ))
-        })
-    };
-    let mut lease = match lease {
-        Ok(l) => l,
-        Err(e) => return dialect.respond(e),
+        })?
     };
     if let Some(k) = keep_alive {
         lease.keep_alive(k);
     }
-    proxy::forward(lease, &parts, body, registry.engine_key()).await
+    Ok(lease)
 }
+
+/// How long a request its engine did not answer waits for that engine's exit to be seen.
+const ENGINE_EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// Ollama's unload request: `/api/generate` with no prompt or `/api/chat` with no messages
 /// (its keep_alive, 0, is checked by the caller).

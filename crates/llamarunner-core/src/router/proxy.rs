@@ -165,10 +165,24 @@ pub async fn engine_get(port: u16, key: &str, path: &str) -> Option<String> {
     (status == StatusCode::OK).then(|| String::from_utf8_lossy(&body).into_owned())
 }
 
+/// A request its engine did not answer (no response head came): the lease it had, and why.
+pub struct Unanswered {
+    /// The lease on the engine that did not answer.
+    pub lease: Lease,
+    /// The connection's error.
+    pub error: String,
+}
+
 /// Sends the request (`parts`, `body`) to the leased engine and streams its answer back; the
 /// lease is held until the answer's last byte, or until its client has not asked for more for
-/// `CLIENT_STALL_LIMIT`.
-pub async fn forward(lease: Lease, parts: &Parts, body: Bytes, key: &str) -> Response {
+/// `CLIENT_STALL_LIMIT`. Err when no answer began: the engine refused the connection or
+/// closed it first (it died; the caller decides whether to send the request again).
+pub async fn forward(
+    lease: Lease,
+    parts: &Parts,
+    body: Bytes,
+    key: &str,
+) -> Result<Response, Unanswered> {
     let dialect = Dialect::of_path(parts.uri.path());
     let path = parts
         .uri
@@ -188,11 +202,11 @@ pub async fn forward(lease: Lease, parts: &Parts, body: Bytes, key: &str) -> Res
         .body(Full::new(body));
     let request = match request {
         Ok(r) => r,
-        Err(e) => return dialect.respond(ApiError::invalid(format!("cannot forward: {e}"))),
+        Err(e) => return Ok(dialect.respond(ApiError::invalid(format!("cannot forward: {e}")))),
     };
     let response = match send(lease.port, request).await {
         Ok(r) => r,
-        Err(e) => return dialect.respond(ApiError::Unavailable(e)),
+        Err(error) => return Err(Unanswered { lease, error }),
     };
     let (mut head, incoming) = response.into_parts();
     let event_stream = head
@@ -239,7 +253,7 @@ pub async fn forward(lease: Lease, parts: &Parts, body: Bytes, key: &str) -> Res
     out.headers_mut()
         .entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-cache"));
-    out
+    Ok(out)
 }
 
 /// The last line of an answer whose engine died: an error in the stream's own shape.

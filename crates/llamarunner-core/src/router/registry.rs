@@ -293,10 +293,12 @@ impl Registry {
         &self.key
     }
 
-    /// The model a request names: its name, the name with Ollama's `:latest` tag, or its file
-    /// name. With no name, the only model when there is one.
+    /// The model a request names: its name, else the name with Ollama's `:latest` tag, else
+    /// its file name, each tried on every model before the next (a model named `a:latest` or
+    /// `a.gguf` is found by its own name, not taken for `a`). Names are compared exactly, as
+    /// the engine does. With no name, the only model when there is one.
     pub fn find(&self, requested: Option<&str>) -> Result<Arc<Model>, ApiError> {
-        let requested = requested.map(str::trim).filter(|r| !r.is_empty());
+        let requested = requested.filter(|r| !r.is_empty());
         let Some(requested) = requested else {
             return match self.models.as_slice() {
                 [only] => Ok(only.clone()),
@@ -306,15 +308,17 @@ impl Registry {
                 ))),
             };
         };
-        self.models
-            .iter()
-            .find(|m| {
-                requested == m.name
-                    || requested.strip_suffix(":latest") == Some(m.name.as_str())
-                    || std::path::Path::new(&m.spec.path)
-                        .file_name()
-                        .is_some_and(|f| f.to_string_lossy() == requested)
+        let by_name = |name: &str| self.models.iter().find(|m| m.name == name);
+        let by_file = || {
+            self.models.iter().find(|m| {
+                std::path::Path::new(&m.spec.path)
+                    .file_name()
+                    .is_some_and(|f| f.to_string_lossy() == requested)
             })
+        };
+        by_name(requested)
+            .or_else(|| requested.strip_suffix(":latest").and_then(by_name))
+            .or_else(by_file)
             .cloned()
             .ok_or_else(|| {
                 ApiError::ModelNotFound(format!(
@@ -323,6 +327,30 @@ impl Registry {
                     self.names()
                 ))
             })
+    }
+
+    /// Waits up to `limit` for the engine of `lease`, which did not answer a request, to be
+    /// seen gone: true once it is (its process ended without being asked: killed, crashed;
+    /// or another request has started the model again since), so that a new lease starts or
+    /// finds the new one; false when it is still listed as loaded, or was unloaded on purpose
+    /// (a new lease must not load it back).
+    pub async fn engine_died(&self, lease: &Lease, limit: Duration) -> bool {
+        let mut changes = lease.model.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            {
+                let inner = lease.model.lock();
+                let same_engine = inner.generation == lease.generation
+                    && inner.status == Status::Loaded { port: lease.port };
+                if !same_engine {
+                    return inner.status != Status::Unloaded;
+                }
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return false,
+            }
+        }
     }
 
     /// A lease on `model` if it is loaded; None otherwise (nothing is loaded).
@@ -806,13 +834,17 @@ mod tests {
     #[test]
     fn a_model_is_found_by_name_tag_or_file_name() {
         let r = registry(&["alpha", "bravo"]);
-        for asked in ["alpha", "alpha:latest", "alpha.gguf", " alpha "] {
+        for asked in ["alpha", "alpha:latest", "alpha.gguf"] {
             assert_eq!(
                 r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
                 Some("alpha")
             );
         }
-        for asked in ["ALPHA", "alpha:v2", "../alpha", "alpha\0", "gamma"] {
+        // Names are exact, as the engine compares them: a padded name would load a model
+        // whose engine then refuses the request.
+        for asked in [
+            "ALPHA", "alpha:v2", "../alpha", "alpha\0", "gamma", " alpha ", "  ",
+        ] {
             let e = r.find(Some(asked)).unwrap_err();
             assert!(
                 matches!(e, ApiError::ModelNotFound(ref m) if m.contains("alpha, bravo")),
@@ -821,10 +853,7 @@ mod tests {
         }
         // Several models: a request must name one.
         assert!(matches!(r.find(None), Err(ApiError::InvalidRequest(_))));
-        assert!(matches!(
-            r.find(Some("  ")),
-            Err(ApiError::InvalidRequest(_))
-        ));
+        assert!(matches!(r.find(Some("")), Err(ApiError::InvalidRequest(_))));
         // One model: a request need not.
         assert_eq!(
             registry(&["solo"])
@@ -834,6 +863,32 @@ mod tests {
                 .as_deref(),
             Some("solo")
         );
+    }
+
+    #[test]
+    fn a_models_own_name_comes_before_another_models_tag_or_file_name() {
+        // Files alpha.gguf, alpha.gguf.gguf (named "alpha.gguf") and alpha:latest.gguf (named
+        // "alpha:latest"): each name finds its own model, whatever the order.
+        for names in [
+            ["alpha", "alpha.gguf", "alpha:latest"],
+            ["alpha:latest", "alpha.gguf", "alpha"],
+        ] {
+            let r = registry(&names);
+            for asked in names {
+                assert_eq!(
+                    r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
+                    Some(asked)
+                );
+            }
+            // File names come last: alpha.gguf.gguf is the model named "alpha.gguf".
+            assert_eq!(
+                r.find(Some("alpha.gguf.gguf"))
+                    .map(|m| m.name.clone())
+                    .ok()
+                    .as_deref(),
+                Some("alpha.gguf")
+            );
+        }
     }
 
     #[test]
