@@ -84,7 +84,10 @@ PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 @pytest.fixture(scope="module")
 def gemma(default_model: Path) -> Iterator[Server]:
-    with Server(str(default_model), port=0, parallel=1, ctx_size=2048, threads=2) as srv:
+    # No drafts: greedy decisions are compared, and drafting changes batch shapes with load.
+    with Server(
+        str(default_model), port=0, parallel=1, ctx_size=2048, threads=2, draft_max=0
+    ) as srv:
         yield srv
 
 

@@ -78,7 +78,7 @@ def test_timeout_ends_a_running_request_and_refuses_a_queued_one(
     last = results["running"]
     assert last["done"] is True and last["done_reason"] == "timeout", last
     assert last["eval_count"] > 0
-    assert 1.0 < results["running_s"] < 10, results["running_s"]
+    assert 1.0 < results["running_s"] < 60, results["running_s"]
     # The queued one waited past its own limit behind the running one: refused, or (admitted
     # in the very step the first one ended) ended by the limit at once.
     if queued.status_code == 503:

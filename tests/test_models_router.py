@@ -382,7 +382,7 @@ def test_models_memory_refuses_a_model_that_cannot_fit_and_makes_room_for_one_th
 
 
 def test_keep_alive_zero_and_idle_expiry_unload(models_dir: Path, tmp_path: Path) -> None:
-    srv = start(models_dir, tmp_path, "--keep-alive", "1s")
+    srv = start(models_dir, tmp_path, "--keep-alive", "3s")
     url = srv.url
     try:
         g = httpx.post(
@@ -394,7 +394,7 @@ def test_keep_alive_zero_and_idle_expiry_unload(models_dir: Path, tmp_path: Path
         wait_status(url, "alpha", "unloaded", within=3)
         assert completion(url, "bravo").status_code == 200
         assert statuses(url)["bravo"]["value"] == "loaded"
-        wait_status(url, "bravo", "unloaded", within=5)  # idle past --keep-alive 1s
+        wait_status(url, "bravo", "unloaded", within=10)  # idle past --keep-alive 3s
         # A request's keep_alive -1 keeps it past the server's default.
         g = httpx.post(
             f"{url}/api/generate",
@@ -402,10 +402,12 @@ def test_keep_alive_zero_and_idle_expiry_unload(models_dir: Path, tmp_path: Path
             timeout=TIMEOUT,
         )
         assert g.status_code == 200, g.text
-        time.sleep(2)
+        time.sleep(4)
         assert statuses(url)["bravo"]["value"] == "loaded"
         bad = httpx.post(
-            f"{url}/api/generate", json={"model": "bravo", "prompt": "x", "keep_alive": "soon"}
+            f"{url}/api/generate",
+            json={"model": "bravo", "prompt": "x", "keep_alive": "soon"},
+            timeout=TIMEOUT,
         )
         assert bad.status_code == 400 and "keep_alive" in bad.json()["error"], bad.text
     finally:
@@ -503,7 +505,10 @@ ctx_size = 1024
     try:
         assert list(statuses(url)) == ["alpha", "b2", "charlie"]
         for name in ("alpha", "b2", "charlie"):
-            assert httpx.post(f"{url}/models/load", json={"model": name}).status_code == 200
+            assert (
+                httpx.post(f"{url}/models/load", json={"model": name}, timeout=TIMEOUT).status_code
+                == 200
+            )
         props = {
             name: httpx.get(f"{url}/props", params={"model": name}, timeout=TIMEOUT).json()
             for name in ("alpha", "b2", "charlie")
