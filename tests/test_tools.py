@@ -225,6 +225,87 @@ def test_a_required_call_parses_and_validates(servers: dict[str, Server], family
             check_call(choice.message.tool_calls[0])
 
 
+# What Pydantic's model_json_schema() writes for a nested model: $defs and local $refs, one
+# of them recursive.
+SHIP_PARAMS = {
+    "type": "object",
+    "$defs": {
+        "Address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "Parcel": {
+            "type": "object",
+            "properties": {
+                "kg": {"type": "integer", "minimum": 0, "maximum": 99},
+                "inner": {"anyOf": [{"$ref": "#/$defs/Parcel"}, {"type": "null"}]},
+            },
+            "required": ["kg", "inner"],
+            "additionalProperties": False,
+        },
+    },
+    "properties": {"to": {"$ref": "#/$defs/Address"}, "parcel": {"$ref": "#/$defs/Parcel"}},
+    "required": ["to", "parcel"],
+    "additionalProperties": False,
+}
+SHIP = {"type": "function", "function": {"name": "ship", "parameters": SHIP_PARAMS}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tools_whose_schemas_refer_to_their_own_defs_are_called(
+    servers: dict[str, Server], family: str
+) -> None:
+    # The tool's schema sits inside the call's grammar, where "#" is the call: its local
+    # references are rebased, with another tool beside it.
+    srv = servers[family]
+    with client_of(srv) as client:
+        for seed in range(2):
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=ASK,  # type: ignore[arg-type]
+                tools=[WEATHER, SHIP],  # type: ignore[list-item]
+                tool_choice={"type": "function", "function": {"name": "ship"}},
+                parallel_tool_calls=False,
+                max_tokens=600,
+                seed=seed,
+            )
+            choice = r.choices[0]
+            if choice.finish_reason == "length":
+                continue  # a random model may nest parcels past the limit
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.tool_calls is not None
+            call = choice.message.tool_calls[0]
+            assert call.function.name == "ship"  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), SHIP_PARAMS)  # type: ignore[union-attr]
+    ask = [{"role": "user", "content": "ship it"}]
+    messages = httpx.post(
+        f"{srv.url}/v1/messages",
+        json={
+            "model": "tiny",
+            "max_tokens": 600,
+            "messages": ask,
+            "tool_choice": {"type": "tool", "name": "ship"},
+            "tools": [{"name": "ship", "input_schema": SHIP_PARAMS}],
+        },
+        timeout=120,
+    )
+    assert messages.status_code == 200, messages.text
+    responses = httpx.post(
+        f"{srv.url}/v1/responses",
+        json={
+            "model": "tiny",
+            "input": "ship it",
+            "max_output_tokens": 600,
+            "tool_choice": "required",
+            "tools": [{"type": "function", "name": "ship", "parameters": SHIP_PARAMS}],
+        },
+        timeout=120,
+    )
+    assert responses.status_code == 200, responses.text
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_named_function_is_the_one_called(servers: dict[str, Server], family: str) -> None:
     with client_of(servers[family]) as client:

@@ -295,15 +295,27 @@ pub const MAX_PARALLEL_CALLS: usize = 15;
 
 /// The JSON schema of one call object of this family: `name` one of the tools' names, the
 /// arguments the chosen tool's parameters, `name` first (JSON objects keep their order, and
-/// so does the compiled grammar).
+/// so does the compiled grammar). A tool's parameters that refer to parts of themselves
+/// (`{"$ref": "#/$defs/Address"}`, as Pydantic writes nested models) are kept whole under the
+/// call schema's `$defs`, with their local references rebased there, since `#` is now the
+/// call schema.
 pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> Value {
     let key = format.arguments_key();
+    let mut defs = Map::new();
     let mut alternatives: Vec<Value> = tools
         .iter()
-        .map(|t| {
+        .enumerate()
+        .map(|(i, t)| {
+            let mut parameters = t.parameters.clone();
+            if has_local_ref(&parameters) {
+                let name = format!("llamarunner_tool_{i}");
+                rebase_local_refs(&mut parameters, &format!("#/$defs/{name}"));
+                defs.insert(name.clone(), parameters);
+                parameters = serde_json::json!({ "$ref": format!("#/$defs/{name}") });
+            }
             let mut properties = Map::new();
             properties.insert("name".into(), serde_json::json!({"const": t.name}));
-            properties.insert(key.into(), t.parameters.clone());
+            properties.insert(key.into(), parameters);
             serde_json::json!({
                 "type": "object",
                 "properties": properties,
@@ -312,10 +324,50 @@ pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> Value {
             })
         })
         .collect();
-    if alternatives.len() == 1 {
+    let mut schema = if alternatives.len() == 1 {
         alternatives.remove(0)
     } else {
         serde_json::json!({ "anyOf": alternatives })
+    };
+    if !defs.is_empty() {
+        schema["$defs"] = Value::Object(defs);
+    }
+    schema
+}
+
+/// Keywords whose values are data, not schemas: a `$ref` inside them is not a reference.
+const DATA_KEYWORDS: [&str; 4] = ["const", "enum", "default", "examples"];
+
+/// Whether a schema holds a reference within its own document (`"$ref": "#..."`).
+fn has_local_ref(schema: &Value) -> bool {
+    match schema {
+        Value::Object(map) => map.iter().any(|(k, v)| match (k.as_str(), v) {
+            ("$ref", Value::String(r)) => r.starts_with('#'),
+            (k, _) if DATA_KEYWORDS.contains(&k) => false,
+            _ => has_local_ref(v),
+        }),
+        Value::Array(items) => items.iter().any(has_local_ref),
+        _ => false,
+    }
+}
+
+/// Rewrites every local reference `#PATH` in `schema` to `{base}PATH`: the schema moves to
+/// `base` in a larger document.
+fn rebase_local_refs(schema: &mut Value, base: &str) {
+    match schema {
+        Value::Object(map) => {
+            for (k, v) in map.iter_mut() {
+                match (k.as_str(), v) {
+                    ("$ref", Value::String(r)) if r.starts_with('#') => {
+                        *r = format!("{base}{}", &r[1..]);
+                    }
+                    (k, _) if DATA_KEYWORDS.contains(&k) => {}
+                    (_, v) => rebase_local_refs(v, base),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_local_refs(v, base)),
+        _ => {}
     }
 }
 
@@ -633,6 +685,49 @@ mod tests {
         assert!(
             with_token.starts_with("start: (\"[TOOL_CALLS]\" | <[5]>) \"[\" call"),
             "{with_token}"
+        );
+    }
+
+    #[test]
+    fn tools_that_refer_to_their_own_parts_are_rebased_under_defs() {
+        let address = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let nested = Tool {
+            name: "ship".into(),
+            description: String::new(),
+            parameters: json!({
+                "type": "object",
+                "$defs": {"Address": address},
+                "properties": {
+                    "to": {"$ref": "#/$defs/Address"},
+                    "tree": {"$ref": "#"},
+                    "note": {"const": {"$ref": "#/not/a/reference"}},
+                },
+            }),
+        };
+        let plain = Tool {
+            name: "plain".into(),
+            description: String::new(),
+            parameters: json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+        };
+        let s = call_schema(ToolFormat::Generic, &[&plain, &nested]);
+        // The plain tool is inline; the other is under $defs, referred to.
+        assert_eq!(s["anyOf"][0]["properties"]["arguments"], plain.parameters);
+        assert_eq!(
+            s["anyOf"][1]["properties"]["arguments"],
+            json!({"$ref": "#/$defs/llamarunner_tool_1"})
+        );
+        let moved = &s["$defs"]["llamarunner_tool_1"];
+        assert_eq!(
+            moved["properties"]["to"]["$ref"],
+            "#/$defs/llamarunner_tool_1/$defs/Address"
+        );
+        assert_eq!(
+            moved["properties"]["tree"]["$ref"],
+            "#/$defs/llamarunner_tool_1"
+        );
+        assert_eq!(
+            moved["properties"]["note"]["const"]["$ref"],
+            "#/not/a/reference"
         );
     }
 
