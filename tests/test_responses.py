@@ -291,6 +291,11 @@ def test_errors_are_openais(server: Server, client: openai.OpenAI) -> None:
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        # Echoed and kept with the response: bounded as OpenAI bounds it.
+        ({"metadata": {"k": [0] * 100_000}}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": "tag"}, "metadata"),
     ]:
         body = {"model": MODEL, "input": "x", **kwargs}
         r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)

@@ -386,24 +386,64 @@ fn tool_request(req: &ResponsesRequest) -> Result<Option<ToolRequest>, ApiError>
     ToolRequest::parse(Some(&tools), choice.as_ref(), req.parallel_tool_calls)
 }
 
+/// `metadata` as OpenAI bounds it: an object of at most 16 string values of at most 512
+/// characters, under keys of at most 64 (it is echoed in the response and kept with it).
+fn check_metadata(metadata: Option<&Value>) -> Result<(), ApiError> {
+    let Some(metadata) = metadata.filter(|m| !m.is_null()) else {
+        return Ok(());
+    };
+    let Value::Object(map) = metadata else {
+        return Err(ApiError::invalid("metadata must be an object of strings"));
+    };
+    if map.len() > 16 {
+        return Err(ApiError::invalid(format!(
+            "metadata has {} keys; at most 16",
+            map.len()
+        )));
+    }
+    for (key, value) in map {
+        if key.chars().count() > 64 {
+            return Err(ApiError::invalid(
+                "metadata: a key is longer than 64 characters",
+            ));
+        }
+        match value {
+            Value::String(v) if v.chars().count() <= 512 => {}
+            Value::String(_) => {
+                return Err(ApiError::invalid(format!(
+                    "metadata[{key:?}] is longer than 512 characters"
+                )))
+            }
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "metadata[{key:?}] must be a string"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `POST /v1/responses`.
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Response, OpenAiError> {
     model_info(&state)?;
     let req: ResponsesRequest = parse_json(&body)?;
     check_model(&state, req.model.as_deref())?;
+    check_metadata(req.metadata.as_ref())?;
     let mut params = req.params()?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     // The conversation: the previous response's, then this input.
     let history = match req.previous_response_id.as_deref() {
         None | Some("") => Vec::new(),
-        Some(id) => state
-            .responses
-            .get(id)
-            .ok_or_else(|| {
-                ApiError::NotFound(format!("Previous response with id {id:?} not found."))
-            })?
-            .messages
-            .clone(),
+        Some(id) => {
+            state
+                .responses
+                .get(id)
+                .ok_or_else(|| {
+                    ApiError::NotFound(format!("Previous response with id {id:?} not found."))
+                })?
+                .messages
+        }
     };
     let history = input_messages_after(history, req.input.as_ref())?;
     if history.is_empty() {
@@ -472,7 +512,7 @@ pub async fn retrieve(
         .responses
         .get(&id)
         .ok_or_else(|| ApiError::NotFound(format!("Response with id {id:?} not found.")))?;
-    Ok(Json(stored.response.clone()).into_response())
+    Ok(Json(stored.response).into_response())
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -917,6 +957,29 @@ impl Items {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn metadata_is_bounded_as_openai_bounds_it() {
+        use super::check_metadata;
+        let ok = |v: Value| check_metadata(Some(&v)).is_ok();
+        assert!(check_metadata(None).is_ok());
+        assert!(ok(json!(null)));
+        assert!(ok(json!({})));
+        assert!(ok(json!({"user": "ann", "k".repeat(64): "v".repeat(512)})));
+        let many: serde_json::Map<String, Value> =
+            (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        for bad in [
+            json!([1]),
+            json!("x"),
+            json!({"k": 1}),
+            json!({"k": ["v"]}),
+            json!({"k".repeat(65): "v"}),
+            json!({"k": "v".repeat(513)}),
+            Value::Object(many),
+        ] {
+            assert!(!ok(bad.clone()), "{bad}");
+        }
+    }
+
     use super::*;
 
     fn req(body: Value) -> ResponsesRequest {

@@ -2,7 +2,8 @@
 //! /v1/responses/{id}`: in memory, bounded by count, bytes and age, the oldest out first. A
 //! response is kept with the conversation it ends (the messages of its input, earlier turns
 //! included, and its own output as an assistant turn), so that a follow-up names only its new
-//! input.
+//! input. Responses are kept as JSON text, so that the byte budget is the memory they take
+//! (a parsed `Value` takes several times its text: 32 bytes per array item).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -27,10 +28,17 @@ pub struct Stored {
     pub response: Value,
 }
 
+/// A kept response as JSON text: `messages` a JSON array.
+#[derive(Debug)]
+struct Kept {
+    messages: Box<str>,
+    response: Box<str>,
+}
+
 #[derive(Debug)]
 struct Entry {
-    /// Shared: a read copies no conversation under the lock.
-    stored: std::sync::Arc<Stored>,
+    /// Shared: a read copies no text under the lock, and parses it after.
+    kept: std::sync::Arc<Kept>,
     at: Instant,
     bytes: usize,
 }
@@ -43,7 +51,8 @@ struct Inner {
     bytes: usize,
 }
 
-/// The store: a map under a lock (every operation is short: no JSON is parsed under it).
+/// The store: a map under a lock (every operation is short: no JSON is written or parsed
+/// under it).
 #[derive(Debug)]
 pub struct ResponseStore {
     inner: Mutex<Inner>,
@@ -58,9 +67,34 @@ impl Default for ResponseStore {
     }
 }
 
+impl Kept {
+    fn of(stored: &Stored) -> Self {
+        Kept {
+            messages: Value::from(stored.messages.clone()).to_string().into(),
+            response: stored.response.to_string().into(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.messages.len() + self.response.len()
+    }
+
+    /// Parsed back (the text was written from `Value`s, so it parses).
+    fn stored(&self) -> Stored {
+        let messages = match serde_json::from_str(&self.messages) {
+            Ok(Value::Array(m)) => m,
+            _ => Vec::new(),
+        };
+        Stored {
+            messages,
+            response: serde_json::from_str(&self.response).unwrap_or(Value::Null),
+        }
+    }
+}
+
+#[cfg(test)]
 fn size(stored: &Stored) -> usize {
-    let messages: usize = stored.messages.iter().map(|m| m.to_string().len()).sum();
-    messages + stored.response.to_string().len()
+    Kept::of(stored).bytes()
 }
 
 impl ResponseStore {
@@ -81,7 +115,9 @@ impl ResponseStore {
     /// Keeps `stored` under `id`; the oldest go to make room. One larger than the whole byte
     /// budget is not kept (false).
     pub fn put(&self, id: String, stored: Stored) -> bool {
-        let bytes = size(&stored);
+        let kept = Kept::of(&stored);
+        drop(stored);
+        let bytes = kept.bytes();
         if bytes > self.max_bytes || self.max_responses == 0 {
             tracing::warn!(
                 id,
@@ -107,7 +143,7 @@ impl ResponseStore {
         inner.entries.insert(
             id,
             Entry {
-                stored: std::sync::Arc::new(stored),
+                kept: std::sync::Arc::new(kept),
                 at: Instant::now(),
                 bytes,
             },
@@ -116,14 +152,17 @@ impl ResponseStore {
     }
 
     /// The response kept under `id`, unless it is older than the age limit.
-    pub fn get(&self, id: &str) -> Option<std::sync::Arc<Stored>> {
-        let mut inner = self.lock();
-        let expired = inner.entries.get(id)?.at.elapsed() > self.max_age;
-        if expired {
-            Self::remove_locked(&mut inner, id);
-            return None;
-        }
-        inner.entries.get(id).map(|e| e.stored.clone())
+    pub fn get(&self, id: &str) -> Option<Stored> {
+        let kept = {
+            let mut inner = self.lock();
+            let expired = inner.entries.get(id)?.at.elapsed() > self.max_age;
+            if expired {
+                Self::remove_locked(&mut inner, id);
+                return None;
+            }
+            inner.entries.get(id).map(|e| e.kept.clone())?
+        };
+        Some(kept.stored())
     }
 
     /// Forgets `id`; whether it was kept.
