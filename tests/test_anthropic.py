@@ -124,6 +124,19 @@ def test_stop_reasons_end_turn_and_stop_sequence(chain: anthropic.Anthropic) -> 
     assert final.content[0].text == "Hi, "  # type: ignore[union-attr]
 
 
+def test_a_last_assistant_message_is_continued(chain: anthropic.Anthropic) -> None:
+    # Prefill: the answer carries on from the assistant's text ("Hi, B" -> "ob!"), and the
+    # prompt counted is the one continued.
+    prefill: Any = [*HELLO, {"role": "assistant", "content": "Hi, B"}]
+    m = chain.messages.create(model="chain", max_tokens=50, messages=prefill, extra_body=GREEDY)
+    assert m.content[0].text == "ob!"  # type: ignore[union-attr]
+    assert m.stop_reason == "end_turn"
+    counted = chain.messages.count_tokens(model="chain", messages=prefill)
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    whole = chain.messages.create(model="chain", max_tokens=50, messages=HELLO, extra_body=GREEDY)
+    assert whole.content[0].text == CHAIN_TEXT  # type: ignore[union-attr]
+
+
 def test_a_forced_tool_is_a_tool_use_block_whole_and_streamed(
     client: anthropic.Anthropic,
 ) -> None:

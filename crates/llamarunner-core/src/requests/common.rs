@@ -265,7 +265,31 @@ pub async fn chat_prompt_with(
             params.stop.push(marker.clone());
         }
     }
-    render(info, messages, true, extras).await
+    let (messages, prefill) = split_prefill(messages);
+    let mut prompt = render(info, messages, true, extras).await?;
+    if let Some(text) = prefill {
+        prompt.push_str(&text);
+    }
+    Ok(prompt)
+}
+
+/// A conversation that ends with an assistant's text (no calls) asks for that text to be
+/// continued, as Anthropic's Messages API, Ollama and llama-server do: the conversation before
+/// it is rendered with the generation prompt, and the text follows it (the answer is what
+/// comes after the text). Returns the messages to render and that text.
+pub fn split_prefill(mut messages: Vec<ChatMessage>) -> (Vec<ChatMessage>, Option<String>) {
+    let prefill = messages.last().is_some_and(|m| {
+        m.role == "assistant"
+            && !m.content.is_empty()
+            && m.extra
+                .get("tool_calls")
+                .is_none_or(|c| c.is_null() || c.as_array().is_some_and(Vec::is_empty))
+    });
+    if !prefill {
+        return (messages, None);
+    }
+    let last = messages.pop().map(|m| m.content);
+    (messages, last)
 }
 
 /// A generation that has its slot: the engine's events for it (text, then a final `Done` or
@@ -589,6 +613,40 @@ pub fn rfc3339(t: SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_last_assistant_text_is_continued() {
+        let msg = |role: &str, content: &str, extra: serde_json::Value| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            extra: extra.as_object().cloned().unwrap_or_default(),
+        };
+        let user = msg("user", "hi", serde_json::json!({}));
+        let (rest, prefill) = split_prefill(vec![
+            user.clone(),
+            msg("assistant", "The answer is", serde_json::json!({})),
+        ]);
+        assert_eq!((rest.len(), prefill.as_deref()), (1, Some("The answer is")));
+        for last in [
+            msg("user", "more", serde_json::json!({})),
+            msg("assistant", "", serde_json::json!({})),
+            msg(
+                "assistant",
+                "Checking.",
+                serde_json::json!({"tool_calls": [{"id": "c"}]}),
+            ),
+            msg("tool", "42", serde_json::json!({})),
+        ] {
+            let (rest, prefill) = split_prefill(vec![user.clone(), last.clone()]);
+            assert_eq!((rest.len(), prefill), (2, None), "{last:?}");
+        }
+        // Calls given as null or none are no calls.
+        let (_, prefill) = split_prefill(vec![
+            user,
+            msg("assistant", "So", serde_json::json!({"tool_calls": null})),
+        ]);
+        assert_eq!(prefill.as_deref(), Some("So"));
+    }
 
     #[test]
     fn normalize_gives_unit_length() {
