@@ -510,3 +510,40 @@ def test_the_named_crash_and_freeze_are_harmless(target: Target) -> None:
         assert set(text) <= {"a"}, text
         assert lines[-1]["done_reason"] in ("stop", "length")
         assert plain_s < 60, f"a plain stream beside the wide grammar took {plain_s:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/completion", {"prompt": "x", "format": {"$ref": "#"}}),
+        (
+            "/completion",
+            {
+                "prompt": "x",
+                "format": {
+                    "$ref": "#/$defs/a",
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                },
+            },
+        ),
+        ("/completion", {"prompt": "x", "grammar": "root ::= a\na ::= b\nb ::= a"}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "loop", "schema": {"$ref": "#"}},
+                },
+            },
+        ),
+    ],
+)
+def test_a_schema_or_grammar_that_matches_no_text_is_a_400(
+    target: Target, route: str, body: dict[str, Any]
+) -> None:
+    # Once an empty answer that said "stop".
+    srv = target.ensure()
+    r = httpx.post(f"{srv.url}{route}", json=body, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert "matches no text" in r.text, r.text

@@ -209,6 +209,24 @@ impl Compiler {
         if let Some(e) = matcher.get_error() {
             return Err(explain(&e));
         }
+        // A grammar whose start allows no token and no end matches no text (a rule or `$ref`
+        // that only leads back to itself): a 400 now, not an empty answer that says "stop".
+        // (llguidance may also fail to find a first token of such a grammar.)
+        let mut probe = matcher.clone();
+        let nothing = "it matches no text (a rule or $ref that only leads back to itself, or \
+                       text no token can write)";
+        match probe.compute_mask() {
+            Ok(first) if first.is_zero() && !probe.is_accepting().unwrap_or(false) => {
+                return Err(format!("invalid {what}: {nothing}"));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Err(format!(
+                    "invalid {what}: {nothing}; its first token cannot be found ({})",
+                    clean_error(&e.to_string())
+                ))
+            }
+        }
         Ok(Compiled {
             matcher,
             eog: eog.clone(),
@@ -448,6 +466,36 @@ mod tests {
                     "{source:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn grammars_that_match_no_text_are_errors() {
+        let c = compiler();
+        for source in [
+            GrammarSource::JsonSchema(serde_json::json!({"$ref": "#"})),
+            GrammarSource::JsonSchema(serde_json::json!({
+                "$ref": "#/$defs/a",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            })),
+            GrammarSource::Gbnf("root ::= a\na ::= b\nb ::= a".into()),
+            GrammarSource::Gbnf("root ::= root".into()),
+        ] {
+            let e = c.compile(&source).err();
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("matches no text")),
+                "{source:?}: {e:?}"
+            );
+        }
+        // An empty match is a match; so is recursion with a way out.
+        for source in [
+            GrammarSource::Gbnf("root ::= \"\"".into()),
+            GrammarSource::Gbnf("root ::= \"(\" root \")\" | \"x\"".into()),
+            GrammarSource::JsonSchema(serde_json::json!({
+                "anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": "#"}}],
+            })),
+        ] {
+            assert!(c.compile(&source).is_ok(), "{source:?}");
         }
     }
 
