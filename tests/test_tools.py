@@ -557,6 +557,43 @@ def test_reasoning_is_split_out_in_openai_answers(think_server: Server) -> None:
         assert (reasoning, content) == ("OK", "OK")
 
 
+def test_a_schema_constrains_the_answer_after_the_thinking(think_server: Server) -> None:
+    # The template opens the think block: the schema applies from its end on, so the thinking
+    # stays free ("OK") and the answer is the JSON, in every chat dialect. (The cycle model
+    # takes all the whitespace the JSON layout allows: 200 tokens.)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+    }
+    chat = httpx.post(
+        f"{think_server.url}/v1/chat/completions",
+        json={
+            **OK_BODY,
+            "max_tokens": 200,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": schema},
+            },
+        },
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    message = chat.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "OK", message
+    assert chat.json()["choices"][0]["finish_reason"] == "stop", chat.text
+    jsonschema.validate(json.loads(message["content"]), schema)
+    ollama = httpx.post(
+        f"{think_server.url}/api/chat",
+        json={**OK_BODY, "format": schema, "stream": False, "options": {"num_predict": 200}},
+        timeout=60,
+    )
+    assert ollama.status_code == 200, ollama.text
+    assert ollama.json()["message"]["thinking"] == "OK", ollama.text
+    jsonschema.validate(json.loads(ollama.json()["message"]["content"]), schema)
+
+
 def test_reasoning_is_thinking_in_ollama_answers(think_server: Server) -> None:
     body = {**OK_BODY, "options": {"num_predict": 12, "temperature": 0}, "stream": False}
     r = httpx.post(f"{think_server.url}/api/chat", json=body, timeout=60).json()

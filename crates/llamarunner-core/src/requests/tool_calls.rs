@@ -322,8 +322,44 @@ pub async fn chat_request(
         prepared.extras,
     )
     .await?;
+    let thinking_first = prepared.output.tools.is_none()
+        && prepared.output.reasoning
+        && prompt.trim_end().ends_with(THINK_OPEN);
+    if thinking_first {
+        if let Some(grammar) = params.grammar.take() {
+            let compiler = info.constraints.clone();
+            params.grammar =
+                Some(validate::blocking(move || after_thinking(&compiler, grammar)).await?);
+        }
+    }
     let output = ChatOutput::new(&prepared.output, &prompt);
     Ok((prompt, output))
+}
+
+/// A JSON schema's grammar for output that starts inside a think block (the template opened
+/// it): free thinking, then `</think>`, then the JSON, as llama.cpp does for such templates.
+/// The grammar is lazy, from the block's end on; constrained from the first token, the
+/// model's thinking would be the JSON and its answer empty. Other grammars are kept as they
+/// are (a GBNF grammar is the whole output, as the client wrote it).
+fn after_thinking(compiler: &Compiler, grammar: Grammar) -> Grammar {
+    let schema = match grammar.source.as_ref() {
+        GrammarSource::JsonSchema(schema) => schema.clone(),
+        GrammarSource::JsonObject => serde_json::json!({"type": "object"}),
+        _ => return grammar,
+    };
+    let close = crate::chat::reasoning::THINK_CLOSE;
+    let quoted = Value::String(close.to_string()).to_string();
+    let close_rule = match compiler.control_token(close) {
+        Some(id) => format!("({quoted} | <[{id}]>)"),
+        None => quoted,
+    };
+    let lark = format!(
+        "start: {close_rule} /[ \\t\\n]{{0,8}}/ answer\nanswer: %json {}\n",
+        crate::constrain::with_json_options(schema)
+    );
+    let mut lazy = Grammar::new(GrammarSource::Lark(lark));
+    lazy.triggers = vec![crate::constrain::Trigger::Literal(close.to_string())];
+    lazy
 }
 
 /// The grammar of an answer made of calls to `selected`, in `format`, compiled: each call a
