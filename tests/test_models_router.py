@@ -244,6 +244,9 @@ def test_posts_to_unknown_routes_and_padded_names_load_nothing(
         for route in ("/no/such/route", "/api/pull", "/api/delete", "/v1/chat/completions/x"):
             r = httpx.post(f"{url}{route}", json={"model": "bravo"}, timeout=TIMEOUT)
             assert r.status_code == 404, (route, r.text)
+        for route in ("/props", "/slots", "/v1/responses/resp_1"):
+            r = httpx.post(f"{url}{route}", json={"model": "bravo"}, timeout=TIMEOUT)
+            assert r.status_code == 405, (route, r.text)
         # Names are exact, as the engines compare them: a padded one is not served.
         for name in (" bravo ", "bravo\n", "  "):
             r = completion(url, name)
@@ -282,8 +285,9 @@ def test_a_request_just_after_its_idle_engine_is_killed_starts_it_again(
     models_dir: Path, tmp_path: Path
 ) -> None:
     # The request reaches a dead engine's port before the router has seen the process end:
-    # refused at the door, it waits for the exit and goes to the model started again.
-    srv = start(models_dir, tmp_path)
+    # unanswered, it waits for the exit and goes to the model started again.
+    slots = tmp_path / "slots"
+    srv = start(models_dir, tmp_path, "--slot-save-path", str(slots))
     url = srv.url
     try:
         for _ in range(4):
@@ -294,6 +298,16 @@ def test_a_request_just_after_its_idle_engine_is_killed_starts_it_again(
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == (WORDS["alpha"] * 2)[:10]
             assert statuses(url)["alpha"]["pid"] != pid
+        # A slot action is not sent again: the new engine's slot is empty, and a save would
+        # overwrite the file with nothing.
+        save = {"model": "alpha", "filename": "kept.bin"}
+        r = httpx.post(f"{url}/slots/0?action=save", json=save, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
+        size = (slots / "kept.bin").stat().st_size
+        os.kill(statuses(url)["alpha"]["pid"], signal.SIGKILL)
+        r = httpx.post(f"{url}/slots/0?action=save", json=save, timeout=TIMEOUT)
+        assert r.status_code == 503, r.text
+        assert (slots / "kept.bin").stat().st_size == size
         assert srv.alive()
     finally:
         srv.stop()

@@ -37,14 +37,16 @@ pub struct Shape {
     /// Tokens a sliding-window layer attends to (`{arch}.attention.sliding_window`); 0 when
     /// none slides.
     pub window: u64,
-    /// How many layers slide: from `{arch}.attention.sliding_window_pattern` (a flag per
-    /// layer, or a period) or the architecture's own period, as llama.cpp sets it; 0 when
-    /// unknown (every layer is then counted as a full one).
+    /// How many layers slide, for the architectures of `WINDOW_PERIODS`: from
+    /// `{arch}.attention.sliding_window_pattern` (a flag per layer, or a period) or the
+    /// architecture's own period, as llama.cpp's `load_swa_pattern` reads them; 0 for any other
+    /// (every layer is then counted as a full one, as llama.cpp may size them).
     pub window_layers: u64,
 }
 
-/// The period of sliding-window layers where the header gives none (llama.cpp's
-/// `load_swa_pattern` defaults): in each period, all layers but the last slide.
+/// The architectures whose sliding-window layers are counted, with their period where the
+/// header gives none (llama.cpp's `load_swa_pattern` defaults): in each period, all layers
+/// but the last slide (none of these has the full layer first).
 const WINDOW_PERIODS: [(&str, u64); 5] = [
     ("gemma2", 2),
     ("gemma3", 6),
@@ -314,13 +316,15 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
     let window = int("attention.sliding_window")
         .or((arch == "gemma2").then_some(4096))
         .unwrap_or(0);
-    let window_layers = match values.get(&format!("{arch}.attention.sliding_window_pattern")) {
-        Some(Value::Array { nonzero, .. }) => *nonzero,
-        Some(Value::Int(period)) => sliding_in_period(layers, *period),
-        _ => WINDOW_PERIODS
-            .iter()
-            .find(|(a, _)| *a == arch)
-            .map_or(0, |(_, period)| sliding_in_period(layers, *period)),
+    let known = WINDOW_PERIODS.iter().find(|(a, _)| *a == arch);
+    let window_layers = match (
+        known,
+        values.get(&format!("{arch}.attention.sliding_window_pattern")),
+    ) {
+        (None, _) => 0,
+        (Some(_), Some(Value::Array { nonzero, .. })) => *nonzero,
+        (Some(_), Some(Value::Int(period))) => sliding_in_period(layers, *period),
+        (Some((_, period)), _) => sliding_in_period(layers, *period),
     };
     Ok(Shape {
         architecture: arch,
@@ -517,9 +521,19 @@ mod tests {
             None,
         );
         assert_eq!(period.window_layers, 9);
-        // An architecture whose pattern we do not know: every layer counts as full.
+        // An architecture whose pattern we do not know: every layer counts as full, even
+        // with a pattern in its header (llama.cpp may not read it).
         let other = windowed("mistral", &[("attention.sliding_window", 4096)], None);
         assert_eq!((other.window, other.window_layers), (4096, 0));
+        let patterned = windowed(
+            "mistral",
+            &[
+                ("attention.sliding_window", 4096),
+                ("attention.sliding_window_pattern", 4),
+            ],
+            None,
+        );
+        assert_eq!(patterned.window_layers, 0);
         let mistral_full = Shape {
             window: 0,
             ..other.clone()

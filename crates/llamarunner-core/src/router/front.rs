@@ -19,7 +19,7 @@ use super::proxy;
 use super::registry::{Registry, Status};
 use crate::dialects::ollama;
 use crate::http::error::{ApiError, Dialect};
-use crate::http::fallback::not_found;
+use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::middleware::{self, HttpPolicy};
 use crate::http::{access, ui};
 
@@ -234,7 +234,12 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     let mut unload_only = false;
     let posted = parts.method == Method::POST;
     if posted && !crate::routes::is_model_post(parts.uri.path()) {
-        // No engine serves it: answered here, without loading the model it names.
+        // No engine serves it: answered here, without loading the model it names (405 for
+        // the engine's routes that only read).
+        let path = parts.uri.path();
+        if path == "/props" || path == "/slots" || path.starts_with("/v1/responses/") {
+            return method_not_allowed(parts.method, parts.uri).await;
+        }
         return not_found(parts.method, parts.uri).await;
     }
     if posted && !body.is_empty() {
@@ -267,7 +272,15 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         registry.unload(&model, "keep_alive 0 with nothing to generate");
         return Json(ollama_unloaded(parts.uri.path(), &model.name)).into_response();
     }
-    let first = match lease_for(&registry, &model, posted, keep_alive).await {
+    // A slot's save or erase acts on a loaded model's slot: it loads none (a new engine's slot
+    // is empty, and a save would overwrite the file with nothing). A restore may load it.
+    let slot_action = parts.uri.path().starts_with("/slots/");
+    let restore = parts
+        .uri
+        .query()
+        .is_some_and(|q| q.split('&').any(|kv| kv == "action=restore"));
+    let loads = posted && (!slot_action || restore);
+    let first = match lease_for(&registry, &model, loads, posted, keep_alive).await {
         Ok(l) => l,
         Err(e) => return dialect.respond(e),
     };
@@ -277,12 +290,16 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         Err(unanswered) => unanswered,
     };
     // No answer began: the engine's process has died (killed, crashed), perhaps just before
-    // the request came, with its exit not seen yet. Once it is, the request is sent once more,
-    // to the model started again: what the dead engine did with it died with it. A model
-    // unloaded on purpose is not loaded back, and a second failure is the client's error.
-    if !registry
-        .engine_died(&unanswered.lease, ENGINE_EXIT_WAIT)
-        .await
+    // the request came, with its exit not seen yet. Once it is, a request that can run again
+    // is sent once more, to the model started again: what the dead engine did with it died
+    // with it. A model unloaded on purpose is not loaded back, and a second failure is the
+    // client's error. Not sent again: a GET (it loads no model), and a slot action (a new
+    // engine's slot is empty: a save would overwrite the file with nothing).
+    let repeatable = posted && !slot_action;
+    if !repeatable
+        || !registry
+            .engine_died(&unanswered.lease, ENGINE_EXIT_WAIT)
+            .await
     {
         return dialect.respond(ApiError::Unavailable(unanswered.error));
     }
@@ -292,7 +309,7 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         error = %unanswered.error,
         "a model's engine died before answering; sending the request to the model started again"
     );
-    let again = match lease_for(&registry, &model, posted, keep_alive).await {
+    let again = match lease_for(&registry, &model, loads, posted, keep_alive).await {
         Ok(l) => l,
         Err(e) => return dialect.respond(e),
     };
@@ -302,22 +319,27 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     }
 }
 
-/// A lease on `model` for a request: a POST loads it when needed; a GET (`/props`, `/slots`,
-/// `/metrics?model=`) reads a loaded model and loads none, so that a web page's `<img src>`
-/// cannot cycle models through memory.
+/// A lease on `model` for a request: loading it when needed if `loads`; else only if it is
+/// loaded. A GET (`/props`, `/slots`, `/metrics?model=`) loads none, so that a web page's
+/// `<img src>` cannot cycle models through memory; nor does a slot's save or erase.
 async fn lease_for(
     registry: &Arc<Registry>,
     model: &Arc<super::registry::Model>,
+    loads: bool,
     posted: bool,
     keep_alive: Option<Option<Duration>>,
 ) -> Result<super::registry::Lease, ApiError> {
-    let mut lease = if posted {
+    let mut lease = if loads {
         registry.lease(model).await?
     } else {
         registry.lease_if_loaded(model).ok_or_else(|| {
+            let what = if posted {
+                "a slot's save or erase acts on a loaded model's slot and loads none"
+            } else {
+                "a GET loads none"
+            };
             ApiError::Unavailable(format!(
-                "model '{}' is not loaded, and a GET loads none: POST /models/load, or send it \
-                 a request",
+                "model '{}' is not loaded, and {what}: POST /models/load, or send it a request",
                 model.name
             ))
         })?
