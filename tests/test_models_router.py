@@ -68,6 +68,13 @@ def statuses(url: str) -> dict[str, dict[str, Any]]:
     return {m["id"]: m["status"] for m in r.json()["data"]}
 
 
+def starts(url: str, model: str) -> int:
+    """How many times the router has started `model`'s engine (its metric)."""
+    metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    name = f'llamarunner:router_model_starts_total{{model_name="{model}"}} '
+    return next(int(float(ln[len(name) :])) for ln in metrics.splitlines() if ln.startswith(name))
+
+
 def wait_status(url: str, model: str, value: str, within: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + within
     while True:
@@ -228,8 +235,7 @@ def test_a_get_loads_no_model_and_ollamas_unload_loads_none_first(
         assert r.status_code == 200, r.text
         assert r.json()["done_reason"] == "unload" and r.json()["message"]["content"] == ""
         assert statuses(url)["bravo"]["value"] == "unloaded"
-        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-        assert 'llamarunner:router_model_starts_total{model_name="bravo"} 1' in metrics
+        assert starts(url, "bravo") == 1
     finally:
         srv.stop()
 
@@ -252,8 +258,7 @@ def test_posts_to_unknown_routes_and_padded_names_load_nothing(
             r = completion(url, name)
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
         assert statuses(url)["bravo"]["value"] == "unloaded"
-        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-        assert 'router_model_starts_total{model_name="bravo"} 0' in metrics
+        assert starts(url, "bravo") == 0
     finally:
         srv.stop()
 
