@@ -289,6 +289,16 @@ pub const MAX_CTX_CHECKPOINTS: i64 = 64;
 pub const MAX_CACHE_RAM_MIB: i64 = 16 << 20;
 
 impl RunnerConfig {
+    /// The KV cache type the engine runs: `kv_cache_type`, but f16 when flash attention is
+    /// off (llama.cpp needs it for a quantized cache).
+    pub fn effective_kv_cache_type(&self) -> &str {
+        if self.flash_attn == FlashAttn::Off {
+            "f16"
+        } else {
+            &self.kv_cache_type
+        }
+    }
+
     /// The prompt cache's budget in bytes: `cache_ram` MiB, or for -1 (and any negative) a
     /// quarter of the machine's memory (`/proc/meminfo`'s MemTotal; 4 GiB where it cannot be
     /// read), at most 8 GiB, llama-server's default `--cache-ram`.

@@ -38,9 +38,23 @@ pub const MODEL_POSTS: [&str; 23] = [
     "/api/show",
 ];
 
+/// The engine's routes of a model that only read (GET; DELETE of a stored response): a POST
+/// to them is a 405 at the router, as at the engine.
+pub const MODEL_READS: [&str; 3] = ["/props", "/slots", "/v1/responses/{id}"];
+
 /// Whether a POST to `path` acts on a model: it matches one of `MODEL_POSTS`.
 pub fn is_model_post(path: &str) -> bool {
-    MODEL_POSTS.iter().any(|pattern| {
+    matches_any(&MODEL_POSTS, path)
+}
+
+/// Whether `path` is one of `MODEL_READS`.
+pub fn is_model_read(path: &str) -> bool {
+    matches_any(&MODEL_READS, path)
+}
+
+/// Whether `path` matches one of `patterns` (`{id}`: any one path segment).
+fn matches_any(patterns: &[&str], path: &str) -> bool {
+    patterns.iter().any(|pattern| {
         let mut want = pattern.split('/');
         let mut got = path.split('/');
         loop {

@@ -428,7 +428,7 @@ async fn streamed_text_offsets_continue_across_chunks() {
 }
 
 #[tokio::test]
-async fn every_model_post_is_a_route_of_the_engine() {
+async fn the_routers_route_lists_are_the_engines_routes() {
     // Many models' router loads a model only for a POST to one of `MODEL_POSTS`: each must
     // be served (an empty body is a 400 or 422 there, never the fallback's 404 or 405).
     let (app, handle) = app(FakeConfig::default());
@@ -440,6 +440,13 @@ async fn every_model_post_is_a_route_of_the_engine() {
             s != StatusCode::NOT_FOUND && s != StatusCode::METHOD_NOT_ALLOWED,
             "{path}: {s} {text}"
         );
+    }
+    // And `MODEL_READS` are the engine's routes that a POST does not take: 405, not 404.
+    for pattern in llamarunner_core::routes::MODEL_READS {
+        let path = pattern.replace("{id}", "resp_0");
+        assert!(llamarunner_core::routes::is_model_read(&path), "{path}");
+        let (s, text) = post_to(&app, &path, "{}").await;
+        assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED, "{path}: {text}");
     }
     handle.shutdown();
 }

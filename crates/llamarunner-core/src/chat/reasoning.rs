@@ -37,13 +37,17 @@ pub struct ThinkSplitter {
     held: String,
 }
 
+/// Whether output that follows `prompt` starts inside a think block (the template opened it).
+pub fn opens_thinking(prompt: &str) -> bool {
+    prompt.trim_end().ends_with(THINK_OPEN)
+}
+
 impl ThinkSplitter {
     /// A splitter for output that follows `prompt` (inside the think block when the prompt
     /// ends by opening one).
     pub fn new(prompt: &str) -> Self {
-        let inside = prompt.trim_end().ends_with(THINK_OPEN);
         Self {
-            state: if inside {
+            state: if opens_thinking(prompt) {
                 State::Thinking
             } else {
                 State::Start

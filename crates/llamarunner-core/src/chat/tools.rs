@@ -257,13 +257,7 @@ impl ToolFormat {
     /// control token with that text, when the vocabulary has one (Mistral's `[TOOL_CALLS]`):
     /// the grammar then takes the token as well as the text.
     pub fn wrap_grammar(self, parallel: bool, control: impl Fn(&str) -> Option<u32>) -> String {
-        let lit = |text: &str| {
-            let quoted = Value::String(text.to_string()).to_string();
-            match control(text) {
-                Some(id) => format!("({quoted} | <[{id}]>)"),
-                None => quoted,
-            }
-        };
+        let lit = |text: &str| crate::constrain::lark_literal(text, control(text));
         let more = |sep: &str, item: &str| {
             if parallel {
                 format!(" ({sep} {item}){{0,{MAX_PARALLEL_CALLS}}}")
@@ -307,9 +301,8 @@ pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> Value {
         .enumerate()
         .map(|(i, t)| {
             let mut parameters = t.parameters.clone();
-            if has_local_ref(&parameters) {
-                let name = format!("llamarunner_tool_{i}");
-                rebase_local_refs(&mut parameters, &format!("#/$defs/{name}"));
+            let name = format!("llamarunner_tool_{i}");
+            if rebase_local_refs(&mut parameters, &format!("#/$defs/{name}")) {
                 defs.insert(name.clone(), parameters);
                 parameters = serde_json::json!({ "$ref": format!("#/$defs/{name}") });
             }
@@ -338,36 +331,28 @@ pub fn call_schema(format: ToolFormat, tools: &[&Tool]) -> Value {
 /// Keywords whose values are data, not schemas: a `$ref` inside them is not a reference.
 const DATA_KEYWORDS: [&str; 4] = ["const", "enum", "default", "examples"];
 
-/// Whether a schema holds a reference within its own document (`"$ref": "#..."`).
-fn has_local_ref(schema: &Value) -> bool {
-    match schema {
-        Value::Object(map) => map.iter().any(|(k, v)| match (k.as_str(), v) {
-            ("$ref", Value::String(r)) => r.starts_with('#'),
-            (k, _) if DATA_KEYWORDS.contains(&k) => false,
-            _ => has_local_ref(v),
-        }),
-        Value::Array(items) => items.iter().any(has_local_ref),
-        _ => false,
-    }
-}
-
-/// Rewrites every local reference `#PATH` in `schema` to `{base}PATH`: the schema moves to
-/// `base` in a larger document.
-fn rebase_local_refs(schema: &mut Value, base: &str) {
+/// Rewrites every local reference `#PATH` in `schema` to `{base}PATH` (the schema moves to
+/// `base` in a larger document); whether there was one.
+fn rebase_local_refs(schema: &mut Value, base: &str) -> bool {
     match schema {
         Value::Object(map) => {
+            let mut found = false;
             for (k, v) in map.iter_mut() {
-                match (k.as_str(), v) {
+                found |= match (k.as_str(), v) {
                     ("$ref", Value::String(r)) if r.starts_with('#') => {
                         *r = format!("{base}{}", &r[1..]);
+                        true
                     }
-                    (k, _) if DATA_KEYWORDS.contains(&k) => {}
+                    (k, _) if DATA_KEYWORDS.contains(&k) => false,
                     (_, v) => rebase_local_refs(v, base),
-                }
+                };
             }
+            found
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| rebase_local_refs(v, base)),
-        _ => {}
+        Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |found, v| rebase_local_refs(v, base) | found),
+        _ => false,
     }
 }
 

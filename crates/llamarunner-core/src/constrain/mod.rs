@@ -252,6 +252,16 @@ fn limits() -> ParserLimits {
     }
 }
 
+/// A Lark literal for `text`: the text, or the vocabulary's control token of that text
+/// (`control`) when it has one, which a model writes in one piece.
+pub fn lark_literal(text: &str, control: Option<u32>) -> String {
+    let quoted = Value::String(text.to_string()).to_string();
+    match control {
+        Some(id) => format!("({quoted} | <[{id}]>)"),
+        None => quoted,
+    }
+}
+
 /// The schema with our JSON layout options (bounded whitespace), replacing any `x-guidance`
 /// a request sent (it could ask for unbounded whitespace or lenient parsing), and its objects
 /// closed where it does not say (`close_objects`).

@@ -70,7 +70,9 @@ impl Default for ResponseStore {
 impl Kept {
     fn of(stored: &Stored) -> Self {
         Kept {
-            messages: Value::from(stored.messages.clone()).to_string().into(),
+            messages: serde_json::to_string(&stored.messages)
+                .unwrap_or_else(|_| "[]".into())
+                .into(),
             response: stored.response.to_string().into(),
         }
     }

@@ -324,7 +324,7 @@ pub async fn chat_request(
     .await?;
     let thinking_first = prepared.output.tools.is_none()
         && prepared.output.reasoning
-        && prompt.trim_end().ends_with(THINK_OPEN);
+        && crate::chat::reasoning::opens_thinking(&prompt);
     if thinking_first {
         if let Some(grammar) = params.grammar.take() {
             let compiler = info.constraints.clone();
@@ -348,11 +348,7 @@ fn after_thinking(compiler: &Compiler, grammar: Grammar) -> Grammar {
         _ => return grammar,
     };
     let close = crate::chat::reasoning::THINK_CLOSE;
-    let quoted = Value::String(close.to_string()).to_string();
-    let close_rule = match compiler.control_token(close) {
-        Some(id) => format!("({quoted} | <[{id}]>)"),
-        None => quoted,
-    };
+    let close_rule = crate::constrain::lark_literal(close, compiler.control_token(close));
     let lark = format!(
         "start: {close_rule} /[ \\t\\n]{{0,8}}/ answer\nanswer: %json {}\n",
         crate::constrain::with_json_options(schema)

@@ -236,8 +236,7 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     if posted && !crate::routes::is_model_post(parts.uri.path()) {
         // No engine serves it: answered here, without loading the model it names (405 for
         // the engine's routes that only read).
-        let path = parts.uri.path();
-        if path == "/props" || path == "/slots" || path.starts_with("/v1/responses/") {
+        if crate::routes::is_model_read(parts.uri.path()) {
             return method_not_allowed(parts.method, parts.uri).await;
         }
         return not_found(parts.method, parts.uri).await;
@@ -280,42 +279,40 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         .query()
         .is_some_and(|q| q.split('&').any(|kv| kv == "action=restore"));
     let loads = posted && (!slot_action || restore);
-    let first = match lease_for(&registry, &model, loads, posted, keep_alive).await {
-        Ok(l) => l,
-        Err(e) => return dialect.respond(e),
-    };
     let key = registry.engine_key();
-    let unanswered = match proxy::forward(first, &parts, body.clone(), key).await {
-        Ok(response) => return response,
-        Err(unanswered) => unanswered,
-    };
-    // No answer began: the engine's process has died (killed, crashed), perhaps just before
-    // the request came, with its exit not seen yet. Once it is, a request that can run again
-    // is sent once more, to the model started again: what the dead engine did with it died
-    // with it. A model unloaded on purpose is not loaded back, and a second failure is the
-    // client's error. Not sent again: a GET (it loads no model), and a slot action (a new
+    // A request that can run again: not a GET (it loads no model), nor a slot action (a new
     // engine's slot is empty: a save would overwrite the file with nothing).
     let repeatable = posted && !slot_action;
-    if !repeatable
-        || !registry
-            .engine_died(&unanswered.lease, ENGINE_EXIT_WAIT)
-            .await
-    {
-        return dialect.respond(ApiError::Unavailable(unanswered.error));
-    }
-    drop(unanswered.lease);
-    tracing::warn!(
-        model = %model.name,
-        error = %unanswered.error,
-        "a model's engine died before answering; sending the request to the model started again"
-    );
-    let again = match lease_for(&registry, &model, loads, posted, keep_alive).await {
-        Ok(l) => l,
-        Err(e) => return dialect.respond(e),
-    };
-    match proxy::forward(again, &parts, body, key).await {
-        Ok(response) => response,
-        Err(unanswered) => dialect.respond(ApiError::Unavailable(unanswered.error)),
+    let mut tried = false;
+    loop {
+        let lease = match lease_for(&registry, &model, loads, posted, keep_alive).await {
+            Ok(l) => l,
+            Err(e) => return dialect.respond(e),
+        };
+        let unanswered = match proxy::forward(lease, &parts, body.clone(), key).await {
+            Ok(response) => return response,
+            Err(unanswered) => unanswered,
+        };
+        // No answer began: the engine's process has died (killed, crashed), perhaps just
+        // before the request came, with its exit not seen yet. Once it is, a repeatable
+        // request is sent once more, to the model started again: what the dead engine did
+        // with it died with it. A model unloaded on purpose is not loaded back, and a second
+        // failure is the client's error.
+        if tried
+            || !repeatable
+            || !registry
+                .engine_died(&unanswered.lease, ENGINE_EXIT_WAIT)
+                .await
+        {
+            return dialect.respond(ApiError::Unavailable(unanswered.error));
+        }
+        tried = true;
+        drop(unanswered.lease);
+        tracing::warn!(
+            model = %model.name,
+            error = %unanswered.error,
+            "a model's engine died before answering; sending the request to the model started again"
+        );
     }
 }
 

@@ -135,12 +135,7 @@ impl Model {
             ctx_size: u64::from(config.ctx_size),
             parallel: u64::from(config.parallel),
             batch_size: u64::from(config.batch_size),
-            // The engine falls back to f16 for a quantized cache without flash attention.
-            kv_cache_type: if config.flash_attn == crate::config::FlashAttn::Off {
-                "f16"
-            } else {
-                &config.kv_cache_type
-            },
+            kv_cache_type: config.effective_kv_cache_type(),
             cache_ram_bytes: config.cache_ram_bytes() as u64,
             extra_files: extra,
             swa_full: config.swa_full,

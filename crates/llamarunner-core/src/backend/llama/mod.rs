@@ -132,12 +132,11 @@ pub fn load<R>(
 
     let parallel = config.parallel;
     let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
-    let mut kv_type = kv_cache_type(&config.kv_cache_type);
-    if !matches!(kv_type, KvCacheType::F16) && config.flash_attn == FlashAttn::Off {
+    let kv_type = kv_cache_type(config.effective_kv_cache_type());
+    if config.effective_kv_cache_type() != config.kv_cache_type {
         tracing::warn!(
             "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
         );
-        kv_type = KvCacheType::F16;
     }
     let n_ctx = config
         .ctx_size
