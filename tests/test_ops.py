@@ -22,7 +22,7 @@ from llamarunner import BadRequestError, Client, Server, TokenPiece
 from llamarunner.cli import model_name, progress_bar
 from llamarunner.config import ServerConfig
 
-from helpers import ServeProcess, complete, stream_lines, wait_idle, wait_until
+from helpers import ServeProcess, complete, metric, stream_lines, wait_idle, wait_until
 from tinymodel import byte_tokens, vocabulary
 
 TINY_VOCAB = len(vocabulary()[0])
@@ -141,6 +141,34 @@ def test_props_describe_the_served_model(tiny_server: Server) -> None:
     assert props["build_info"].startswith("llamarunner ")
     assert props["llama_cpp_2_version"]
     assert "CPU" in props["system_info"], props["system_info"]
+
+
+def test_props_ps_and_metrics_say_where_the_model_runs(tiny_server: Server) -> None:
+    url = tiny_server.url
+    props = httpx.get(f"{url}/props", timeout=10).json()
+    placed = props["devices"]
+    kinds = {d["kind"] for d in placed["devices"]}
+    assert "cpu" in kinds, placed
+    cpu = next(d for d in placed["devices"] if d["kind"] == "cpu")
+    # The CPU's memory is the host's.
+    assert 0 < cpu["memory_free"] <= cpu["memory_total"], cpu
+    # llama.cpp offloads the blocks and the output layer.
+    assert placed["layers_total"] == props["model"]["n_layer"] + 1
+    if not kinds & {"gpu", "integrated_gpu"}:
+        assert (placed["backend"], placed["layers_offloaded"], placed["vram_bytes"]) == (
+            "CPU",
+            0,
+            0,
+        )
+    ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"][0]
+    assert ps["size_vram"] == placed["vram_bytes"]
+    assert metric(url, "model_layers_offloaded") == placed["layers_offloaded"]
+    assert metric(url, "model_vram_bytes") == placed["vram_bytes"]
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    labels = f'backend="CPU",device="{cpu["name"]}",kind="cpu"'
+    total = f"llamarunner:device_memory_total_bytes{{{labels}"
+    line = next(line for line in text.splitlines() if line.startswith(total))
+    assert float(line.rsplit(" ", 1)[1]) == cpu["memory_total"]
 
 
 def test_the_slot_table_shows_phase_and_tokens_generated(tiny_server: Server) -> None:

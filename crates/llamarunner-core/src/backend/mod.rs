@@ -41,31 +41,20 @@ pub struct BatchToken {
     pub logits: bool,
 }
 
-/// What the scheduler needs from a model + context. Implementations live on the engine thread
-/// only, so nothing here is `Send`.
-pub trait Backend {
-    /// Per-request sampler state.
-    type Sampler;
+/// What the scheduler needs from a model + context, by capability. Implementations live on
+/// the engine thread only, so nothing here is `Send`. Every type that has all the
+/// capabilities is a `Backend`.
+pub trait Backend: Decoder + Text + Sampling + KvOps + Drafting + Embeddings {}
 
+impl<T: Decoder + Text + Sampling + KvOps + Drafting + Embeddings> Backend for T {}
+
+/// The model's context as a decoder: its shape, the batches it decodes (tokens, images) and
+/// the LoRA scales they run with.
+pub trait Decoder {
     /// Cells of KV cache available to each slot.
     fn slot_ctx(&self) -> usize;
     /// Most tokens one `decode` call may carry.
     fn batch_capacity(&self) -> usize;
-    /// Tokenizes a prompt, adding BOS when the model wants it and parsing special tokens.
-    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
-    /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
-    /// sampled `token`'s and the `top` most likely ones.
-    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;
-    /// The bytes a token renders to (may be a partial UTF-8 character).
-    fn token_bytes(&self, token: Token) -> Vec<u8>;
-    /// Whether the token ends generation (EOS, EOT, ...).
-    fn is_eog(&self, token: Token) -> bool;
-    /// Builds a sampler for a request; `history` seeds the repetition penalties.
-    fn new_sampler(
-        &self,
-        params: &SamplingParams,
-        history: &[Token],
-    ) -> Result<Self::Sampler, BackendError>;
     /// Applies these LoRA adapter scales to the decodes that follow (one per `--lora` adapter,
     /// in order); a no-op when they are applied already.
     fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError>;
@@ -84,10 +73,47 @@ pub trait Backend {
         image: &crate::protocol::PromptImage,
         logits: bool,
     ) -> Result<(), BackendError>;
+    /// The model's description, for a backend whose loader did not publish one (the fake has
+    /// no file to describe); the scheduler publishes it before it says ready.
+    fn describe(&self) -> Option<crate::protocol::ModelInfo> {
+        None
+    }
+}
+
+/// The vocabulary: prompts to tokens and tokens to bytes.
+pub trait Text {
+    /// Tokenizes a prompt, adding BOS when the model wants it and parsing special tokens.
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError>;
+    /// The bytes a token renders to (may be a partial UTF-8 character).
+    fn token_bytes(&self, token: Token) -> Vec<u8>;
+    /// Whether the token ends generation (EOS, EOT, ...).
+    fn is_eog(&self, token: Token) -> bool;
+    /// The beginning-of-sequence token, if the tokenizer adds one.
+    fn bos(&self) -> Option<Token>;
+}
+
+/// Per-request samplers over the last decode's logits.
+pub trait Sampling {
+    /// Per-request sampler state.
+    type Sampler;
+
+    /// Builds a sampler for a request; `history` seeds the repetition penalties.
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        history: &[Token],
+    ) -> Result<Self::Sampler, BackendError>;
     /// Samples (and accepts) the next token from the logits of batch position `index`.
     /// `None` when the request's grammar allows nothing more (complete, or at a dead end):
     /// the sequence ends there.
     fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Option<Token>;
+    /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
+    /// sampled `token`'s and the `top` most likely ones.
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;
+}
+
+/// The KV cache's sequences: cut, shift, fork, sliding-window checkpoints, whole states.
+pub trait KvOps {
     /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
     /// remove part of a sequence (the caller then clears all of it).
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
@@ -125,6 +151,10 @@ pub trait Backend {
     /// shape); returns how many positions the sequence then holds. On an error the sequence
     /// may be partly cleared: the caller clears it.
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError>;
+}
+
+/// A draft model's context (`--draft-model`), beside the model's (`sched/draft.rs`).
+pub trait Drafting {
     /// Whether a draft model is loaded (`--draft-model`): drafts come from it, not from
     /// prompt lookup (`sched/draft.rs`).
     fn has_draft_model(&self) -> bool {
@@ -145,13 +175,10 @@ pub trait Backend {
     fn draft_truncate(&mut self, _seq: i32, _from: usize) -> bool {
         false
     }
-    /// The beginning-of-sequence token, if the tokenizer adds one.
-    fn bos(&self) -> Option<Token>;
-    /// The model's description, for a backend whose loader did not publish one (the fake has
-    /// no file to describe); the scheduler publishes it before it says ready.
-    fn describe(&self) -> Option<crate::protocol::ModelInfo> {
-        None
-    }
+}
+
+/// Embeddings, decoded piece by piece on a context of their own.
+pub trait Embeddings {
     /// Most tokens one embedding input may have.
     fn embed_capacity(&self) -> usize;
     /// Most tokens of one embedding input decoded in one step (an input is embedded piece by

@@ -206,7 +206,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     if prompt.is_empty() && system.is_empty() && req.images.as_ref().is_none_or(Vec::is_empty) {
         return Ok(Json(meta.loaded()).into_response());
     }
-    // The images take their places in the user's text (`image_prompt::ollama_generate`).
+    // The images take their places in the user's text (`requests::image_prompt::ollama_generate`).
     let user = image_prompt::ollama_generate(&*model_info(&state)?, prompt, req.images.clone())?;
     let text = if req.raw == Some(true) {
         user.text
@@ -527,7 +527,7 @@ pub async fn ps(State(state): State<AppState>) -> Result<Response, OllamaError> 
     let expires = SystemTime::now() + Duration::from_secs(100 * 365 * 86_400);
     let mut entry = model_entry(&state, &info);
     entry["expires_at"] = json!(rfc3339(expires));
-    entry["size_vram"] = json!(0);
+    entry["size_vram"] = json!(info.devices.vram_bytes);
     entry["context_length"] = json!(info.slot_ctx);
     Ok(Json(json!({ "models": [entry] })).into_response())
 }

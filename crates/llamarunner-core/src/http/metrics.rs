@@ -13,7 +13,7 @@
 //!   queue time, prompt and cached tokens and truncations at admission, time to first token
 //!   and every inter-token gap as tokens are sampled, context shifts, embedded tokens;
 //! - the request's outcome (finished with a reason, or rejected with a reason) is decided once
-//!   per HTTP request when its response ends (`server/access.rs`, `Metrics::record`), with
+//!   per HTTP request when its response ends (`http/access.rs`, `Metrics::record`), with
 //!   the end-to-end latency and the per-request token histograms;
 //! - gauges (running, waiting, KV usage, slots) are read at scrape time from atomics the
 //!   engine publishes (`Health`, `QueueGauge`): a scrape never waits for the engine thread.
@@ -71,7 +71,7 @@ const LATENCY_BUCKETS: [f64; 25] = [
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ];
 
-/// Why a request ended, as counted: decided once per HTTP request (`server/access.rs`).
+/// Why a request ended, as counted: decided once per HTTP request (`http/access.rs`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     /// A generation ran to its end (its final statistics).
@@ -153,6 +153,10 @@ pub struct Metrics {
     request_generation_tokens: Histogram,
     model_load_seconds: Gauge,
     model_info: IntGaugeVec,
+    device_memory_total: IntGaugeVec,
+    device_memory_free: IntGaugeVec,
+    layers_offloaded: IntGauge,
+    model_vram_bytes: IntGauge,
     /// Set once the model's description is exported in `model_info`.
     info_published: OnceLock<()>,
     /// The served model's name (`--alias`).
@@ -215,6 +219,19 @@ impl Metrics {
             ],
         )?;
         registry.register(Box::new(model_info.clone()))?;
+        let device_gauge = |n: &str, help: &str| -> Result<IntGaugeVec, prometheus::Error> {
+            let g = IntGaugeVec::new(Opts::new(name(n), help), &["device", "backend", "kind"])?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let device_memory_total = device_gauge(
+            "device_memory_total_bytes",
+            "Memory of each compute device llama.cpp found (the CPU's is the host's memory).",
+        )?;
+        let device_memory_free = device_gauge(
+            "device_memory_free_bytes",
+            "Free memory of each compute device when the model was loaded.",
+        )?;
         crate::constrain::stats::stats().register(&registry)?;
         Ok(Self {
             requests_running: int_gauge(
@@ -238,6 +255,16 @@ impl Metrics {
                  requests (Inference Extension KVCacheUtilization).",
             )?,
             slots_total: int_gauge("slots_total", "KV slots: sequences served at once.")?,
+            layers_offloaded: int_gauge(
+                "model_layers_offloaded",
+                "The model's layers placed on GPUs (0 on the CPU alone).",
+            )?,
+            model_vram_bytes: int_gauge(
+                "model_vram_bytes",
+                "Bytes of the model's weights on GPUs (in proportion to the layers offloaded).",
+            )?,
+            device_memory_total,
+            device_memory_free,
             prompt_tokens: counter(
                 "prompt_tokens_total",
                 "Prompt tokens of admitted generations (cached ones included) and of embedded \
@@ -387,6 +414,7 @@ impl Metrics {
                         env!("CARGO_PKG_VERSION"),
                     ])
                     .set(1);
+                self.publish_devices(&info.devices);
             }
         }
         if let Some(t) = health.load_time() {
@@ -395,6 +423,26 @@ impl Metrics {
         let mut out = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut out)?;
         String::from_utf8(out).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+
+    /// The devices' memory and the model's placement, once the model is loaded.
+    fn publish_devices(&self, facts: &crate::protocol::devices::DeviceFacts) {
+        let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+        for device in &facts.devices {
+            let kind = serde_json::to_value(device.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            let labels = [device.name.as_str(), device.backend.as_str(), kind.as_str()];
+            self.device_memory_total
+                .with_label_values(&labels)
+                .set(bytes(device.memory_total));
+            self.device_memory_free
+                .with_label_values(&labels)
+                .set(bytes(device.memory_free));
+        }
+        self.layers_offloaded.set(i64::from(facts.layers_offloaded));
+        self.model_vram_bytes.set(bytes(facts.vram_bytes));
     }
 }
 

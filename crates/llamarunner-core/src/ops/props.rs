@@ -78,6 +78,9 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "version": version,
         "llama_cpp_2_version": LLAMA_CPP_2_VERSION,
         "system_info": info.system_info,
+        // Where the model runs: every device llama.cpp found, the backend of the offloaded
+        // layers and how many went there.
+        "devices": info.devices,
     }))
     .into_response())
 }

@@ -6,8 +6,10 @@
 //! - `model.rs`: the model's facts, load state and slot table (`Health`), `TextModel`;
 //! - `lora.rs`: `--lora` specs, the loaded adapters' table, a sequence's LoRA scale set;
 //! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics;
-//! - `vision.rs`: images as prompts and token lists hold them, `VisionModel`.
+//! - `vision.rs`: images as prompts and token lists hold them, `VisionModel`;
+//! - `devices.rs`: the devices a model runs on and the layers it placed there (`DeviceFacts`).
 
+pub mod devices;
 pub mod handle;
 pub mod lora;
 pub mod messages;
@@ -48,7 +50,7 @@ pub fn nanos(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-pub use handle::{EngineHandle, EngineInbox, SubmitError};
+pub use handle::{EngineHandle, EngineInbox, QueueGauge, SubmitError};
 pub use lora::{LoraScales, LoraSpec};
 pub use messages::*;
 pub use model::{

@@ -166,6 +166,8 @@ pub struct ModelInfo {
     /// How a query and a document become one input, when the model is a reranker (its
     /// pooling is llama.cpp's `rank`: `/v1/rerank`); None for every other model.
     pub rerank: Option<RerankFormat>,
+    /// The devices it runs on and the layers it placed there.
+    pub devices: super::devices::DeviceFacts,
 }
 
 /// How a reranker pairs a query with a document (llama-server's layout): the model's own

@@ -14,7 +14,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{Backend, BatchToken, Fork};
+use crate::backend::{BatchToken, Decoder, Drafting, Embeddings, Fork, KvOps, Sampling, Text};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::vision::{
     is_image_continuation, ImageChunk, ImageInput, PromptImage, VisionError, VisionModel,
@@ -213,77 +213,13 @@ impl FakeBackend {
 /// Adapters whose scales the fake's mark tells apart.
 const MARKED_ADAPTERS: usize = 8;
 
-impl Backend for FakeBackend {
-    type Sampler = FakeSampler;
-
+impl Decoder for FakeBackend {
     fn slot_ctx(&self) -> usize {
         self.config.slot_ctx
     }
 
     fn batch_capacity(&self) -> usize {
         self.config.batch_capacity
-    }
-
-    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
-        FakeText.tokenize(text)
-    }
-
-    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
-        assert!(
-            self.outputs.contains_key(&index),
-            "log-probabilities of batch index {index}, which has no logits (scheduler bug)"
-        );
-        // The sampled token is the likeliest (-0.1); then the other letters in order.
-        let entry = |token: Token, logprob: f32| TopLogprob {
-            token,
-            bytes: self.token_bytes(token),
-            logprob,
-        };
-        let mut alternatives = vec![entry(token, -0.1)];
-        alternatives.extend(
-            (b'a' as Token..=b'z' as Token)
-                .filter(|&t| t != token)
-                .enumerate()
-                .map(|(i, t)| entry(t, -1.0 - i as f32)),
-        );
-        alternatives.truncate(top);
-        TokenLogprob {
-            sampled: entry(token, -0.1),
-            top: alternatives,
-        }
-    }
-
-    fn token_bytes(&self, token: Token) -> Vec<u8> {
-        u8::try_from(token).map(|b| vec![b]).unwrap_or_default()
-    }
-
-    fn is_eog(&self, token: Token) -> bool {
-        token == EOS
-    }
-
-    fn new_sampler(
-        &self,
-        params: &SamplingParams,
-        _history: &[Token],
-    ) -> Result<FakeSampler, BackendError> {
-        if let Some((token, _)) = params
-            .logit_bias
-            .iter()
-            .find(|(t, _)| !(0..=BOS).contains(t))
-        {
-            return Err(BackendError::Sampler(format!(
-                "logit_bias: token {token} is not in the vocabulary (0..{})",
-                BOS + 1
-            )));
-        }
-        let offset = if params.greedy() {
-            0
-        } else {
-            u64::from(params.effective_seed())
-        };
-        let guide = crate::constrain::Guide::for_request(params.grammar.as_ref())
-            .map_err(BackendError::Sampler)?;
-        Ok(FakeSampler { offset, guide })
     }
 
     fn set_lora(&mut self, scales: &LoraScales) -> Result<(), BackendError> {
@@ -398,6 +334,57 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
+    fn describe(&self) -> Option<ModelInfo> {
+        Some(model_info(self.slot_ctx()))
+    }
+}
+
+impl Text for FakeBackend {
+    fn tokenize(&self, text: &str) -> Result<Vec<Token>, BackendError> {
+        FakeText.tokenize(text)
+    }
+
+    fn token_bytes(&self, token: Token) -> Vec<u8> {
+        u8::try_from(token).map(|b| vec![b]).unwrap_or_default()
+    }
+
+    fn is_eog(&self, token: Token) -> bool {
+        token == EOS
+    }
+
+    fn bos(&self) -> Option<Token> {
+        Some(BOS)
+    }
+}
+
+impl Sampling for FakeBackend {
+    type Sampler = FakeSampler;
+
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        _history: &[Token],
+    ) -> Result<FakeSampler, BackendError> {
+        if let Some((token, _)) = params
+            .logit_bias
+            .iter()
+            .find(|(t, _)| !(0..=BOS).contains(t))
+        {
+            return Err(BackendError::Sampler(format!(
+                "logit_bias: token {token} is not in the vocabulary (0..{})",
+                BOS + 1
+            )));
+        }
+        let offset = if params.greedy() {
+            0
+        } else {
+            u64::from(params.effective_seed())
+        };
+        let guide = crate::constrain::Guide::for_request(params.grammar.as_ref())
+            .map_err(BackendError::Sampler)?;
+        Ok(FakeSampler { offset, guide })
+    }
+
     fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Option<Token> {
         let (seq, pos) = *self
             .outputs
@@ -435,6 +422,33 @@ impl Backend for FakeBackend {
         Some(token as Token)
     }
 
+    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
+        assert!(
+            self.outputs.contains_key(&index),
+            "log-probabilities of batch index {index}, which has no logits (scheduler bug)"
+        );
+        // The sampled token is the likeliest (-0.1); then the other letters in order.
+        let entry = |token: Token, logprob: f32| TopLogprob {
+            token,
+            bytes: self.token_bytes(token),
+            logprob,
+        };
+        let mut alternatives = vec![entry(token, -0.1)];
+        alternatives.extend(
+            (b'a' as Token..=b'z' as Token)
+                .filter(|&t| t != token)
+                .enumerate()
+                .map(|(i, t)| entry(t, -1.0 - i as f32)),
+        );
+        alternatives.truncate(top);
+        TokenLogprob {
+            sampled: entry(token, -0.1),
+            top: alternatives,
+        }
+    }
+}
+
+impl KvOps for FakeBackend {
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
         let kv = self.kv.entry(seq).or_default();
         assert!(
@@ -594,7 +608,9 @@ impl Backend for FakeBackend {
         }
         Ok(n)
     }
+}
 
+impl Drafting for FakeBackend {
     fn has_draft_model(&self) -> bool {
         self.config.draft.is_some()
     }
@@ -658,15 +674,9 @@ impl Backend for FakeBackend {
         self.draft_kv.entry(seq).or_default().truncate(from);
         true
     }
+}
 
-    fn describe(&self) -> Option<ModelInfo> {
-        Some(model_info(self.slot_ctx()))
-    }
-
-    fn bos(&self) -> Option<Token> {
-        Some(BOS)
-    }
-
+impl Embeddings for FakeBackend {
     fn embed_capacity(&self) -> usize {
         self.config.slot_ctx
     }
@@ -752,6 +762,8 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
         vision: None,
         fim: None,
         rerank: None,
+        // One block and the output layer, on the CPU.
+        devices: crate::protocol::devices::DeviceFacts::cpu_only(2),
     }
 }
 

@@ -17,8 +17,9 @@ use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::model::{LlamaLoraAdapter, LlamaModel};
 use llama_cpp_2::LlamaLoraAdapterInitError;
 
-use super::{file_name, BackendError};
+use super::file_name;
 use crate::protocol::lora::{LoraScales, LoraSpec};
+use crate::protocol::BackendError;
 
 /// The loaded adapters and the scales applied now.
 pub(super) struct LoraAdapters {

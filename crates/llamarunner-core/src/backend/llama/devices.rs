@@ -1,0 +1,48 @@
+//! The devices llama.cpp found (the CPU, and the GPUs of whatever backends it loaded) and what
+//! a loaded model placed on them, as `DeviceFacts`.
+
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::{list_llama_ggml_backend_devices, LlamaBackendDeviceType};
+
+use crate::protocol::devices::{Device, DeviceFacts, DeviceKind};
+
+/// Every device of every loaded backend, with its memory now.
+pub(super) fn devices() -> Vec<Device> {
+    list_llama_ggml_backend_devices()
+        .into_iter()
+        .map(|d| Device {
+            name: d.name,
+            description: d.description,
+            backend: d.backend,
+            kind: match d.device_type {
+                LlamaBackendDeviceType::Cpu => DeviceKind::Cpu,
+                LlamaBackendDeviceType::Gpu => DeviceKind::Gpu,
+                LlamaBackendDeviceType::IntegratedGpu => DeviceKind::IntegratedGpu,
+                LlamaBackendDeviceType::Accelerator => DeviceKind::Accelerator,
+                LlamaBackendDeviceType::Unknown => DeviceKind::Unknown,
+            },
+            memory_free: u64::try_from(d.memory_free).unwrap_or(u64::MAX),
+            memory_total: u64::try_from(d.memory_total).unwrap_or(u64::MAX),
+        })
+        .collect()
+}
+
+/// What a model loaded with `n_gpu_layers` (-1: all) placed on these devices.
+pub(super) fn facts(model: &LlamaModel, n_gpu_layers: i32) -> DeviceFacts {
+    let devices = devices();
+    let gpus: Vec<&Device> = devices.iter().filter(|d| d.kind.is_gpu()).collect();
+    // llama.cpp offloads the blocks and then the output layer.
+    let layers_total = model.n_layer().saturating_add(1);
+    let layers_offloaded = DeviceFacts::offloaded(n_gpu_layers, gpus.len(), layers_total);
+    let backend = match gpus.first() {
+        Some(gpu) if layers_offloaded > 0 => gpu.backend.clone(),
+        _ => "CPU".to_string(),
+    };
+    DeviceFacts {
+        backend,
+        vram_bytes: DeviceFacts::share(model.size(), layers_offloaded, layers_total),
+        devices,
+        layers_offloaded,
+        layers_total,
+    }
+}

@@ -1,0 +1,443 @@
+//! Loading: llama.cpp's backend, the model and its context (with the LoRA adapters, the
+//! projector and the draft model), what the model is (`ModelInfo`), and the step timing
+//! measured before any request.
+
+use std::num::NonZeroU32;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock};
+
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::LogOptions;
+
+use crate::backend::{BatchToken, Decoder, KvOps};
+use crate::config::{FlashAttn, RunnerConfig};
+use crate::protocol::{Health, ModelInfo, TextModel};
+
+use super::draft::{load_draft_model, DraftEngine};
+use super::embeddings::EmbedParams;
+use super::logs::with_llama_errors;
+use super::text::{chat_template, tokenize, LlamaText};
+use super::{file_name, LlamaEngine};
+
+/// llama.cpp's backend may be initialized once per process; every runner shares it.
+fn llama_backend() -> Result<&'static LlamaBackend, String> {
+    static BACKEND: OnceLock<Result<LlamaBackend, String>> = OnceLock::new();
+    BACKEND
+        .get_or_init(|| {
+            // llama.cpp and ggml log through `tracing` (target "llama-cpp-2"); the subscriber
+            // decides what is shown.
+            llama_cpp_2::send_logs_to_tracing(LogOptions::default().with_logs_enabled(true));
+            #[cfg(feature = "portable")]
+            {
+                let cpu = crate::backend::llama::cpu_variants::load()?;
+                tracing::info!(cpu_backend = %cpu, "loaded the CPU backend that fits this processor");
+            }
+            LlamaBackend::init().map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// What the engine needs to know of a loaded model beyond the `Backend` itself.
+#[derive(Clone, Copy, Debug)]
+pub struct Loaded {
+    /// A recurrent or hybrid model: its state cannot drop the cells of rejected drafts.
+    pub recurrent: bool,
+}
+
+/// Loads the model in `config` (its progress and then its facts published in `health`; a
+/// load stops early once `stop` is set), creates its context and hands the backend to `serve`
+/// on this thread, which owns it for as long as `serve` runs.
+pub fn load<R>(
+    config: &RunnerConfig,
+    health: &Arc<Health>,
+    stop: Arc<AtomicBool>,
+    serve: impl FnOnce(LlamaEngine<'_>, Loaded) -> R,
+) -> Result<R, String> {
+    let backend = llama_backend()?;
+    let progress_health = health.clone();
+    let n_gpu_layers = u32::try_from(config.n_gpu_layers).unwrap_or(u32::MAX);
+    let model_params = LlamaModelParams::default()
+        .with_n_gpu_layers(n_gpu_layers)
+        .with_main_gpu(config.main_gpu)
+        .with_use_mmap(!config.no_mmap && config.lora.is_empty())
+        .with_use_mlock(config.mlock)
+        .with_progress_callback(move |p| {
+            progress_health.set_progress(p * 0.99);
+            // Returning false aborts the load (the runner is being stopped).
+            !stop.load(std::sync::atomic::Ordering::Acquire)
+        });
+    // Which CPU kernels this build of llama.cpp runs (AVX2, AVX512, VNNI, ...): the first
+    // thing to check when comparing speed with another build.
+    tracing::info!(features = %system_info(), "llama.cpp CPU backend");
+    let started = std::time::Instant::now();
+    let (loaded, llama_errors) =
+        with_llama_errors(|| LlamaModel::load_from_file(backend, &config.model, &model_params));
+    let mut model = loaded.map_err(|e| {
+        let why = if llama_errors.is_empty() {
+            e.to_string()
+        } else {
+            llama_errors.join("; ")
+        };
+        format!(
+            "llama.cpp could not load {}: {why}",
+            file_name(&config.model)
+        )
+    })?;
+    tracing::info!(
+        model = %config.model.display(),
+        params = model.n_params(),
+        n_ctx_train = model.n_ctx_train(),
+        seconds = started.elapsed().as_secs_f32(),
+        "model loaded"
+    );
+    // The `--lora` adapters, made from the model before anything borrows it (llama-cpp-2
+    // 0.1.160 takes the model as `&mut` for that); their scales are set on the context below.
+    let adapters = crate::backend::llama::lora::load_adapters(&mut model, &config.lora, |init| {
+        let (adapter, llama_errors) = with_llama_errors(init);
+        adapter.map_err(|e| {
+            if llama_errors.is_empty() {
+                e.to_string()
+            } else {
+                llama_errors.join("; ")
+            }
+        })
+    })?;
+    // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
+    // batch and samplers stay on this thread).
+    let model = std::sync::Arc::new(model);
+
+    let parallel = config.parallel;
+    let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
+    let kv_type = kv_cache_type(config.effective_kv_cache_type());
+    if config.effective_kv_cache_type() != config.kv_cache_type {
+        tracing::warn!(
+            "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
+        );
+    }
+    let n_ctx = config
+        .ctx_size
+        .checked_mul(parallel)
+        .ok_or("ctx-size * parallel is too large")?;
+    let ctx_params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_ctx))
+        .with_n_batch(config.batch_size)
+        .with_n_ubatch(config.batch_size)
+        .with_n_seq_max(parallel)
+        .with_swa_full(config.swa_full)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads)
+        .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+        .with_type_k(kv_type)
+        .with_type_v(kv_type);
+    let (ctx, llama_errors) = with_llama_errors(|| model.new_context(backend, ctx_params));
+    let mut ctx = ctx.map_err(|e| {
+        // llama-cpp-2 says only "null reference"; llama.cpp logged why.
+        let why = if llama_errors.is_empty() {
+            e.to_string()
+        } else {
+            llama_errors.join("; ")
+        };
+        format!("llama.cpp could not create a context of {n_ctx} tokens: {why}")
+    })?;
+
+    let lora =
+        crate::backend::llama::lora::LoraAdapters::load(&model, &mut ctx, &config.lora, adapters)?;
+
+    let vision = match &config.mmproj {
+        Some(path) => {
+            let projector = crate::backend::llama::mtmd::Projector::load(
+                path,
+                &model,
+                &ctx,
+                threads,
+                n_gpu_layers > 0,
+                |init| {
+                    let (loaded, llama_errors) = with_llama_errors(init);
+                    loaded.map_err(|e| {
+                        if llama_errors.is_empty() {
+                            e
+                        } else {
+                            llama_errors.join("; ")
+                        }
+                    })
+                },
+            )?;
+            let raw_ctx = crate::backend::llama::lora::context_pointer(&model, &ctx)?;
+            tracing::info!(mmproj = %path.display(), "vision projector loaded");
+            Some((std::sync::Arc::new(projector), raw_ctx))
+        }
+        None => None,
+    };
+    // The draft model (`--draft-model`) and its context: one sequence per slot, each slot's
+    // context as the model's.
+    let draft_model = match &config.draft_model {
+        Some(path) => Some(load_draft_model(backend, &model, config, path)?),
+        None => None,
+    };
+    let draft = match &draft_model {
+        Some(draft_model) => {
+            let params = LlamaContextParams::default()
+                .with_n_ctx(NonZeroU32::new(n_ctx))
+                .with_n_batch(config.batch_size)
+                .with_n_ubatch(config.batch_size)
+                .with_n_seq_max(parallel)
+                // Every cell kept, so that cutting back a rejected draft never loses cells a
+                // sliding window needs.
+                .with_swa_full(true)
+                .with_n_threads(threads)
+                .with_n_threads_batch(threads)
+                .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+                .with_type_k(kv_type)
+                .with_type_v(kv_type);
+            let (dctx, llama_errors) =
+                with_llama_errors(|| draft_model.new_context(backend, params));
+            let dctx = dctx.map_err(|e| {
+                let why = if llama_errors.is_empty() {
+                    e.to_string()
+                } else {
+                    llama_errors.join("; ")
+                };
+                format!("llama.cpp could not create the draft model's context: {why}")
+            })?;
+            Some(DraftEngine::new(draft_model, dctx, model.n_vocab()))
+        }
+        None => None,
+    };
+
+    let slot_ctx = (ctx.n_ctx() / parallel) as usize;
+    // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
+    // n_ctx is padded): a batch is never larger than what the context really takes.
+    let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
+    let mut info = model_info(&model, config, slot_ctx)?;
+    info.vision = vision.as_ref().map(|(projector, _)| {
+        std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
+            as std::sync::Arc<dyn crate::protocol::VisionModel>
+    });
+    for device in &info.devices.devices {
+        tracing::info!(
+            device = %device.name,
+            description = %device.description,
+            backend = %device.backend,
+            kind = ?device.kind,
+            memory_free = device.memory_free,
+            memory_total = device.memory_total,
+            "device"
+        );
+    }
+    tracing::info!(
+        backend = %info.devices.backend,
+        layers_offloaded = info.devices.layers_offloaded,
+        layers_total = info.devices.layers_total,
+        vram_bytes = info.devices.vram_bytes,
+        "model placement"
+    );
+    health.set_model_info(info);
+    let model: &LlamaModel = &model;
+    let embed_params = EmbedParams {
+        threads,
+        flash_attn: ctx_flash_attn(config.flash_attn),
+        pooled_by_model: model_has_pooling_type(model),
+    };
+    let engine = LlamaEngine::new(
+        model,
+        ctx,
+        slot_ctx,
+        batch,
+        backend,
+        embed_params,
+        config.swa_full,
+    )
+    .with_lora(lora)
+    .with_vision(vision)
+    .with_draft(draft);
+    tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
+    let recurrent = model.is_recurrent() || model.is_hybrid();
+    Ok(serve(engine, Loaded { recurrent }))
+}
+
+/// Times decode steps of 1, 2, ... `widths` positions (each with logits, as a drafted step has)
+/// in sequence 0, before any request: what a step costs by its width, in microseconds. The best
+/// of two rounds, after a step of the widest that warms up the graphs. None on a failure, or
+/// when fewer than two widths fit the batch or the slot.
+pub fn step_times(engine: &mut LlamaEngine<'_>, widths: usize) -> Option<Vec<u64>> {
+    let n = widths.min(engine.batch_capacity).min(engine.slot_ctx);
+    if n < 2 {
+        return None;
+    }
+    let vocab = engine.model.n_vocab().max(1);
+    let tokens: Vec<BatchToken> = (0..n)
+        .map(|i| BatchToken {
+            token: i32::try_from(i).unwrap_or(0) % vocab,
+            pos: u32::try_from(i).unwrap_or(0),
+            seq: 0,
+            logits: true,
+        })
+        .collect();
+    let mut time = |batch: &[BatchToken]| -> Option<u64> {
+        let started = std::time::Instant::now();
+        let ok = engine.decode(batch).is_ok();
+        let spent = started.elapsed();
+        engine.kv_truncate(0, 0);
+        ok.then(|| u64::try_from(spent.as_micros()).unwrap_or(u64::MAX))
+    };
+    time(&tokens)?;
+    let mut best = vec![u64::MAX; n];
+    for _ in 0..2 {
+        for (width, b) in best.iter_mut().enumerate() {
+            *b = (*b).min(time(&tokens[..=width])?);
+        }
+    }
+    Some(best)
+}
+
+/// The attention window of a model with sliding-window layers (the GGUF key
+/// `<arch>.attention.sliding_window`, which llama.cpp reads too), if it has one.
+pub(super) fn sliding_window(model: &LlamaModel) -> Option<usize> {
+    let arch = model.meta_val_str("general.architecture").ok()?;
+    let window = model
+        .meta_val_str(&format!("{arch}.attention.sliding_window"))
+        .ok()?;
+    window.trim().parse::<usize>().ok().filter(|&w| w > 0)
+}
+
+/// llama.cpp's description of its compute backends and the CPU features its kernels use.
+pub fn system_info() -> String {
+    // SAFETY: llama_print_system_info takes no arguments and returns a pointer to a
+    // NUL-terminated string in a static buffer of llama.cpp's (or null).
+    let p = unsafe { llama_cpp_sys_2::llama_print_system_info() };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null, NUL-terminated, and not freed while we copy it.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .trim()
+        .trim_end_matches('|')
+        .trim()
+        .to_string()
+}
+
+/// The vocabulary's fill-in-the-middle tokens; None unless it has all of prefix, suffix and
+/// middle (llama.cpp answers -1 for a token the vocabulary lacks).
+pub(super) fn fim_tokens(model: &LlamaModel) -> Option<crate::protocol::model::FimTokens> {
+    let vocab = model.vocab();
+    let known = |t: llama_cpp_2::token::LlamaToken| {
+        Some(t.0).filter(|&t| (0..model.n_vocab()).contains(&t))
+    };
+    Some(crate::protocol::model::FimTokens {
+        pre: known(vocab.fim_pre())?,
+        suf: known(vocab.fim_suf())?,
+        mid: known(vocab.fim_mid())?,
+        rep: known(vocab.fim_rep()),
+        sep: known(vocab.fim_sep()),
+    })
+}
+
+/// Describes the loaded model and picks its chat template.
+pub(super) fn model_info(
+    model: &std::sync::Arc<LlamaModel>,
+    config: &RunnerConfig,
+    slot_ctx: usize,
+) -> Result<ModelInfo, String> {
+    let file = std::fs::metadata(&config.model).ok();
+    let metadata = (0..model.meta_count())
+        .filter_map(|i| Some((model.meta_key_by_index(i).ok()?, i)))
+        .filter(|(key, _)| {
+            !key.starts_with("tokenizer.ggml.") && key.as_str() != "tokenizer.chat_template"
+        })
+        .filter_map(|(key, i)| Some((key, model.meta_val_str_by_index(i).ok()?)))
+        .collect();
+    let architecture = model
+        .meta_val_str("general.architecture")
+        .unwrap_or_default();
+    let quantization = model
+        .meta_val_str("general.file_type")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map_or("unknown", crate::protocol::file_type_name)
+        .to_string();
+    let text: std::sync::Arc<dyn TextModel> = std::sync::Arc::new(LlamaText(model.clone()));
+    Ok(ModelInfo {
+        path: config.model.clone(),
+        file_size: file.as_ref().map_or(0, std::fs::Metadata::len),
+        modified: file.and_then(|m| m.modified().ok()),
+        template: std::sync::Arc::new(chat_template(model, config, &architecture)?),
+        architecture,
+        n_params: model.n_params(),
+        n_ctx_train: model.n_ctx_train(),
+        n_embd: u32::try_from(model.n_embd()).unwrap_or(0),
+        n_layer: model.n_layer(),
+        n_vocab: u32::try_from(model.n_vocab()).unwrap_or(0),
+        slot_ctx,
+        quantization,
+        metadata,
+        bos: tokenize(model, "", true)
+            .ok()
+            .and_then(|t| t.first().copied())
+            .filter(|&t| t == model.vocab().bos().0),
+        eos: Some(model.vocab().eos().0).filter(|&t| (0..model.n_vocab()).contains(&t)),
+        system_info: system_info(),
+        constraints: crate::protocol::model::compiler_for(&text),
+        text,
+        vision: None,
+        fim: fim_tokens(model),
+        rerank: rerank_format(model),
+        devices: super::devices::facts(model, config.n_gpu_layers),
+    })
+}
+
+/// llama.cpp's `LLAMA_POOLING_TYPE_RANK`, as GGUF's `{arch}.pooling_type` writes it.
+pub(super) const POOLING_RANK: &str = "4";
+
+/// How the model pairs a query with a document, when its pooling is rank (a reranker); None
+/// for every other model. The markers are llama-server's (`format_prompt_rerank`).
+pub(super) fn rerank_format(model: &LlamaModel) -> Option<crate::protocol::model::RerankFormat> {
+    let arch = model.meta_val_str("general.architecture").ok()?;
+    let pooling = model.meta_val_str(&format!("{arch}.pooling_type")).ok()?;
+    if pooling.trim() != POOLING_RANK {
+        return None;
+    }
+    let vocab = model.vocab();
+    let known = |t: llama_cpp_2::token::LlamaToken| {
+        Some(t.0).filter(|&t| (0..model.n_vocab()).contains(&t))
+    };
+    // Read from the GGUF's metadata: llama-cpp-2 0.1.160's `chat_template(Some(name))`
+    // drops the name's CString before llama.cpp reads it (the pointer dangles; it found no
+    // template here).
+    let template = model.meta_val_str("tokenizer.chat_template.rerank").ok();
+    Some(crate::protocol::model::RerankFormat {
+        template,
+        bos: known(vocab.bos()).filter(|_| vocab.should_add_bos()),
+        eos: known(vocab.eos())
+            .or_else(|| known(vocab.sep()))
+            .filter(|_| vocab.should_add_eos()),
+        sep: known(vocab.sep()).filter(|_| vocab.should_add_sep()),
+    })
+}
+
+pub(super) fn ctx_flash_attn(policy: FlashAttn) -> llama_cpp_sys_2::llama_flash_attn_type {
+    match policy {
+        FlashAttn::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
+        FlashAttn::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        FlashAttn::Off => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }
+}
+
+/// Whether the GGUF names a pooling type (embedding models do; generative ones do not).
+pub(super) fn model_has_pooling_type(model: &LlamaModel) -> bool {
+    model
+        .meta_val_str("general.architecture")
+        .is_ok_and(|arch| model.meta_val_str(&format!("{arch}.pooling_type")).is_ok())
+}
+
+pub(super) fn kv_cache_type(name: &str) -> KvCacheType {
+    match name {
+        "q8_0" => KvCacheType::Q8_0,
+        "q4_0" => KvCacheType::Q4_0,
+        _ => KvCacheType::F16,
+    }
+}

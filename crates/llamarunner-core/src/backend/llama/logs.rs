@@ -1,0 +1,83 @@
+//! llama.cpp's log, captured around a call so that a failed load can say why.
+
+/// Runs `f` and returns, besides its result, the ERROR messages llama.cpp logged meanwhile on
+/// this thread, so that a failed model load can say why. Every event still reaches the
+/// process's subscriber as usual.
+pub(super) fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    use std::sync::{Arc, Mutex};
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::subscriber::Interest;
+    use tracing::{Event, Level, Metadata};
+
+    struct Tee {
+        inner: tracing::Dispatch,
+        errors: Arc<Mutex<Vec<String>>>,
+    }
+    struct Message(String);
+    impl Visit for Message {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if field.name() == "message" {
+                self.0 = value.trim().to_string();
+            }
+        }
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" && self.0.is_empty() {
+                self.0 = format!("{value:?}").trim().to_string();
+            }
+        }
+    }
+    impl tracing::Subscriber for Tee {
+        fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+            self.inner.register_callsite(metadata);
+            Interest::sometimes()
+        }
+        fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+            *metadata.level() == Level::ERROR || self.inner.enabled(metadata)
+        }
+        fn new_span(&self, span: &Attributes<'_>) -> Id {
+            self.inner.new_span(span)
+        }
+        fn record(&self, span: &Id, values: &Record<'_>) {
+            self.inner.record(span, values);
+        }
+        fn record_follows_from(&self, span: &Id, follows: &Id) {
+            self.inner.record_follows_from(span, follows);
+        }
+        fn event(&self, event: &Event<'_>) {
+            if *event.metadata().level() == Level::ERROR {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                if !message.0.is_empty() {
+                    if let Ok(mut errors) = self.errors.lock() {
+                        errors.push(message.0);
+                    }
+                }
+            }
+            if self.inner.enabled(event.metadata()) {
+                self.inner.event(event);
+            }
+        }
+        fn enter(&self, span: &Id) {
+            self.inner.enter(span);
+        }
+        fn exit(&self, span: &Id) {
+            self.inner.exit(span);
+        }
+        fn clone_span(&self, id: &Id) -> Id {
+            self.inner.clone_span(id)
+        }
+        fn try_close(&self, id: Id) -> bool {
+            self.inner.try_close(id)
+        }
+    }
+
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let tee = Tee {
+        inner: tracing::dispatcher::get_default(Clone::clone),
+        errors: errors.clone(),
+    };
+    let out = tracing::subscriber::with_default(tee, f);
+    let errors = errors.lock().map(|e| e.clone()).unwrap_or_default();
+    (out, errors)
+}

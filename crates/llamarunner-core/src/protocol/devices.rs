@@ -1,0 +1,121 @@
+//! Where a model runs: the compute devices llama.cpp found, their memory, and how many of the
+//! model's layers (and bytes of weights) went to a GPU. The backend (`backend/llama/devices.rs`)
+//! fills it once at load; `/props`, Ollama's `/api/ps` (`size_vram`) and `/metrics` read it.
+
+use serde::Serialize;
+
+/// What kind of device llama.cpp says it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// The host's CPU.
+    #[default]
+    Cpu,
+    /// A discrete GPU.
+    Gpu,
+    /// A GPU that shares the host's memory.
+    IntegratedGpu,
+    /// An accelerator that runs beside the CPU (BLAS, AMX, ...).
+    Accelerator,
+    /// A type this build does not know.
+    Unknown,
+}
+
+impl DeviceKind {
+    /// Whether model layers are offloaded to it (llama.cpp offloads to GPUs only).
+    pub fn is_gpu(self) -> bool {
+        matches!(self, Self::Gpu | Self::IntegratedGpu)
+    }
+}
+
+/// One compute device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Device {
+    /// llama.cpp's name for it ("CPU", "CUDA0", "Vulkan0").
+    pub name: String,
+    /// What it is ("NVIDIA H200", the CPU's model name).
+    pub description: String,
+    /// The backend that drives it ("CPU", "CUDA", "Vulkan").
+    pub backend: String,
+    /// Its kind.
+    pub kind: DeviceKind,
+    /// Free memory in bytes, when the model was loaded.
+    pub memory_free: u64,
+    /// Total memory in bytes.
+    pub memory_total: u64,
+}
+
+/// The devices of a loaded model and what it placed on them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DeviceFacts {
+    /// The backend that runs the model's offloaded layers; "CPU" when none is offloaded.
+    pub backend: String,
+    /// Every device llama.cpp found, the CPU included.
+    pub devices: Vec<Device>,
+    /// Layers placed on GPUs, of `layers_total`.
+    pub layers_offloaded: u32,
+    /// The model's layers as llama.cpp offloads them: its blocks and the output layer.
+    pub layers_total: u32,
+    /// Bytes of the model's weights on GPUs: the weights' size in proportion to the layers
+    /// offloaded (llama.cpp does not report it per device through the bindings).
+    pub vram_bytes: u64,
+}
+
+impl DeviceFacts {
+    /// A model on the CPU alone (the fake backend's, and a build without GPU backends).
+    pub fn cpu_only(layers_total: u32) -> Self {
+        Self {
+            backend: "CPU".into(),
+            devices: vec![Device {
+                name: "CPU".into(),
+                backend: "CPU".into(),
+                ..Device::default()
+            }],
+            layers_offloaded: 0,
+            layers_total,
+            vram_bytes: 0,
+        }
+    }
+
+    /// Layers a load with `n_gpu_layers` (-1: all) puts on GPUs, with `gpus` GPU devices and
+    /// `layers_total` layers (llama.cpp's rule: none without a GPU, else at most every layer).
+    pub fn offloaded(n_gpu_layers: i32, gpus: usize, layers_total: u32) -> u32 {
+        if gpus == 0 {
+            return 0;
+        }
+        u32::try_from(n_gpu_layers).map_or(layers_total, |n| n.min(layers_total))
+    }
+
+    /// The GPU share of `model_bytes` with `offloaded` of `total` layers there.
+    pub fn share(model_bytes: u64, offloaded: u32, total: u32) -> u64 {
+        if total == 0 {
+            return 0;
+        }
+        let bytes = u128::from(model_bytes) * u128::from(offloaded) / u128::from(total);
+        u64::try_from(bytes).unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceFacts;
+
+    #[test]
+    fn no_gpu_offloads_nothing_and_all_means_every_layer() {
+        assert_eq!(DeviceFacts::offloaded(-1, 0, 19), 0);
+        assert_eq!(DeviceFacts::offloaded(99, 0, 19), 0);
+        assert_eq!(DeviceFacts::offloaded(-1, 1, 19), 19);
+        assert_eq!(DeviceFacts::offloaded(99, 2, 19), 19);
+        assert_eq!(DeviceFacts::offloaded(7, 1, 19), 7);
+        assert_eq!(DeviceFacts::offloaded(0, 1, 19), 0);
+    }
+
+    #[test]
+    fn the_gpu_share_is_proportional_to_the_layers() {
+        assert_eq!(DeviceFacts::share(1000, 0, 10), 0);
+        assert_eq!(DeviceFacts::share(1000, 10, 10), 1000);
+        assert_eq!(DeviceFacts::share(1000, 5, 10), 500);
+        assert_eq!(DeviceFacts::share(u64::MAX, 3, 3), u64::MAX);
+        assert_eq!(DeviceFacts::share(1000, 1, 0), 0);
+    }
+}
