@@ -78,7 +78,7 @@ pub struct RunnerConfig {
     /// given, applies to requests that name none; `POST /lora-adapters` changes it).
     pub lora: Vec<crate::protocol::LoraSpec>,
     /// Vision projector GGUF (`--mmproj`), loaded with the model: requests may then carry
-    /// images (`engine/vision.rs`).
+    /// images (`protocol/vision.rs`).
     pub mmproj: Option<PathBuf>,
     /// Share cached prefixes between users (forking, `kv::choose_slot_multiuser` with
     /// `sched::MIN_SHARE_GAIN`), instead of one user's cache per slot; on by default.
@@ -93,7 +93,7 @@ pub struct RunnerConfig {
     pub swa_full: bool,
     /// Checkpoints of the sliding-window cells kept per slot (`--ctx-checkpoints`): a
     /// sequence cut back, or a shared prefix forked, goes back to the last one before the cut
-    /// instead of decoding the whole prompt again (`sched/checkpoints.rs`); 0 = none. Only
+    /// instead of decoding the whole prompt again (`kv/checkpoints.rs`); 0 = none. Only
     /// models with sliding-window layers and no `swa_full` take them, within the `cache_ram`
     /// budget.
     pub ctx_checkpoints: i64,
@@ -530,19 +530,6 @@ impl RunnerConfig {
         })
     }
 
-    /// The scheduler's speculation settings.
-    pub fn speculation(&self) -> crate::sched::speculative::SpecConfig {
-        let n = |v: u32| usize::try_from(v).unwrap_or(usize::MAX);
-        crate::sched::speculative::SpecConfig {
-            draft_max: n(self.draft_max),
-            draft_min: n(self.draft_min),
-            ngram: n(self.spec_ngram),
-            cost: crate::sched::adaptive::StepCost::FREE,
-            measure: false,
-            always: self.draft_always,
-        }
-    }
-
     /// Decoding threads, resolving 0 to the number of available cores.
     pub fn effective_threads(&self) -> u32 {
         if self.threads > 0 {
@@ -625,8 +612,6 @@ mod tests {
             let err = check(max, min, ngram).unwrap_err();
             assert!(err.contains(name), "{max} {min} {ngram}: {err}");
         }
-        let spec = RunnerConfig::default().speculation();
-        assert_eq!((spec.draft_max, spec.draft_min, spec.ngram), (16, 1, 6));
     }
 
     #[test]

@@ -4,10 +4,10 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::engine::Engine;
 use llamarunner_core::http::AppState;
 use llamarunner_core::protocol::EngineHandle;
 use llamarunner_core::routes::router;
-use llamarunner_core::sched::Scheduler;
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -16,7 +16,7 @@ use common::{open_stream, post_to};
 
 fn app(config: FakeConfig) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
-    std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
+    std::thread::spawn(move || Engine::with_backend(FakeBackend::new(config), 2, inbox).run());
     while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
         std::thread::yield_now();
     }

@@ -6,13 +6,13 @@ use std::io::Cursor;
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use base64::Engine;
+use base64::Engine as _;
 use llamarunner_core::backend::fake::FakeVision;
 use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::engine::Engine;
 use llamarunner_core::http::AppState;
 use llamarunner_core::protocol::EngineHandle;
 use llamarunner_core::routes::router;
-use llamarunner_core::sched::Scheduler;
 use serde_json::{json, Value};
 
 mod common;
@@ -32,7 +32,7 @@ fn app_with(config: FakeConfig) -> (axum::Router, EngineHandle) {
         max_positions: config.batch_capacity,
     }));
     handle.health.set_model_info(info);
-    std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
+    std::thread::spawn(move || Engine::with_backend(FakeBackend::new(config), 2, inbox).run());
     while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
         std::thread::yield_now();
     }

@@ -8,12 +8,12 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::engine::Engine;
 use llamarunner_core::http::metrics::Metrics;
 use llamarunner_core::http::middleware::HttpPolicy;
 use llamarunner_core::http::AppState;
 use llamarunner_core::protocol::{EngineHandle, LoadState};
 use llamarunner_core::routes::router;
-use llamarunner_core::sched::Scheduler;
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -21,7 +21,7 @@ use tower::ServiceExt;
 fn app_with(config: FakeConfig, policy: HttpPolicy) -> (axum::Router, EngineHandle) {
     let metrics = Arc::new(Metrics::new("fake", 256).unwrap());
     let (handle, inbox) = EngineHandle::with_observer(8, metrics.clone());
-    std::thread::spawn(move || Scheduler::new(FakeBackend::new(config), inbox, 2).run());
+    std::thread::spawn(move || Engine::with_backend(FakeBackend::new(config), 2, inbox).run());
     while handle.health.state() != LoadState::Ready {
         std::thread::yield_now();
     }

@@ -10,11 +10,11 @@ use axum::body::Body;
 use axum::http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use llamarunner_core::backend::fake::{FakeBackend, FakeConfig};
+use llamarunner_core::engine::Engine;
 use llamarunner_core::http::middleware::HttpPolicy;
 use llamarunner_core::http::AppState;
 use llamarunner_core::protocol::{EngineHandle, LoadState};
 use llamarunner_core::routes::router;
-use llamarunner_core::sched::Scheduler;
 use llamarunner_core::{Runner, RunnerConfig};
 use serde_json::Value;
 use tower::ServiceExt;
@@ -25,7 +25,7 @@ use tower::ServiceExt;
 fn guarded(policy: HttpPolicy) -> (axum::Router, EngineHandle) {
     let (handle, inbox) = EngineHandle::new(8);
     std::thread::spawn(move || {
-        Scheduler::new(FakeBackend::new(FakeConfig::default()), inbox, 2).run()
+        Engine::with_backend(FakeBackend::new(FakeConfig::default()), 2, inbox).run()
     });
     while handle.health.state() != LoadState::Ready {
         std::thread::yield_now();
@@ -470,7 +470,7 @@ async fn the_default_limit_is_8_mib_not_axums_2_mb() {
 fn runner(config: RunnerConfig, fake: FakeConfig) -> Runner {
     let config = RunnerConfig { port: 0, ..config };
     let runner = Runner::start_with(&config, move |inbox| {
-        Scheduler::new(FakeBackend::new(fake), inbox, 2).run()
+        Engine::with_backend(FakeBackend::new(fake), 2, inbox).run()
     })
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

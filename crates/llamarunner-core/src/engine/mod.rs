@@ -1,9 +1,14 @@
-//! The engine: the one OS thread that owns a `Backend` and the `Scheduler` and runs the loop.
-//! The backend is loaded here (llama.cpp, `backend/llama/`), the drafting policy fitted to it
-//! (a step's cost by width, measured before any request), and the scheduler serves the inbox
-//! until the runner stops.
+//! The engine: the one OS thread that owns a `Backend` and the `Scheduler` and runs the loop
+//! (`event_loop.rs`: messages, slot-file actions, embeddings between steps in
+//! `embeddings.rs`). The backend is loaded here (llama.cpp, `backend/llama/`), the drafting
+//! policy fitted to it (a step's cost by width, measured before any request), and the engine
+//! serves the inbox until the runner stops.
 
+mod embeddings;
+mod event_loop;
 pub mod step_cost_cache;
+
+pub use event_loop::Engine;
 
 #[cfg(feature = "llama")]
 use crate::backend::llama;
@@ -30,15 +35,17 @@ pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
                 llama::step_times(&mut backend, widths)
             })
         });
-        Scheduler::new(backend, inbox, config.parallel as usize)
+        let observer = inbox.observer.clone();
+        let queue = inbox.queue.clone();
+        let sched = Scheduler::new(backend, config.parallel as usize, observer, queue)
             .with_multiuser_cache(config.multiuser_cache)
             .with_prompt_cache(config.cache_ram_bytes())
             .with_checkpoints(
                 usize::try_from(config.ctx_checkpoints).unwrap_or(0),
                 config.cache_ram_bytes(),
             )
-            .with_speculation(speculation)
-            .run();
+            .with_speculation(speculation);
+        Engine::new(sched, inbox).run();
     });
     if let Err(message) = served {
         // The log names the file in full; `/health`, which anyone may read, names only the
@@ -60,7 +67,7 @@ fn speculation(
     recurrent: bool,
     step_times: impl FnOnce(usize) -> Option<Vec<u64>>,
 ) -> SpecConfig {
-    let configured = config.speculation();
+    let configured = configured_speculation(config);
     if recurrent {
         if configured.draft_max > 0 {
             tracing::info!(
@@ -82,5 +89,33 @@ fn speculation(
         cost,
         measure: true,
         ..configured
+    }
+}
+
+/// The drafting settings as configured (`--draft-max`, `--draft-min`, `--spec-ngram`,
+/// `--draft-always`), before they are fitted to the model.
+pub fn configured_speculation(
+    config: &crate::config::RunnerConfig,
+) -> crate::sched::speculative::SpecConfig {
+    let n = |v: u32| usize::try_from(v).unwrap_or(usize::MAX);
+    crate::sched::speculative::SpecConfig {
+        draft_max: n(config.draft_max),
+        draft_min: n(config.draft_min),
+        ngram: n(config.spec_ngram),
+        cost: crate::sched::adaptive::StepCost::FREE,
+        measure: false,
+        always: config.draft_always,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::RunnerConfig;
+
+    #[test]
+    fn the_default_drafting_settings() {
+        let spec = super::configured_speculation(&RunnerConfig::default());
+        assert_eq!((spec.draft_max, spec.draft_min, spec.ngram), (16, 1, 6));
+        assert!(!spec.measure && !spec.always);
     }
 }

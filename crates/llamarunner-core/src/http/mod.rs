@@ -1,8 +1,9 @@
 //! HTTP plumbing under every route: the request policy (`middleware.rs`: auth, hosts, origins,
 //! body limits), request ids and the access log (`access.rs`), the Prometheus registry
 //! (`metrics.rs`), the mapping of errors to statuses and dialect shapes (`error.rs`), the 404
-//! and 405 answers (`fallback.rs`) and the state every handler reaches (`state.rs`). It knows no
-//! route: `routes.rs` at the crate root assembles them.
+//! and 405 answers (`fallback.rs`), the state every handler reaches (`state.rs`), and the server
+//! itself (`server.rs`: binding, the accept loop, its thread) under a runner and a router alike.
+//! It knows no route: `routes.rs` at the crate root assembles them.
 
 pub mod access;
 pub mod error;
@@ -10,6 +11,7 @@ pub mod fallback;
 pub mod metrics;
 pub mod middleware;
 pub mod response_store;
+pub mod server;
 pub mod state;
 pub mod ui;
 

@@ -1,6 +1,13 @@
-//! KV-cache slot rules, as pure functions over token lists: which slot a prompt takes, how much
-//! of its cache is reused, how a too-long prompt is truncated and how much a full slot discards
-//! when it shifts. The scheduler applies them; nothing here touches llama.cpp.
+//! Every cached state's bookkeeping, with nothing of llama.cpp: the slot rules here, as pure
+//! functions over token lists (which slot a prompt takes, how much of its cache is reused, how a
+//! too-long prompt is truncated and how much a full slot discards when it shifts), and the tiers
+//! below the slots, over one least-recently-used store of states (`state_store.rs`): the
+//! host-memory prompt cache (`prompt_cache.rs`) and the sliding-window checkpoints
+//! (`checkpoints.rs`). The scheduler applies them (`sched/cache_tiers.rs`).
+
+pub mod checkpoints;
+pub mod prompt_cache;
+pub mod state_store;
 
 use crate::protocol::vision::is_image_continuation;
 use crate::protocol::Token;
@@ -138,7 +145,7 @@ pub fn shift_discard(ctx: usize, keep: usize, len: usize) -> usize {
 }
 
 /// The longest prefix of `tokens` of at most `len` tokens that does not end inside an image
-/// (`engine::vision`): `len`, or the start of the image it would cut.
+/// (`protocol::vision`): `len`, or the start of the image it would cut.
 pub fn image_boundary_before(tokens: &[Token], len: usize) -> usize {
     let mut len = len.min(tokens.len());
     while len > 0 && len < tokens.len() && is_image_continuation(tokens[len]) {

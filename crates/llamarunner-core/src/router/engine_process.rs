@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use super::proxy;
+use super::engine_client;
 
 /// The environment variable that carries an engine's configuration (JSON `RunnerConfig`).
 pub const CONFIG_ENV: &str = "LLAMARUNNER_ENGINE_CONFIG";
@@ -104,7 +104,7 @@ impl EngineProcess {
                         break Exit { asked: true, error: "unloaded".into() };
                     }
                     _ = poll.tick(), if !ready => {
-                        match proxy::engine_health(port, &key).await {
+                        match engine_client::engine_health(port, &key).await {
                             Some((true, _, _)) => {
                                 ready = true;
                                 let _ = tx.send(Event::Ready(port)).await;

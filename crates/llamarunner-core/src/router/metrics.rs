@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
-use super::proxy;
+use super::engine_client;
 use super::registry::{Registry, Status};
 
 /// The content type of Prometheus's text format.
@@ -21,7 +21,9 @@ pub async fn handler(State(registry): State<Arc<Registry>>) -> Response {
     for model in registry.models() {
         if let Status::Loaded { port } = model.status() {
             // A model that dies or is unloaded during the scrape is left out of it.
-            if let Some(text) = proxy::engine_get(port, registry.engine_key(), "/metrics").await {
+            if let Some(text) =
+                engine_client::engine_get(port, registry.engine_key(), "/metrics").await
+            {
                 texts.push(text);
             }
         }

@@ -5,7 +5,8 @@
 //! - `registry.rs`: the models and their states; loading on demand (once), `--models-max`
 //!   (least recently used idle model out), keep-alive expiry, leases held by running requests;
 //! - `engine_process.rs`: starting and following one engine process;
-//! - `proxy.rs`: a request to the engine and its streamed answer back;
+//! - `engine_client.rs`: the HTTP client to an engine (requests, its `/health`, `/metrics`);
+//! - `proxy.rs`: a request forwarded under its lease, and its streamed answer back;
 //! - `front.rs`: the front's routes (listings, `/models/load|unload`, `/health`) and the
 //!   forwarding of everything else.
 //!
@@ -13,6 +14,7 @@
 //! engines accept only the router's own key. With one model and none of these flags there is
 //! no router: `Runner` serves the model directly.
 
+pub mod engine_client;
 pub mod engine_process;
 pub mod estimate;
 mod front;
@@ -20,17 +22,13 @@ mod metrics;
 pub mod proxy;
 pub mod registry;
 
-use std::net::TcpListener;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tokio::sync::watch;
 
 use crate::config::{ConfigError, RunnerConfig};
-use crate::http::middleware::HttpPolicy;
-use crate::runner::{serve_http, ConnLimits, StartError};
+use crate::http::server::{serve_http, ConnLimits, ServerThread, StartError};
 use registry::Registry;
 
 /// One model a router serves.
@@ -124,8 +122,7 @@ impl RouterConfig {
 pub struct ModelRouter {
     url: String,
     registry: Arc<Registry>,
-    stop_http: Option<watch::Sender<bool>>,
-    http_thread: Option<JoinHandle<()>>,
+    http: ServerThread,
 }
 
 impl ModelRouter {
@@ -133,22 +130,9 @@ impl ModelRouter {
     pub fn start(config: RouterConfig) -> Result<Self, StartError> {
         config.validate()?;
         let front = &config.front;
-        let addr = format!("{}:{}", front.host, front.port);
-        let listener = TcpListener::bind(&addr).map_err(|source| StartError::Bind {
-            addr: addr.clone(),
-            source,
-        })?;
-        listener.set_nonblocking(true)?;
-        let local = listener.local_addr()?;
-        let loopback = local.ip().is_loopback();
-        let policy = Arc::new(HttpPolicy::from_config(front, loopback)?);
-        if !loopback && !policy.requires_key() {
-            tracing::warn!(
-                "listening on {local}, which is not a loopback address, without an API key: \
-                 anyone who can reach this port can use the models (set --api-key)"
-            );
-        }
-        let url = crate::runner::base_url(local);
+        let bound = crate::http::server::bind(front, "the models")?;
+        let url = bound.url.clone();
+        let policy = Arc::new(bound.policy);
         // At most 100 years: an idle clock's end must fit an Instant and a SystemTime.
         let keep_alive = (config.keep_alive >= 0.0)
             .then(|| Duration::from_secs_f64(config.keep_alive.min(100.0 * 365.0 * 86400.0)));
@@ -166,18 +150,12 @@ impl ModelRouter {
             load_timeout,
         );
         let app = front::router(registry.clone(), policy, !front.no_metrics);
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("llamarunner-router")
-            .enable_all()
-            .build()?;
-        let (stop_tx, stop_rx) = watch::channel(false);
         let limits = ConnLimits::new(front);
         let for_thread = registry.clone();
-        let http_thread = std::thread::Builder::new()
-            .name("llamarunner-router-main".into())
-            .spawn(move || {
-                runtime.block_on(async {
+        let listener = bound.listener;
+        let http =
+            ServerThread::spawn("llamarunner-router", Duration::from_secs(2), move |stop| {
+                async move {
                     let reaper = {
                         let registry = for_thread.clone();
                         tokio::spawn(async move {
@@ -189,23 +167,18 @@ impl ModelRouter {
                         })
                     };
                     let registry = for_thread.clone();
-                    serve_http(listener, app, limits, stop_rx, move || {
-                        registry.unload_all()
-                    })
-                    .await;
+                    serve_http(listener, app, limits, stop, move || registry.unload_all()).await;
                     reaper.abort();
                     for_thread.unload_all();
                     // Let the kills reach the processes.
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                });
-                runtime.shutdown_timeout(Duration::from_secs(2));
+                }
             })?;
         tracing::info!(%url, models = config.models.len(), "listening (model router)");
         Ok(Self {
             url,
             registry,
-            stop_http: Some(stop_tx),
-            http_thread: Some(http_thread),
+            http,
         })
     }
 
@@ -222,12 +195,7 @@ impl ModelRouter {
     /// Stops serving: the port closes, running requests get `shutdown_timeout` to finish, the
     /// engines are stopped.
     pub fn stop(&mut self) {
-        if let Some(tx) = self.stop_http.take() {
-            let _ = tx.send(true);
-        }
-        if let Some(t) = self.http_thread.take() {
-            let _ = t.join();
-        }
+        self.http.stop();
     }
 }
 

@@ -1,6 +1,5 @@
-//! Passing a request to a model's engine process and its answer back, streamed as it comes.
-//! One HTTP/1 connection per request to a loopback port (a connect there costs tens of
-//! microseconds). An engine that dies mid-answer ends the stream with an error line in the
+//! Passing a request to a model's engine process under its lease, and its answer back,
+//! streamed as it comes (the connection itself: `engine_client.rs`). An engine that dies mid-answer ends the stream with an error line in the
 //! dialect's shape, never a silent cut. A client that stops taking its answer gives up the
 //! model's lease after `CLIENT_STALL_LIMIT`, so it cannot keep the model loaded for ever.
 
@@ -11,13 +10,12 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::http::header::{self, HeaderName, HeaderValue};
 use axum::http::request::Parts;
-use axum::http::{Request, StatusCode};
+use axum::http::Request;
 use axum::response::Response;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use serde_json::json;
 
+use super::engine_client;
 use super::registry::Lease;
 use crate::http::error::{ApiError, Dialect};
 
@@ -109,62 +107,6 @@ const NOT_FORWARDED: [HeaderName; 8] = [
     header::PROXY_AUTHORIZATION,
 ];
 
-async fn send(port: u16, request: Request<Full<Bytes>>) -> Result<Response<Incoming>, String> {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .map_err(|e| format!("cannot reach the model's engine: {e}"))?;
-    let _ = tcp.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("cannot reach the model's engine: {e}"))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "engine connection ended with an error");
-        }
-    });
-    sender
-        .send_request(request)
-        .await
-        .map_err(|e| format!("the model's engine did not answer: {e}"))
-}
-
-/// A GET of `path` on the engine: its status and body; None when it does not answer within
-/// 2 s.
-async fn get(port: u16, key: &str, path: &str) -> Option<(StatusCode, Bytes)> {
-    let request = Request::get(path)
-        .header(header::HOST, format!("127.0.0.1:{port}"))
-        .header(header::AUTHORIZATION, format!("Bearer {key}"))
-        .body(Full::new(Bytes::new()))
-        .ok()?;
-    tokio::time::timeout(std::time::Duration::from_secs(2), async {
-        let response = send(port, request).await.ok()?;
-        let status = response.status();
-        let body = response.into_body().collect().await.ok()?.to_bytes();
-        Some((status, body))
-    })
-    .await
-    .ok()?
-}
-
-/// The engine's `/health`: (ready, progress, error); None when it does not answer yet.
-pub async fn engine_health(port: u16, key: &str) -> Option<(bool, f32, Option<String>)> {
-    let (status, body) = get(port, key, "/health").await?;
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-    let progress = v["progress"].as_f64().unwrap_or(0.0) as f32;
-    let error = v["error"].as_str().map(str::to_string);
-    Some((
-        status == StatusCode::OK && v["status"] == "ready",
-        progress,
-        error,
-    ))
-}
-
-/// The body of a 200 answer to a GET of `path` on the engine, as text.
-pub async fn engine_get(port: u16, key: &str, path: &str) -> Option<String> {
-    let (status, body) = get(port, key, path).await?;
-    (status == StatusCode::OK).then(|| String::from_utf8_lossy(&body).into_owned())
-}
-
 /// A request its engine did not answer (no response head came): the lease it had, and why.
 pub struct Unanswered {
     /// The lease on the engine that did not answer.
@@ -204,7 +146,7 @@ pub async fn forward(
         Ok(r) => r,
         Err(e) => return Ok(dialect.respond(ApiError::invalid(format!("cannot forward: {e}")))),
     };
-    let response = match send(lease.port, request).await {
+    let response = match engine_client::send(lease.port, request).await {
         Ok(r) => r,
         Err(error) => return Err(Unanswered { lease, error }),
     };

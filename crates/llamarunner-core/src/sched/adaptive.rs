@@ -33,7 +33,7 @@ pub const MEASURED_WIDTHS: usize = 17;
 /// What a decode step costs by its width (positions that have their logits computed, as every
 /// position of a step of generating sequences and their drafts has): the times measured at load
 /// (microseconds) of steps of 1, 2, ... `len` positions. Measured by the llama.cpp backend at
-/// load (`engine/llama.rs`).
+/// load (`backend/llama/load.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepCost {
     us: [u32; MEASURED_WIDTHS],

@@ -44,7 +44,7 @@ impl<B: Backend> Scheduler<B> {
     /// Drafts with the draft model for the generating sequences placed in this step's batch
     /// (`placed` of them), within `budget` batch places; returns the places used.
     pub(super) fn place_model_drafts(&mut self, budget: usize, placed: usize) -> usize {
-        // A slot holding image positions (`engine::vision`) does not draft: the draft model
+        // A slot holding image positions (`protocol::vision`) does not draft: the draft model
         // has no projector to decode them with.
         let lengths = self.draft_lengths(budget, placed, false, |i, max, s| {
             if s.slots[i].cached.iter().any(|&t| t < 0) {

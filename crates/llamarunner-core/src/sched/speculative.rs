@@ -206,7 +206,7 @@ impl<B: Backend> Scheduler<B> {
                 return (0, 0);
             };
             let shared = propose(&slot.cached, last, ngram, max, &mut seq.spec.draft);
-            // Image positions (`engine::vision`) are no tokens to draft.
+            // Image positions (`protocol::vision`) are no tokens to draft.
             if let Some(cut) = seq.spec.draft.iter().position(|&t| t < 0) {
                 seq.spec.draft.truncate(cut);
             }
@@ -283,7 +283,7 @@ impl<B: Backend> Scheduler<B> {
             seq.spec.accepted += accepted;
             self.step_accepted += accepted;
             seq.spec.adapt.record(seq.spec.class, draft.len(), accepted);
-            self.inbox.observer.speculated(draft.len(), accepted);
+            self.observer.speculated(draft.len(), accepted);
             if accepted < draft.len() && !self.backend.kv_truncate(slot.id, slot.cached.len()) {
                 // The cache lost cells the next position needs (a sliding window): decode
                 // what the slot held again, as after a context shift that cannot be done in

@@ -1,5 +1,5 @@
 //! Images in the loop, against the fake backend: an image's positions hold synthetic ids
-//! derived from its hash (`engine::vision`), the fake's next token depends on them as on text,
+//! derived from its hash (`protocol::vision`), the fake's next token depends on them as on text,
 //! and its KV bookkeeping asserts that no cut or shift ever falls inside an image.
 
 use super::*;

@@ -21,91 +21,52 @@
 //! scale set: one taken in one slot mends a fork into another, or a sequence that the prompt
 //! cache restored into another slot. The oldest unused one goes first beyond `max`.
 
+use super::state_store::{StateStore, Stored};
 use crate::protocol::{LoraScales, Token};
 
 /// One checkpoint: the windowed cells of a sequence that held exactly `tokens`.
-#[derive(Debug)]
-pub struct Checkpoint {
-    pub tokens: Vec<Token>,
-    pub lora: LoraScales,
-    pub state: Vec<u8>,
-    /// Last insert or use (LRU order).
-    tick: u64,
-}
+pub type Checkpoint = Stored;
 
-/// The checkpoints held, least recently used out first beyond `max`.
+/// The checkpoints held, least recently used out first beyond `max` or the byte budget.
 #[derive(Debug, Default)]
 pub struct Checkpoints {
-    entries: Vec<Checkpoint>,
-    max: usize,
-    /// Most bytes of state held.
-    budget: usize,
-    clock: u64,
-    bytes: usize,
+    store: StateStore,
 }
 
 impl Checkpoints {
     /// At most `max` checkpoints and `budget` bytes of them (either 0: none are taken).
     pub fn new(max: usize, budget: usize) -> Self {
         Self {
-            max,
-            budget,
-            ..Self::default()
+            store: StateStore::new(max, budget),
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.max > 0 && self.budget > 0
+        self.store.enabled()
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.store.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.store.is_empty()
     }
 
     /// Bytes of state held.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        self.store.bytes()
     }
 
     /// Keeps a checkpoint of a sequence holding `tokens` under `lora`. One with the same
     /// tokens and set is replaced (its cells are the same).
     pub fn insert(&mut self, tokens: Vec<Token>, lora: LoraScales, state: Vec<u8>) {
-        if !self.enabled() || tokens.is_empty() || state.is_empty() || state.len() > self.budget {
+        if !self.store.takes(&tokens, state.len()) {
             return;
         }
-        self.clock += 1;
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|c| c.lora == lora && c.tokens == tokens)
-        {
-            let old = self.entries.swap_remove(i);
-            self.bytes -= old.state.len();
-        }
-        while self.entries.len() >= self.max || self.bytes + state.len() > self.budget {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, c)| c.tick)
-                .map(|(i, _)| i)
-            else {
-                break;
-            };
-            let gone = self.entries.swap_remove(oldest);
-            self.bytes -= gone.state.len();
-        }
-        self.bytes += state.len();
-        self.entries.push(Checkpoint {
-            tokens,
-            lora,
-            state,
-            tick: self.clock,
-        });
+        self.store
+            .remove_where(|c| c.lora == lora && c.tokens == tokens);
+        self.store.push(tokens, lora, state);
     }
 
     /// The longest checkpoint, at most `at_most` tokens long, of a sequence that began as
@@ -118,7 +79,8 @@ impl Checkpoints {
     ) -> Option<&Checkpoint> {
         let limit = at_most.min(prompt.len());
         let i = self
-            .entries
+            .store
+            .entries()
             .iter()
             .enumerate()
             .filter(|(_, c)| {
@@ -126,10 +88,7 @@ impl Checkpoints {
             })
             .max_by_key(|(_, c)| c.tokens.len())
             .map(|(i, _)| i)?;
-        self.clock += 1;
-        let entry = &mut self.entries[i];
-        entry.tick = self.clock;
-        Some(entry)
+        Some(self.store.touch(i))
     }
 }
 

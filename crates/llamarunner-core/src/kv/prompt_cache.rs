@@ -27,18 +27,11 @@
 //! less than the window. A deeper cut is refused by the backend's window check (`kv_truncate`),
 //! and that prompt is decoded in full, as it would be without the cache.
 
+use super::state_store::{StateStore, Stored};
 use crate::protocol::{LoraScales, Token};
 
 /// A stored sequence.
-#[derive(Debug)]
-pub struct Entry {
-    pub tokens: Vec<Token>,
-    pub lora: LoraScales,
-    /// The backend's state of the sequence (`Backend::seq_state`).
-    pub state: Vec<u8>,
-    /// Last use, by the cache's clock (smaller is older).
-    tick: u64,
-}
+pub type Entry = Stored;
 
 /// The cache's counters since start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,10 +51,7 @@ pub struct CacheStats {
 /// Sequences' states in RAM, within a byte budget.
 #[derive(Debug, Default)]
 pub struct PromptCache {
-    budget: usize,
-    used: usize,
-    entries: Vec<Entry>,
-    clock: u64,
+    store: StateStore,
     stats: CacheStats,
 }
 
@@ -79,27 +69,27 @@ impl PromptCache {
     /// A cache of at most `budget` bytes; 0 turns it off.
     pub fn new(budget: usize) -> Self {
         Self {
-            budget,
-            ..Self::default()
+            store: StateStore::new(MAX_ENTRIES, budget),
+            stats: CacheStats::default(),
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.budget > 0
+        self.store.enabled()
     }
 
     /// Bytes held.
     pub fn used(&self) -> usize {
-        self.used
+        self.store.bytes()
     }
 
     /// Entries held.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.store.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.store.is_empty()
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -115,7 +105,7 @@ impl PromptCache {
         beyond: usize,
     ) -> Option<(usize, usize)> {
         let mut best: Option<(usize, usize)> = None;
-        for (i, e) in self.entries.iter().enumerate() {
+        for (i, e) in self.store.entries().iter().enumerate() {
             if &e.lora != lora {
                 continue;
             }
@@ -129,17 +119,16 @@ impl PromptCache {
 
     /// Takes entry `index` out (to restore it); counts `saves` prompt tokens not decoded.
     pub fn take(&mut self, index: usize, saves: usize) -> Entry {
-        let entry = self.entries.swap_remove(index);
-        self.used -= entry.state.len();
         self.stats.restored += 1;
         self.stats.restored_tokens += saves as u64;
-        entry
+        self.store.take(index)
     }
 
     /// Whether storing `tokens` under `lora` would add nothing: an entry holds them or a
     /// continuation of them.
     pub fn covers(&self, tokens: &[Token], lora: &LoraScales) -> bool {
-        self.entries
+        self.store
+            .entries()
             .iter()
             .any(|e| &e.lora == lora && e.tokens.starts_with(tokens))
     }
@@ -148,43 +137,15 @@ impl PromptCache {
     /// recently used ones until it fits. Returns whether it was stored (not when it is larger
     /// than the whole budget, or empty).
     pub fn insert(&mut self, tokens: Vec<Token>, lora: LoraScales, state: Vec<u8>) -> bool {
-        if tokens.is_empty() || state.is_empty() || state.len() > self.budget {
+        if !self.store.takes(&tokens, state.len()) {
             return false;
         }
-        let before = self.entries.len();
-        let mut freed = 0;
-        self.entries.retain(|e| {
-            let superseded = e.lora == lora && tokens.starts_with(&e.tokens);
-            if superseded {
-                freed += e.state.len();
-            }
-            !superseded
-        });
-        self.used -= freed;
-        self.stats.superseded += (before - self.entries.len()) as u64;
-        while self.used + state.len() > self.budget || self.entries.len() >= MAX_ENTRIES {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.tick)
-                .map(|(i, _)| i)
-            else {
-                break;
-            };
-            let gone = self.entries.swap_remove(oldest);
-            self.used -= gone.state.len();
-            self.stats.evicted += 1;
-        }
-        self.clock += 1;
-        self.used += state.len();
+        let superseded = self
+            .store
+            .remove_where(|e| e.lora == lora && tokens.starts_with(&e.tokens));
+        self.stats.superseded += superseded as u64;
+        self.stats.evicted += self.store.push(tokens, lora, state) as u64;
         self.stats.stored += 1;
-        self.entries.push(Entry {
-            tokens,
-            lora,
-            state,
-            tick: self.clock,
-        });
         true
     }
 }

@@ -1,0 +1,341 @@
+//! One step: the batch is built (generating sequences' next tokens first, then prompt chunks
+//! round robin within the remaining budget, one LoRA scale set per batch), images decoded,
+//! the batch decoded, and every sequence whose logits came out sampled.
+
+use super::*;
+
+impl<B: Backend> Scheduler<B> {
+    /// The LoRA scale set whose sequences decode this step (`lora.rs`); remembered as the last
+    /// one that ran.
+    pub(super) fn lora_turn(&mut self) -> LoraScales {
+        let ready = self.slots.iter().filter_map(|s| {
+            s.seq
+                .as_ref()
+                .filter(|q| {
+                    if q.phase == Phase::Decode {
+                        !q.paused()
+                    } else {
+                        !q.pending.is_empty()
+                    }
+                })
+                .map(|q| &q.lora)
+        });
+        let turn = lora::next_turn(ready, self.last_lora.as_ref()).unwrap_or_default();
+        self.last_lora = Some(turn.clone());
+        turn
+    }
+
+    /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
+    /// robin within the remaining budget. Who gets a place rotates (fairness when places are
+    /// scarce); the tokens are then laid out in ascending slot order, because with one KV
+    /// stream per sequence llama.cpp puts into one micro-batch only sequences whose ids follow
+    /// each other in batch order: a rotated order ([2, 3, 0, 1]) would cost two passes over the
+    /// weights instead of one.
+    pub(super) fn build_batch(&mut self) {
+        self.batch.clear();
+        let capacity = self.backend.batch_capacity().max(1);
+        let n = self.slots.len();
+        let turn = self.lora_turn();
+        // When generating sequences outnumber the batch places, one place stays for prompt
+        // chunks, so that a waiting prompt is never starved by decode tokens.
+        let prompt_waiting = self.slots.iter().any(|s| {
+            s.seq.as_ref().is_some_and(|q| {
+                q.phase != Phase::Decode && !q.pending.is_empty() && q.lora == turn
+            })
+        });
+        let decode_places = if prompt_waiting {
+            capacity - 1
+        } else {
+            capacity
+        };
+        // Who gets places, and how many.
+        let mut placed = 0;
+        let first = self.next_decode;
+        for k in 0..n {
+            let i = (first + k) % n;
+            let Some(seq) = self.slots[i].seq.as_mut() else {
+                continue;
+            };
+            seq.queued = 0;
+            seq.image_queued = 0;
+            seq.logits_at = None;
+            if seq.phase == Phase::Decode
+                && !seq.paused()
+                && placed < decode_places
+                && seq.lora == turn
+            {
+                // Next step starts after the last sequence that got a place.
+                self.next_decode = (i + 1) % n;
+                seq.queued = 1;
+                placed += 1;
+            }
+        }
+        // Drafts of the sequences placed, within the places kept for decode tokens, unless
+        // drafts have not paid lately at this many sequences (`payoff`).
+        self.step_placed = placed;
+        let budget = if self.drafts_pay(placed) {
+            decode_places.saturating_sub(placed)
+        } else {
+            0
+        };
+        placed += self.place_drafts(budget, placed);
+        let start = self.next_prompt;
+        let mut prompt_placed = 0;
+        for k in 0..n {
+            if placed >= capacity {
+                break;
+            }
+            let i = (start + k) % n;
+            let Some(seq) = self.slots[i].seq.as_mut() else {
+                continue;
+            };
+            // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
+            if seq.phase == Phase::Decode || seq.pending.is_empty() || seq.lora != turn {
+                continue;
+            }
+            let image = leading_image(&seq.pending);
+            if image > 0 {
+                // An image is decoded whole, in a call of its own before the batch
+                // (`decode_images`), and counts against the budget as a prompt chunk of its
+                // size would. It waits for a step with room for it unless it is the step's
+                // first prompt chunk, so it is never starved.
+                if placed + image > capacity && prompt_placed > 0 {
+                    continue;
+                }
+                seq.image_queued = image;
+                placed += image;
+                prompt_placed += image;
+                self.next_prompt = (i + 1) % n;
+                continue;
+            }
+            // Text up to the next image (a llama.cpp batch holds tokens or embeddings).
+            let text = seq
+                .pending
+                .iter()
+                .position(|&t| is_image_token(t))
+                .unwrap_or(seq.pending.len());
+            seq.queued = (capacity - placed).min(text);
+            placed += seq.queued;
+            prompt_placed += seq.queued;
+            self.next_prompt = (i + 1) % n;
+        }
+        self.batch_lora = Some(turn);
+        // The tokens, in slot order; logits for a decode token and a prompt's last token.
+        for slot in &mut self.slots {
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let base = slot.cached.len();
+            for (j, &token) in seq.pending[..seq.queued].iter().enumerate() {
+                let logits = seq.phase == Phase::Decode || j + 1 == seq.pending.len();
+                if logits {
+                    seq.logits_at = Some(self.batch.len());
+                }
+                self.batch.push(BatchToken {
+                    token,
+                    pos: pos_of(base + j),
+                    seq: slot.id,
+                    logits,
+                });
+            }
+            // Drafted tokens follow the sequence's next token, each with its logits.
+            for (j, &token) in seq.spec.draft.iter().enumerate() {
+                self.batch.push(BatchToken {
+                    token,
+                    pos: pos_of(base + seq.queued + j),
+                    seq: slot.id,
+                    logits: true,
+                });
+            }
+        }
+    }
+
+    pub(super) fn step(&mut self) -> StepOutcome {
+        // Output held for slow clients goes first; a client that left frees its slot here.
+        let now = Instant::now();
+        for index in 0..self.slots.len() {
+            self.flush_outbox(index);
+            if let Some(seq) = self.slots[index].seq.as_mut() {
+                seq.paused_since = match (seq.paused(), seq.paused_since) {
+                    (false, _) => None,
+                    (true, None) => Some(now),
+                    (true, since) => since,
+                };
+            }
+        }
+        let step_started = Instant::now();
+        self.step_accepted = 0;
+        self.build_batch();
+        let images = self.decode_images();
+        let mut outcome = StepOutcome {
+            images,
+            stalled: self.batch.is_empty() && !images && self.slots.iter().any(|s| s.seq.is_some()),
+            ..StepOutcome::default()
+        };
+        if self.batch.is_empty() {
+            return outcome;
+        }
+        let started = Instant::now();
+        let lora = self.batch_lora.take().unwrap_or_default();
+        if let Err(e) = self
+            .backend
+            .set_lora(&lora)
+            .and_then(|()| self.backend.decode(&self.batch))
+        {
+            tracing::error!(error = %e, tokens = self.batch.len(), "decode failed");
+            self.fail_batch(&e.to_string());
+            outcome.failed = true;
+            return outcome;
+        }
+        self.decodes += 1;
+        let now = Instant::now();
+        let decoded = now - started;
+        // For the step's trace line: what the cost model expected, and the drafted positions.
+        let expected_us = self.step_cost.time(self.batch.len());
+        let drafted: usize = self
+            .slots
+            .iter()
+            .filter_map(|s| s.seq.as_ref())
+            .map(|seq| seq.spec.draft.len())
+            .sum();
+        // Only steps of generating sequences (every position with logits) say what a width
+        // costs, and whether drafts paid: a prompt chunk's positions cost less.
+        let all_logits = self.batch.iter().all(|t| t.logits);
+        if self.speculation.measure && all_logits {
+            let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
+            self.step_cost.observe(self.batch.len(), us);
+        }
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let prompt_chunk = seq.phase == Phase::Prefill && seq.queued > 0;
+            slot.cached.extend(seq.pending.drain(..seq.queued));
+            seq.queued = 0;
+            if prompt_chunk {
+                self.checkpoint(index);
+            }
+            let Some(seq) = self.slots[index].seq.as_mut() else {
+                continue;
+            };
+            let Some(at) = seq.logits_at.take() else {
+                continue;
+            };
+            if seq.prompt_done.is_none() {
+                seq.prompt_done = Some(now);
+            }
+            if let Some(reason) = self.sample_drafted(index, at, now) {
+                self.finish(index, reason);
+            } else {
+                self.flush_outbox(index);
+            }
+        }
+        if self.step_judged && !images && all_logits {
+            let us = u64::try_from(step_started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let tokens = self.step_placed + self.step_accepted;
+            self.payoff.observe(self.step_placed, drafted, tokens, us);
+        }
+        tracing::trace!(
+            tokens = self.batch.len(),
+            outputs = self.batch.iter().filter(|t| t.logits).count(),
+            drafted,
+            decode_us = decoded.as_micros(),
+            expected_us = expected_us.round() as u64,
+            sample_us = now.elapsed().as_micros(),
+            "step"
+        );
+        outcome.batch_tokens = self.batch.len();
+        outcome.outputs = self.batch.iter().filter(|t| t.logits).count();
+        outcome.drafted = drafted;
+        outcome
+    }
+
+    /// Decodes the images `build_batch` queued, each in a decode of its own, before the batch
+    /// (whose logits are the ones sampled after it). A prompt that ends with an image samples
+    /// its first token from the image's last position at once, before the next decode. A
+    /// failure ends that sequence only. Returns whether any image was decoded.
+    pub(super) fn decode_images(&mut self) -> bool {
+        let mut any = false;
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let n = std::mem::take(&mut seq.image_queued);
+            if n == 0 {
+                continue;
+            }
+            let first = seq.pending.first().copied();
+            let image = seq
+                .images
+                .iter()
+                .find(|im| Some(im.token(0)) == first && im.n_tokens == n)
+                .cloned();
+            let lora = seq.lora.clone();
+            let (id, pos) = (slot.id, slot.cached.len());
+            // The prompt ends with this image: its last position's logits are sampled.
+            let logits = seq.pending.len() == n;
+            let result = match image {
+                Some(image) => {
+                    let backend = &mut self.backend;
+                    seq.span.in_scope(|| {
+                        backend
+                            .set_lora(&lora)
+                            .and_then(|()| backend.decode_image(id, pos, &image, logits))
+                    })
+                }
+                None => Err(BackendError::Decode(
+                    "an image position without its image (scheduler bug)".into(),
+                )),
+            };
+            match result {
+                Ok(()) => {
+                    any = true;
+                    slot.cached.extend(seq.pending.drain(..n));
+                    if logits {
+                        let now = Instant::now();
+                        if seq.prompt_done.is_none() {
+                            seq.prompt_done = Some(now);
+                        }
+                        if let Some(reason) = self.sample_drafted(index, n - 1, now) {
+                            self.finish(index, reason);
+                        } else {
+                            self.flush_outbox(index);
+                        }
+                    }
+                }
+                Err(e) => {
+                    seq.span.in_scope(|| {
+                        tracing::error!(error = %e, slot = id, positions = n, "image decode failed");
+                    });
+                    let err = EngineError::new(
+                        EngineErrorKind::Internal,
+                        format!("the image could not be decoded: {e}"),
+                    );
+                    let _ = seq.events.try_send(Event::Error(err));
+                    slot.seq = None;
+                    self.backend.kv_truncate(id, 0);
+                    slot.cached.clear();
+                }
+            }
+        }
+        any
+    }
+
+    /// A decode failed: every sequence in the batch gets the error and its slot is cleared.
+    pub(super) fn fail_batch(&mut self, message: &str) {
+        let in_batch: Vec<i32> = self.batch.iter().map(|t| t.seq).collect();
+        for slot in &mut self.slots {
+            if !in_batch.contains(&slot.id) {
+                continue;
+            }
+            if let Some(seq) = slot.seq.take() {
+                let err = EngineError::new(EngineErrorKind::Internal, message);
+                let _ = seq.events.try_send(Event::Error(err));
+            }
+            self.backend.kv_truncate(slot.id, 0);
+            slot.cached.clear();
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! Output and back-pressure: a sequence's text goes to its client's bounded channel when
+//! there is room; a client that does not read pauses its sequence; a finished sequence's last
+//! events wait in `draining` for a full channel.
+
+use super::*;
+
+impl<B: Backend> Scheduler<B> {
+    /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.
+    pub(super) fn flush_outbox(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        let Some(seq) = slot.seq.as_mut() else {
+            return;
+        };
+        if seq.outbox.is_empty() {
+            return;
+        }
+        // Entries go with the text that completes their tokens; a token still held back (a
+        // possible stop string) keeps its entry for later.
+        let complete = seq
+            .text
+            .tokens_returned()
+            .saturating_sub(seq.logprobs_sent)
+            .min(seq.outbox_logprobs.len());
+        let event = Event::Text {
+            text: std::mem::take(&mut seq.outbox),
+            logprobs: seq.outbox_logprobs.drain(..complete).collect(),
+        };
+        match seq.events.try_send(event) {
+            Ok(()) => seq.logprobs_sent += complete,
+            Err(TrySendError::Full(Event::Text { text, logprobs })) => {
+                seq.outbox = text;
+                seq.outbox_logprobs.splice(..0, logprobs);
+            }
+            Err(_) => slot.seq = None,
+        }
+    }
+
+    /// Ends the sequence in slot `index`: flushes held text and sends the final statistics.
+    pub(super) fn finish(&mut self, index: usize, reason: DoneReason) {
+        let Some(mut seq) = self.slots[index].seq.take() else {
+            return;
+        };
+        let now = Instant::now();
+        let prompt_done = seq.prompt_done.unwrap_or(now);
+        seq.outbox.push_str(&seq.text.finish());
+        let mut events = VecDeque::new();
+        if !seq.outbox.is_empty() {
+            // Tokens of a stop string were not returned: their entries go too.
+            let returned = seq.text.tokens_returned().saturating_sub(seq.logprobs_sent);
+            seq.outbox_logprobs.truncate(returned);
+            events.push_back(Event::Text {
+                text: std::mem::take(&mut seq.outbox),
+                logprobs: std::mem::take(&mut seq.outbox_logprobs),
+            });
+        }
+        events.push_back(Event::Done(Completion {
+            done_reason: reason,
+            prompt_eval_count: seq.n_prompt,
+            prompt_cached_count: seq.n_cached,
+            queue_duration_ns: nanos(seq.admitted.saturating_duration_since(seq.received)),
+            prompt_eval_duration_ns: nanos(prompt_done - seq.admitted),
+            eval_count: seq.n_generated,
+            eval_duration_ns: nanos(now - prompt_done),
+            truncated: seq.truncated,
+            draft_count: seq.spec.drafted,
+            draft_accepted_count: seq.spec.accepted,
+            stop_string: seq.text.stopped_by().map(str::to_string),
+        }));
+        self.slots[index].last_used = Some(std::time::SystemTime::now());
+        self.send_all(seq.events, events);
+    }
+
+    /// Sends events in order, parking the rest when the channel is full.
+    pub(super) fn send_all(&mut self, tx: Sender<Event>, mut events: VecDeque<Event>) {
+        while let Some(ev) = events.pop_front() {
+            match tx.try_send(ev) {
+                Ok(()) => {}
+                Err(TrySendError::Full(ev)) => {
+                    events.push_front(ev);
+                    self.draining.push((tx, events));
+                    return;
+                }
+                Err(TrySendError::Closed(_)) => return,
+            }
+        }
+    }
+
+    pub(super) fn flush_draining(&mut self) {
+        for (tx, events) in std::mem::take(&mut self.draining) {
+            self.send_all(tx, events);
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! `POST /slots/{id}`: a slot's cache saved to, restored from or erased for a slot file,
+//! between steps.
+
+use super::*;
+
+impl<B: Backend> Scheduler<B> {
+    /// Saves, restores or erases the cache of slot `index` (`POST /slots/{id}`). Runs between
+    /// steps, so no batch is in flight; a slot serving a request is refused.
+    pub fn slot_action(
+        &mut self,
+        index: usize,
+        action: SlotAction,
+    ) -> Result<SlotOutcome, EngineError> {
+        let total = self.slots.len();
+        let slot = self.slots.get_mut(index).ok_or_else(|| {
+            EngineError::new(
+                EngineErrorKind::SlotNotFound,
+                format!("no slot {index}: this server has slots 0..{total}"),
+            )
+        })?;
+        if slot.seq.is_some() {
+            return Err(EngineError::new(
+                EngineErrorKind::SlotBusy,
+                format!("slot {index} is serving a request; retry when it is idle"),
+            ));
+        }
+        match action {
+            SlotAction::Save if slot.cached.iter().any(|&t| is_image_token(t)) => {
+                // A slot file records token ids; an image's positions have no id another
+                // server could check or decode again.
+                Err(EngineError::new(
+                    EngineErrorKind::InvalidRequest,
+                    format!(
+                        "slot {index} holds image positions, which a slot file cannot record; \
+                         erase the slot or save one without images"
+                    ),
+                ))
+            }
+            SlotAction::Save => {
+                let state = self
+                    .backend
+                    .seq_state(slot.id)
+                    .map_err(|e| EngineError::new(EngineErrorKind::Internal, e.to_string()))?;
+                Ok(SlotOutcome::Saved {
+                    tokens: slot.cached.clone(),
+                    state,
+                    lora: slot.lora.clone(),
+                })
+            }
+            SlotAction::Restore {
+                tokens,
+                state,
+                lora,
+            } => {
+                let ctx = self.backend.slot_ctx();
+                if tokens.len() > ctx {
+                    return Err(EngineError::new(
+                        EngineErrorKind::ContextLength,
+                        format!(
+                            "the saved cache holds {} tokens, a slot {ctx}",
+                            tokens.len()
+                        ),
+                    ));
+                }
+                let restored = self.backend.set_seq_state(slot.id, &state);
+                // The scheduler's record must be exactly what the cache holds: anything else
+                // (an error, or a state whose cell count is not its token count) leaves the
+                // slot empty.
+                let why = match restored {
+                    Ok(n) if n == tokens.len() => None,
+                    Ok(n) => Some(format!(
+                        "the saved state holds {n} positions but names {} tokens",
+                        tokens.len()
+                    )),
+                    Err(e) => Some(e.to_string()),
+                };
+                slot.cached.clear();
+                if let Some(why) = why {
+                    self.backend.kv_truncate(slot.id, 0);
+                    return Err(EngineError::new(
+                        EngineErrorKind::InvalidSlotState,
+                        format!("llama.cpp could not restore the slot's cache: {why}"),
+                    ));
+                }
+                slot.cached = tokens;
+                slot.lora = lora;
+                slot.last_used = Some(std::time::SystemTime::now());
+                self.clock += 1;
+                slot.last_tick = self.clock;
+                Ok(SlotOutcome::Restored(slot.cached.len()))
+            }
+            SlotAction::Erase => {
+                let n = slot.cached.len();
+                self.backend.kv_truncate(slot.id, 0);
+                slot.cached.clear();
+                Ok(SlotOutcome::Erased(n))
+            }
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Slot save, restore and erase (`POST /slots/{id}`), and the slot table.
+
+use super::*;
+
+use crate::protocol::{SlotAction, SlotOutcome, SlotPhase};
+
+/// Saves slot `slot` and returns its tokens and state.
+fn save(h: &Harness, slot: usize) -> (Vec<Token>, Vec<u8>) {
+    match h.slot(slot, SlotAction::Save) {
+        Ok(SlotOutcome::Saved { tokens, state, .. }) => (tokens, state),
+        other => panic!("save failed: {other:?}"),
+    }
+}
+
+#[test]
+fn a_restored_slot_serves_the_same_prefix_from_its_cache_after_a_restart() {
+    let prompt = "a long system prompt, then a question";
+    let first = Harness::new(FakeConfig::default(), 2);
+    let (text, done) = collect(&mut first.submit(prompt, greedy(6)));
+    assert_eq!(done.prompt_cached_count, 0);
+    let cached = first.settled_slot(0).cached_tokens;
+    let (tokens, state) = save(&first, 0);
+    // The cache holds the prompt (with BOS) and every generated token but the last.
+    assert_eq!(tokens.len(), cached);
+    assert_eq!(tokens.len(), 1 + prompt.len() + 5);
+    assert_eq!(tokens[0], BOS);
+    drop(first);
+
+    // A new engine (a restarted server): restore into slot 1, so that reuse proves the
+    // restore (slot 0 is as empty as slot 1 was).
+    let second = Harness::new(FakeConfig::default(), 2);
+    let n = tokens.len();
+    assert_eq!(
+        second.slot(
+            1,
+            SlotAction::Restore {
+                tokens,
+                state,
+                lora: LoraScales::base(),
+            }
+        ),
+        Ok(SlotOutcome::Restored(n))
+    );
+    assert_eq!(second.settled_slot(1).cached_tokens, n);
+    let (again, done) = collect(&mut second.submit(prompt, greedy(6)));
+    // Every prompt token but the last (re-decoded for logits) came from the restored cache,
+    // and the fake's output, a hash of the KV it holds, is the same.
+    assert_eq!(done.prompt_cached_count, done.prompt_eval_count - 1);
+    assert_eq!(done.prompt_eval_count, 1 + prompt.len());
+    assert_eq!(again, text);
+    // A longer prompt that starts with the saved one reuses all of it.
+    let longer = format!("{prompt}{text} and more");
+    let (_, done) = collect(&mut second.submit(&longer, greedy(2)));
+    assert_eq!(done.prompt_cached_count, n);
+}
+
+#[test]
+fn erase_empties_the_slot_so_nothing_is_reused() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let (_, _) = collect(&mut h.submit("erase me", greedy(3)));
+    let cached = h.settled_slot(0).cached_tokens;
+    assert!(cached > 0);
+    assert_eq!(
+        h.slot(0, SlotAction::Erase),
+        Ok(SlotOutcome::Erased(cached))
+    );
+    assert_eq!(h.settled_slot(0).cached_tokens, 0);
+    let (text, done) = collect(&mut h.submit("erase me", greedy(3)));
+    assert_eq!(done.prompt_cached_count, 0);
+    assert_eq!(text, expected("erase me", 3));
+    let (tokens, state) = save(&h, 0);
+    assert!(!tokens.is_empty() && state.len() == 4 * tokens.len());
+}
+
+#[test]
+fn busy_and_unknown_slots_are_refused_and_the_running_request_is_untouched() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 100_000,
+            decode_delay: Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        2,
+    );
+    let mut rx = h.submit("busy", greedy(200));
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    // The request holds slot 0 (the lowest free one).
+    for action in [
+        SlotAction::Save,
+        SlotAction::Erase,
+        SlotAction::Restore {
+            tokens: vec![],
+            state: vec![],
+            lora: LoraScales::base(),
+        },
+    ] {
+        let err = h.slot(0, action).unwrap_err();
+        assert_eq!(err.kind, EngineErrorKind::SlotBusy, "{err}");
+    }
+    let err = h.slot(2, SlotAction::Erase).unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::SlotNotFound);
+    assert!(err.message.contains("0..2"), "{err}");
+    // The free slot can be saved meanwhile.
+    assert!(h.slot(1, SlotAction::Save).is_ok());
+    let mut text = String::new();
+    loop {
+        match rx.blocking_recv().expect("the stream ends with Done") {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Done(c) => {
+                assert_eq!(c.eval_count, 200);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(text, expected("busy", 200));
+}
+
+#[test]
+fn a_state_the_backend_refuses_leaves_the_slot_empty_and_the_engine_serving() {
+    let h = Harness::new(FakeConfig::default(), 1);
+    let (_, _) = collect(&mut h.submit("kept", greedy(3)));
+    let (tokens, state) = save(&h, 0);
+    for (tokens, state, why) in [
+        // Not a whole number of cells.
+        (tokens.clone(), vec![1, 2, 3], "whole number"),
+        // Cells that do not match the tokens named.
+        (
+            tokens.clone(),
+            state[..state.len() - 4].to_vec(),
+            "positions",
+        ),
+    ] {
+        let err = h
+            .slot(
+                0,
+                SlotAction::Restore {
+                    tokens,
+                    state,
+                    lora: LoraScales::base(),
+                },
+            )
+            .unwrap_err();
+        assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
+        assert!(err.message.contains(why), "{err}");
+        assert_eq!(h.settled_slot(0).cached_tokens, 0);
+        let (text, done) = collect(&mut h.submit("kept", greedy(3)));
+        assert_eq!(done.prompt_cached_count, 0);
+        assert_eq!(text, expected("kept", 3));
+    }
+    let too_many = vec![1; 257];
+    let err = h
+        .slot(
+            0,
+            SlotAction::Restore {
+                tokens: too_many,
+                state: vec![0; 257 * 4],
+                lora: LoraScales::base(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::ContextLength);
+}
+
+#[test]
+fn the_slot_table_shows_what_each_request_is_doing() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 100_000,
+            decode_delay: Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        2,
+    );
+    let idle = h.settled_slot(1);
+    assert_eq!(idle.activity, crate::protocol::SlotActivity::default());
+    let mut rx = h.submit("watch this", greedy(100_000));
+    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    let mut received = 0;
+    while received < 5 {
+        if let Some(Event::Text { text, .. }) = rx.blocking_recv() {
+            received += text.len();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let busy = loop {
+        let table = h.handle.health.slot_table();
+        if let Some(s) = table
+            .iter()
+            .find(|s| s.busy && s.activity.generated_tokens >= 5)
+        {
+            break s.clone();
+        }
+        assert!(Instant::now() < deadline, "{table:?}");
+        std::thread::yield_now();
+    };
+    let a = &busy.activity;
+    assert_eq!(a.phase, SlotPhase::Decode);
+    assert_eq!(a.prompt_tokens, 1 + "watch this".len());
+    assert_eq!(a.prompt_processed_tokens, a.prompt_tokens);
+    assert_eq!(a.prompt_cached_tokens, 0);
+    assert!(!a.paused);
+    drop(rx);
+    assert_eq!(h.settled_slot(busy.id).activity.phase, SlotPhase::Idle);
+}
