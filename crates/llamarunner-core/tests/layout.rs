@@ -357,67 +357,374 @@ fn nothing_but_tests_and_the_fake_build_imports_the_fake_backend() {
     );
 }
 
-#[test]
-fn no_folders_import_each_other() {
-    let sources = sources();
-    let folders: BTreeSet<&str> = sources
+/// The crate's top-level modules: its folders and its root files (`config`, `runner`, ...).
+fn top_modules(sources: &[Source]) -> BTreeSet<&str> {
+    sources
         .iter()
-        .filter(|s| s.is_folder())
         .map(Source::module)
-        .collect();
-    // folder -> folder -> the first place that imports it
-    let mut edges: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
-    for (source, line, path) in imports(&sources) {
-        let to = path[0].as_str();
-        if !source.is_folder() || !folders.contains(to) || to == source.module() {
-            continue;
-        }
-        edges
-            .entry(source.module())
-            .or_default()
-            .entry(to.to_string())
-            .or_insert_with(|| format!("src/{}:{}", source.path, line.number));
-    }
-    // Any cycle, not only pairs: a depth-first search from each folder.
-    fn visit<'a>(
-        at: &'a str,
-        edges: &'a BTreeMap<&str, BTreeMap<String, String>>,
-        stack: &mut Vec<&'a str>,
-        done: &mut BTreeSet<&'a str>,
-        cycles: &mut Vec<String>,
+        .filter(|m| *m != "lib")
+        .collect()
+}
+
+/// A depth-first search for cycles in `edges` (node -> node -> where the edge is first seen);
+/// each cycle as its steps.
+fn cycles(edges: &BTreeMap<String, BTreeMap<String, String>>) -> Vec<String> {
+    fn visit(
+        at: &str,
+        edges: &BTreeMap<String, BTreeMap<String, String>>,
+        stack: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+        found: &mut Vec<String>,
     ) {
-        if let Some(i) = stack.iter().position(|f| *f == at) {
+        if let Some(i) = stack.iter().position(|f| f == at) {
             let cycle = &stack[i..];
             let steps: Vec<String> = cycle
                 .iter()
                 .enumerate()
                 .map(|(k, from)| {
-                    let to = cycle.get(k + 1).copied().unwrap_or(at);
-                    format!("{from}/ -> {to}/ (at {})", edges[from][to])
+                    let to = cycle.get(k + 1).map_or(at, String::as_str);
+                    format!("{from} -> {to} (at {})", edges[from][to])
                 })
                 .collect();
-            cycles.push(steps.join(", "));
+            found.push(steps.join(", "));
             return;
         }
-        if !done.insert(at) {
+        if !done.insert(at.to_string()) {
             return;
         }
-        stack.push(at);
+        stack.push(at.to_string());
         if let Some(next) = edges.get(at) {
             for to in next.keys() {
-                visit(to, edges, stack, done, cycles);
+                visit(to, edges, stack, done, found);
             }
         }
         stack.pop();
     }
-    let mut cycles = Vec::new();
+    let mut found = Vec::new();
     let mut done = BTreeSet::new();
-    for folder in &folders {
-        visit(folder, &edges, &mut Vec::new(), &mut done, &mut cycles);
+    for node in edges.keys() {
+        visit(node, edges, &mut Vec::new(), &mut done, &mut found);
+    }
+    found
+}
+
+#[test]
+fn no_top_level_modules_import_each_other_root_files_included() {
+    // Root files are nodes too: `config.rs` and `routes.rs` sit below the folders that read
+    // them, `runner.rs` above everything; none may be imported back by what it imports.
+    let sources = sources();
+    let modules = top_modules(&sources);
+    let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for (source, line, path) in imports(&sources) {
+        let to = path[0].as_str();
+        if !modules.contains(to) || to == source.module() {
+            continue;
+        }
+        edges
+            .entry(source.module().to_string())
+            .or_default()
+            .entry(to.to_string())
+            .or_insert_with(|| format!("src/{}:{}", source.path, line.number));
+    }
+    let found = cycles(&edges);
+    assert!(
+        found.is_empty(),
+        "top-level modules that import each other:\n{}",
+        found.join("\n")
+    );
+}
+
+/// The sibling files a line of `folder/file.rs` names: `super::x`, `crate::folder::x` and
+/// (in a `mod.rs`) `x::` where `x` is a file of the folder.
+fn sibling_refs(line: &str, folder: &str, own: &str, siblings: &BTreeSet<String>) -> Vec<String> {
+    let mut named = Vec::new();
+    let mut heads: Vec<String> = Vec::new();
+    for path in crate_paths(line) {
+        if path.len() >= 2 && path[..path.len() - 1].join("/") == folder {
+            heads.push(path[path.len() - 1].clone());
+        }
+        let parts: Vec<&str> = folder.split('/').collect();
+        if path.len() > parts.len() && path.iter().zip(&parts).all(|(a, b)| a == b) {
+            heads.push(path[parts.len()].clone());
+        }
+    }
+    let mut rest = line;
+    while let Some(at) = rest.find("super::") {
+        rest = &rest[at + "super::".len()..];
+        let end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        heads.push(rest[..end].to_string());
+    }
+    if own == "mod" {
+        for sibling in siblings {
+            if line.contains(&format!("{sibling}::")) {
+                heads.push(sibling.clone());
+            }
+        }
+    }
+    for head in heads {
+        if head != own && head != "mod" && siblings.contains(&head) && !named.contains(&head) {
+            named.push(head);
+        }
+    }
+    named
+}
+
+#[test]
+fn no_files_of_one_folder_import_each_other() {
+    // The files of a folder (its mod.rs aside: the folder's face, which its files build on)
+    // form no cycle.
+    let sources = sources();
+    let mut by_folder: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for source in &sources {
+        if let Some((folder, file)) = source.path.rsplit_once('/') {
+            if let Some(stem) = file.strip_suffix(".rs") {
+                by_folder
+                    .entry(folder.to_string())
+                    .or_default()
+                    .insert(stem.to_string());
+            }
+        }
+    }
+    let mut found = Vec::new();
+    for (folder, files) in &by_folder {
+        let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for source in &sources {
+            let Some((f, file)) = source.path.rsplit_once('/') else {
+                continue;
+            };
+            if f != folder || file == "mod.rs" {
+                continue;
+            }
+            let own = file.trim_end_matches(".rs");
+            for line in &source.lines {
+                for to in sibling_refs(&line.text, folder, own, files) {
+                    edges
+                        .entry(own.to_string())
+                        .or_default()
+                        .entry(to)
+                        .or_insert_with(|| format!("src/{}:{}", source.path, line.number));
+                }
+            }
+        }
+        for cycle in cycles(&edges) {
+            found.push(format!("{folder}/: {cycle}"));
+        }
     }
     assert!(
-        cycles.is_empty(),
-        "folders that import each other:\n{}",
-        cycles.join("\n")
+        found.is_empty(),
+        "files of one folder that import each other:\n{}",
+        found.join("\n")
     );
+}
+
+/// Lines a source file may have; the files still over it, each with why.
+const MAX_LINES: usize = 900;
+const OVER_MAX_LINES: &[(&str, &str)] = &[
+    (
+        "dialects/responses.rs",
+        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
+    ),
+    (
+        "dialects/openai.rs",
+        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
+    ),
+    (
+        "dialects/anthropic.rs",
+        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
+    ),
+    (
+        "router/registry.rs",
+        "the engine client is not yet apart from the forwarder (issue 39, step 5)",
+    ),
+];
+
+#[test]
+fn no_source_file_is_longer_than_the_limit() {
+    let root = src_dir();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let mut wrong = Vec::new();
+    let mut fixed = Vec::new();
+    for file in files {
+        let path = file
+            .strip_prefix(&root)
+            .expect("below src/")
+            .to_string_lossy()
+            .replace('\\', "/");
+        let n = fs::read_to_string(&file).expect("readable").lines().count();
+        let allowed = OVER_MAX_LINES.iter().any(|(p, _)| *p == path);
+        if n > MAX_LINES && !allowed {
+            wrong.push(format!("src/{path}: {n} lines"));
+        }
+        if n <= MAX_LINES && allowed {
+            fixed.push(format!(
+                "src/{path}: {n} lines (take it off OVER_MAX_LINES)"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty() && fixed.is_empty(),
+        "source files over {MAX_LINES} lines (split them by concern):\n{}",
+        wrong
+            .into_iter()
+            .chain(fixed)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Names a comment may put before `::` or `/` that are not this crate's modules: external
+/// crates, primitive types, llama.cpp's own source folders, media types.
+const FOREIGN_NAMES: &[&str] = &[
+    "std",
+    "core",
+    "alloc",
+    "axum",
+    "tokio",
+    "serde",
+    "serde_json",
+    "llama_cpp_2",
+    "llama_cpp_sys_2",
+    "llguidance",
+    "prometheus",
+    "tower",
+    "tower_http",
+    "hyper",
+    "minijinja",
+    "u64",
+    "u32",
+    "i32",
+    "usize",
+    "f32",
+    "tools",
+    "ggml",
+    "common",
+    "tests",
+    "benches",
+    "docs",
+    "python",
+    "llamarunner",
+    "image",
+    "text",
+    "application",
+    "crates",
+];
+
+/// The backticked module paths in a comment: `a::b`, `a/b.rs` or `a/`, as their segments.
+fn comment_paths(comment: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for (i, quoted) in comment.split('`').enumerate() {
+        if i % 2 == 0 || quoted.contains(' ') {
+            continue;
+        }
+        let sep = if quoted.contains("::") { "::" } else { "/" };
+        if !quoted.contains(sep) {
+            continue;
+        }
+        let segments: Vec<String> = quoted
+            .split(sep)
+            .map(|s| s.trim_end_matches(".rs").to_string())
+            .collect();
+        let first = &segments[0];
+        if !first.is_empty() && first.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+            out.push(segments);
+        }
+    }
+    out
+}
+
+#[test]
+fn comments_name_only_modules_that_exist() {
+    let root = src_dir();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let modules: BTreeSet<String> = fs::read_dir(&root)
+        .expect("src/")
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            Some(name.trim_end_matches(".rs").to_string())
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file).expect("readable");
+        let path = file.strip_prefix(&root).expect("below src/").to_path_buf();
+        let here = file.parent().expect("a folder").to_path_buf();
+        for (n, line) in text.lines().enumerate() {
+            let Some(at) = line.find("//") else {
+                continue;
+            };
+            for segments in comment_paths(&line[at..]) {
+                let first = segments[0].as_str();
+                if FOREIGN_NAMES.contains(&first) {
+                    continue;
+                }
+                // A file or folder beside this one (`draft.rs`, `llama/`) or below.
+                let local = here.join(first);
+                if local.is_dir() || local.with_extension("rs").is_file() {
+                    continue;
+                }
+                let exists = modules.contains(first) && {
+                    // The second segment, when it is a module (lowercase), exists there.
+                    match segments.get(1).map(String::as_str) {
+                        Some(second)
+                            if !second.is_empty()
+                                && second.chars().all(|c| c.is_ascii_lowercase() || c == '_') =>
+                        {
+                            let dir = root.join(first);
+                            dir.join(second).is_dir()
+                                || dir.join(second).with_extension("rs").is_file()
+                                || fs::read_to_string(dir.join("mod.rs"))
+                                    .is_ok_and(|m| m.contains(&format!("fn {second}")))
+                        }
+                        _ => true,
+                    }
+                };
+                if !exists {
+                    wrong.push(format!(
+                        "src/{}:{}: `{}`",
+                        path.display(),
+                        n + 1,
+                        segments.join("::")
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "comments that name modules that do not exist:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_comment_and_sibling_readers_find_what_they_should() {
+    assert_eq!(
+        comment_paths("// see `server::validate` and `sched/batch.rs`, not `a b::c` or `x`"),
+        vec![vec!["server", "validate"], vec!["sched", "batch"]]
+    );
+    let siblings: BTreeSet<String> = ["a", "b", "mod"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(
+        sibling_refs("use super::b::X;", "f", "a", &siblings),
+        vec!["b"]
+    );
+    assert_eq!(
+        sibling_refs("use crate::f::b;", "f", "a", &siblings),
+        vec!["b"]
+    );
+    assert!(sibling_refs("use super::*;", "f", "a", &siblings).is_empty());
+    assert!(sibling_refs("use super::a::Y;", "f", "a", &siblings).is_empty());
+    let edges: BTreeMap<String, BTreeMap<String, String>> = [("a", "b"), ("b", "c"), ("c", "a")]
+        .iter()
+        .map(|(f, t)| {
+            (
+                f.to_string(),
+                BTreeMap::from([(t.to_string(), "here".to_string())]),
+            )
+        })
+        .collect();
+    assert_eq!(cycles(&edges).len(), 1);
 }

@@ -47,7 +47,7 @@ struct CompletionRequest {
     shift: Option<bool>,
     #[serde(default, alias = "Truncate")]
     truncate: Option<bool>,
-    /// LoRA adapter scales, as llama-server's (`server/lora.rs`); also taken from `options`.
+    /// LoRA adapter scales, as llama-server's (`requests/lora.rs`); also taken from `options`.
     #[serde(default)]
     lora: Option<serde_json::Value>,
     /// Speculative decoding on or off for this request (also accepted in `options`).

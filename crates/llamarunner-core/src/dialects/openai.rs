@@ -83,7 +83,7 @@ struct OpenAiRequest {
     mirostat_eta: Option<f32>,
     ignore_eos: Option<bool>,
     grammar: Option<String>,
-    /// LoRA adapter scales, as llama-server's (`server/lora.rs`).
+    /// LoRA adapter scales, as llama-server's (`requests/lora.rs`).
     lora: Option<Value>,
     speculative: Option<bool>,
     /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).

@@ -83,7 +83,7 @@ impl AppState {
     }
 
     /// The same state saving and restoring slot files in `dir` (an existing directory;
-    /// `slots::prepare_dir` makes one).
+    /// `ops::slots::prepare_dir` makes one).
     pub fn with_slot_save_path(mut self, dir: Option<Arc<Path>>) -> Self {
         self.slot_save_path = dir;
         self

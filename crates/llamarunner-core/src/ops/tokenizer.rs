@@ -111,7 +111,7 @@ struct DetokenizeRequest {
 
 /// `POST /detokenize`: `{"tokens": [id]}` -> `{"content"}`, the pieces joined (special tokens
 /// as their text; bytes that are not UTF-8 become U+FFFD). Ids outside the vocabulary are a
-/// 400; at most `validate::max_detokenize_tokens` ids.
+/// 400; at most `requests::validate::max_detokenize_tokens` ids.
 pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let info = model_info(&state)?;
     let req: DetokenizeRequest = parse_json(&body)?;

@@ -1,5 +1,5 @@
 //! What travels between the HTTP side and the engine thread: requests, the events streamed back,
-//! final statistics and errors. Wire-neutral: each dialect in `server/` renders these its own way.
+//! final statistics and errors. Wire-neutral: each dialect in `dialects/` renders these its own way.
 
 use std::time::Instant;
 

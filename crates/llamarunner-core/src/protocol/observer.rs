@@ -1,5 +1,5 @@
 //! What the engine thread reports as it works, for the metrics: a narrow seam so that the
-//! engine knows nothing of Prometheus (`server/metrics.rs` implements it) and the scheduler's
+//! engine knows nothing of Prometheus (`http/metrics.rs` implements it) and the scheduler's
 //! tests run without it. Every call is made on the engine thread, between decode steps:
 //! implementations must be cheap (atomic updates) and must never block.
 

@@ -1,15 +1,15 @@
 //! Generation controls of one request, with the Ollama runner's names and defaults. A plain
-//! struct: the wire forms live in `server/` and `server::validate` checks every value before a
+//! struct: the wire forms live in `dialects/` and `requests::validate` checks every value before a
 //! request reaches the engine.
 
 /// Without `--max-tokens`, a request generates at most this many slot contexts' worth of tokens
-/// (with `num_predict` -1, or any larger number, which `server::validate` caps): a model stuck
+/// (with `num_predict` -1, or any larger number, which `requests::validate` caps): a model stuck
 /// in a loop with context shift, or a request for 2^31 tokens with `ignore_eos`, cannot hold its
 /// slot for good.
 pub const UNCAPPED_SLOT_CONTEXTS: usize = 10;
 
 /// Sampling and stopping parameters of one request, as the engine receives them: validated
-/// and clamped by `server::validate` (the wire form is `server::options::Options`).
+/// and clamped by `requests::validate` (the wire form is `requests::options::Options`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// Tokens to generate; -1 = until EOG or the slot is full.

@@ -1,6 +1,6 @@
 //! Images through a vision projector (`--mmproj`), as the engine and the HTTP side share them.
 //!
-//! The HTTP side decodes each image to RGB (`server/images.rs`), then the projector's
+//! The HTTP side decodes each image to RGB (`requests/images.rs`), then the projector's
 //! `VisionModel` tokenizes the prompt: text tokens, and for each image the positions it takes,
 //! with the projector's preprocessed input (`ImageChunk`) the engine encodes later. An image
 //! position is held in the token lists the scheduler and `kv/` work on (slot caches, prefix
@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::protocol::Token;
 
-/// One decoded image, ready for the projector (made by `server/images.rs`).
+/// One decoded image, ready for the projector (made by `requests/images.rs`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct ImageInput {
     /// Width in pixels.

@@ -294,7 +294,7 @@ pub fn split_prefill(mut messages: Vec<ChatMessage>) -> (Vec<ChatMessage>, Optio
 
 /// A generation that has its slot: the engine's events for it (text, then a final `Done` or
 /// `Error`), as a stream or one by one. The final statistics and errors that pass through are
-/// noted in the request's record (`server/access.rs`), which counts the outcome once, whatever
+/// noted in the request's record (`http/access.rs`), which counts the outcome once, whatever
 /// the dialect and whether the answer streams.
 #[derive(Debug)]
 pub struct Generation {

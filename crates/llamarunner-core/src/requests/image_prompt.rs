@@ -1,6 +1,6 @@
 //! Where a request's images go in its prompt, in each dialect, and their checks before the
-//! queue. The projector's tokenizer (`engine::VisionModel`) takes text in which one marker
-//! (`vision::DEFAULT_MARKER`, mtmd's) stands for each image, in order:
+//! queue. The projector's tokenizer (`protocol::VisionModel`) takes text in which one marker
+//! (`protocol::vision::DEFAULT_MARKER`, mtmd's) stands for each image, in order:
 //!
 //! - native `/completion`: `[img-N]` tags in the prompt name `images[].id` (the seed runner's
 //!   format); each tag becomes a marker;
@@ -9,7 +9,7 @@
 //!   and those left over go before its text, as Ollama places them; `/api/generate` also
 //!   takes `[img-N]` tags (N = the image's index).
 //!
-//! The images themselves are decoded (`server/images.rs`) on the blocking pool by
+//! The images themselves are decoded (`requests/images.rs`) on the blocking pool by
 //! `decode_images`, after the cheap checks: a server without a projector answers
 //! `images_not_supported` before anything is decoded.
 

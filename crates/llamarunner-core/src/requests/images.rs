@@ -1,7 +1,7 @@
 //! Images sent with a request, decoded to RGB8 for the vision projector.
 //!
 //! Pure functions, CPU-bound: the dialects call them on tokio's blocking pool
-//! (`server::validate::blocking`) before a request is queued, so the engine thread only ever
+//! (`requests::validate::blocking`) before a request is queued, so the engine thread only ever
 //! sees pixels. Every failure is an [`ImageError`], which the dialects answer with a 400 of type
 //! `invalid_image`.
 //!
@@ -73,8 +73,8 @@ const BASE64: GeneralPurpose = GeneralPurpose::new(
         .with_decode_allow_trailing_bits(true),
 );
 
-/// One decoded image, ready for the projector: the engine's type (`engine/vision.rs`), since
-/// the engine must not depend on `server/`.
+/// One decoded image, ready for the projector: the engine's type (`protocol/vision.rs`), since
+/// the engine must not depend on `requests/`.
 pub use crate::protocol::ImageInput;
 
 /// Why an image was refused. Every variant is the client's fault (a 400 `invalid_image`).

@@ -44,7 +44,7 @@ pub struct Options {
     pub stop: Vec<String>,
     /// Keep generating after an end-of-generation token (benchmarks).
     pub ignore_eos: bool,
-    /// LoRA adapter scales (`[{"id", "scale"}]`, `server/lora.rs`), checked by the handler
+    /// LoRA adapter scales (`[{"id", "scale"}]`, `requests/lora.rs`), checked by the handler
     /// against the loaded adapters; the Ollama API's way to give them.
     pub lora: Option<serde_json::Value>,
     /// Draft tokens by prompt lookup (speculative decoding); None: the server's default.

@@ -42,7 +42,7 @@ pub struct Generation {
     pub params: SamplingParams,
     /// The prompt was cut to fit the slot.
     pub truncated: bool,
-    /// The images whose positions `tokens` hold (`engine::vision`).
+    /// The images whose positions `tokens` hold (`protocol::vision`).
     pub images: Vec<PromptImage>,
 }
 
@@ -356,7 +356,7 @@ pub fn check_token_ids(ids: &[i64], info: &ModelInfo) -> Result<Vec<Token>, ApiE
 }
 
 /// Tokenizes a prompt with images (one marker per image in `text`) with the projector, on the
-/// blocking pool: text tokens and image positions (`engine::vision`). An image the projector
+/// blocking pool: text tokens and image positions (`protocol::vision`). An image the projector
 /// cannot take, or one larger than a decode, is a 400 `invalid_image`.
 pub async fn tokenize_with_images(
     info: &Arc<ModelInfo>,
