@@ -5,6 +5,8 @@ llamarunner beside llama.cpp's llama-server, both at their defaults, in one run.
     python -m benches.agent_loop --llama-server PATH
     python -m benches.agent_loop --llama-server PATH --conversations 12 --slots 4 --rounds 4
     python -m benches.agent_loop --ours-flag=--cache-ram=0   # ours without the prompt cache
+    python -m benches.agent_loop --base-python /tmp/base-venv/bin/python --repeat 4
+        # + ours from another environment (another build), as llamarunner@base
 
 The shape (the issue's): ``--conversations`` (12) agent conversations over ``--slots`` (4)
 slots, served by ``--clients`` (4) clients. Each round, every conversation takes one turn.
@@ -308,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ours-flag", action="append", default=[], help="an extra flag for ours (repeatable)"
     )
+    ap.add_argument(
+        "--base-python",
+        metavar="PATH",
+        help="also run ours from the Python at PATH (another build), as llamarunner@base",
+    )
     args = ap.parse_args(argv)
     model = args.model
     if model is None:
@@ -317,12 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for k in range(args.repeat):
         servers = ["ours", "peer"] if args.llama_server else ["ours"]
+        if args.base_python:
+            servers.append("base")
         if k % 2:
             servers.reverse()
         for which in servers:
-            if which == "ours":
+            if which in ("ours", "base"):
                 cm = ours(
-                    model, args.slots, args.ctx, args.threads, tuple(args.ours_flag), "openai"
+                    model,
+                    args.slots,
+                    args.ctx,
+                    args.threads,
+                    tuple(args.ours_flag),
+                    "openai",
+                    python=args.base_python if which == "base" else None,
                 )
             else:
                 cm = llama_server(args.llama_server, model, args.slots, args.ctx, args.threads)

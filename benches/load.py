@@ -13,6 +13,10 @@ peer server (llama-cpp-python's OpenAI server), in one run, one table.
         # every request; its note gives the first request's TTFT, the model's load included
     python -m benches.load --router --scenarios single,parallel8 --repeat 8 --together
         # every server up at once, rounds alternating between them: per-round paired ratios
+    python -m benches.load --base-python /tmp/base-venv/bin/python --repeat 4 --together \
+        --scenarios single,parallel4,parallel8 --no-baseline
+        # + ours from another environment (another build, e.g. the commit before a change),
+        # labelled llamarunner@base: paired ratios of this build over that one
 
 Each server runs as a subprocess (its peak RSS is read from /proc); clients are threads that
 stream completions back to back (closed loop) with fixed seeds, varied prompts and
@@ -222,12 +226,17 @@ def ratios(rows: list[Row], peer: str = "llama-server") -> str:
     return "\n".join(lines)
 
 
-def partner(server: str, note: str) -> tuple[str, str] | None:
+def partner(server: str, note: str, base: bool = False) -> tuple[str, str] | None:
     """What a row of `server` is compared with: the pair's label and the other row's server
-    (ours through the router against ours served directly, ours against llama-server); None
-    for the peers' rows and the --parallel 1 baseline."""
+    (ours through the router against ours served directly, ours against the build from
+    --base-python when there is one, else against llama-server); None for the peers' rows, the
+    base build's and the --parallel 1 baseline."""
     if " router " in server:
         return "router / direct", server.replace(" router ", " ")
+    if server.startswith(BASE_NAME):
+        return None
+    if base and server.startswith("llamarunner") and "baseline" not in note:
+        return "ours / base", server.replace("llamarunner", BASE_NAME, 1)
     if server.startswith("llamarunner") and "baseline" not in note:
         return "ours / llama-server", "llama-server"
     return None
@@ -291,6 +300,10 @@ class Running:
     note: str = ""
 
 
+# The name of ours run from --base-python (another build).
+BASE_NAME = "llamarunner@base"
+
+
 @contextmanager
 def ours(
     model: str,
@@ -300,7 +313,10 @@ def ours(
     extra: tuple[str, ...] = (),
     dialect: str = "native",
     router: bool = False,
+    python: str | None = None,
 ) -> Iterator[Running]:
+    """Ours as a subprocess, from this environment or from the Python at `python` (another
+    build, named `BASE_NAME`)."""
     port = free_port()
     models_dir = None
     served: list[str] = [model]
@@ -312,7 +328,7 @@ def ours(
         link.symlink_to(Path(model).resolve())
         served = ["--models-dir", models_dir.name, "--keep-alive", "-1"]
     cmd = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "llamarunner",
         "serve",
@@ -332,7 +348,8 @@ def ours(
         label = ", multiuser"
     else:
         label = f", {' '.join(extra)}" if extra else ""
-    name = f"llamarunner{via}{' router' if router else ''} (parallel {parallel}{label})"
+    who = BASE_NAME if python else "llamarunner"
+    name = f"{who}{via}{' router' if router else ''} (parallel {parallel}{label})"
     try:
         with _process(cmd, name, port, dialect) as r:
             if router:
@@ -652,6 +669,11 @@ def serving(
             plan.model, parallel, ctx, plan.threads, extra, args.dialect, kind == "router"
         ) as srv:
             yield srv
+    elif kind == "base":
+        with ours(
+            plan.model, parallel, ctx, plan.threads, extra, args.dialect, python=args.base_python
+        ) as srv:
+            yield srv
     elif kind == "baseline":
         with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
             yield srv
@@ -672,7 +694,7 @@ def scenario_on(kind: str, name: str, srv: Running, plan: Plan) -> list[Row]:
     return out
 
 
-def paired_ratios(runs: list[list[Row]]) -> str:
+def paired_ratios(runs: list[list[Row]], base: bool = False) -> str:
     """Per scenario and pair (ours against llama-server, the router against ours served
     directly), the throughput ratio of each round and their median, and the median of the
     rounds' TTFT p50 differences: pairs measured in the same round share its drift."""
@@ -685,7 +707,7 @@ def paired_ratios(runs: list[list[Row]]) -> str:
     for run in runs:
         cells = {(r.server, r.scenario): dict(zip(HEADER, r.cells())) for r in run}
         for (server, scenario), mine in cells.items():
-            pair = partner(server, mine["note"])
+            pair = partner(server, mine["note"], base)
             if pair is None:
                 continue
             label, other = pair[0], cells.get((pair[1], scenario))
@@ -753,6 +775,13 @@ def main(argv: list[str] | None = None) -> int:
         "rounds (the idle ones wait), instead of a fresh start per round: start-up and drift "
         "cancel out of the per-round ratios",
     )
+    ap.add_argument(
+        "--base-python",
+        metavar="PATH",
+        help="also run ours from the Python at PATH (a virtualenv with another build, e.g. the "
+        "commit before a change), as llamarunner@base; with --repeat, paired ratios of this "
+        "build over that one",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     model = args.model
@@ -780,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = ("--multiuser-cache",) if name == "shared" else ()
 
         kinds = ["ours", "router"] if args.router else ["ours"]
+        if args.base_python:
+            kinds.append("base")
         if name.startswith("parallel") and name != "parallel1" and not args.no_baseline:
             kinds.append("baseline")
         if args.llama_server:
@@ -818,9 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.router:
         print("\nThrough the router against the same model served directly:\n")
         print(router_ratios(rows), flush=True)
-    if args.repeat > 1 and (args.router or args.llama_server):
+    if args.repeat > 1 and (args.router or args.llama_server or args.base_python):
         print("\nPaired by round (both sides of a ratio ran in the same round):\n")
-        print(paired_ratios(all_runs), flush=True)
+        print(paired_ratios(all_runs, bool(args.base_python)), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return 0
