@@ -17,7 +17,8 @@ from typing import Any
 from . import _core
 from .client import Client
 from .config import ServerConfig
-from .router import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, router_config_json, served_models
+from .router import router_config_json, served_models
+from .settings import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, DEFAULT_MODELS_MEMORY
 
 ModelLoadError = _core.ModelLoadError
 
@@ -61,7 +62,7 @@ class Server:
         models_preset: str | Path | None = None,
         models_max: int = DEFAULT_MODELS_MAX,
         keep_alive: str | float = DEFAULT_KEEP_ALIVE,
-        models_memory: int = -1,
+        models_memory: int = DEFAULT_MODELS_MEMORY,
         **settings: Any,
     ) -> None:
         """One model (``model``, default the default model), or many behind one endpoint:

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import httpx
 
 from ._errors import APIConnectionError, LlamaRunnerError, ServiceUnavailableError
+from .arguments import SERVER_FLAGS
 from .client import Client
 from .config import NoModelError, ServerConfig
 
@@ -36,26 +37,6 @@ HISTORY_LENGTH = 1000
 USAGE_ERROR = 2
 FAILURE = 1
 INTERRUPTED = 130
-
-# The settings of `llamarunner serve` that `run` takes for a model it runs itself (copied into
-# its parser, help and all, by `cli`).
-SERVER_FLAGS = (
-    "ctx_size",
-    "parallel",
-    "threads",
-    "batch_size",
-    "n_gpu_layers",
-    "main_gpu",
-    "flash_attn",
-    "kv_cache_type",
-    "no_mmap",
-    "mlock",
-    "lora",
-    "chat_template",
-    "cache_ram",
-    "draft_model",
-    "verbose",
-)
 
 COMMANDS_HELP = """\
 commands:
