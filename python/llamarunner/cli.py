@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn
 
 from . import __version__, _core
+from ._progress import LoadProgress
 from .arguments import (
     SERVER_FLAGS,
     add_models_arguments,
@@ -20,7 +19,7 @@ from .arguments import (
     router_setting,
     serve_settings,
 )
-from .config import NoModelError, ServerConfig
+from .config import NoModelError, ServerConfig, model_name
 from .router import router_config_json, served_models
 from .server import ModelLoadError, Server
 from .terminal_chat import COMMANDS_HELP
@@ -173,56 +172,11 @@ def _fail(message: str, code: int = USAGE_ERROR) -> NoReturn:
     sys.exit(code)
 
 
-def progress_bar(progress: float, width: int) -> str:
-    """``[#####-----]  50%``: ``width`` cells between the brackets."""
-    progress = min(max(progress, 0.0), 1.0)
-    filled = int(progress * width)
-    return f"[{'#' * filled}{'-' * (width - filled)}] {int(progress * 100):3d}%"
-
-
-class LoadProgress:
-    """The model's load progress on ``stream``: on a terminal, one line redrawn in place (the
-    server's log lines clear it before they are written, and it is drawn again after them);
-    otherwise nothing, so that logs get plain lines only."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        try:
-            self.tty = stream.isatty()
-        except (AttributeError, ValueError):
-            self.tty = False
-        self.shown = False
-
-    def show(self, progress: float) -> None:
-        if not self.tty:
-            return
-        columns = shutil.get_terminal_size((80, 24)).columns
-        width = max(10, min(40, columns - 32))
-        bar = progress_bar(progress, width)
-        self.stream.write(f"\r\x1b[Kllamarunner: loading {bar}")
-        self.stream.flush()
-        self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
-
-
 def _stop_on_signals(handler: Any) -> None:
     """SIGTERM and SIGINT stop the server, SIGINT even where the shell that started it in the
     background set it to be ignored (as uvicorn does)."""
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def model_name(config: ServerConfig) -> str:
-    """The name the server gives the model: ``--alias``, else the file name without .gguf."""
-    if config.alias:
-        return config.alias
-    name = Path(config.model or "").name
-    return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
 def serve(args: argparse.Namespace) -> int:

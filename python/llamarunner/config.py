@@ -35,6 +35,7 @@ __all__ = [
     "ServerConfig",
     "default_cache_ram_mib",
     "default_model_path",
+    "model_name",
     "total_memory_bytes",
 ]
 
@@ -216,6 +217,14 @@ def default_cache_ram_mib() -> int:
     """The prompt cache's default budget (``--cache-ram -1``) on this machine, as the server
     computes it: a quarter of the memory, at most 8192 MiB."""
     return int(min(total_memory_bytes() // 4, 8 << 30) >> 20)
+
+
+def model_name(config: ServerConfig) -> str:
+    """The name the server gives the model: ``--alias``, else the file name without .gguf."""
+    if config.alias:
+        return config.alias
+    name = Path(config.model or "").name
+    return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
 def default_model_path() -> Path:

@@ -610,7 +610,8 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 
 def _chat_here(args: argparse.Namespace) -> int:
-    from .cli import LoadProgress, model_name
+    from ._progress import LoadProgress
+    from .config import model_name
     from .server import ModelLoadError, Server
 
     overrides = {k: getattr(args, k, None) for k in SERVER_FLAGS}
