@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _core
+from ._health import ENGINE_STOPPED as STOPPED_REASON
+from ._health import HealthFailed, ReadyWait, wait_ready
 from ._progress import LoadProgress
 from .arguments import (
     SERVER_FLAGS,
@@ -21,7 +23,7 @@ from .arguments import (
 )
 from .config import NoModelError, ServerConfig, model_name
 from .router import router_config_json, served_models
-from .server import ModelLoadError, Server
+from .server import Health, ModelLoadError, Server
 from .terminal_chat import COMMANDS_HELP
 
 USAGE_ERROR = 2
@@ -207,30 +209,28 @@ def serve(args: argparse.Namespace) -> int:
     )
     progress = LoadProgress(sys.stderr)
     try:
-        ready = False
+        # The progress is drawn on every poll: a log line written since has cleared it.
+        loading = ReadyWait[Health](None, failed=HealthFailed, progress=progress.show)
+        try:
+            wait_ready(server.health, loading, 0.1)
+        except HealthFailed as e:
+            progress.clear()
+            server.stop()
+            # The model file (or --chat-template) is bad: as bad as a wrong flag.
+            _fail(f"model failed to load: {e.health.error}")
+        progress.show(1.0)
+        progress.clear()
+        print(
+            f"llamarunner: ready on {server.url} (model {model_name(server.config)})",
+            file=sys.stderr,
+            flush=True,
+        )
         while True:
+            time.sleep(0.5)
             h = server.health()
-            if h.status == "error":
-                progress.clear()
+            if h.status == "error":  # it served, then the engine died (a panic, say)
                 server.stop()
-                if ready:  # it served, then the engine died (a panic, say)
-                    _fail(h.error or "the engine stopped", ENGINE_STOPPED)
-                # The model file (or --chat-template) is bad: as bad as a wrong flag.
-                _fail(f"model failed to load: {h.error}")
-            if not ready:
-                if h.status == "ready":
-                    ready = True
-                    progress.show(1.0)
-                    progress.clear()
-                    print(
-                        f"llamarunner: ready on {server.url} (model {model_name(server.config)})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                else:
-                    # Drawn on every poll: a log line written since has cleared it.
-                    progress.show(h.progress)
-            time.sleep(0.1 if not ready else 0.5)
+                _fail(h.error or STOPPED_REASON, ENGINE_STOPPED)
     except KeyboardInterrupt:
         progress.clear()
         print("llamarunner: shutting down", file=sys.stderr, flush=True)

@@ -610,9 +610,10 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 
 def _chat_here(args: argparse.Namespace) -> int:
+    from ._health import HealthFailed, ReadyWait, wait_ready
     from ._progress import LoadProgress
     from .config import model_name
-    from .server import ModelLoadError, Server
+    from .server import Health, ModelLoadError, Server
 
     overrides = {k: getattr(args, k, None) for k in SERVER_FLAGS}
     overrides.update(model=args.model, host="127.0.0.1", port=0)
@@ -639,16 +640,14 @@ def _chat_here(args: argparse.Namespace) -> int:
             flush=True,
         )
         progress = LoadProgress(sys.stderr)
+        loading = ReadyWait[Health](
+            None, failed=HealthFailed, stopped=HealthFailed, progress=progress.show
+        )
         try:
-            while True:
-                h = server.health()
-                if h.status == "ready":
-                    break
-                if h.status != "loading":
-                    progress.clear()
-                    return _fail(f"model failed to load: {h.error}", USAGE_ERROR)
-                progress.show(h.progress)
-                time.sleep(0.05)
+            wait_ready(server.health, loading, 0.05)
+        except HealthFailed as e:
+            progress.clear()
+            return _fail(f"model failed to load: {e.health.error}", USAGE_ERROR)
         finally:
             progress.clear()
         with server.client() as client:
