@@ -124,3 +124,10 @@ def test_only_the_entry_points_import_the_cli() -> None:
     graph = import_graph()
     importers = sorted(m for m, targets in graph.items() if "llamarunner.cli" in targets)
     assert importers == ["llamarunner.__main__"]
+
+
+def test_the_settings_table_and_the_health_wait_import_nothing_of_the_package() -> None:
+    """Everything else builds on them (config, arguments, the clients, the server, the CLI)."""
+    graph = import_graph()
+    for leaf in ("llamarunner.settings", "llamarunner._health", "llamarunner._progress"):
+        assert graph[leaf] == set(), leaf
