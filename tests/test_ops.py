@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from llamarunner import BadRequestError, Client, Server, TokenPiece
-from llamarunner.cli import model_name, progress_bar
-from llamarunner.config import ServerConfig
+from llamarunner._progress import progress_bar
+from llamarunner.config import ServerConfig, model_name
 
 from helpers import ServeProcess, complete, metric, stream_lines, wait_idle, wait_until
 from tinymodel import byte_tokens, vocabulary

@@ -7,7 +7,6 @@ clients only send, wait and iterate."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
@@ -15,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from ._errors import STATUS_ERRORS, APIConnectionError, APIStatusError, APITimeoutError
+from ._health import ReadyWait, engine_stopped, failure_reason
 from ._results import Completion, CompletionChunk, HealthStatus, TokenPiece
 
 T = TypeVar("T")
@@ -268,28 +268,16 @@ def broken_stream(e: httpx.TransportError) -> APIConnectionError:
 
 def health_error(h: HealthStatus) -> APIStatusError:
     """The error a failed /health stands for: the model did not load, or the engine stopped."""
-    message = h.error or "the model failed to load"
-    kind = "engine_stopped" if message.startswith("the engine stopped") else "model_load_failed"
+    message = failure_reason(h)
+    kind = "engine_stopped" if engine_stopped(message) else "model_load_failed"
     return APIStatusError(message, status_code=500, type=kind)
 
 
-class ReadyWait:
-    """The rules of `wait_ready`: poll /health until it says "ready"; raise when it says
-    "error", or when the deadline has passed."""
-
-    def __init__(self, base_url: str, timeout: float) -> None:
-        self._base_url = base_url
-        self._timeout = timeout
-        self._deadline = time.monotonic() + timeout
-
-    def check(self, h: HealthStatus | None) -> HealthStatus | None:
-        """``h`` when the model is ready; None to poll again (``h`` None: the server could not
-        be reached)."""
-        if h is not None:
-            if h.status == "ready":
-                return h
-            if h.status == "error":
-                raise health_error(h)
-        if time.monotonic() > self._deadline:
-            raise APITimeoutError(f"{self._base_url} was not ready within {self._timeout} s")
-        return None
+def ready_wait(base_url: str, timeout: float) -> ReadyWait[HealthStatus]:
+    """The rules of `wait_ready`: poll /health until it says "ready"; raise `health_error`
+    when it says "error", and `APITimeoutError` when the deadline has passed."""
+    return ReadyWait(
+        timeout,
+        failed=health_error,
+        timed_out=lambda: APITimeoutError(f"{base_url} was not ready within {timeout} s"),
+    )

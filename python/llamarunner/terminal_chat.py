@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import httpx
 
 from ._errors import APIConnectionError, LlamaRunnerError, ServiceUnavailableError
+from .arguments import SERVER_FLAGS
 from .client import Client
 from .config import NoModelError, ServerConfig
 
@@ -36,26 +37,6 @@ HISTORY_LENGTH = 1000
 USAGE_ERROR = 2
 FAILURE = 1
 INTERRUPTED = 130
-
-# The settings of `llamarunner serve` that `run` takes for a model it runs itself (copied into
-# its parser, help and all, by `cli`).
-SERVER_FLAGS = (
-    "ctx_size",
-    "parallel",
-    "threads",
-    "batch_size",
-    "n_gpu_layers",
-    "main_gpu",
-    "flash_attn",
-    "kv_cache_type",
-    "no_mmap",
-    "mlock",
-    "lora",
-    "chat_template",
-    "cache_ram",
-    "draft_model",
-    "verbose",
-)
 
 COMMANDS_HELP = """\
 commands:
@@ -629,8 +610,10 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 
 def _chat_here(args: argparse.Namespace) -> int:
-    from .cli import LoadProgress, model_name
-    from .server import ModelLoadError, Server
+    from ._health import HealthFailed, ReadyWait, wait_ready
+    from ._progress import LoadProgress
+    from .config import model_name
+    from .server import Health, ModelLoadError, Server
 
     overrides = {k: getattr(args, k, None) for k in SERVER_FLAGS}
     overrides.update(model=args.model, host="127.0.0.1", port=0)
@@ -657,16 +640,14 @@ def _chat_here(args: argparse.Namespace) -> int:
             flush=True,
         )
         progress = LoadProgress(sys.stderr)
+        loading = ReadyWait[Health](
+            None, failed=HealthFailed, stopped=HealthFailed, progress=progress.show
+        )
         try:
-            while True:
-                h = server.health()
-                if h.status == "ready":
-                    break
-                if h.status != "loading":
-                    progress.clear()
-                    return _fail(f"model failed to load: {h.error}", USAGE_ERROR)
-                progress.show(h.progress)
-                time.sleep(0.05)
+            wait_ready(server.health, loading, 0.05)
+        except HealthFailed as e:
+            progress.clear()
+            return _fail(f"model failed to load: {e.health.error}", USAGE_ERROR)
         finally:
             progress.clear()
         with server.client() as client:

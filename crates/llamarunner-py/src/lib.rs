@@ -161,6 +161,14 @@ fn start_router(py: Python<'_>, config_json: &str) -> PyResult<NativeServer> {
     })
 }
 
+/// `RunnerConfig::default()` as JSON: the Rust side's default of every setting (the Python
+/// side's defaults are checked against it).
+#[pyfunction]
+fn default_config() -> PyResult<String> {
+    serde_json::to_string(&RunnerConfig::default())
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
 /// The version of the native module.
 #[pyfunction]
 fn version() -> &'static str {
@@ -172,6 +180,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(start_router, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(default_config, m)?)?;
     m.add_class::<NativeServer>()?;
     m.add("ModelLoadError", m.py().get_type::<ModelLoadError>())?;
     Ok(())

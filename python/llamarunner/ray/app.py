@@ -11,13 +11,8 @@ from ray import serve
 from ray.serve import Application, Deployment
 
 from ..config import ServerConfig, default_cache_ram_mib
-from ..router import (
-    DEFAULT_KEEP_ALIVE,
-    DEFAULT_MODELS_MAX,
-    models_memory_mib,
-    router_config_json,
-    served_models,
-)
+from ..router import models_memory_mib, router_config_json, served_models
+from ..settings import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, DEFAULT_MODELS_MEMORY
 from .affinity import AffinityPolicy
 from .ingress import Ingress, key_digest
 from .replica import LlamaReplica
@@ -47,7 +42,7 @@ def build_app(
     models_preset: str | Path | None = None,
     models_max: int = DEFAULT_MODELS_MAX,
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
-    models_memory: int = -1,
+    models_memory: int = DEFAULT_MODELS_MEMORY,
     **server_config: Any,
 ) -> Application:
     """A Ray Serve application serving ``model`` from ``replicas`` replicas behind one HTTP

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from ..cli import many_models, serve_settings
+from ..arguments import many_models, serve_settings
 from ..config import NoModelError, ServerConfig
 from .app import build_app
 
