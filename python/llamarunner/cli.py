@@ -110,7 +110,7 @@ def _cluster_parser(sub: Any) -> None:
         "--min-match-ratio",
         type=float,
         help="fraction of the prompt a replica's cached prefix must cover for affinity "
-        "(default 0.1)",
+        "(default 0.5)",
     )
 
 

@@ -101,12 +101,8 @@ impl MessagesRequest {
             samplers: self.samplers.samplers(),
             ..defaults
         };
-        validate::check_options(&p).map_err(|e| {
-            ApiError::invalid(
-                e.replace("options.stop", "stop_sequences")
-                    .replace("options.", ""),
-            )
-        })?;
+        validate::check_options(&p)
+            .map_err(|e| ApiError::invalid(e.top_level(&[("stop", "stop_sequences")])))?;
         // As Anthropic's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
         p.grammar = self.output_grammar()?;

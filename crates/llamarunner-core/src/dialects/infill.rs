@@ -79,7 +79,7 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         extra: req.input_extra.unwrap_or_default(),
     };
     // The options' refusals come before the cost of tokenizing.
-    validate::check_options(&params).map_err(ApiError::InvalidRequest)?;
+    validate::check_options(&params).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
     let tokens = infill::tokens(&info, parts, params.num_predict).await?;
     let model = state.model_name.to_string();
     let generation = start_generation(&state, PromptSource::Tokens(tokens), params).await?;

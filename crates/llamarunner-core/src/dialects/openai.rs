@@ -150,7 +150,7 @@ impl OpenAiRequest {
             ..defaults
         };
         crate::requests::validate::check_options(&p)
-            .map_err(|e| ApiError::invalid(e.replace("options.", "")))?;
+            .map_err(|e| ApiError::invalid(e.top_level(&[])))?;
         // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
@@ -515,7 +515,8 @@ pub async fn completions(
                 ..infill::Parts::default()
             };
             params.truncate = false;
-            crate::requests::validate::check_options(&params).map_err(ApiError::InvalidRequest)?;
+            crate::requests::validate::check_options(&params)
+                .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
             PromptSource::Tokens(infill::tokens(&info, parts, params.num_predict).await?)
         }
         None => prompt.into(),

@@ -119,7 +119,7 @@ impl ResponsesRequest {
             samplers: self.samplers.samplers(),
             ..defaults
         };
-        validate::check_options(&p).map_err(|e| ApiError::invalid(e.replace("options.", "")))?;
+        validate::check_options(&p).map_err(|e| ApiError::invalid(e.top_level(&[])))?;
         p.truncate = truncate;
         p.grammar = self.format_grammar()?;
         Ok(p)

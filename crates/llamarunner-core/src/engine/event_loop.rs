@@ -54,6 +54,8 @@ impl<B: Backend> Engine<B> {
             if self.inbox.stopping() {
                 break;
             }
+            // Clients that left free their slots and queue places before anything else runs.
+            self.sched.drop_cancelled();
             self.embeddings
                 .step(self.sched.backend_mut(), self.inbox.observer.as_ref());
             self.stalled = self.sched.turn().stalled;

@@ -511,4 +511,93 @@ mod tests {
         assert!(!truncate_prompt(&mut short, 5, 64));
         assert_eq!(short.len(), 10);
     }
+
+    /// Slots (free, cached tokens, last use), a prompt and a `min_gain`.
+    type Case = (Vec<(bool, Vec<Token>, u64)>, Vec<Token>, usize);
+
+    /// Slots over a small alphabet, so that prompts and caches share prefixes often.
+    fn slots_and_prompt() -> impl proptest::strategy::Strategy<Value = Case> {
+        use proptest::prelude::*;
+        let tokens = || proptest::collection::vec(0..3i32, 0..12);
+        (
+            proptest::collection::vec((any::<bool>(), tokens(), 0..20u64), 1..6),
+            proptest::collection::vec(0..3i32, 1..12),
+            0..6usize,
+        )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// The single-user choice: a free slot sharing the longest prefix, the lowest index
+        /// among equals; none when every slot is busy.
+        #[test]
+        fn the_free_slot_with_the_longest_prefix_is_chosen(
+            (slots, prompt, _) in slots_and_prompt(),
+        ) {
+            let choice = choose_slot(slots.iter().map(|(f, c, _)| (*f, c.as_slice())), &prompt);
+            let free: Vec<(usize, usize)> = slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.0)
+                .map(|(i, s)| (i, common_prefix(&s.1, &prompt)))
+                .collect();
+            match choice {
+                None => proptest::prop_assert!(free.is_empty()),
+                Some((slot, reuse)) => {
+                    let best = free.iter().map(|&(_, n)| n).max();
+                    proptest::prop_assert_eq!(Some(reuse), best);
+                    let first = free.iter().find(|&&(_, n)| n == reuse).map(|&(i, _)| i);
+                    proptest::prop_assert_eq!(Some(slot), first);
+                }
+            }
+        }
+
+        /// The multi-user choice takes a free slot; it reuses exactly what that slot holds of
+        /// the prompt, or what a fork copies from another slot (worth `min_gain` more), and
+        /// never less than the least recently used free slot would.
+        #[test]
+        fn the_multiuser_choice_takes_a_free_slot_and_reuses_what_it_says(
+            (slots, prompt, min_gain) in slots_and_prompt(),
+        ) {
+            let views: Vec<SlotView<'_>> = slots
+                .iter()
+                .map(|(free, cached, last_used)| SlotView {
+                    free: *free,
+                    cached,
+                    last_used: *last_used,
+                })
+                .collect();
+            let choice = choose_slot_multiuser(&views, &prompt, min_gain);
+            let Some(choice) = choice else {
+                proptest::prop_assert!(views.iter().all(|v| !v.free));
+                return Ok(());
+            };
+            proptest::prop_assert!(views[choice.slot].free);
+            proptest::prop_assert!(choice.reuse <= prompt.len());
+            let own = common_prefix(views[choice.slot].cached, &prompt);
+            match choice.fork_from {
+                Some(from) => {
+                    proptest::prop_assert_ne!(from, choice.slot);
+                    proptest::prop_assert_eq!(
+                        choice.reuse,
+                        common_prefix(views[from].cached, &prompt)
+                    );
+                    proptest::prop_assert!(choice.reuse >= own + min_gain.max(1));
+                }
+                None => proptest::prop_assert_eq!(choice.reuse, own),
+            }
+            let lru = views
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.free)
+                .min_by_key(|(i, v)| (v.last_used, *i))
+                .map(|(_, v)| common_prefix(v.cached, &prompt))
+                .unwrap_or(0);
+            proptest::prop_assert!(choice.reuse >= lru);
+        }
+    }
 }

@@ -57,7 +57,8 @@ pub struct DeviceFacts {
     /// The model's layers as llama.cpp offloads them: its blocks and the output layer.
     pub layers_total: u32,
     /// Bytes of the model's weights on GPUs: the weights' size in proportion to the layers
-    /// offloaded (llama.cpp does not report it per device through the bindings).
+    /// offloaded (llama.cpp does not report it per device through the bindings). An estimate:
+    /// it counts the token embedding, which llama.cpp keeps on the CPU, and not the KV cache.
     pub vram_bytes: u64,
 }
 

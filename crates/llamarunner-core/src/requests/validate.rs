@@ -61,18 +61,55 @@ where
         .map_err(|e| ApiError::Internal(format!("blocking task failed: {e}")))
 }
 
-/// Checks the values that have no meaning, naming the option (`options.top_p`).
-pub fn check_options(p: &SamplingParams) -> Result<(), String> {
+/// A sampling option out of its range: which one (its native name under `options`) and what
+/// is wrong with it. Each dialect renders it under its own name for the field (`Display` is
+/// the native form, `options.top_p must be ...`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptionError {
+    /// The option's native name (`top_p`, `stop`).
+    pub field: &'static str,
+    /// What is wrong, to follow the field's name (` must be >= 0`, `: at most 4 ...`).
+    problem: String,
+}
+
+impl OptionError {
+    fn new(field: &'static str, problem: impl Into<String>) -> Self {
+        Self {
+            field,
+            problem: problem.into(),
+        }
+    }
+
+    /// The message for a dialect whose options sit at the top level of the request (OpenAI,
+    /// Anthropic, Responses), with its names for the fields it names otherwise (`renamed`:
+    /// native name, the dialect's).
+    pub fn top_level(&self, renamed: &[(&str, &str)]) -> String {
+        let name = renamed
+            .iter()
+            .find(|(native, _)| *native == self.field)
+            .map_or(self.field, |(_, theirs)| theirs);
+        format!("{name}{}", self.problem)
+    }
+}
+
+impl std::fmt::Display for OptionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "options.{}{}", self.field, self.problem)
+    }
+}
+
+/// Checks the values that have no meaning; the error names the option (`OptionError`).
+pub fn check_options(p: &SamplingParams) -> Result<(), OptionError> {
     if p.num_predict < -1 {
-        return Err(format!(
-            "options.num_predict must be -1 (unlimited) or >= 0, got {}",
-            p.num_predict
+        return Err(OptionError::new(
+            "num_predict",
+            format!(" must be -1 (unlimited) or >= 0, got {}", p.num_predict),
         ));
     }
     if p.num_keep < -1 {
-        return Err(format!(
-            "options.num_keep must be -1 (all) or >= 0, got {}",
-            p.num_keep
+        return Err(OptionError::new(
+            "num_keep",
+            format!(" must be -1 (all) or >= 0, got {}", p.num_keep),
         ));
     }
     let finite = [
@@ -88,11 +125,11 @@ pub fn check_options(p: &SamplingParams) -> Result<(), String> {
     ];
     for (name, v) in finite {
         if !v.is_finite() {
-            return Err(format!("options.{name} must be a finite number"));
+            return Err(OptionError::new(name, " must be a finite number"));
         }
     }
     if p.temperature < 0.0 {
-        return Err("options.temperature must be >= 0".into());
+        return Err(OptionError::new("temperature", " must be >= 0"));
     }
     for (name, v) in [
         ("top_p", p.top_p),
@@ -100,30 +137,37 @@ pub fn check_options(p: &SamplingParams) -> Result<(), String> {
         ("typical_p", p.typical_p),
     ] {
         if !(0.0..=1.0).contains(&v) {
-            return Err(format!("options.{name} must be between 0 and 1, got {v}"));
+            return Err(OptionError::new(
+                name,
+                format!(" must be between 0 and 1, got {v}"),
+            ));
         }
     }
     if p.top_k < 0 {
-        return Err("options.top_k must be >= 0".into());
+        return Err(OptionError::new("top_k", " must be >= 0"));
     }
     if !(0..=2).contains(&p.mirostat) {
-        return Err("options.mirostat must be 0, 1 or 2".into());
+        return Err(OptionError::new("mirostat", " must be 0, 1 or 2"));
     }
     if p.repeat_last_n < -1 {
-        return Err("options.repeat_last_n must be -1 or >= 0".into());
+        return Err(OptionError::new("repeat_last_n", " must be -1 or >= 0"));
     }
     if p.stop.iter().any(String::is_empty) {
-        return Err("options.stop must not contain empty strings".into());
+        return Err(OptionError::new("stop", " must not contain empty strings"));
     }
     if p.stop.len() > MAX_STOP_STRINGS {
-        return Err(format!(
-            "options.stop: at most {MAX_STOP_STRINGS} stop strings, got {}",
-            p.stop.len()
+        return Err(OptionError::new(
+            "stop",
+            format!(
+                ": at most {MAX_STOP_STRINGS} stop strings, got {}",
+                p.stop.len()
+            ),
         ));
     }
     if p.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(format!(
-            "options.stop: a stop string may have at most {MAX_STOP_BYTES} bytes"
+        return Err(OptionError::new(
+            "stop",
+            format!(": a stop string may have at most {MAX_STOP_BYTES} bytes"),
         ));
     }
     check_samplers(&p.samplers)
@@ -135,7 +179,7 @@ pub const MAX_DRY_BREAKERS: usize = 16;
 /// Longest DRY sequence breaker, in bytes (llama.cpp reads at most 40 characters of one).
 pub const MAX_DRY_BREAKER_BYTES: usize = 40;
 
-fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), String> {
+fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), OptionError> {
     for (name, v) in [
         ("dry_multiplier", s.dry_multiplier),
         ("dry_base", s.dry_base),
@@ -146,7 +190,7 @@ fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), Stri
         ("dynatemp_exponent", s.dynatemp_exponent),
     ] {
         if !v.is_finite() {
-            return Err(format!("options.{name} must be a finite number"));
+            return Err(OptionError::new(name, " must be a finite number"));
         }
     }
     for (name, v, max) in [
@@ -157,8 +201,9 @@ fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), Stri
         ("top_n_sigma", s.top_n_sigma.max(0.0), 100.0),
     ] {
         if !(0.0..=max).contains(&v) {
-            return Err(format!(
-                "options.{name} must be between 0 and {max}, got {v}"
+            return Err(OptionError::new(
+                name,
+                format!(" must be between 0 and {max}, got {v}"),
             ));
         }
     }
@@ -167,29 +212,38 @@ fn check_samplers(s: &crate::protocol::params::ExtraSamplers) -> Result<(), Stri
         ("xtc_threshold", s.xtc_threshold),
     ] {
         if !(0.0..=1.0).contains(&v) {
-            return Err(format!("options.{name} must be between 0 and 1, got {v}"));
+            return Err(OptionError::new(
+                name,
+                format!(" must be between 0 and 1, got {v}"),
+            ));
         }
     }
     if s.dry_allowed_length < 0 {
-        return Err("options.dry_allowed_length must be >= 0".into());
+        return Err(OptionError::new("dry_allowed_length", " must be >= 0"));
     }
     if s.dry_penalty_last_n < -1 {
-        return Err("options.dry_penalty_last_n must be -1 (the slot) or >= 0".into());
+        return Err(OptionError::new(
+            "dry_penalty_last_n",
+            " must be -1 (the slot) or >= 0",
+        ));
     }
     let breakers = &s.dry_sequence_breakers;
     if breakers.len() > MAX_DRY_BREAKERS {
-        return Err(format!(
-            "options.dry_sequence_breakers: at most {MAX_DRY_BREAKERS}, got {}",
-            breakers.len()
+        return Err(OptionError::new(
+            "dry_sequence_breakers",
+            format!(": at most {MAX_DRY_BREAKERS}, got {}", breakers.len()),
         ));
     }
     if breakers
         .iter()
         .any(|b| b.is_empty() || b.len() > MAX_DRY_BREAKER_BYTES || b.contains('\0'))
     {
-        return Err(format!(
-            "options.dry_sequence_breakers: each must have 1 to {MAX_DRY_BREAKER_BYTES} bytes \
+        return Err(OptionError::new(
+            "dry_sequence_breakers",
+            format!(
+                ": each must have 1 to {MAX_DRY_BREAKER_BYTES} bytes \
              and no NUL"
+            ),
         ));
     }
     Ok(())
@@ -204,7 +258,7 @@ pub fn check_for_model(
     info: &ModelInfo,
     limits: &Limits,
 ) -> Result<(), ApiError> {
-    check_options(p).map_err(ApiError::InvalidRequest)?;
+    check_options(p).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
     if limits.max_tokens > 0 {
         let cap = i64::from(limits.max_tokens);
         if p.num_predict < 0 || p.num_predict > cap {
@@ -584,6 +638,7 @@ mod tests {
             ),
         ] {
             let err = check_options(&p).unwrap_err();
+            let err = err.to_string();
             assert!(err.contains(&format!("options.{name}")), "{name}: {err}");
         }
         assert_eq!(check_options(&params()), Ok(()));
@@ -595,6 +650,32 @@ mod tests {
             ..params()
         };
         assert_eq!(check_options(&edge), Ok(()));
+    }
+
+    #[test]
+    fn option_errors_render_under_each_dialects_names() {
+        let p = SamplingParams {
+            stop: vec![String::new()],
+            ..params()
+        };
+        let e = check_options(&p).unwrap_err();
+        assert_eq!(e.field, "stop");
+        assert_eq!(e.to_string(), "options.stop must not contain empty strings");
+        assert_eq!(e.top_level(&[]), "stop must not contain empty strings");
+        assert_eq!(
+            e.top_level(&[("stop", "stop_sequences")]),
+            "stop_sequences must not contain empty strings"
+        );
+        let p = SamplingParams {
+            top_p: 2.0,
+            ..params()
+        };
+        assert_eq!(
+            check_options(&p)
+                .unwrap_err()
+                .top_level(&[("stop", "stop_sequences")]),
+            "top_p must be between 0 and 1, got 2"
+        );
     }
 
     #[test]

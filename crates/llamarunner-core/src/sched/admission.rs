@@ -7,7 +7,7 @@ use super::*;
 impl<B: Backend> Scheduler<B> {
     /// Frees the slots and queue places of clients that went away, refuses queued requests
     /// whose time ran out and ends running ones ("timeout").
-    pub(super) fn drop_cancelled(&mut self) {
+    pub fn drop_cancelled(&mut self) {
         let now = Instant::now();
         let before = self.waiting.len();
         let mut expired = Vec::new();

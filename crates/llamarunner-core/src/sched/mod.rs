@@ -357,11 +357,9 @@ impl<B: Backend> Scheduler<B> {
             .collect()
     }
 
-    /// One turn of the policy between two receives: requests whose client left or whose time
-    /// ran out go, waiting ones are admitted, one batch is decoded and sampled, and held
-    /// events are sent.
+    /// One turn of the policy between two receives (after `drop_cancelled`): waiting requests
+    /// are admitted, one batch is decoded and sampled, and held events are sent.
     pub fn turn(&mut self) -> StepOutcome {
-        self.drop_cancelled();
         self.admit();
         let outcome = self.step();
         self.flush_draining();

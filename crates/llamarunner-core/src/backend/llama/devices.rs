@@ -31,8 +31,16 @@ pub(super) fn devices() -> Vec<Device> {
 pub(super) fn facts(model: &LlamaModel, n_gpu_layers: i32) -> DeviceFacts {
     let devices = devices();
     let gpus: Vec<&Device> = devices.iter().filter(|d| d.kind.is_gpu()).collect();
-    // llama.cpp offloads the blocks and then the output layer.
-    let layers_total = model.n_layer().saturating_add(1);
+    // llama.cpp offloads the blocks and then the output layer. The blocks are all of the
+    // GGUF's (`{arch}.block_count`), multi-token-prediction ones included, which
+    // `llama_model_n_layer` leaves out.
+    let blocks = model
+        .meta_val_str("general.architecture")
+        .ok()
+        .and_then(|arch| model.meta_val_str(&format!("{arch}.block_count")).ok())
+        .and_then(|n| n.trim().parse::<u32>().ok())
+        .unwrap_or_else(|| model.n_layer());
+    let layers_total = blocks.saturating_add(1);
     let layers_offloaded = DeviceFacts::offloaded(n_gpu_layers, gpus.len(), layers_total);
     let backend = match gpus.first() {
         Some(gpu) if layers_offloaded > 0 => gpu.backend.clone(),
