@@ -1,6 +1,9 @@
-//! The route table: every path and method, to the dialect or operator handler that serves it.
+//! The route table: every path and method, to the dialect or operator handler that serves it,
+//! and who answers it behind a router of many models (the model's engine or the server).
 
-use axum::routing::{get, post};
+use std::sync::LazyLock;
+
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 
 use crate::dialects::{anthropic, infill, native, ollama, openai, rerank, responses};
@@ -8,48 +11,133 @@ use crate::http::fallback::{method_not_allowed, not_found};
 use crate::http::{access, middleware, ui, AppState};
 use crate::ops::{lora, metrics, props, slots, tokenizer};
 
+/// Who answers a route when many models sit behind one endpoint (`router/front.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scope {
+    /// A model's: the router forwards it to that model's engine, and loads the model for a
+    /// POST to it.
+    Model,
+    /// The server's own (health, listings, metrics, the page): the router answers it itself.
+    Server,
+}
+
+/// One route: its path (`{id}`: one path segment), whether it takes a POST, who answers it,
+/// and its handlers.
+struct Route {
+    path: &'static str,
+    post: bool,
+    scope: Scope,
+    methods: MethodRouter<AppState>,
+}
+
+/// A model's route that takes a POST (and maybe other methods).
+fn model_post(path: &'static str, methods: MethodRouter<AppState>) -> Route {
+    Route {
+        path,
+        post: true,
+        scope: Scope::Model,
+        methods,
+    }
+}
+
+/// A model's route that only reads (GET; DELETE of a stored response).
+fn model_read(path: &'static str, methods: MethodRouter<AppState>) -> Route {
+    Route {
+        path,
+        post: false,
+        scope: Scope::Model,
+        methods,
+    }
+}
+
+/// The server's own route.
+fn server(path: &'static str, methods: MethodRouter<AppState>) -> Route {
+    Route {
+        path,
+        post: false,
+        scope: Scope::Server,
+        methods,
+    }
+}
+
+/// The route table: every path, its methods and handlers, and who answers it. `router` serves
+/// it; the router of many models reads its model routes (`model_posts`, `model_reads`).
+fn table() -> Vec<Route> {
+    vec![
+        server("/metrics", get(metrics::handler)),
+        model_post("/completion", post(native::completion)),
+        model_post("/embedding", post(native::embedding)),
+        model_post("/infill", post(infill::infill)),
+        server("/health", get(props::health)),
+        model_read("/slots", get(slots::list)),
+        model_post("/slots/{id}", post(slots::action)),
+        model_post("/tokenize", post(tokenizer::tokenize)),
+        model_post("/detokenize", post(tokenizer::detokenize)),
+        model_read("/props", get(props::props)),
+        model_post("/lora-adapters", get(lora::list).post(lora::set)),
+        model_post("/apply-template", post(tokenizer::apply_template)),
+        model_post("/v1/chat/completions", post(openai::chat_completions)),
+        model_post("/v1/completions", post(openai::completions)),
+        model_post("/v1/embeddings", post(openai::embeddings)),
+        model_post("/v1/rerank", post(rerank::rerank)),
+        model_post("/v1/reranking", post(rerank::rerank)),
+        model_post("/rerank", post(rerank::rerank)),
+        model_post("/reranking", post(rerank::rerank)),
+        model_post("/v1/responses", post(responses::create)),
+        model_read(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        ),
+        model_post("/v1/messages", post(anthropic::messages)),
+        model_post("/v1/messages/count_tokens", post(anthropic::count_tokens)),
+        server("/v1/models", get(openai::models)),
+        server("/v1/models/{*model}", get(openai::model)),
+        model_post("/api/generate", post(ollama::generate)),
+        model_post("/api/chat", post(ollama::chat)),
+        model_post("/api/embed", post(ollama::embed)),
+        model_post("/api/embeddings", post(ollama::embeddings)),
+        server("/api/tags", get(ollama::tags)),
+        model_post("/api/show", post(ollama::show)),
+        server("/api/ps", get(ollama::ps)),
+        server("/api/version", get(ollama::version)),
+        server("/", get(ui::root)),
+        server("/dashboard", get(ui::dashboard)),
+        server("/ui/{name}", get(ui::file)),
+    ]
+}
+
+/// The model routes of the table: (those that take a POST, those that only read).
+static MODEL_ROUTES: LazyLock<(Vec<&'static str>, Vec<&'static str>)> = LazyLock::new(|| {
+    let model: Vec<Route> = table()
+        .into_iter()
+        .filter(|r| r.scope == Scope::Model)
+        .collect();
+    let posts = model.iter().filter(|r| r.post).map(|r| r.path).collect();
+    let reads = model.iter().filter(|r| !r.post).map(|r| r.path).collect();
+    (posts, reads)
+});
+
 /// The paths where a POST acts on a model (`{id}`: any one path segment). Many models'
 /// router (`router/front.rs`) loads a model only for these, so that a POST to an unknown path
-/// cannot cycle models through memory. Every POST route of `router` below is one of them
-/// (`tests/http.rs` checks that each is served).
-pub const MODEL_POSTS: [&str; 23] = [
-    "/completion",
-    "/embedding",
-    "/infill",
-    "/slots/{id}",
-    "/tokenize",
-    "/detokenize",
-    "/lora-adapters",
-    "/apply-template",
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/rerank",
-    "/v1/reranking",
-    "/rerank",
-    "/reranking",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/api/generate",
-    "/api/chat",
-    "/api/embed",
-    "/api/embeddings",
-    "/api/show",
-];
+/// cannot cycle models through memory (`tests/http.rs` checks that each is served).
+pub fn model_posts() -> &'static [&'static str] {
+    &MODEL_ROUTES.0
+}
 
 /// The engine's routes of a model that only read (GET; DELETE of a stored response): a POST
 /// to them is a 405 at the router, as at the engine.
-pub const MODEL_READS: [&str; 3] = ["/props", "/slots", "/v1/responses/{id}"];
-
-/// Whether a POST to `path` acts on a model: it matches one of `MODEL_POSTS`.
-pub fn is_model_post(path: &str) -> bool {
-    matches_any(&MODEL_POSTS, path)
+pub fn model_reads() -> &'static [&'static str] {
+    &MODEL_ROUTES.1
 }
 
-/// Whether `path` is one of `MODEL_READS`.
+/// Whether a POST to `path` acts on a model: it matches one of `model_posts`.
+pub fn is_model_post(path: &str) -> bool {
+    matches_any(model_posts(), path)
+}
+
+/// Whether `path` is one of `model_reads`.
 pub fn is_model_read(path: &str) -> bool {
-    matches_any(&MODEL_READS, path)
+    matches_any(model_reads(), path)
 }
 
 /// Whether `path` matches one of `patterns` (`{id}`: any one path segment).
@@ -74,49 +162,14 @@ pub fn router(state: AppState) -> Router {
     let policy = state.policy.clone();
     let metrics = state.metrics.clone();
     let mut routes = Router::new();
-    if metrics.is_some() {
-        routes = routes.route("/metrics", get(metrics::handler));
+    for route in table() {
+        // Without metrics (`--no-metrics`), `/metrics` is the fallback's 404.
+        if route.path == "/metrics" && metrics.is_none() {
+            continue;
+        }
+        routes = routes.route(route.path, route.methods);
     }
-    // A POST route added here must be added to `MODEL_POSTS` too.
     let routes = routes
-        .route("/completion", post(native::completion))
-        .route("/embedding", post(native::embedding))
-        .route("/infill", post(infill::infill))
-        .route("/health", get(props::health))
-        .route("/slots", get(slots::list))
-        .route("/slots/{id}", post(slots::action))
-        .route("/tokenize", post(tokenizer::tokenize))
-        .route("/detokenize", post(tokenizer::detokenize))
-        .route("/props", get(props::props))
-        .route("/lora-adapters", get(lora::list).post(lora::set))
-        .route("/apply-template", post(tokenizer::apply_template))
-        .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/embeddings", post(openai::embeddings))
-        .route("/v1/rerank", post(rerank::rerank))
-        .route("/v1/reranking", post(rerank::rerank))
-        .route("/rerank", post(rerank::rerank))
-        .route("/reranking", post(rerank::rerank))
-        .route("/v1/responses", post(responses::create))
-        .route(
-            "/v1/responses/{id}",
-            get(responses::retrieve).delete(responses::delete),
-        )
-        .route("/v1/messages", post(anthropic::messages))
-        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        .route("/v1/models", get(openai::models))
-        .route("/v1/models/{*model}", get(openai::model))
-        .route("/api/generate", post(ollama::generate))
-        .route("/api/chat", post(ollama::chat))
-        .route("/api/embed", post(ollama::embed))
-        .route("/api/embeddings", post(ollama::embeddings))
-        .route("/api/tags", get(ollama::tags))
-        .route("/api/show", post(ollama::show))
-        .route("/api/ps", get(ollama::ps))
-        .route("/api/version", get(ollama::version))
-        .route("/", get(ui::root))
-        .route("/dashboard", get(ui::dashboard))
-        .route("/ui/{name}", get(ui::file))
         // Keep this after the last route: it applies to the routes registered before it.
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
@@ -127,6 +180,41 @@ pub fn router(state: AppState) -> Router {
 #[cfg(test)]
 mod tests {
     use super::is_model_post;
+
+    #[test]
+    fn the_model_routes_are_those_the_router_forwards() {
+        // What the router took before the table said it (MODEL_POSTS, MODEL_READS).
+        let posts = [
+            "/completion",
+            "/embedding",
+            "/infill",
+            "/slots/{id}",
+            "/tokenize",
+            "/detokenize",
+            "/lora-adapters",
+            "/apply-template",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/v1/reranking",
+            "/rerank",
+            "/reranking",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/api/generate",
+            "/api/chat",
+            "/api/embed",
+            "/api/embeddings",
+            "/api/show",
+        ];
+        assert_eq!(super::model_posts(), posts);
+        assert_eq!(
+            super::model_reads(),
+            ["/slots", "/props", "/v1/responses/{id}"]
+        );
+    }
 
     #[test]
     fn model_posts_match_whole_paths_and_one_segment_ids() {

@@ -429,10 +429,10 @@ async fn streamed_text_offsets_continue_across_chunks() {
 
 #[tokio::test]
 async fn the_routers_route_lists_are_the_engines_routes() {
-    // Many models' router loads a model only for a POST to one of `MODEL_POSTS`: each must
+    // Many models' router loads a model only for a POST to one of `model_posts`: each must
     // be served (an empty body is a 400 or 422 there, never the fallback's 404 or 405).
     let (app, handle) = app(FakeConfig::default());
-    for pattern in llamarunner_core::routes::MODEL_POSTS {
+    for pattern in llamarunner_core::routes::model_posts() {
         let path = pattern.replace("{id}", "0");
         assert!(llamarunner_core::routes::is_model_post(&path), "{path}");
         let (s, text) = post_to(&app, &path, "{}").await;
@@ -441,8 +441,8 @@ async fn the_routers_route_lists_are_the_engines_routes() {
             "{path}: {s} {text}"
         );
     }
-    // And `MODEL_READS` are the engine's routes that a POST does not take: 405, not 404.
-    for pattern in llamarunner_core::routes::MODEL_READS {
+    // And `model_reads` are the engine's routes that a POST does not take: 405, not 404.
+    for pattern in llamarunner_core::routes::model_reads() {
         let path = pattern.replace("{id}", "resp_0");
         assert!(llamarunner_core::routes::is_model_read(&path), "{path}");
         let (s, text) = post_to(&app, &path, "{}").await;
