@@ -137,7 +137,11 @@ def test_listings_name_every_model_and_say_which_are_loaded(router: WatchedServe
     ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
     assert ids == ["alpha", "bravo"]
     assert [m["name"] for m in httpx.get(f"{url}/api/tags").json()["models"]] == ids
-    assert "alpha" in [m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
+    loaded = {m["name"]: m for m in httpx.get(f"{url}/api/ps").json()["models"]}
+    assert "alpha" in loaded
+    # The engine's own account of its GPU share (0 on a machine without a GPU).
+    props = httpx.get(f"{url}/props", params={"model": "alpha"}).json()
+    assert loaded["alpha"]["size_vram"] == props["devices"]["vram_bytes"]
     alpha = statuses(url)["alpha"]
     assert alpha["value"] == "loaded" and alpha["memory_bytes"] > 0 and alpha["pid"] > 0
     one = httpx.get(f"{url}/v1/models/alpha")

@@ -68,3 +68,15 @@ pub async fn engine_get(port: u16, key: &str, path: &str) -> Option<String> {
     let (status, body) = get(port, key, path).await?;
     (status == StatusCode::OK).then(|| String::from_utf8_lossy(&body).into_owned())
 }
+
+/// The bytes of the model's weights its engine placed on GPUs (`/props`' `devices.vram_bytes`);
+/// 0 when the engine does not say.
+pub async fn engine_vram_bytes(port: u16, key: &str) -> u64 {
+    let Some(text) = engine_get(port, key, "/props").await else {
+        return 0;
+    };
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|props| props["devices"]["vram_bytes"].as_u64())
+        .unwrap_or(0)
+}

@@ -32,8 +32,9 @@ pub struct Exit {
 pub enum Event {
     /// Load progress, 0..1.
     Progress(f32),
-    /// Serving on this port.
-    Ready(u16),
+    /// Serving on this port, with this many bytes of the model's weights on GPUs (its
+    /// `/props`' `devices.vram_bytes`; 0 when it does not say).
+    Ready(u16, u64),
     /// The process has ended.
     Exited(Exit),
 }
@@ -107,7 +108,8 @@ impl EngineProcess {
                         match engine_client::engine_health(port, &key).await {
                             Some((true, _, _)) => {
                                 ready = true;
-                                let _ = tx.send(Event::Ready(port)).await;
+                                let vram = engine_client::engine_vram_bytes(port, &key).await;
+                                let _ = tx.send(Event::Ready(port, vram)).await;
                             }
                             Some((false, progress, error)) => {
                                 if error.is_some() {

@@ -72,6 +72,8 @@ struct Inner {
     keep_alive: Option<Duration>,
     /// The memory its load was estimated to take (`--models-memory`), set when it loads.
     estimate: Option<u64>,
+    /// Bytes of its weights its engine placed on GPUs (Ollama's `size_vram`), once loaded.
+    vram_bytes: u64,
 }
 
 /// One model the router serves.
@@ -255,6 +257,7 @@ impl Registry {
                         last_used: Instant::now(),
                         keep_alive,
                         estimate: None,
+                        vram_bytes: 0,
                     }),
                     changed: watch::channel(0).0,
                     starts: AtomicU64::new(0),
@@ -607,9 +610,10 @@ impl Registry {
                         }
                         false
                     }
-                    Event::Ready(port) => {
-                        tracing::info!(model = %model.name, port, "model loaded");
+                    Event::Ready(port, vram_bytes) => {
+                        tracing::info!(model = %model.name, port, vram_bytes, "model loaded");
                         inner.status = Status::Loaded { port };
+                        inner.vram_bytes = vram_bytes;
                         inner.last_used = Instant::now();
                         false
                     }
@@ -786,7 +790,7 @@ impl Registry {
                 None => SystemTime::now() + Duration::from_secs(100 * 365 * 86_400),
             };
             entry["expires_at"] = json!(crate::requests::common::rfc3339(expires));
-            entry["size_vram"] = json!(0);
+            entry["size_vram"] = json!(inner.vram_bytes);
         }
         entry
     }
