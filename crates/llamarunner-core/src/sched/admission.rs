@@ -2,7 +2,18 @@
 //! longest prefix of the prompt, a shared prefix forked into it in multi-user mode), and
 //! requests whose client left or whose time ran out leave the queue or their slot.
 
-use super::*;
+use std::time::Instant;
+
+use super::speculative::SpecState;
+use super::text::TextStream;
+use super::{
+    input_tokens, lora, prompt_images, too_long, Phase, Scheduler, Sequence, MIN_SHARE_GAIN,
+};
+use crate::backend::{Backend, Fork};
+use crate::kv;
+use crate::protocol::{
+    DoneReason, EngineError, EngineErrorKind, Event, LoraScales, Request, Token,
+};
 
 impl<B: Backend> Scheduler<B> {
     /// Frees the slots and queue places of clients that went away, refuses queued requests

@@ -2,7 +2,12 @@
 //! round robin within the remaining budget, one LoRA scale set per batch), images decoded,
 //! the batch decoded, and every sequence whose logits came out sampled.
 
-use super::*;
+use std::time::Instant;
+
+use super::{leading_image, lora, pos_of, Phase, Scheduler, StepOutcome};
+use crate::backend::{Backend, BatchToken};
+use crate::protocol::vision::is_image_token;
+use crate::protocol::{BackendError, EngineError, EngineErrorKind, Event, LoraScales};
 
 impl<B: Backend> Scheduler<B> {
     /// The LoRA scale set whose sequences decode this step (`lora.rs`); remembered as the last

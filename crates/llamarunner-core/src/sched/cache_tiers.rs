@@ -2,7 +2,10 @@
 //! (`kv/prompt_cache.rs`) and restored for a prompt that starts like it; a sliding-window slot
 //! cut back is rewound to a window checkpoint (`kv/checkpoints.rs`).
 
-use super::*;
+use super::{Phase, Scheduler};
+use crate::backend::Backend;
+use crate::kv;
+use crate::protocol::{LoraScales, Token};
 
 impl<B: Backend> Scheduler<B> {
     /// Whether slot `index` was shifted (`kv_shift`) since the last decode: llama.cpp applies

@@ -26,20 +26,17 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::Sender;
 
-use crate::backend::{Backend, BatchToken, Fork};
+use crate::backend::{Backend, BatchToken};
 use crate::kv;
 use crate::kv::checkpoints::Checkpoints;
 use crate::kv::prompt_cache::PromptCache;
-use crate::protocol::nanos;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::vision::{is_image_continuation, is_image_start, is_image_token};
 use crate::protocol::{
-    BackendError, Completion, DoneReason, EngineError, EngineErrorKind, EngineObserver, Event,
-    Input, LoraScales, PromptImage, QueueGauge, Request, SlotAction, SlotActivity, SlotOutcome,
-    SlotPhase, Token, TokenLogprob,
+    EngineError, EngineErrorKind, EngineObserver, Event, Input, LoraScales, PromptImage,
+    QueueGauge, Request, SlotActivity, SlotPhase, Token, TokenLogprob,
 };
 use adaptive::CostModel;
 use payoff::Payoff;

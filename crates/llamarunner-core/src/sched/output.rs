@@ -2,7 +2,15 @@
 //! there is room; a client that does not read pauses its sequence; a finished sequence's last
 //! events wait in `draining` for a full channel.
 
-use super::*;
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::Sender;
+
+use super::Scheduler;
+use crate::backend::Backend;
+use crate::protocol::{nanos, Completion, DoneReason, Event};
 
 impl<B: Backend> Scheduler<B> {
     /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.

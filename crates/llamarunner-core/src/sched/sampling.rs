@@ -1,7 +1,12 @@
 //! Sampling a sequence's next token, and what it decides: stop (end of generation, a stop
 //! string, the grammar's end), length, or a context shift when the slot is full.
 
-use super::*;
+use std::time::Instant;
+
+use super::{Phase, Scheduler};
+use crate::backend::Backend;
+use crate::kv;
+use crate::protocol::DoneReason;
 
 impl<B: Backend> Scheduler<B> {
     /// Samples the next token of the sequence in slot `index` (its logits were decoded at

@@ -1,7 +1,10 @@
 //! `POST /slots/{id}`: a slot's cache saved to, restored from or erased for a slot file,
 //! between steps.
 
-use super::*;
+use super::Scheduler;
+use crate::backend::Backend;
+use crate::protocol::vision::is_image_token;
+use crate::protocol::{EngineError, EngineErrorKind, SlotAction, SlotOutcome};
 
 impl<B: Backend> Scheduler<B> {
     /// Saves, restores or erases the cache of slot `index` (`POST /slots/{id}`). Runs between
