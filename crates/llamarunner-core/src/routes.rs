@@ -60,11 +60,15 @@ fn server(path: &'static str, methods: MethodRouter<AppState>) -> Route {
     }
 }
 
-/// The route table: every path, its methods and handlers, and who answers it. `router` serves
-/// it; the router of many models reads its model routes (`model_posts`, `model_reads`).
-fn table() -> Vec<Route> {
-    vec![
-        server("/metrics", get(metrics::handler)),
+/// The route table: every path, its methods and handlers, and who answers it (`/metrics`
+/// only `with_metrics`: without, it is the fallback's 404). `router` serves it; the router of
+/// many models reads its model routes (`model_posts`, `model_reads`).
+fn table(with_metrics: bool) -> Vec<Route> {
+    let mut routes = Vec::new();
+    if with_metrics {
+        routes.push(server("/metrics", get(metrics::handler)));
+    }
+    routes.extend([
         model_post("/completion", post(native::completion)),
         model_post("/embedding", post(native::embedding)),
         model_post("/infill", post(infill::infill)),
@@ -103,12 +107,13 @@ fn table() -> Vec<Route> {
         server("/", get(ui::root)),
         server("/dashboard", get(ui::dashboard)),
         server("/ui/{name}", get(ui::file)),
-    ]
+    ]);
+    routes
 }
 
 /// The model routes of the table: (those that take a POST, those that only read).
 static MODEL_ROUTES: LazyLock<(Vec<&'static str>, Vec<&'static str>)> = LazyLock::new(|| {
-    let model: Vec<Route> = table()
+    let model: Vec<Route> = table(false)
         .into_iter()
         .filter(|r| r.scope == Scope::Model)
         .collect();
@@ -162,11 +167,7 @@ pub fn router(state: AppState) -> Router {
     let policy = state.policy.clone();
     let metrics = state.metrics.clone();
     let mut routes = Router::new();
-    for route in table() {
-        // Without metrics (`--no-metrics`), `/metrics` is the fallback's 404.
-        if route.path == "/metrics" && metrics.is_none() {
-            continue;
-        }
+    for route in table(metrics.is_some()) {
         routes = routes.route(route.path, route.methods);
     }
     let routes = routes

@@ -429,11 +429,11 @@ impl Metrics {
     fn publish_devices(&self, facts: &crate::protocol::devices::DeviceFacts) {
         let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
         for device in &facts.devices {
-            let kind = serde_json::to_value(device.kind)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
-            let labels = [device.name.as_str(), device.backend.as_str(), kind.as_str()];
+            let labels = [
+                device.name.as_str(),
+                device.backend.as_str(),
+                device.kind.as_str(),
+            ];
             self.device_memory_total
                 .with_label_values(&labels)
                 .set(bytes(device.memory_total));

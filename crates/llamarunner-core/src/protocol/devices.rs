@@ -4,9 +4,8 @@
 
 use serde::Serialize;
 
-/// What kind of device llama.cpp says it is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+/// What kind of device llama.cpp says it is (named by `as_str` in `/props` and `/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceKind {
     /// The host's CPU.
     #[default]
@@ -25,6 +24,23 @@ impl DeviceKind {
     /// Whether model layers are offloaded to it (llama.cpp offloads to GPUs only).
     pub fn is_gpu(self) -> bool {
         matches!(self, Self::Gpu | Self::IntegratedGpu)
+    }
+
+    /// Its name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Gpu => "gpu",
+            Self::IntegratedGpu => "integrated_gpu",
+            Self::Accelerator => "accelerator",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+impl Serialize for DeviceKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
     }
 }
 

@@ -781,3 +781,4 @@ mod prefix_reuse;
 mod prompt_cache;
 mod slot_files;
 mod speculative;
+mod step_outcome;

@@ -13,7 +13,7 @@ use crate::backend::{BatchToken, Drafting};
 use crate::config::RunnerConfig;
 use crate::protocol::{BackendError, Token};
 
-use super::logs::with_llama_errors;
+use super::logs::llama_result;
 use super::text::{piece_bytes, tokenize};
 use super::{file_name, LlamaEngine};
 
@@ -58,16 +58,8 @@ pub(super) fn load_draft_model(
         .with_main_gpu(config.main_gpu)
         .with_use_mmap(!config.no_mmap)
         .with_use_mlock(config.mlock);
-    let (loaded, llama_errors) =
-        with_llama_errors(|| LlamaModel::load_from_file(backend, path, &params));
-    let draft = loaded.map_err(|e| {
-        let why = if llama_errors.is_empty() {
-            e.to_string()
-        } else {
-            llama_errors.join("; ")
-        };
-        format!("--draft-model: llama.cpp could not load {name}: {why}")
-    })?;
+    let draft = llama_result(|| LlamaModel::load_from_file(backend, path, &params))
+        .map_err(|why| format!("--draft-model: llama.cpp could not load {name}: {why}"))?;
     if draft.is_recurrent() || draft.is_hybrid() {
         return Err(format!(
             "--draft-model {name}: a recurrent or hybrid model cannot draft (its cache cannot \

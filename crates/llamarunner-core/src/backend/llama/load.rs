@@ -18,7 +18,7 @@ use crate::protocol::{Health, ModelInfo, TextModel};
 
 use super::draft::{load_draft_model, DraftEngine};
 use super::embeddings::EmbedParams;
-use super::logs::with_llama_errors;
+use super::logs::llama_result;
 use super::text::{chat_template, tokenize, LlamaText};
 use super::{file_name, LlamaEngine};
 
@@ -74,19 +74,14 @@ pub fn load<R>(
     // thing to check when comparing speed with another build.
     tracing::info!(features = %system_info(), "llama.cpp CPU backend");
     let started = std::time::Instant::now();
-    let (loaded, llama_errors) =
-        with_llama_errors(|| LlamaModel::load_from_file(backend, &config.model, &model_params));
-    let mut model = loaded.map_err(|e| {
-        let why = if llama_errors.is_empty() {
-            e.to_string()
-        } else {
-            llama_errors.join("; ")
-        };
-        format!(
-            "llama.cpp could not load {}: {why}",
-            file_name(&config.model)
-        )
-    })?;
+    let mut model =
+        llama_result(|| LlamaModel::load_from_file(backend, &config.model, &model_params))
+            .map_err(|why| {
+                format!(
+                    "llama.cpp could not load {}: {why}",
+                    file_name(&config.model)
+                )
+            })?;
     tracing::info!(
         model = %config.model.display(),
         params = model.n_params(),
@@ -97,14 +92,7 @@ pub fn load<R>(
     // The `--lora` adapters, made from the model before anything borrows it (llama-cpp-2
     // 0.1.160 takes the model as `&mut` for that); their scales are set on the context below.
     let adapters = crate::backend::llama::lora::load_adapters(&mut model, &config.lora, |init| {
-        let (adapter, llama_errors) = with_llama_errors(init);
-        adapter.map_err(|e| {
-            if llama_errors.is_empty() {
-                e.to_string()
-            } else {
-                llama_errors.join("; ")
-            }
-        })
+        llama_result(init)
     })?;
     // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
     // batch and samplers stay on this thread).
@@ -133,16 +121,8 @@ pub fn load<R>(
         .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
         .with_type_k(kv_type)
         .with_type_v(kv_type);
-    let (ctx, llama_errors) = with_llama_errors(|| model.new_context(backend, ctx_params));
-    let mut ctx = ctx.map_err(|e| {
-        // llama-cpp-2 says only "null reference"; llama.cpp logged why.
-        let why = if llama_errors.is_empty() {
-            e.to_string()
-        } else {
-            llama_errors.join("; ")
-        };
-        format!("llama.cpp could not create a context of {n_ctx} tokens: {why}")
-    })?;
+    let mut ctx = llama_result(|| model.new_context(backend, ctx_params))
+        .map_err(|why| format!("llama.cpp could not create a context of {n_ctx} tokens: {why}"))?;
 
     let lora =
         crate::backend::llama::lora::LoraAdapters::load(&model, &mut ctx, &config.lora, adapters)?;
@@ -155,16 +135,7 @@ pub fn load<R>(
                 &ctx,
                 threads,
                 n_gpu_layers > 0,
-                |init| {
-                    let (loaded, llama_errors) = with_llama_errors(init);
-                    loaded.map_err(|e| {
-                        if llama_errors.is_empty() {
-                            e
-                        } else {
-                            llama_errors.join("; ")
-                        }
-                    })
-                },
+                |init| llama_result(init),
             )?;
             let raw_ctx = crate::backend::llama::lora::context_pointer(&model, &ctx)?;
             tracing::info!(mmproj = %path.display(), "vision projector loaded");
@@ -193,16 +164,10 @@ pub fn load<R>(
                 .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
                 .with_type_k(kv_type)
                 .with_type_v(kv_type);
-            let (dctx, llama_errors) =
-                with_llama_errors(|| draft_model.new_context(backend, params));
-            let dctx = dctx.map_err(|e| {
-                let why = if llama_errors.is_empty() {
-                    e.to_string()
-                } else {
-                    llama_errors.join("; ")
-                };
-                format!("llama.cpp could not create the draft model's context: {why}")
-            })?;
+            let dctx =
+                llama_result(|| draft_model.new_context(backend, params)).map_err(|why| {
+                    format!("llama.cpp could not create the draft model's context: {why}")
+                })?;
             Some(DraftEngine::new(draft_model, dctx, model.n_vocab()))
         }
         None => None,

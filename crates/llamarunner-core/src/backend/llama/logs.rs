@@ -1,9 +1,25 @@
 //! llama.cpp's log, captured around a call so that a failed load can say why.
 
+/// Runs a llama.cpp call that may fail; its error says why in llama.cpp's words (the ERROR
+/// lines it logged meanwhile, joined) when it logged any, else it is the call's own error
+/// (llama-cpp-2 often says only "null reference").
+pub(super) fn llama_result<T, E: std::fmt::Display>(
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, String> {
+    let (out, errors) = with_llama_errors(f);
+    out.map_err(|e| {
+        if errors.is_empty() {
+            e.to_string()
+        } else {
+            errors.join("; ")
+        }
+    })
+}
+
 /// Runs `f` and returns, besides its result, the ERROR messages llama.cpp logged meanwhile on
 /// this thread, so that a failed model load can say why. Every event still reaches the
 /// process's subscriber as usual.
-pub(super) fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
     use std::sync::{Arc, Mutex};
     use tracing::field::{Field, Visit};
     use tracing::span::{Attributes, Id, Record};

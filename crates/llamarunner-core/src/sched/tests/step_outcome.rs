@@ -1,0 +1,49 @@
+//! What a turn of the scheduler returns, driven directly (no engine thread): the step's plain
+//! outcome.
+
+use super::*;
+use crate::protocol::handle::QueueGauge;
+use crate::sched::StepOutcome;
+
+#[test]
+fn a_turn_says_what_its_step_decoded() {
+    let backend = FakeBackend::new(FakeConfig::default());
+    let capacity = FakeConfig::default().batch_capacity;
+    let mut sched = Scheduler::new(
+        backend,
+        1,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    // Nothing to do: nothing decoded, nothing stalled.
+    assert_eq!(sched.turn(), StepOutcome::default());
+    let prompt = "x".repeat(capacity + 8);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
+    sched.enqueue(Request {
+        id: "outcome".into(),
+        prompt: prompt.as_str().into(),
+        params: greedy(2),
+        truncated: false,
+        events: tx,
+        received: Instant::now(),
+        deadline: None,
+        images: Vec::new(),
+    });
+    // BOS and the prompt's bytes, more than one batch: a full chunk without logits first.
+    let first = sched.turn();
+    assert_eq!((first.batch_tokens, first.outputs), (capacity, 0));
+    // The rest of the prompt, its last position with logits (the first token is sampled).
+    let rest = prompt.len() + 1 - capacity;
+    let second = sched.turn();
+    assert_eq!((second.batch_tokens, second.outputs), (rest, 1));
+    // The sampled token decoded, the second sampled: num_predict 2 ends it.
+    let third = sched.turn();
+    assert_eq!(
+        (third.batch_tokens, third.outputs, third.drafted),
+        (1, 1, 0)
+    );
+    assert!(!third.stalled && !third.failed && !third.images);
+    assert!(sched.idle());
+    let (_, done) = collect(&mut rx);
+    assert_eq!(done.eval_count, 2);
+}
