@@ -60,6 +60,10 @@ def test_cluster_serves_the_default_model_from_two_replicas(
         assert r.status_code == 200
         text = "".join(line.get("content", "") for line in parse_ndjson(r.text))
         assert "Paris" in text
+        # Every replica that answered: the router spreads new prompts by load, then by how
+        # many prefixes each replica already holds, so the conversations below go where the
+        # questions above did not (counting only them misses a replica that took these).
+        replicas = {r.headers[REPLICA_HEADER]}
 
         import ollama
         import openai
@@ -95,7 +99,6 @@ def test_cluster_serves_the_default_model_from_two_replicas(
         # (Openings that differ: prompts sharing half their text count as one prefix.)
         history = {t: [{"role": "user", "content": f"{t.title()}: tell me more."}] for t in topics}
         first: dict[str, tuple[int, str]] = {}
-        replicas = set()
         for turn in range(2):
             for t in topics:
                 body = {"messages": history[t], "options": {"num_predict": 12, "temperature": 0}}
