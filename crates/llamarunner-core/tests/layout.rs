@@ -334,6 +334,35 @@ fn folders_import_only_what_their_rules_allow() {
     );
 }
 
+/// What the policy folders leave to the engine: channels and the threads' waiting.
+const CHANNEL_WORDS: &[&str] = &["mpsc", "oneshot", "crossbeam", "Sender<", "Receiver<"];
+
+#[test]
+fn the_scheduler_and_the_caches_touch_no_channel() {
+    let mut wrong = Vec::new();
+    for source in sources() {
+        if !(source.path.starts_with("sched/") || source.path.starts_with("kv/")) {
+            continue;
+        }
+        for line in &source.lines {
+            if CHANNEL_WORDS.iter().any(|w| line.text.contains(w)) {
+                wrong.push(format!(
+                    "src/{}:{}: {}",
+                    source.path,
+                    line.number,
+                    line.text.trim()
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "sched/ and kv/ are policy: they offer events to a request's EventSink and hand \
+         endings to the engine (engine/delivery.rs), never a channel:\n{}",
+        wrong.join("\n")
+    );
+}
+
 #[test]
 fn nothing_but_tests_and_the_fake_build_imports_the_fake_backend() {
     let sources = sources();

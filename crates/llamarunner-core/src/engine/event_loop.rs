@@ -6,6 +6,7 @@
 use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
 use std::time::Duration;
 
+use super::delivery::Deliveries;
 use super::embeddings::EmbedQueue;
 use crate::backend::Backend;
 use crate::protocol::{EngineError, EngineErrorKind, EngineInbox, Message, SlotCommand};
@@ -16,6 +17,8 @@ pub struct Engine<B: Backend> {
     sched: Scheduler<B>,
     inbox: EngineInbox,
     embeddings: EmbedQueue,
+    /// Ended requests' last events that their clients have not taken yet.
+    deliveries: Deliveries,
     /// The last step decoded nothing although sequences are running (all paused for their
     /// clients): the next receive waits a moment instead of spinning.
     stalled: bool,
@@ -28,6 +31,7 @@ impl<B: Backend> Engine<B> {
             sched,
             inbox,
             embeddings: EmbedQueue::default(),
+            deliveries: Deliveries::default(),
             stalled: false,
         }
     }
@@ -59,9 +63,18 @@ impl<B: Backend> Engine<B> {
             self.embeddings
                 .step(self.sched.backend_mut(), self.inbox.observer.as_ref());
             self.stalled = self.sched.turn().stalled;
+            self.deliver();
             self.publish_slots();
         }
         self.fail_everything();
+    }
+
+    /// Delivers what the scheduler ended this turn, and what earlier endings still hold.
+    fn deliver(&mut self) {
+        self.deliveries.retry();
+        for ending in self.sched.take_endings() {
+            self.deliveries.deliver(ending);
+        }
     }
 
     fn publish_slots(&self) {
@@ -83,7 +96,7 @@ impl<B: Backend> Engine<B> {
                 Err(RecvTimeoutError::Disconnected) => return false,
             }
         } else if self.idle() {
-            let msg = if self.sched.draining() {
+            let msg = if !self.deliveries.is_empty() {
                 self.inbox.rx.recv_timeout(Duration::from_millis(5))
             } else {
                 self.inbox
@@ -138,6 +151,7 @@ impl<B: Backend> Engine<B> {
             let _ = r.reply.send(Err(err.clone()));
         }
         self.sched.fail_all(&err);
+        self.deliver();
         self.publish_slots();
     }
 }

@@ -1,13 +1,15 @@
 //! The engine: the one OS thread that owns a `Backend` and the `Scheduler` and runs the loop
 //! (`event_loop.rs`: messages, slot-file actions, embeddings between steps in
-//! `embeddings.rs`). The backend is loaded here (llama.cpp, `backend/llama/`), the drafting
+//! `embeddings.rs`, the ended requests' last events in `delivery.rs`). The backend is loaded here (llama.cpp, `backend/llama/`), the drafting
 //! policy fitted to it (a step's cost by width, measured before any request), and the engine
 //! serves the inbox until the runner stops.
 
+mod delivery;
 mod embeddings;
 mod event_loop;
 pub mod step_cost_cache;
 
+pub use delivery::Deliveries;
 pub use event_loop::Engine;
 
 #[cfg(feature = "llama")]

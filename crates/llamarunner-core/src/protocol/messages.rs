@@ -140,6 +140,69 @@ pub enum Event {
 /// generates, text is coalesced on the engine side rather than blocking the loop.
 pub const EVENT_CHANNEL_CAPACITY: usize = 64;
 
+/// Where a request's events go, as the engine sees it: a sink that takes an event now, is
+/// full (the client reads slower than the engine generates) or is gone (the client left). It
+/// never blocks. The HTTP side holds the other end ([`EventSink::channel`]); the scheduler
+/// only offers events and reads the answer, so it decides what a full client means (its
+/// sequence pauses) without knowing how events travel.
+#[derive(Clone, Debug)]
+pub struct EventSink(tokio::sync::mpsc::Sender<Event>);
+
+/// What became of an event offered to an [`EventSink`].
+#[derive(Debug)]
+pub enum Offer {
+    /// The client's side holds it.
+    Taken,
+    /// No room now: the event comes back, to be offered again later.
+    Full(Event),
+    /// The client left; nothing will be read again.
+    Gone,
+}
+
+impl EventSink {
+    /// A sink and the receiver the HTTP side reads, with room for
+    /// [`EVENT_CHANNEL_CAPACITY`] events.
+    pub fn channel() -> (Self, tokio::sync::mpsc::Receiver<Event>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
+        (Self(tx), rx)
+    }
+
+    /// Offers `event` without waiting.
+    pub fn offer(&self, event: Event) -> Offer {
+        use tokio::sync::mpsc::error::TrySendError;
+        match self.0.try_send(event) {
+            Ok(()) => Offer::Taken,
+            Err(TrySendError::Full(event)) => Offer::Full(event),
+            Err(TrySendError::Closed(_)) => Offer::Gone,
+        }
+    }
+
+    /// The client left.
+    pub fn is_gone(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// A request's last events (its final text and statistics, or its error), handed by the
+/// scheduler to the engine, which delivers them as the client makes room.
+#[derive(Debug)]
+pub struct Ending {
+    /// Where they go.
+    pub sink: EventSink,
+    /// In order.
+    pub events: std::collections::VecDeque<Event>,
+}
+
+impl Ending {
+    /// A request ended by `error`.
+    pub fn error(sink: EventSink, error: EngineError) -> Self {
+        Self {
+            sink,
+            events: [Event::Error(error)].into(),
+        }
+    }
+}
+
 /// What a request asks the engine to process: text, or its tokens when the HTTP side has
 /// tokenized it already (off the engine thread, so a long prompt never stalls a decode step).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,8 +228,8 @@ pub struct Request {
     pub prompt: Input,
     /// Sampling and stopping parameters.
     pub params: SamplingParams,
-    /// Where events go; a closed channel means the client left.
-    pub events: tokio::sync::mpsc::Sender<Event>,
+    /// Where its events go.
+    pub events: EventSink,
     /// The HTTP side cut the prompt to fit the slot.
     pub truncated: bool,
     /// When the HTTP side received it.

@@ -16,8 +16,8 @@ use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{
-    Completion, EmbedRequest, Embedding, Event, Input, LoadState, ModelInfo, Request, TokenLogprob,
-    EVENT_CHANNEL_CAPACITY,
+    Completion, EmbedRequest, Embedding, Event, EventSink, Input, LoadState, ModelInfo, Request,
+    TokenLogprob,
 };
 use crate::requests::image_prompt::{self, ImageSource, Prompt};
 use crate::requests::validate;
@@ -445,7 +445,7 @@ async fn submit(
     received: Instant,
     valid: validate::Generation,
 ) -> Result<Generation, ApiError> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
+    let (tx, mut rx) = EventSink::channel();
     let prompt_tokens = valid.tokens.len();
     state.engine.submit(Request {
         id: access::current_id(),

@@ -12,7 +12,7 @@ use super::{
 use crate::backend::{Backend, Fork};
 use crate::kv;
 use crate::protocol::{
-    DoneReason, EngineError, EngineErrorKind, Event, LoraScales, Request, Token,
+    DoneReason, Ending, EngineError, EngineErrorKind, Event, LoraScales, Offer, Request, Token,
 };
 
 impl<B: Backend> Scheduler<B> {
@@ -23,7 +23,7 @@ impl<B: Backend> Scheduler<B> {
         let before = self.waiting.len();
         let mut expired = Vec::new();
         self.waiting.retain(|r| {
-            if r.events.is_closed() {
+            if r.events.is_gone() {
                 return false;
             }
             if r.deadline.is_some_and(|d| d <= now) {
@@ -40,7 +40,7 @@ impl<B: Backend> Scheduler<B> {
                 EngineErrorKind::Timeout,
                 "the request waited for a slot longer than the server's time limit (--timeout)",
             );
-            let _ = events.try_send(Event::Error(err));
+            self.endings.push(Ending::error(events, err));
         }
         let mut timed_out = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
@@ -50,7 +50,7 @@ impl<B: Backend> Scheduler<B> {
             let stuck = seq
                 .paused_since
                 .is_some_and(|t| now.duration_since(t) >= self.pause_limit);
-            if seq.events.is_closed() {
+            if seq.events.is_gone() {
                 seq.span.in_scope(|| {
                     tracing::debug!(slot = slot.id, "client disconnected; slot freed");
                 });
@@ -94,7 +94,7 @@ impl<B: Backend> Scheduler<B> {
             };
             self.left_queue();
             if let Err(e) = self.admit_one(&request) {
-                let _ = request.events.try_send(Event::Error(e));
+                self.endings.push(Ending::error(request.events, e));
             }
         }
     }
@@ -154,7 +154,7 @@ impl<B: Backend> Scheduler<B> {
         slot.last_used = Some(std::time::SystemTime::now());
         self.clock += 1;
         slot.last_tick = self.clock;
-        if request.events.try_send(Event::Started).is_err() {
+        if !matches!(request.events.offer(Event::Started), Offer::Taken) {
             return Ok(()); // the client is gone; the slot stays free
         }
         let admitted = Instant::now();

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::{leading_image, lora, pos_of, Phase, Scheduler, StepOutcome};
 use crate::backend::{Backend, BatchToken};
 use crate::protocol::vision::is_image_token;
-use crate::protocol::{BackendError, EngineError, EngineErrorKind, Event, LoraScales};
+use crate::protocol::{BackendError, Ending, EngineError, EngineErrorKind, LoraScales};
 
 impl<B: Backend> Scheduler<B> {
     /// The LoRA scale set whose sequences decode this step (`lora.rs`); remembered as the last
@@ -318,8 +318,9 @@ impl<B: Backend> Scheduler<B> {
                         EngineErrorKind::Internal,
                         format!("the image could not be decoded: {e}"),
                     );
-                    let _ = seq.events.try_send(Event::Error(err));
-                    slot.seq = None;
+                    if let Some(seq) = slot.seq.take() {
+                        self.endings.push(Ending::error(seq.events, err));
+                    }
                     self.backend.kv_truncate(id, 0);
                     slot.cached.clear();
                 }
@@ -337,7 +338,7 @@ impl<B: Backend> Scheduler<B> {
             }
             if let Some(seq) = slot.seq.take() {
                 let err = EngineError::new(EngineErrorKind::Internal, message);
-                let _ = seq.events.try_send(Event::Error(err));
+                self.endings.push(Ending::error(seq.events, err));
             }
             self.backend.kv_truncate(slot.id, 0);
             slot.cached.clear();

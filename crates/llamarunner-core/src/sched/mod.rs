@@ -26,8 +26,6 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::Sender;
-
 use crate::backend::{Backend, BatchToken};
 use crate::kv;
 use crate::kv::checkpoints::Checkpoints;
@@ -35,8 +33,8 @@ use crate::kv::prompt_cache::PromptCache;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::vision::{is_image_continuation, is_image_start, is_image_token};
 use crate::protocol::{
-    EngineError, EngineErrorKind, EngineObserver, Event, Input, LoraScales, PromptImage,
-    QueueGauge, Request, SlotActivity, SlotPhase, Token, TokenLogprob,
+    Ending, EngineError, EngineErrorKind, EngineObserver, EventSink, Input, LoraScales,
+    PromptImage, QueueGauge, Request, SlotActivity, SlotPhase, Token, TokenLogprob,
 };
 use adaptive::CostModel;
 use payoff::Payoff;
@@ -71,7 +69,7 @@ struct Sequence<S> {
     /// Its log span (`request{request_id=...}`), entered for every log line about it.
     span: tracing::Span,
     phase: Phase,
-    events: Sender<Event>,
+    events: EventSink,
     params: SamplingParams,
     /// The LoRA scale set it is decoded under.
     lora: LoraScales,
@@ -178,8 +176,9 @@ pub struct Scheduler<B: Backend> {
     queue: Arc<QueueGauge>,
     slots: Vec<Slot<B::Sampler>>,
     waiting: VecDeque<Request>,
-    /// Events a full channel could not take yet (a slow client whose sequence already ended).
-    draining: Vec<(Sender<Event>, VecDeque<Event>)>,
+    /// Requests that ended since the engine last took them (`take_endings`): their last
+    /// events, which the engine delivers.
+    endings: Vec<Ending>,
     /// Slot index where prompt chunking starts next step.
     next_prompt: usize,
     /// Slot index where decode tokens start next step (so that with fewer batch places than
@@ -245,7 +244,7 @@ impl<B: Backend> Scheduler<B> {
             queue,
             slots,
             waiting: VecDeque::new(),
-            draining: Vec::new(),
+            endings: Vec::new(),
             next_prompt: 0,
             next_decode: 0,
             multiuser: false,
@@ -328,9 +327,10 @@ impl<B: Backend> Scheduler<B> {
         self.waiting.is_empty() && self.slots.iter().all(|s| s.seq.is_none())
     }
 
-    /// Finished sequences still hold events for full channels.
-    pub fn draining(&self) -> bool {
-        !self.draining.is_empty()
+    /// The last events of the requests that ended (finished, failed, refused or timed out)
+    /// since the last call, for the engine to deliver.
+    pub fn take_endings(&mut self) -> Vec<Ending> {
+        std::mem::take(&mut self.endings)
     }
 
     /// The slot table, for `GET /slots`.
@@ -355,23 +355,21 @@ impl<B: Backend> Scheduler<B> {
     }
 
     /// One turn of the policy between two receives (after `drop_cancelled`): waiting requests
-    /// are admitted, one batch is decoded and sampled, and held events are sent.
+    /// are admitted, one batch is decoded and sampled.
     pub fn turn(&mut self) -> StepOutcome {
         self.admit();
-        let outcome = self.step();
-        self.flush_draining();
-        outcome
+        self.step()
     }
 
     /// Ends every waiting and running request with `err` (the server stops).
     pub fn fail_all(&mut self, err: &EngineError) {
         for r in std::mem::take(&mut self.waiting) {
             self.left_queue();
-            let _ = r.events.try_send(Event::Error(err.clone()));
+            self.endings.push(Ending::error(r.events, err.clone()));
         }
         for slot in &mut self.slots {
             if let Some(seq) = slot.seq.take() {
-                let _ = seq.events.try_send(Event::Error(err.clone()));
+                self.endings.push(Ending::error(seq.events, err.clone()));
             }
         }
     }

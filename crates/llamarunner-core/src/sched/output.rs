@@ -1,16 +1,14 @@
-//! Output and back-pressure: a sequence's text goes to its client's bounded channel when
-//! there is room; a client that does not read pauses its sequence; a finished sequence's last
-//! events wait in `draining` for a full channel.
+//! Output and back-pressure as policy: a sequence's text is offered to its client's sink when
+//! there is some; a client that has no room pauses its sequence (its text gathers in the
+//! outbox); a client that left frees the slot. A finished sequence's last events become an
+//! `Ending`, which the engine delivers (`engine/delivery.rs`).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use tokio::sync::mpsc::error::TrySendError;
-use tokio::sync::mpsc::Sender;
-
 use super::Scheduler;
 use crate::backend::Backend;
-use crate::protocol::{nanos, Completion, DoneReason, Event};
+use crate::protocol::{nanos, Completion, DoneReason, Ending, Event, Offer};
 
 impl<B: Backend> Scheduler<B> {
     /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.
@@ -33,13 +31,13 @@ impl<B: Backend> Scheduler<B> {
             text: std::mem::take(&mut seq.outbox),
             logprobs: seq.outbox_logprobs.drain(..complete).collect(),
         };
-        match seq.events.try_send(event) {
-            Ok(()) => seq.logprobs_sent += complete,
-            Err(TrySendError::Full(Event::Text { text, logprobs })) => {
+        match seq.events.offer(event) {
+            Offer::Taken => seq.logprobs_sent += complete,
+            Offer::Full(Event::Text { text, logprobs }) => {
                 seq.outbox = text;
                 seq.outbox_logprobs.splice(..0, logprobs);
             }
-            Err(_) => slot.seq = None,
+            Offer::Full(_) | Offer::Gone => slot.seq = None,
         }
     }
 
@@ -75,27 +73,9 @@ impl<B: Backend> Scheduler<B> {
             stop_string: seq.text.stopped_by().map(str::to_string),
         }));
         self.slots[index].last_used = Some(std::time::SystemTime::now());
-        self.send_all(seq.events, events);
-    }
-
-    /// Sends events in order, parking the rest when the channel is full.
-    pub(super) fn send_all(&mut self, tx: Sender<Event>, mut events: VecDeque<Event>) {
-        while let Some(ev) = events.pop_front() {
-            match tx.try_send(ev) {
-                Ok(()) => {}
-                Err(TrySendError::Full(ev)) => {
-                    events.push_front(ev);
-                    self.draining.push((tx, events));
-                    return;
-                }
-                Err(TrySendError::Closed(_)) => return,
-            }
-        }
-    }
-
-    pub(super) fn flush_draining(&mut self) {
-        for (tx, events) in std::mem::take(&mut self.draining) {
-            self.send_all(tx, events);
-        }
+        self.endings.push(Ending {
+            sink: seq.events,
+            events,
+        });
     }
 }

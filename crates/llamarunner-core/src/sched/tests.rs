@@ -105,7 +105,7 @@ impl Harness {
         params: SamplingParams,
         deadline: Option<Instant>,
     ) -> Result<Receiver<Event>, crate::protocol::SubmitError> {
-        let (tx, rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
+        let (tx, rx) = crate::protocol::EventSink::channel();
         self.handle.submit(Request {
             id: format!("test-{prompt}"),
             prompt: prompt.into(),

@@ -49,7 +49,7 @@ impl Harness {
         images: Vec<PromptImage>,
         params: SamplingParams,
     ) -> Receiver<Event> {
-        let (tx, rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
+        let (tx, rx) = crate::protocol::EventSink::channel();
         self.handle
             .submit(Request {
                 id: "test-image".into(),

@@ -18,7 +18,7 @@ fn a_turn_says_what_its_step_decoded() {
     // Nothing to do: nothing decoded, nothing stalled.
     assert_eq!(sched.turn(), StepOutcome::default());
     let prompt = "x".repeat(capacity + 8);
-    let (tx, mut rx) = tokio::sync::mpsc::channel(crate::protocol::EVENT_CHANNEL_CAPACITY);
+    let (tx, mut rx) = crate::protocol::EventSink::channel();
     sched.enqueue(Request {
         id: "outcome".into(),
         prompt: prompt.as_str().into(),
@@ -44,6 +44,47 @@ fn a_turn_says_what_its_step_decoded() {
     );
     assert!(!third.stalled && !third.failed && !third.images);
     assert!(sched.idle());
+    // The scheduler sent the text as it came and handed the request's end to the engine: its
+    // last events, in order, to deliver.
+    let mut endings = sched.take_endings();
+    assert_eq!(endings.len(), 1);
+    assert!(sched.take_endings().is_empty(), "taken once");
+    let ending = endings.remove(0);
+    assert!(matches!(ending.events.back(), Some(Event::Done(done)) if done.eval_count == 2));
+    let mut deliveries = crate::engine::Deliveries::default();
+    deliveries.deliver(ending);
+    assert!(deliveries.is_empty());
     let (_, done) = collect(&mut rx);
     assert_eq!(done.eval_count, 2);
+}
+
+#[test]
+fn a_refused_request_ends_with_its_error_for_the_engine_to_deliver() {
+    let mut sched = Scheduler::new(
+        FakeBackend::new(FakeConfig::default()),
+        1,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    let (tx, mut rx) = crate::protocol::EventSink::channel();
+    let mut params = greedy(2);
+    params.truncate = false;
+    sched.enqueue(Request {
+        id: "too-long".into(),
+        prompt: "x".repeat(100_000).as_str().into(),
+        params,
+        truncated: false,
+        events: tx,
+        received: Instant::now(),
+        deadline: None,
+        images: Vec::new(),
+    });
+    assert_eq!(sched.turn(), StepOutcome::default());
+    assert!(
+        rx.try_recv().is_err(),
+        "nothing sent before the engine delivers"
+    );
+    let endings = sched.take_endings();
+    assert_eq!(endings.len(), 1);
+    assert!(matches!(endings[0].events.front(), Some(Event::Error(_))));
 }
