@@ -161,7 +161,6 @@ def test_a_model_that_is_not_a_reranker_is_a_clear_400(tiny_server: Server) -> N
         ({"query": QUERY, "documents": [1, 2]}, 400, "documents"),
         ({"query": QUERY, "documents": ["x" * 4000]}, 400, "context"),
         ({"query": QUERY, "documents": ["ok"] * 2049}, 400, "2048"),
-        ({"query": QUERY, "documents": DOCS, "model": "other"}, 404, "other"),
     ],
 )
 def test_bad_requests_are_clear_errors(

@@ -83,6 +83,14 @@ fn table(with_metrics: bool) -> Vec<Route> {
         model_post("/v1/chat/completions", post(openai::chat_completions)),
         model_post("/v1/completions", post(openai::completions)),
         model_post("/v1/embeddings", post(openai::embeddings)),
+        // The OpenAI routes without `/v1`, as llama-server serves them, for clients given the
+        // server's root as their base URL: OpenAI's answers, as those clients expect
+        // (llama-server answers its own formats on /completions and /embeddings;
+        // docs/endpoints.md).
+        model_post("/chat/completions", post(openai::chat_completions)),
+        model_post("/completions", post(openai::completions)),
+        model_post("/embeddings", post(openai::embeddings)),
+        model_post("/responses", post(responses::create)),
         model_post("/v1/rerank", post(rerank::rerank)),
         model_post("/v1/reranking", post(rerank::rerank)),
         model_post("/rerank", post(rerank::rerank)),
@@ -95,6 +103,8 @@ fn table(with_metrics: bool) -> Vec<Route> {
         model_post("/v1/messages", post(anthropic::messages)),
         model_post("/v1/messages/count_tokens", post(anthropic::count_tokens)),
         server("/v1/models", get(openai::models)),
+        server("/models", get(openai::models)),
+        server("/v1/health", get(props::health)),
         server("/v1/models/{*model}", get(openai::model)),
         model_post("/api/generate", post(ollama::generate)),
         model_post("/api/chat", post(ollama::chat)),
@@ -166,6 +176,8 @@ fn matches_any(patterns: &[&str], path: &str) -> bool {
 pub fn router(state: AppState) -> Router {
     let policy = state.policy.clone();
     let metrics = state.metrics.clone();
+    // The start time `/metrics` reports is taken now.
+    crate::ops::metrics::process_start_unix();
     let mut routes = Router::new();
     for route in table(metrics.is_some()) {
         routes = routes.route(route.path, route.methods);
@@ -197,6 +209,10 @@ mod tests {
             "/v1/chat/completions",
             "/v1/completions",
             "/v1/embeddings",
+            "/chat/completions",
+            "/completions",
+            "/embeddings",
+            "/responses",
             "/v1/rerank",
             "/v1/reranking",
             "/rerank",

@@ -203,7 +203,6 @@ async fn openai_errors_have_openai_shape() {
     });
     let long = "x".repeat(100);
     let cases = [
-        (r#"{"model":"other","prompt":"x"}"#, 404, "model_not_found"),
         (r#"{"prompt":"x","n":9}"#, 400, "invalid_request"),
         (r#"{"prompt":"x","echo":true}"#, 400, "invalid_request"),
         (r#"{"prompt":"x","suffix":"y"}"#, 400, "invalid_request"),
@@ -224,10 +223,31 @@ async fn openai_errors_have_openai_shape() {
         assert_eq!(v["error"]["code"], code, "{body}: {text}");
         assert!(v["error"]["type"].is_string() && v["error"]["message"].is_string());
     }
+    // Any model name is the one model, as on llama-server, and the answer names it; without
+    // `/v1` too.
+    for path in ["/v1/completions", "/completions"] {
+        let (s, text) = post_to(
+            &app,
+            path,
+            r#"{"model":"gpt-4o","prompt":"x","max_tokens":2}"#,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{path}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["model"], "fake", "{text}");
+    }
+    // Ollama's routes keep the 404 its clients pull a model on.
+    let (s, text) = post_to(&app, "/api/generate", r#"{"model":"other","prompt":"x"}"#).await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{text}");
     let body = format!(r#"{{"prompt":"{long}"}}"#);
     let (s, text) = post_to(&app, "/v1/completions", &body).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    assert!(text.contains("context_length_exceeded"), "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{text}");
+    // llama-server's type and sizes, for the clients written for it.
+    assert_eq!(v["error"]["type"], "exceed_context_size_error", "{text}");
+    assert_eq!(v["error"]["n_ctx"], 64, "{text}");
+    assert!(v["error"]["n_prompt_tokens"].as_u64() > Some(64), "{text}");
     let (s, text) = post_to(
         &app,
         "/v1/chat/completions",

@@ -463,3 +463,26 @@ async fn without_metrics_the_route_is_a_404() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(id.is_some());
 }
+
+#[tokio::test]
+async fn a_scrape_says_when_the_process_started() {
+    let (app, handle) = app(FakeConfig::default());
+    let req = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // As llama-server's header: seconds since the epoch, not in the future.
+    let start: u64 = resp.headers()["process-start-time-unix"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(start > 1_600_000_000 && start <= now, "{start}");
+    handle.shutdown();
+}

@@ -20,10 +20,7 @@ use crate::http::error::{AnthropicError, ApiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event};
-use crate::requests::common::{
-    check_model, collect, model_info, parse_json, parse_messages, start_generation,
-};
-use crate::requests::format::grammar_for_format;
+use crate::requests::common::{collect, model_info, parse_json, parse_messages, start_generation};
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use crate::requests::validate;
@@ -139,11 +136,7 @@ impl MessagesRequest {
                 "{at}.type: must be \"json_schema\""
             )));
         }
-        let schema = format
-            .get("schema")
-            .filter(|s| s.is_object())
-            .ok_or_else(|| ApiError::invalid(format!("{at}.schema: must be an object")))?;
-        grammar_for_format(schema).map_err(|e| ApiError::invalid(format!("{at}.schema: {e}")))
+        crate::requests::format::response_format(format, at).map_err(ApiError::invalid)
     }
 
     /// `thinking`: `{"type": "enabled", "budget_tokens": N}` turns the template's reasoning on
@@ -189,7 +182,6 @@ impl MessagesRequest {
 fn parse_request(state: &AppState, body: &[u8]) -> Result<MessagesRequest, ApiError> {
     model_info(state)?;
     let req: MessagesRequest = parse_json(body)?;
-    check_model(state, req.model.as_deref())?;
     Ok(req)
 }
 

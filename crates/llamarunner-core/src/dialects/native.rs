@@ -26,10 +26,8 @@ use crate::requests::options::Options;
 /// runner's capitalized keys are accepted too.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
-    /// The model (optional; on a server of one model, another name is a 404 as in the other
-    /// dialects; a router picks the engine by it).
-    #[serde(default, alias = "Model")]
-    model: Option<String>,
+    // `model` is not read: any name is the one model (`requests::common::check_model`); a
+    // router picks the engine by it.
     #[serde(default, alias = "Prompt")]
     prompt: Option<String>,
     /// A conversation, rendered with the model's chat template, instead of `prompt`.
@@ -69,7 +67,6 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
-    crate::requests::common::check_model(&state, req.model.as_deref())?;
     let info = model_info(&state)?;
     let options = req.options.unwrap_or_default();
     let lora = state
@@ -152,8 +149,6 @@ fn ndjson(event: &Event) -> String {
 /// Body of `POST /embedding`.
 #[derive(Debug, Deserialize)]
 struct EmbeddingRequest {
-    #[serde(default, alias = "Model")]
-    model: Option<String>,
     #[serde(default, alias = "Content")]
     content: Option<String>,
     #[serde(default, alias = "Truncate")]
@@ -164,7 +159,6 @@ struct EmbeddingRequest {
 pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
     let req: EmbeddingRequest = parse_json(&body)?;
-    crate::requests::common::check_model(&state, req.model.as_deref())?;
     let content = required("content", req.content)?;
     let embedding = embed_all(&state, vec![content], req.truncate.unwrap_or(false))
         .await?

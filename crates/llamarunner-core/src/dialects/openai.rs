@@ -23,8 +23,8 @@ use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event, TokenLogprob};
 use crate::requests::common::{
-    check_dimensions, check_model, collect, embed_all, l2_normalize, model_info, parse_json,
-    parse_messages, start_generation, unix_seconds, PromptSource,
+    check_dimensions, check_model, collect, embed_inputs, l2_normalize, model_info, parse_json,
+    parse_messages, start_generation, unix_seconds, EmbedInput, PromptSource,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
@@ -50,6 +50,9 @@ struct StreamOptions {
 struct OpenAiRequest {
     model: Option<String>,
     messages: Option<Vec<Value>>,
+    /// vLLM's and transformers' template switches (llama-server reads them too).
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
     prompt: Option<Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
@@ -64,6 +67,9 @@ struct OpenAiRequest {
     logit_bias: Option<HashMap<String, f32>>,
     n: Option<u32>,
     response_format: Option<Value>,
+    /// llama-server's top-level JSON schema constraint.
+    #[serde(default)]
+    json_schema: Option<Value>,
     logprobs: Option<Value>,
     top_logprobs: Option<u32>,
     tools: Option<Vec<Value>>,
@@ -155,12 +161,7 @@ impl OpenAiRequest {
         p.truncate = false;
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
         p.logprobs = self.logprobs(chat)?;
-        p.grammar = match self.grammar.as_deref().filter(|g| !g.trim().is_empty()) {
-            Some(g) => Some(crate::constrain::Grammar::new(
-                crate::constrain::GrammarSource::Gbnf(g.to_string()),
-            )),
-            None => response_format_grammar(self.response_format.as_ref())?,
-        };
+        p.grammar = constraint(self)?;
         Ok(p)
     }
 
@@ -239,31 +240,34 @@ fn logit_bias(bias: Option<&HashMap<String, f32>>) -> Result<Vec<(i32, f32)>, Ap
         .collect()
 }
 
-/// `response_format`: text, `json_object`, or `json_schema` with its schema, through the
-/// grammar path.
-fn response_format_grammar(
-    format: Option<&Value>,
-) -> Result<Option<crate::constrain::Grammar>, ApiError> {
-    let Some(format) = format.filter(|f| !f.is_null()) else {
-        return Ok(None);
-    };
-    match format.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(None),
-        Some("json_object") => grammar_for_format(&json!("json")).map_err(ApiError::invalid),
-        Some("json_schema") => {
-            let schema = format
-                .get("json_schema")
-                .and_then(|s| s.get("schema"))
-                .filter(|s| s.is_object())
-                .ok_or_else(|| {
-                    ApiError::invalid("response_format.json_schema.schema must be an object")
-                })?;
-            grammar_for_format(schema).map_err(ApiError::invalid)
-        }
-        _ => Err(ApiError::invalid(
-            "response_format.type must be text, json_object or json_schema",
-        )),
+/// The request's constraint: `grammar` (GBNF), `json_schema` (llama-server's top-level
+/// schema) or `response_format`; at most one of them, since one would otherwise be dropped.
+fn constraint(req: &OpenAiRequest) -> Result<Option<crate::constrain::Grammar>, ApiError> {
+    use crate::constrain::{Grammar, GrammarSource};
+    let grammar = req.grammar.as_deref().filter(|g| !g.trim().is_empty());
+    let schema = req.json_schema.as_ref().filter(|s| !s.is_null());
+    let format = crate::requests::format::response_format(
+        req.response_format.as_ref().unwrap_or(&Value::Null),
+        "response_format",
+    )
+    .map_err(ApiError::invalid)?;
+    let given = [grammar.is_some(), schema.is_some(), format.is_some()];
+    if given.iter().filter(|&&g| g).count() > 1 {
+        return Err(ApiError::invalid(
+            "grammar, json_schema and response_format are alternatives: give one of them",
+        ));
     }
+    if let Some(g) = grammar {
+        return Ok(Some(Grammar::new(GrammarSource::Gbnf(g.to_string()))));
+    }
+    if let Some(schema) = schema {
+        if !schema.is_object() {
+            return Err(ApiError::invalid("json_schema must be an object"));
+        }
+        return grammar_for_format(schema)
+            .map_err(|e| ApiError::invalid(format!("json_schema: {e}")));
+    }
+    Ok(format)
 }
 
 /// What every response of one request repeats.
@@ -445,9 +449,7 @@ fn completion_logprobs(entries: &[TokenLogprob], at: &mut TextOffsets) -> Value 
 /// Parses a completion request for the served model.
 fn parse_request(state: &AppState, body: &[u8]) -> Result<OpenAiRequest, ApiError> {
     model_info(state)?;
-    let req: OpenAiRequest = parse_json(body)?;
-    check_model(state, req.model.as_deref())?;
-    Ok(req)
+    parse_json(body)
 }
 
 /// `POST /v1/chat/completions`.
@@ -461,6 +463,7 @@ pub async fn chat_completions(
             .clone()
             .ok_or_else(|| ApiError::invalid("messages is required"))?,
     )?;
+    check_continuation(&req, &chat.messages)?;
     image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let mut params = req.params(true)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
@@ -476,6 +479,67 @@ pub async fn chat_completions(
         images: chat.images,
     };
     respond(state, &req, prompt.into(), params, Some(output)).await
+}
+
+/// OpenAI's `input` to embed: a string, an array of token ids (one input), or an array whose
+/// items are strings or arrays of token ids (llama-server takes the mix too).
+fn embedding_inputs(input: Option<Value>) -> Result<Vec<EmbedInput>, ApiError> {
+    let ids = |items: &[Value]| -> Option<Vec<i64>> { items.iter().map(Value::as_i64).collect() };
+    let shape = "input must be a string, an array of token ids, or an array of strings and token \
+                 id arrays";
+    match input {
+        Some(Value::String(s)) => Ok(vec![EmbedInput::Text(s)]),
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
+            Ok(vec![EmbedInput::Tokens(ids(&items).ok_or_else(|| {
+                ApiError::invalid("input: token ids must be integers")
+            })?)])
+        }
+        Some(Value::Array(items)) if !items.is_empty() => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => Ok(EmbedInput::Text(s)),
+                Value::Array(a) => ids(&a).map(EmbedInput::Tokens).ok_or_else(|| {
+                    ApiError::invalid(format!("input[{i}]: token ids must be integers"))
+                }),
+                _ => Err(ApiError::invalid(format!("input[{i}]: {shape}"))),
+            })
+            .collect(),
+        _ => Err(ApiError::invalid(format!("input is required: {shape}"))),
+    }
+}
+
+/// `add_generation_prompt` and `continue_final_message`: a conversation that ends with an
+/// assistant's text is continued (`requests::common::split_prefill`), which is what
+/// `continue_final_message: true` (with `add_generation_prompt` false or absent) asks; both
+/// true contradict each other, and an answer cannot be continued without one to continue or
+/// a conversation rendered without the assistant's opening here: each is a 400, never a
+/// switch ignored.
+fn check_continuation(
+    req: &OpenAiRequest,
+    messages: &[crate::chat::ChatMessage],
+) -> Result<(), ApiError> {
+    let continues = req.continue_final_message == Some(true);
+    if continues && req.add_generation_prompt == Some(true) {
+        return Err(ApiError::invalid(
+            "add_generation_prompt and continue_final_message cannot both be true",
+        ));
+    }
+    let last_is_answer = messages
+        .last()
+        .is_some_and(|m| m.role == "assistant" && !m.content.is_empty());
+    if continues && !last_is_answer {
+        return Err(ApiError::invalid(
+            "continue_final_message: the last message must be an assistant's text",
+        ));
+    }
+    if req.add_generation_prompt == Some(false) && !last_is_answer {
+        return Err(ApiError::invalid(
+            "add_generation_prompt: false is only supported to continue a final assistant \
+             message (continue_final_message)",
+        ));
+    }
+    Ok(())
 }
 
 /// `POST /v1/completions`.
@@ -859,26 +923,7 @@ pub async fn embeddings(
 ) -> Result<Response, OpenAiError> {
     let info = model_info(&state)?;
     let req: EmbeddingsRequest = parse_json(&body)?;
-    check_model(&state, req.model.as_deref())?;
-    let inputs = match req.input {
-        Some(Value::String(s)) => vec![s],
-        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_string) => {
-            items
-                .into_iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        }
-        Some(Value::Array(items)) if !items.is_empty() => {
-            return Err(
-                ApiError::invalid("input: token arrays are not supported; send text").into(),
-            )
-        }
-        _ => {
-            return Err(
-                ApiError::invalid("input is required: a string or an array of strings").into(),
-            )
-        }
-    };
+    let inputs = embedding_inputs(req.input)?;
     check_dimensions(&info, req.dimensions)?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
@@ -890,7 +935,7 @@ pub async fn embeddings(
             .into())
         }
     };
-    let embeddings = embed_all(&state, inputs, false).await?;
+    let embeddings = embed_inputs(&state, inputs, false).await?;
     let tokens: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();
     let data: Vec<Value> = embeddings
         .into_iter()
@@ -975,6 +1020,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn embedding_inputs_are_text_token_ids_or_a_mix() {
+        use EmbedInput::{Text, Tokens};
+        let read = |v: Value| embedding_inputs(Some(v));
+        assert_eq!(read(json!("a")).unwrap(), vec![Text("a".into())]);
+        assert_eq!(read(json!([1, 2])).unwrap(), vec![Tokens(vec![1, 2])]);
+        assert_eq!(
+            read(json!(["a", [3, 4], "b"])).unwrap(),
+            vec![Text("a".into()), Tokens(vec![3, 4]), Text("b".into())]
+        );
+        for bad in [
+            json!([]),
+            json!(5),
+            json!([1.5]),
+            json!([["x"]]),
+            json!([{}]),
+            json!(null),
+        ] {
+            assert!(read(bad.clone()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn text_offsets_count_characters_across_chunks() {
         let mut at = TextOffsets::default();
         // "a", "é" split over two tokens, "b", an invalid byte, then "€" whole.
@@ -1010,6 +1077,14 @@ mod tests {
             r#"{"logprobs":true,"top_logprobs":21}"#,
             r#"{"response_format":{"type":"xml"}}"#,
             r#"{"response_format":{"type":"json_schema","json_schema":{"name":"x"}}}"#,
+            // llama-server's own refusals: a type that is no format, a schema that is no
+            // object, and two constraints of which one would be dropped.
+            r#"{"response_format":{"type":123}}"#,
+            r#"{"response_format":{"type":"sound"}}"#,
+            r#"{"response_format":{"type":"json_object","schema":123}}"#,
+            r#"{"json_schema":"yes"}"#,
+            r#"{"json_schema":{"const":"42"},"grammar":"root ::= \"a\""}"#,
+            r#"{"json_schema":{"const":"42"},"response_format":{"type":"json_object"}}"#,
             r#"{"max_tokens":-1}"#,
             r#"{"stop":[1]}"#,
         ] {

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use crate::http::error::{ApiError, Dialect};
 use crate::http::AppState;
-use crate::requests::common::{check_model, embed_tokens, model_info, parse_json};
+use crate::requests::common::{embed_tokens, model_info, parse_json};
 use crate::requests::rerank;
 
 /// A document as clients send it: a string, or (Jina, Cohere v1) an object with `text`.
@@ -38,8 +38,6 @@ impl Document {
 /// `return_embeddings`...) are ignored.
 #[derive(Debug, Deserialize)]
 struct RerankRequest {
-    #[serde(default)]
-    model: Option<String>,
     #[serde(default)]
     query: Option<String>,
     #[serde(default)]
@@ -73,7 +71,6 @@ pub async fn rerank(State(state): State<AppState>, uri: Uri, body: Bytes) -> Res
 async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     let info = model_info(state)?;
     let req: RerankRequest = parse_json(body)?;
-    check_model(state, req.model.as_deref())?;
     rerank::format_of(&info)?;
     let query = req
         .query
@@ -147,7 +144,7 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         .collect();
     Ok(Json(json!({
         "id": uuid::Uuid::new_v4().to_string(),
-        "model": req.model.filter(|m| !m.is_empty()).unwrap_or_else(|| state.model_name.to_string()),
+        "model": state.model_name.as_ref(),
         "object": "list",
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,

@@ -25,9 +25,8 @@ use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event};
 use crate::requests::common::{
-    check_model, collect, model_info, parse_json, parse_messages, start_generation, unix_seconds,
+    collect, model_info, parse_json, parse_messages, start_generation, unix_seconds,
 };
-use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use crate::requests::validate;
@@ -136,21 +135,7 @@ impl ResponsesRequest {
         else {
             return Ok(None);
         };
-        match format.get("type").and_then(Value::as_str) {
-            Some("text") => Ok(None),
-            Some("json_object") => grammar_for_format(&json!("json")).map_err(ApiError::invalid),
-            Some("json_schema") => {
-                let schema = format
-                    .get("schema")
-                    .filter(|s| s.is_object())
-                    .ok_or_else(|| ApiError::invalid("text.format.schema must be an object"))?;
-                grammar_for_format(schema)
-                    .map_err(|e| ApiError::invalid(format!("text.format.schema: {e}")))
-            }
-            _ => Err(ApiError::invalid(
-                "text.format.type must be text, json_object or json_schema",
-            )),
-        }
+        crate::requests::format::response_format(format, "text.format").map_err(ApiError::invalid)
     }
 
     /// `reasoning`: `{"effort": "none"}` asks the template not to think, any other effort to
@@ -428,7 +413,6 @@ fn check_metadata(metadata: Option<&Value>) -> Result<(), ApiError> {
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Response, OpenAiError> {
     model_info(&state)?;
     let req: ResponsesRequest = parse_json(&body)?;
-    check_model(&state, req.model.as_deref())?;
     check_metadata(req.metadata.as_ref())?;
     let mut params = req.params()?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;

@@ -24,6 +24,17 @@ pub enum ApiError {
     /// The prompt does not fit in a slot.
     #[error("{0}")]
     ContextLength(String),
+    /// A prompt of `n_prompt_tokens` does not fit a slot of `n_ctx` (and may not be cut): a
+    /// `context_length_exceeded` whose sizes OpenAI-shaped answers give, as llama-server does.
+    #[error("{message}")]
+    PromptTooLong {
+        /// What the error says.
+        message: String,
+        /// The prompt's tokens.
+        n_prompt_tokens: usize,
+        /// A slot's cells.
+        n_ctx: usize,
+    },
     /// An image that cannot be used: undecodable, too large, too many, a remote URL, or a
     /// reference to an image the request does not give.
     #[error("{0}")]
@@ -105,6 +116,7 @@ impl ApiError {
             | ApiError::InvalidRequest(_)
             | ApiError::InvalidLora(_)
             | ApiError::ContextLength(_)
+            | ApiError::PromptTooLong { .. }
             | ApiError::InvalidImage(_)
             | ApiError::ImagesNotSupported(_)
             | ApiError::InvalidSlotFile(_) => StatusCode::BAD_REQUEST,
@@ -134,7 +146,9 @@ impl ApiError {
             ApiError::InvalidJson(_) => "invalid_json",
             ApiError::InvalidRequest(_) => "invalid_request",
             ApiError::InvalidLora(_) => "invalid_lora",
-            ApiError::ContextLength(_) => "context_length_exceeded",
+            ApiError::ContextLength(_) | ApiError::PromptTooLong { .. } => {
+                "context_length_exceeded"
+            }
             ApiError::InvalidImage(_) => "invalid_image",
             ApiError::ImagesNotSupported(_) => "images_not_supported",
             ApiError::Loading => "model_loading",
@@ -195,8 +209,25 @@ impl ApiError {
     }
 
     /// The body in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, with our
-    /// stable kind as `code`.
+    /// stable kind as `code`. A prompt too long also has llama-server's type
+    /// (`exceed_context_size_error`) and sizes (`n_prompt_tokens`, `n_ctx`), which clients
+    /// written for it read; `code` stays OpenAI's `context_length_exceeded`.
     pub fn openai_body(&self) -> serde_json::Value {
+        if let ApiError::PromptTooLong {
+            n_prompt_tokens,
+            n_ctx,
+            ..
+        } = self
+        {
+            return json!({"error": {
+                "message": self.to_string(),
+                "type": "exceed_context_size_error",
+                "param": null,
+                "code": self.kind(),
+                "n_prompt_tokens": n_prompt_tokens,
+                "n_ctx": n_ctx,
+            }});
+        }
         json!({"error": {
             "message": self.to_string(),
             "type": self.openai_type(),
@@ -340,7 +371,11 @@ impl From<EngineError> for ApiError {
 
 impl From<crate::kv::TooLong> for ApiError {
     fn from(e: crate::kv::TooLong) -> Self {
-        ApiError::ContextLength(e.to_string())
+        ApiError::PromptTooLong {
+            message: e.to_string(),
+            n_prompt_tokens: e.tokens,
+            n_ctx: e.capacity,
+        }
     }
 }
 

@@ -54,7 +54,13 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "total_slots": total,
         "n_ctx": info.slot_ctx,
         "n_ctx_total": info.slot_ctx.saturating_mul(total as usize),
-        "default_generation_settings": {"n_ctx": info.slot_ctx},
+        // As llama-server's: the context per slot and the sampling a request gets for the
+        // fields it leaves out (the native dialect's defaults; seed -1: a random seed per
+        // request).
+        "default_generation_settings": {
+            "n_ctx": info.slot_ctx,
+            "params": default_params(),
+        },
         "chat_template": info.template.source,
         "chat_template_name": info.template.name,
         "bos_token": special(info.bos),
@@ -83,4 +89,29 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "devices": info.devices,
     }))
     .into_response())
+}
+
+/// The sampling defaults under llama-server's names.
+fn default_params() -> serde_json::Value {
+    let p = crate::protocol::params::SamplingParams::default();
+    json!({
+        "n_predict": p.num_predict,
+        "n_keep": p.num_keep,
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "typical_p": p.typical_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "ignore_eos": p.ignore_eos,
+        "stop": p.stop,
+        "cache_prompt": p.cache_prompt,
+    })
 }

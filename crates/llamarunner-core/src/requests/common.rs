@@ -73,7 +73,12 @@ pub fn model_matches(state: &AppState, requested: &str) -> bool {
             .unwrap_or(false)
 }
 
-/// Rejects a request for a model this server does not serve.
+/// Rejects a request for a model this server does not serve: Ollama's routes, whose clients
+/// pull a model a server answers 404 for, and `GET /v1/models/{model}`. The routes
+/// llama-server serves (OpenAI, Anthropic, Responses, the native ones, rerank) answer any
+/// name with the one model, as llama-server does, and name it in the answer: tools that
+/// hard-code a model name work unchanged. On a many-model server the router checks the name,
+/// since there it chooses the model (docs/endpoints.md, "Model names").
 pub fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
     match requested {
         Some(r) if !model_matches(state, r) => Err(ApiError::ModelNotFound(format!(
@@ -265,7 +270,7 @@ pub async fn chat_prompt_with(
             params.stop.push(marker.clone());
         }
     }
-    let (messages, prefill) = split_prefill(messages);
+    let (messages, prefill) = split_prefill(messages)?;
     let mut prompt = render(info, messages, true, extras).await?;
     if let Some(text) = prefill {
         prompt.push_str(&text);
@@ -276,8 +281,12 @@ pub async fn chat_prompt_with(
 /// A conversation that ends with an assistant's text (no calls) asks for that text to be
 /// continued, as Anthropic's Messages API, Ollama and llama-server do: the conversation before
 /// it is rendered with the generation prompt, and the text follows it (the answer is what
-/// comes after the text). Returns the messages to render and that text.
-pub fn split_prefill(mut messages: Vec<ChatMessage>) -> (Vec<ChatMessage>, Option<String>) {
+/// comes after the text). Returns the messages to render and that text. Two assistant
+/// messages at the end are refused, as llama-server refuses them: the one to continue would
+/// follow another answer, which templates that alternate roles cannot render.
+pub fn split_prefill(
+    mut messages: Vec<ChatMessage>,
+) -> Result<(Vec<ChatMessage>, Option<String>), ApiError> {
     let prefill = messages.last().is_some_and(|m| {
         m.role == "assistant"
             && !m.content.is_empty()
@@ -286,10 +295,15 @@ pub fn split_prefill(mut messages: Vec<ChatMessage>) -> (Vec<ChatMessage>, Optio
                 .is_none_or(|c| c.is_null() || c.as_array().is_some_and(Vec::is_empty))
     });
     if !prefill {
-        return (messages, None);
+        return Ok((messages, None));
     }
     let last = messages.pop().map(|m| m.content);
-    (messages, last)
+    if messages.last().is_some_and(|m| m.role == "assistant") {
+        return Err(ApiError::invalid(
+            "Cannot have 2 or more assistant messages at the end of the list.",
+        ));
+    }
+    Ok((messages, last))
 }
 
 /// A generation that has its slot: the engine's events for it (text, then a final `Done` or
@@ -515,6 +529,29 @@ pub async fn embed_all(
     inputs: Vec<String>,
     truncate: bool,
 ) -> Result<Vec<Embedding>, ApiError> {
+    embed_inputs(
+        state,
+        inputs.into_iter().map(EmbedInput::Text).collect(),
+        truncate,
+    )
+    .await
+}
+
+/// One input to embed: text, or its token ids (OpenAI's `input` allows both).
+#[derive(Clone, Debug, PartialEq)]
+pub enum EmbedInput {
+    /// Text, tokenized here.
+    Text(String),
+    /// Token ids, checked against the vocabulary.
+    Tokens(Vec<i64>),
+}
+
+/// `embed_all` for inputs of text or token ids.
+pub async fn embed_inputs(
+    state: &AppState,
+    inputs: Vec<EmbedInput>,
+    truncate: bool,
+) -> Result<Vec<Embedding>, ApiError> {
     let info = model_info(state)?;
     if inputs.len() > validate::MAX_EMBED_INPUTS {
         return Err(ApiError::invalid(format!(
@@ -530,8 +567,11 @@ pub async fn embed_all(
         ));
     }
     let mut valid = Vec::with_capacity(inputs.len());
-    for text in inputs {
-        valid.push(validate::embedding_input(&info, text, truncate).await?);
+    for input in inputs {
+        valid.push(match input {
+            EmbedInput::Text(text) => validate::embedding_input(&info, text, truncate).await?,
+            EmbedInput::Tokens(ids) => validate::embedding_token_input(&info, &ids, truncate)?,
+        });
     }
     embed_tokens(state, valid).await
 }
@@ -625,7 +665,8 @@ mod tests {
         let (rest, prefill) = split_prefill(vec![
             user.clone(),
             msg("assistant", "The answer is", serde_json::json!({})),
-        ]);
+        ])
+        .unwrap();
         assert_eq!((rest.len(), prefill.as_deref()), (1, Some("The answer is")));
         for last in [
             msg("user", "more", serde_json::json!({})),
@@ -637,15 +678,23 @@ mod tests {
             ),
             msg("tool", "42", serde_json::json!({})),
         ] {
-            let (rest, prefill) = split_prefill(vec![user.clone(), last.clone()]);
+            let (rest, prefill) = split_prefill(vec![user.clone(), last.clone()]).unwrap();
             assert_eq!((rest.len(), prefill), (2, None), "{last:?}");
         }
         // Calls given as null or none are no calls.
         let (_, prefill) = split_prefill(vec![
-            user,
+            user.clone(),
             msg("assistant", "So", serde_json::json!({"tool_calls": null})),
-        ]);
+        ])
+        .unwrap();
         assert_eq!(prefill.as_deref(), Some("So"));
+        // An answer to continue after another answer: refused, as llama-server does.
+        let two = split_prefill(vec![
+            user,
+            msg("assistant", "One.", serde_json::json!({})),
+            msg("assistant", "Two", serde_json::json!({})),
+        ]);
+        assert!(two.is_err());
     }
 
     #[test]

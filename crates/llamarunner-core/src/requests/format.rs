@@ -25,6 +25,39 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<Grammar>,
     }
 }
 
+/// OpenAI's `response_format` (chat completions; `text.format` of the Responses API, and
+/// Anthropic's `output_config.format`, whose callers check the types they allow), read once
+/// for every dialect: `text` = none; `json_object` = any JSON object, or its `schema` when
+/// given (llama-server's extension); `json_schema` = its schema, under `json_schema.schema`
+/// (chat completions) or `schema` (Responses, Anthropic, llama-server). A field that does not
+/// fit is an error naming it (`at` is the field's path), never a constraint dropped.
+pub fn response_format(format: &serde_json::Value, at: &str) -> Result<Option<Grammar>, String> {
+    use serde_json::Value;
+    if format.is_null() {
+        return Ok(None);
+    }
+    let schema_at = |schema: &Value, path: &str| -> Result<Option<Grammar>, String> {
+        if !schema.is_object() {
+            return Err(format!("{at}.{path} must be an object"));
+        }
+        grammar_for_format(schema).map_err(|e| format!("{at}.{path}: {e}"))
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => match format.get("schema").filter(|s| !s.is_null()) {
+            Some(schema) => schema_at(schema, "schema"),
+            None => Ok(Some(Grammar::new(GrammarSource::JsonObject))),
+        },
+        Some("json_schema") => match format.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(schema) => schema_at(schema, "json_schema.schema"),
+            None => schema_at(format.get("schema").unwrap_or(&Value::Null), "schema"),
+        },
+        _ => Err(format!(
+            "{at}.type must be text, json_object or json_schema"
+        )),
+    }
+}
+
 /// Most values (objects, arrays, scalars) a JSON schema may have.
 pub const MAX_SCHEMA_NODES: usize = 4096;
 /// Most properties one schema object may list.
@@ -87,6 +120,42 @@ mod tests {
             .unwrap_err()
             .contains("invalid format"));
         assert!(grammar_for_format(&json!(5)).is_err());
+    }
+
+    #[test]
+    fn response_formats_of_every_dialect() {
+        use crate::constrain::GrammarSource::{JsonObject, JsonSchema};
+        let schema = json!({"const": "42"});
+        let source = |v: serde_json::Value| {
+            response_format(&v, "response_format").map(|g| g.map(|g| (*g.source).clone()))
+        };
+        assert_eq!(source(json!(null)), Ok(None));
+        assert_eq!(source(json!({"type": "text"})), Ok(None));
+        assert_eq!(source(json!({"type": "json_object"})), Ok(Some(JsonObject)));
+        for v in [
+            json!({"type": "json_object", "schema": schema}),
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+            json!({"type": "json_schema", "schema": schema}),
+        ] {
+            assert_eq!(source(v), Ok(Some(JsonSchema(schema.clone()))));
+        }
+        for (v, says) in [
+            (json!({"type": 123}), "response_format.type"),
+            (json!({"type": "sound"}), "response_format.type"),
+            (json!({}), "response_format.type"),
+            (
+                json!({"type": "json_object", "schema": 123}),
+                "response_format.schema",
+            ),
+            (json!({"type": "json_schema"}), "response_format.schema"),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": []}}),
+                "response_format.json_schema.schema",
+            ),
+        ] {
+            let err = source(v.clone()).expect_err(&v.to_string());
+            assert!(err.starts_with(says), "{v}: {err}");
+        }
     }
 
     #[test]

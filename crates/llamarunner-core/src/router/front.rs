@@ -33,6 +33,7 @@ pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -
     }
     let routes = routes
         .route("/health", get(health))
+        .route("/v1/health", get(health))
         .route("/models", get(models))
         .route("/models/load", post(load))
         .route("/models/unload", post(unload))
