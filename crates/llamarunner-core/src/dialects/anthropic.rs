@@ -660,7 +660,7 @@ impl Blocks {
     fn on(&mut self, e: Event) -> Vec<SseEvent> {
         let mut out = Vec::new();
         match e {
-            Event::Started => {}
+            Event::Started | Event::Progress(_) => {}
             Event::Text { text, .. } => {
                 for piece in self.output.push(&text) {
                     self.piece(piece, &mut out);

@@ -139,7 +139,7 @@ fn ndjson(event: &Event) -> String {
             let err = ApiError::from(e.clone());
             json!({"done": true, "done_reason": "error", "error": err.body()["error"]})
         }
-        Event::Started => json!({"content": "", "done": false}),
+        Event::Started | Event::Progress(_) => json!({"content": "", "done": false}),
     };
     let mut line = super::stream_json::to_line(&value);
     line.push('\n');

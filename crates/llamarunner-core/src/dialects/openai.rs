@@ -94,6 +94,8 @@ struct OpenAiRequest {
     speculative: Option<bool>,
     /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
     cache_prompt: Option<bool>,
+    /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
+    return_progress: Option<bool>,
     /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
     #[serde(flatten)]
     samplers: crate::requests::options::SamplerFields,
@@ -152,6 +154,8 @@ impl OpenAiRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             speculative: self.speculative,
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            // Reports only a stream can carry.
+            return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),
             ..defaults
         };
@@ -771,6 +775,11 @@ fn sse(value: Value) -> SseEvent {
     SseEvent::default().data(super::stream_json::to_line(&value))
 }
 
+/// llama-server's `prompt_progress` object.
+pub(super) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
+    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
+}
+
 /// With `include_usage`, every chunk carries `"usage": null` until the last, as OpenAI's do.
 fn with_usage_null(meta: &Meta, mut body: Value) -> Value {
     if meta.include_usage {
@@ -783,6 +792,13 @@ fn with_usage_null(meta: &Meta, mut body: Value) -> Value {
 fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<SseEvent> {
     match event {
         Event::Started => Vec::new(),
+        // llama-server's `return_progress`: a chunk without choices that says how far the
+        // prompt's decode is.
+        Event::Progress(p) => {
+            let mut body = meta.body(true, Vec::new());
+            body["prompt_progress"] = prompt_progress(&p);
+            vec![sse(with_usage_null(meta, body))]
+        }
         Event::Text { text, logprobs } => {
             let choice = meta.choice(Some(&text), &logprobs, want_logprobs, None, true);
             vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))]

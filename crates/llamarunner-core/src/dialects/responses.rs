@@ -62,6 +62,8 @@ struct ResponsesRequest {
     ignore_eos: Option<bool>,
     lora: Option<Value>,
     cache_prompt: Option<bool>,
+    /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
+    return_progress: Option<bool>,
     /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
     #[serde(flatten)]
     samplers: crate::requests::options::SamplerFields,
@@ -115,6 +117,8 @@ impl ResponsesRequest {
             seed: self.seed.unwrap_or(-1),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            // Reports only a stream can carry.
+            return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),
             ..defaults
         };
@@ -770,6 +774,16 @@ impl Items {
         let mut out = Vec::new();
         match e {
             Event::Started => {}
+            // llama-server's `return_progress`: another `response.in_progress` that says how
+            // far the prompt's decode is.
+            Event::Progress(p) => {
+                let response = self.meta.object(&Finished::InProgress, &[]);
+                let data = json!({
+                    "response": response,
+                    "prompt_progress": super::openai::prompt_progress(&p),
+                });
+                out.push(self.event("response.in_progress", data));
+            }
             Event::Text { text, .. } => {
                 for piece in self.output.push(&text) {
                     self.piece(piece, &mut out);

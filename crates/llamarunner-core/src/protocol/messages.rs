@@ -130,10 +130,26 @@ pub enum Event {
         /// One entry per token whose text this chunk completes (empty unless requested).
         logprobs: Vec<TokenLogprob>,
     },
+    /// How far the prompt's decode is (only for a request that asked: `return_progress`):
+    /// once at admission, then after each chunk of the prompt.
+    Progress(PromptProgress),
     /// The sequence finished.
     Done(Completion),
     /// The sequence failed.
     Error(EngineError),
+}
+
+/// How far a prompt's decode is, as llama-server reports it (`prompt_progress`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptProgress {
+    /// The prompt's tokens.
+    pub total: usize,
+    /// Of those, the ones found in a cache (not decoded).
+    pub cache: usize,
+    /// Of those, the ones in the slot so far (the cached ones included).
+    pub processed: usize,
+    /// Milliseconds since the sequence was admitted.
+    pub time_ms: u64,
 }
 
 /// Capacity of each request's event channel. When a client reads slower than the engine

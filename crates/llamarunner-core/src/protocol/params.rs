@@ -67,6 +67,9 @@ pub struct SamplingParams {
     /// Reuse a cached prefix of the prompt (a slot's, a fork's or the prompt cache's); false
     /// decodes the whole prompt (llama-server's `cache_prompt`).
     pub cache_prompt: bool,
+    /// Report the prompt's decode as it goes (`Event::Progress`; llama-server's
+    /// `return_progress`).
+    pub return_progress: bool,
     /// DRY, XTC, top-n-sigma and dynamic temperature (llama-server's samplers), off by default.
     pub samplers: ExtraSamplers,
 }
@@ -150,6 +153,7 @@ impl Default for SamplingParams {
             lora: None,
             speculative: None,
             cache_prompt: true,
+            return_progress: false,
             samplers: ExtraSamplers::default(),
         }
     }

@@ -498,7 +498,7 @@ pub async fn collect(mut rx: Generation) -> Result<Collected, ApiError> {
     let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Started => {}
+            Event::Started | Event::Progress(_) => {}
             Event::Text {
                 text: t,
                 logprobs: l,

@@ -205,6 +205,7 @@ impl<B: Backend> Scheduler<B> {
                 !self.backend.has_draft_model(),
             ),
         });
+        self.offer_progress(index);
         Ok(())
     }
 

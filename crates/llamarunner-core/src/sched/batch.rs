@@ -220,6 +220,7 @@ impl<B: Backend> Scheduler<B> {
             seq.queued = 0;
             if prompt_chunk {
                 self.checkpoint(index);
+                self.offer_progress(index);
             }
             let Some(seq) = self.slots[index].seq.as_mut() else {
                 continue;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::Scheduler;
 use crate::backend::Backend;
-use crate::protocol::{nanos, Completion, DoneReason, Ending, Event, Offer};
+use crate::protocol::{nanos, Completion, DoneReason, Ending, Event, Offer, PromptProgress};
 
 impl<B: Backend> Scheduler<B> {
     /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.
@@ -39,6 +39,26 @@ impl<B: Backend> Scheduler<B> {
             }
             Offer::Full(_) | Offer::Gone => slot.seq = None,
         }
+    }
+
+    /// Tells the client of slot `index` how far its prompt's decode is, when it asked
+    /// (`return_progress`). A progress report is advisory: one the client has no room for is
+    /// dropped (the next one says more), and it never pauses the sequence.
+    pub(super) fn offer_progress(&mut self, index: usize) {
+        let slot = &self.slots[index];
+        let Some(seq) = slot.seq.as_ref() else {
+            return;
+        };
+        if !seq.params.return_progress {
+            return;
+        }
+        let progress = PromptProgress {
+            total: seq.n_prompt,
+            cache: seq.n_cached,
+            processed: slot.cached.len().min(seq.n_prompt),
+            time_ms: u64::try_from(seq.admitted.elapsed().as_millis()).unwrap_or(u64::MAX),
+        };
+        let _ = seq.events.offer(Event::Progress(progress));
     }
 
     /// Ends the sequence in slot `index`: flushes held text and sends the final statistics.

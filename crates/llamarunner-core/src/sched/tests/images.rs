@@ -75,7 +75,7 @@ fn error_of(rx: &mut Receiver<Event>) -> crate::protocol::EngineError {
     loop {
         match rx.blocking_recv().expect("an event") {
             Event::Error(e) => return e,
-            Event::Started | Event::Text { .. } => {}
+            Event::Started | Event::Progress(_) | Event::Text { .. } => {}
             Event::Done(d) => panic!("expected an error, got {d:?}"),
         }
     }

@@ -88,3 +88,53 @@ fn a_refused_request_ends_with_its_error_for_the_engine_to_deliver() {
     assert_eq!(endings.len(), 1);
     assert!(matches!(endings[0].events.front(), Some(Event::Error(_))));
 }
+
+#[test]
+fn a_request_that_asks_hears_how_far_its_prompt_is() {
+    let capacity = FakeConfig::default().batch_capacity;
+    let mut sched = Scheduler::new(
+        FakeBackend::new(FakeConfig::default()),
+        1,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    let prompt = "x".repeat(capacity + 8);
+    let (tx, mut rx) = crate::protocol::EventSink::channel();
+    let mut params = greedy(1);
+    params.return_progress = true;
+    sched.enqueue(Request {
+        id: "progress".into(),
+        prompt: prompt.as_str().into(),
+        params,
+        truncated: false,
+        events: tx,
+        received: Instant::now(),
+        deadline: None,
+        images: Vec::new(),
+    });
+    while !sched.idle() {
+        sched.turn();
+    }
+    let mut deliveries = crate::engine::Deliveries::default();
+    for ending in sched.take_endings() {
+        deliveries.deliver(ending);
+    }
+    let mut progress = Vec::new();
+    let mut text_before_done = false;
+    while let Ok(event) = rx.try_recv() {
+        match event {
+            Event::Progress(p) => {
+                assert!(!text_before_done, "progress after text");
+                progress.push((p.total, p.cache, p.processed));
+            }
+            Event::Text { .. } => text_before_done = true,
+            _ => {}
+        }
+    }
+    // BOS and the prompt's bytes: one report at admission, one a chunk (two chunks).
+    let total = prompt.len() + 1;
+    assert_eq!(
+        progress,
+        vec![(total, 0, 0), (total, 0, capacity), (total, 0, total)]
+    );
+}
