@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, Union
 
 import httpx
 
@@ -54,13 +54,20 @@ class StreamRequest:
 _TOP_LEVEL = ("truncate", "shift", "model")
 
 
+Think = Union[bool, Literal["high", "medium", "low"], None]
+"""`chat`'s ``think``: the template asked to think (true, a level) or not (false), and the
+reasoning split out into ``thinking``; None: the text as generated."""
+
+
 def generate(
     prompt: str | Sequence[Mapping[str, Any]],
     grammar: str | None,
     format: Any,
     options: Mapping[str, Any],
+    think: Think = None,
 ) -> StreamRequest:
-    """`complete` (a ``str`` prompt) or `chat` (a sequence of messages)."""
+    """`complete` (a ``str`` prompt) or `chat` (a sequence of messages, ``think`` its
+    reasoning switch)."""
     sampling = dict(options)
     body: dict[str, Any] = {name: sampling.pop(name) for name in _TOP_LEVEL if name in sampling}
     body["options"] = sampling
@@ -72,6 +79,8 @@ def generate(
         body["grammar"] = grammar
     if format is not None:
         body["format"] = format
+    if think is not None:
+        body["think"] = think
     return StreamRequest("POST", "/completion", body)
 
 
@@ -213,8 +222,13 @@ def completion(chunks: Sequence[CompletionChunk]) -> Completion:
     final = chunks[-1] if chunks else None
     if final is None or not final.done:
         raise APIConnectionError("the stream ended before the final message")
-    stats = {k: v for k, v in vars(final).items() if k not in ("content", "done") and v is not None}
-    return Completion(text="".join(c.content for c in chunks), **stats)
+    joined = ("content", "thinking", "done")
+    stats = {k: v for k, v in vars(final).items() if k not in joined and v is not None}
+    return Completion(
+        text="".join(c.content for c in chunks),
+        thinking="".join(c.thinking for c in chunks),
+        **stats,
+    )
 
 
 # --- failures ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ._errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from ._requests import Think
 from ._results import Completion, CompletionChunk, HealthStatus, TokenPiece
 from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, _split_host
 
@@ -245,6 +246,7 @@ class Client:
         stream: Literal[False] = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion: ...
 
@@ -256,6 +258,7 @@ class Client:
         stream: Literal[True],
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Stream: ...
 
@@ -266,11 +269,16 @@ class Client:
         stream: bool = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion | Stream:
         """Answers a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the
-        model's chat template; otherwise as `complete`."""
-        return self._generate(_requests.generate(messages, grammar, format, options), stream)
+        model's chat template; otherwise as `complete`. ``think`` (Ollama's: true, false,
+        ``"high"``/``"medium"``/``"low"``) asks the template to think or not, and splits a
+        thinking model's ``<think>`` reasoning from the answer: it comes in ``thinking`` (of
+        the `Completion`, or of the chunks that carry it); None leaves the text as generated."""
+        request = _requests.generate(messages, grammar, format, options, think)
+        return self._generate(request, stream)
 
     def embed(self, text: str, *, truncate: bool = False, model: str | None = None) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
@@ -497,6 +505,7 @@ class AsyncClient:
         stream: Literal[False] = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion: ...
 
@@ -508,6 +517,7 @@ class AsyncClient:
         stream: Literal[True],
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> AsyncStream: ...
 
@@ -518,10 +528,11 @@ class AsyncClient:
         stream: bool = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion | AsyncStream:
         """Answers a conversation; see `Client.chat`."""
-        request = _requests.generate(messages, grammar, format, options)
+        request = _requests.generate(messages, grammar, format, options, think)
         return await self._generate(request, stream)
 
     async def embed(
