@@ -384,9 +384,7 @@ def test_a_thinking_model_s_reasoning_is_dimmed_between_markers(
     # block (Qwen3's): the server splits the reasoning out, the chat dims it.
     thinker = write_cycle_model(tmp_path_factory.mktemp("think") / "thinker.gguf", "OK</think>")
     template = Path(__file__).parent / "templates" / "qwen3.jinja"
-    with Server(
-        str(thinker), port=0, ctx_size=512, threads=2, chat_template=str(template)
-    ) as srv:
+    with Server(str(thinker), port=0, ctx_size=512, threads=2, chat_template=str(template)) as srv:
         c = chat("--host", srv.url)
         c.say("/set max_tokens 12")
         c.say("/set temperature 0")

@@ -644,9 +644,7 @@ def test_reasoning_is_thinking_in_native_chat_answers(think_server: Server) -> N
 
     async def in_async() -> Completion:
         async with AsyncClient(think_server.url) as client:
-            return await client.chat(
-                OK_BODY["messages"], think=True, num_predict=12, temperature=0
-            )
+            return await client.chat(OK_BODY["messages"], think=True, num_predict=12, temperature=0)
 
     c = asyncio.run(in_async())
     assert (c.thinking, c.text) == ("OK", "OK")
