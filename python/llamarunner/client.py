@@ -164,26 +164,20 @@ class Client:
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
     ) -> httpx.Response:
         """Sends with retries on connection errors and 503, before any stream starts."""
-        attempt = 0
+        retries = _requests.Retries(self.base_url, path, self.max_retries)
         while True:
-            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
-                if failure is not None:
-                    raise failure from e
+                retries.send_failed(e)
             else:
                 if response.status_code < 400:
                     return response
                 body = response.read()
                 response.close()
-                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
-                if error is not None:
-                    raise error
-            time.sleep(_retry_delay(attempt))
-            attempt += 1
+                retries.status_failed(response.status_code, body)
+            time.sleep(_retry_delay(retries.next()))
 
     def _call(self, request: _requests.Request[_T]) -> _T:
         if request.checked:
@@ -419,26 +413,20 @@ class AsyncClient:
     async def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
     ) -> httpx.Response:
-        attempt = 0
+        retries = _requests.Retries(self.base_url, path, self.max_retries)
         while True:
-            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
-                if failure is not None:
-                    raise failure from e
+                retries.send_failed(e)
             else:
                 if response.status_code < 400:
                     return response
                 body = await response.aread()
                 await response.aclose()
-                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
-                if error is not None:
-                    raise error
-            await asyncio.sleep(_retry_delay(attempt))
-            attempt += 1
+                retries.status_failed(response.status_code, body)
+            await asyncio.sleep(_retry_delay(retries.next()))
 
     async def _call(self, request: _requests.Request[_T]) -> _T:
         if request.checked:
