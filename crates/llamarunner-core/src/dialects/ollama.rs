@@ -77,8 +77,8 @@ impl OllamaRequest {
         Ok(())
     }
 
-    /// `think` (`tool_calls::parse_think`); absent: as the template is (a thinking model's
-    /// template thinks).
+    /// `think` (`requests::tool_calls::parse_think`); absent: as the template is (a thinking
+    /// model's template thinks).
     fn think(&self) -> Result<Option<bool>, ApiError> {
         tool_calls::parse_think(self.think.as_ref())
     }
