@@ -22,9 +22,10 @@ import httpx
 import pytest
 
 from llamarunner import Server
-from llamarunner.terminal_chat import AnswerPrinter, ThinkSplitter
+from llamarunner.terminal_chat import AnswerPrinter
 
 from helpers import metric, wait_until
+from tinymodel import write_cycle_model
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pty")
 
@@ -358,51 +359,44 @@ def test_usage_errors(tmp_path: Path, chat: Callable[..., Chat]) -> None:
         assert "llamarunner: error:" in c.transcript and "Traceback" not in c.transcript
 
 
-def split_all(pieces: list[str]) -> list[tuple[bool, str]]:
-    """`ThinkSplitter` over ``pieces``, with runs of the same kind joined."""
-    splitter = ThinkSplitter()
-    out: list[tuple[bool, str]] = []
-    for part in [*(splitter.feed(p) for p in pieces), splitter.finish()]:
-        for reasoning, text in part:
-            if out and out[-1][0] == reasoning:
-                out[-1] = (reasoning, out[-1][1] + text)
-            else:
-                out.append((reasoning, text))
-    return out
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("<think>\nhmm, 2+2</think>\n\nIt is 4.", [(True, "hmm, 2+2"), (False, "It is 4.")]),
-        ("  <think>a < b</thin", [(True, "a < b</thin")]),
-        ("No <think> here</think>", [(False, "No <think> here</think>")]),
-        ("<thin", [(False, "<thin")]),
-        ("<think></think>", []),
-    ],
-)
-def test_reasoning_is_split_from_the_answer_however_it_streams(
-    text: str, expected: list[tuple[bool, str]]
-) -> None:
-    assert split_all([text]) == expected
-    assert split_all(list(text)) == expected  # one character at a time
-    for cut in range(len(text)):
-        assert split_all([text[:cut], text[cut:]]) == expected, cut
-
-
 def test_reasoning_is_dimmed_on_a_terminal_and_marked_elsewhere() -> None:
+    # The server splits the reasoning out (its splitter's cases: chat/reasoning.rs); the
+    # chunks carry it apart from the content.
     plain = io.StringIO()
     printer = AnswerPrinter(plain, color=False)
-    for piece in ["<thi", "nk>why", "</think>", "Because."]:
-        printer.feed(piece)
+    for thinking, content in [("w", ""), ("hy", ""), ("", "Because.")]:
+        printer.feed(content, thinking)
     printer.finish()
     assert plain.getvalue() == "Thinking...\nwhy\n...done thinking.\n\nBecause.\n\n"
     assert printer.content == "Because."  # what the conversation keeps
     tty = io.StringIO()
     printer = AnswerPrinter(tty, color=True)
-    printer.feed("<think>why</think>Because.")
+    printer.feed(thinking="why")
+    printer.feed("Because.")
     printer.finish()
     assert "\x1b[2mwhy\x1b[0m" in tty.getvalue() and printer.content == "Because."
+
+
+def test_a_thinking_model_s_reasoning_is_dimmed_between_markers(
+    tmp_path_factory: pytest.TempPathFactory, chat: Callable[..., Chat]
+) -> None:
+    # A model that writes "OK</think>" over and over under a template that opens the think
+    # block (Qwen3's): the server splits the reasoning out, the chat dims it.
+    thinker = write_cycle_model(tmp_path_factory.mktemp("think") / "thinker.gguf", "OK</think>")
+    template = Path(__file__).parent / "templates" / "qwen3.jinja"
+    with Server(str(thinker), port=0, ctx_size=512, threads=2, chat_template=str(template)) as srv:
+        c = chat("--host", srv.url)
+        c.say("/set max_tokens 12")
+        c.say("/set temperature 0")
+        answer = c.say("hi")
+        dim, reset = "\x1b[2m", "\x1b[0m"
+        plain = re.sub(r"\x1b\[[0-9]*m", "", answer)
+        assert plain == "Thinking...\r\nOK\r\n...done thinking.\r\n\r\nOK\r\n\r\n", repr(answer)
+        thinking, content = answer.split("...done thinking.")
+        assert thinking.startswith(f"{dim}Thinking...{reset}") and f"{dim}O" in thinking
+        assert content == f"{reset}\r\n\r\nOK\r\n\r\n", repr(answer)  # not dimmed
+        c.line("/bye")
+        assert c.wait() == 0
 
 
 def test_without_a_model_or_the_default_model_it_explains(

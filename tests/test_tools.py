@@ -10,6 +10,7 @@ a model that writes ``OK</think>`` over and over behind a thinking template.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ import jsonschema
 import openai
 import pytest
 
-from llamarunner import Server
+from llamarunner import AsyncClient, Completion, Server
+from llamarunner import Client as LlamaClient
 
 from helpers import TINY_WEATHER_PARAMS as WEATHER_PARAMS
 from tinymodel import write_cycle_model, write_tiny_model
@@ -611,6 +613,47 @@ def test_reasoning_is_thinking_in_ollama_answers(think_server: Server) -> None:
     assert off["message"]["content"] == "OK</think>OK"
     bad = httpx.post(f"{think_server.url}/api/chat", json={**body, "think": "very"}, timeout=60)
     assert bad.status_code == 400 and "think must be" in bad.json()["error"]
+
+
+def test_reasoning_is_thinking_in_native_chat_answers(think_server: Server) -> None:
+    # The native chat (POST /completion with messages) splits it as /api/chat does when the
+    # request gives `think`: reasoning chunks carry `thinking`, the others `content`.
+    body = {**OK_BODY, "think": True, "options": {"num_predict": 12, "temperature": 0}}
+    with httpx.stream("POST", f"{think_server.url}/completion", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        lines = [json.loads(x) for x in s.read().split(b"\n") if x.strip()]
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 12
+    thinking = "".join(x.get("thinking", "") for x in lines)
+    content = "".join(x["content"] for x in lines)
+    assert (thinking, content) == ("OK", "OK")
+    assert all(not (x.get("thinking") and x["content"]) for x in lines), lines
+    with LlamaClient(think_server.url) as client:
+        c = client.chat(OK_BODY["messages"], think=True, num_predict=12, temperature=0)
+        assert (c.thinking, c.text) == ("OK", "OK")
+        with client.chat(
+            OK_BODY["messages"], stream=True, think="high", num_predict=12, temperature=0
+        ) as stream:
+            chunks = list(stream)
+        assert "".join(ch.thinking for ch in chunks) == "OK"
+        assert "".join(ch.content for ch in chunks) == "OK"
+        # Without `think`, the text as generated (as before); think: false, as /api/chat.
+        plain = client.chat(OK_BODY["messages"], num_predict=12, temperature=0)
+        assert (plain.thinking, plain.text) == ("", "OK</think>OK")
+        off = client.chat(OK_BODY["messages"], think=False, num_predict=12, temperature=0)
+        assert (off.thinking, off.text) == ("", "OK</think>OK")
+
+    async def in_async() -> Completion:
+        async with AsyncClient(think_server.url) as client:
+            return await client.chat(OK_BODY["messages"], think=True, num_predict=12, temperature=0)
+
+    c = asyncio.run(in_async())
+    assert (c.thinking, c.text) == ("OK", "OK")
+    for bad, why in (
+        ({**body, "think": "very"}, "think must be"),
+        ({"prompt": "hi", "think": True}, "think: thinking is split out of a conversation"),
+    ):
+        r = httpx.post(f"{think_server.url}/completion", json=bad, timeout=60)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
 
 
 def test_reasoning_format_none_leaves_the_text(thinker: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, Union
 
 import httpx
 
@@ -54,13 +54,20 @@ class StreamRequest:
 _TOP_LEVEL = ("truncate", "shift", "model")
 
 
+Think = Union[bool, Literal["high", "medium", "low"], None]
+"""`chat`'s ``think``: the template asked to think (true, a level) or not (false), and the
+reasoning split out into ``thinking``; None: the text as generated."""
+
+
 def generate(
     prompt: str | Sequence[Mapping[str, Any]],
     grammar: str | None,
     format: Any,
     options: Mapping[str, Any],
+    think: Think = None,
 ) -> StreamRequest:
-    """`complete` (a ``str`` prompt) or `chat` (a sequence of messages)."""
+    """`complete` (a ``str`` prompt) or `chat` (a sequence of messages, ``think`` its
+    reasoning switch)."""
     sampling = dict(options)
     body: dict[str, Any] = {name: sampling.pop(name) for name in _TOP_LEVEL if name in sampling}
     body["options"] = sampling
@@ -72,6 +79,8 @@ def generate(
         body["grammar"] = grammar
     if format is not None:
         body["format"] = format
+    if think is not None:
+        body["think"] = think
     return StreamRequest("POST", "/completion", body)
 
 
@@ -213,8 +222,13 @@ def completion(chunks: Sequence[CompletionChunk]) -> Completion:
     final = chunks[-1] if chunks else None
     if final is None or not final.done:
         raise APIConnectionError("the stream ended before the final message")
-    stats = {k: v for k, v in vars(final).items() if k not in ("content", "done") and v is not None}
-    return Completion(text="".join(c.content for c in chunks), **stats)
+    joined = ("content", "thinking", "done")
+    stats = {k: v for k, v in vars(final).items() if k not in joined and v is not None}
+    return Completion(
+        text="".join(c.content for c in chunks),
+        thinking="".join(c.thinking for c in chunks),
+        **stats,
+    )
 
 
 # --- failures ------------------------------------------------------------------------------
@@ -238,24 +252,41 @@ def unreachable(base_url: str, e: httpx.TransportError) -> APIConnectionError:
     return APIConnectionError(f"cannot reach {base_url}: {e}")
 
 
-def send_failure(
-    e: httpx.TransportError, base_url: str, path: str, *, can_retry: bool
-) -> APIConnectionError | None:
-    """The error a request that could not be sent raises; None to retry it (a connection
-    error while tries are left; a timeout never is)."""
-    if isinstance(e, httpx.TimeoutException):
-        return APITimeoutError(f"request to {base_url}{path} timed out")
-    if can_retry:
-        return None
-    return unreachable(base_url, e)
+class Retries:
+    """The tries of one checked call (`Request.checked`, `StreamRequest`): a connection error
+    or a 503 is retried while tries are left (``max_retries`` after the first), a timeout and
+    any other error status never. The clients send, and call `sent_failed` or `status_failed`
+    when a try fails, which raise the call's error or return to let it be tried again after
+    the delay of `attempt` (then `next`)."""
 
+    def __init__(self, base_url: str, path: str, max_retries: int) -> None:
+        self.base_url = base_url
+        self.path = path
+        self.max_retries = max_retries
+        self.attempt = 0
+        """Tries that failed and were retried so far."""
 
-def status_failure(status: int, body: bytes, *, can_retry: bool) -> APIStatusError | None:
-    """The error an error status raises; None to retry the request (a 503 while tries are
-    left)."""
-    if can_retry and status == 503:
-        return None
-    return status_error(status, body)
+    def _can_retry(self) -> bool:
+        return self.attempt < self.max_retries
+
+    def send_failed(self, e: httpx.TransportError) -> None:
+        """A request that could not be sent: raises `APITimeoutError` for a timeout, else
+        `APIConnectionError` once no try is left."""
+        if isinstance(e, httpx.TimeoutException):
+            raise APITimeoutError(f"request to {self.base_url}{self.path} timed out") from e
+        if not self._can_retry():
+            raise unreachable(self.base_url, e) from e
+
+    def status_failed(self, status: int, body: bytes) -> None:
+        """An error status: raises its error (`status_error`), unless it is a 503 and a try is
+        left."""
+        if not (status == 503 and self._can_retry()):
+            raise status_error(status, body)
+
+    def next(self) -> int:
+        """Counts a retry; returns the number of the one before it (from 0), for its delay."""
+        self.attempt += 1
+        return self.attempt - 1
 
 
 def broken_stream(e: httpx.TransportError) -> APIConnectionError:

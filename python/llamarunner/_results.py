@@ -18,6 +18,8 @@ class Completion:
     eval_count: int = 0
     eval_duration: int = 0
     """Nanoseconds."""
+    thinking: str = ""
+    """A thinking model's reasoning, split from ``text`` (`Client.chat` with ``think``)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class CompletionChunk:
     prompt_eval_duration: int | None = None
     eval_count: int | None = None
     eval_duration: int | None = None
+    thinking: str = ""
+    """Reasoning (`Client.chat` with ``think``): a chunk holds either it or ``content``."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from ._errors import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from ._requests import Think
 from ._results import Completion, CompletionChunk, HealthStatus, TokenPiece
 from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, _split_host
 
@@ -163,26 +164,20 @@ class Client:
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
     ) -> httpx.Response:
         """Sends with retries on connection errors and 503, before any stream starts."""
-        attempt = 0
+        retries = _requests.Retries(self.base_url, path, self.max_retries)
         while True:
-            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
-                if failure is not None:
-                    raise failure from e
+                retries.send_failed(e)
             else:
                 if response.status_code < 400:
                     return response
                 body = response.read()
                 response.close()
-                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
-                if error is not None:
-                    raise error
-            time.sleep(_retry_delay(attempt))
-            attempt += 1
+                retries.status_failed(response.status_code, body)
+            time.sleep(_retry_delay(retries.next()))
 
     def _call(self, request: _requests.Request[_T]) -> _T:
         if request.checked:
@@ -245,6 +240,7 @@ class Client:
         stream: Literal[False] = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion: ...
 
@@ -256,6 +252,7 @@ class Client:
         stream: Literal[True],
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Stream: ...
 
@@ -266,11 +263,16 @@ class Client:
         stream: bool = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion | Stream:
         """Answers a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the
-        model's chat template; otherwise as `complete`."""
-        return self._generate(_requests.generate(messages, grammar, format, options), stream)
+        model's chat template; otherwise as `complete`. ``think`` (Ollama's: true, false,
+        ``"high"``/``"medium"``/``"low"``) asks the template to think or not, and splits a
+        thinking model's ``<think>`` reasoning from the answer: it comes in ``thinking`` (of
+        the `Completion`, or of the chunks that carry it); None leaves the text as generated."""
+        request = _requests.generate(messages, grammar, format, options, think)
+        return self._generate(request, stream)
 
     def embed(self, text: str, *, truncate: bool = False, model: str | None = None) -> list[float]:
         """The embedding of ``text`` (pooled, not normalized)."""
@@ -411,26 +413,20 @@ class AsyncClient:
     async def _send(
         self, method: str, path: str, *, json_body: Any = None, stream: bool = False
     ) -> httpx.Response:
-        attempt = 0
+        retries = _requests.Retries(self.base_url, path, self.max_retries)
         while True:
-            can_retry = attempt < self.max_retries
             try:
                 request = self._http.build_request(method, path, json=json_body)
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as e:
-                failure = _requests.send_failure(e, self.base_url, path, can_retry=can_retry)
-                if failure is not None:
-                    raise failure from e
+                retries.send_failed(e)
             else:
                 if response.status_code < 400:
                     return response
                 body = await response.aread()
                 await response.aclose()
-                error = _requests.status_failure(response.status_code, body, can_retry=can_retry)
-                if error is not None:
-                    raise error
-            await asyncio.sleep(_retry_delay(attempt))
-            attempt += 1
+                retries.status_failed(response.status_code, body)
+            await asyncio.sleep(_retry_delay(retries.next()))
 
     async def _call(self, request: _requests.Request[_T]) -> _T:
         if request.checked:
@@ -497,6 +493,7 @@ class AsyncClient:
         stream: Literal[False] = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion: ...
 
@@ -508,6 +505,7 @@ class AsyncClient:
         stream: Literal[True],
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> AsyncStream: ...
 
@@ -518,10 +516,11 @@ class AsyncClient:
         stream: bool = False,
         grammar: str | None = None,
         format: Any = None,
+        think: Think = None,
         **options: Any,
     ) -> Completion | AsyncStream:
         """Answers a conversation; see `Client.chat`."""
-        request = _requests.generate(messages, grammar, format, options)
+        request = _requests.generate(messages, grammar, format, options, think)
         return await self._generate(request, stream)
 
     async def embed(

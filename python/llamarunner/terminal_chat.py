@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -137,73 +137,11 @@ COMMANDS = ("/set", "/unset", "/show", "/clear", "/help", "/?", "/bye")
 # --- printing an answer --------------------------------------------------------------------
 
 
-class ThinkSplitter:
-    """Splits a streamed answer into reasoning and content: an answer that starts (after
-    white space) with ``<think>`` reasons up to ``</think>``. Text that may be the start of a
-    tag is held back until the next piece tells."""
-
-    OPEN = "<think>"
-    CLOSE = "</think>"
-
-    def __init__(self) -> None:
-        self._pending = ""
-        # start, opened (after <think>), thinking, after (after </think>), content
-        self._state = "start"
-
-    def feed(self, text: str) -> list[tuple[bool, str]]:
-        """The pieces of text ``text`` completes, each as (is reasoning, text)."""
-        self._pending += text
-        out: list[tuple[bool, str]] = []
-        while self._pending:
-            if self._state == "start":
-                stripped = self._pending.lstrip()
-                if stripped.startswith(self.OPEN):
-                    self._pending = stripped[len(self.OPEN) :]
-                    self._state = "opened"
-                elif not stripped or self.OPEN.startswith(stripped):
-                    break
-                else:
-                    self._state = "content"
-            elif self._state == "thinking":
-                end = self._pending.find(self.CLOSE)
-                if end >= 0:
-                    out.append((True, self._pending[:end]))
-                    self._pending = self._pending[end + len(self.CLOSE) :]
-                    self._state = "after"
-                    continue
-                keep = _partial_suffix(self._pending, self.CLOSE)
-                out.append((True, self._pending[: len(self._pending) - keep]))
-                self._pending = self._pending[len(self._pending) - keep :]
-                break
-            elif self._state in ("opened", "after"):  # white space after a tag
-                self._pending = self._pending.lstrip()
-                if self._pending:
-                    self._state = "thinking" if self._state == "opened" else "content"
-            else:
-                out.append((False, self._pending))
-                self._pending = ""
-        return [(r, t) for r, t in out if t]
-
-    def finish(self) -> list[tuple[bool, str]]:
-        """What is held back, once the answer has ended."""
-        pending, self._pending = self._pending, ""
-        if not pending or self._state in ("opened", "after"):
-            return []
-        return [(self._state == "thinking", pending)]
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class AnswerPrinter:
     """Prints an answer as it streams: reasoning dimmed on a terminal (between
     "Thinking..." and "...done thinking." lines), the content as it is. ``content`` is what
-    goes into the conversation."""
+    goes into the conversation. The server splits the reasoning from the content (`chat`
+    with ``think``): each chunk carries one or the other."""
 
     DIM = "\x1b[2m"
     RESET = "\x1b[0m"
@@ -212,31 +150,28 @@ class AnswerPrinter:
         self.out = out
         self.color = color
         self.content = ""
-        self._splitter = ThinkSplitter()
         self._thinking = False
         self._at_line_start = True
         self._printed = False
 
-    def feed(self, text: str) -> None:
-        self._print(self._splitter.feed(text))
+    def feed(self, content: str = "", thinking: str = "") -> None:
+        """Prints a streamed chunk's reasoning (``thinking``) and content."""
+        if thinking:
+            if not self._thinking:
+                self._thinking = True
+                self._write(self._dim("Thinking...") + "\n")
+            self._write(self._dim(thinking))
+        if content:
+            self._end_thinking()
+            self.content += content
+            self._write(content)
+        self.out.flush()
 
     def finish(self) -> None:
-        """Prints what is held back and ends the answer's line, then a blank line."""
-        self._print(self._splitter.finish())
+        """Ends the answer's line, then a blank line."""
         self._end_thinking()
         if self._printed:
             self._write("\n" if self._at_line_start else "\n\n")
-        self.out.flush()
-
-    def _print(self, pieces: Sequence[tuple[bool, str]]) -> None:
-        for reasoning, text in pieces:
-            if reasoning and not self._thinking:
-                self._thinking = True
-                self._write(self._dim("Thinking...") + "\n")
-            elif not reasoning:
-                self._end_thinking()
-                self.content += text
-            self._write(self._dim(text) if reasoning else text)
         self.out.flush()
 
     def _end_thinking(self) -> None:
@@ -434,9 +369,9 @@ class TerminalChat:
         final = None
         started = time.monotonic()
         try:
-            with self.client.chat(request, stream=True, **options) as stream:
+            with self.client.chat(request, stream=True, think=True, **options) as stream:
                 for chunk in stream:
-                    printer.feed(chunk.content)
+                    printer.feed(chunk.content, chunk.thinking)
                     if chunk.done:
                         final = chunk
         except KeyboardInterrupt:

@@ -21,6 +21,9 @@ pub enum Piece {
 enum State {
     /// Nothing but whitespace seen yet: a think block may still open.
     Start,
+    /// Just after `<think>` in the output: whitespace before the thinking is dropped (however
+    /// the stream is cut).
+    Opened,
     /// Inside the think block.
     Thinking,
     /// Just after it: whitespace before the answer is dropped.
@@ -68,8 +71,8 @@ impl ThinkSplitter {
                         return out;
                     }
                     if let Some(rest) = trimmed.strip_prefix(THINK_OPEN) {
-                        self.held = rest.trim_start().to_string();
-                        self.state = State::Thinking;
+                        self.held = rest.to_string();
+                        self.state = State::Opened;
                     } else if THINK_OPEN.starts_with(trimmed) {
                         return out;
                     } else {
@@ -91,12 +94,16 @@ impl ThinkSplitter {
                         return out;
                     }
                 }
-                State::AfterThink => {
+                State::Opened | State::AfterThink => {
                     self.held = self.held.trim_start().to_string();
                     if self.held.is_empty() {
                         return out;
                     }
-                    self.state = State::Answer;
+                    self.state = if self.state == State::Opened {
+                        State::Thinking
+                    } else {
+                        State::Answer
+                    };
                 }
                 State::Answer => {
                     let text = std::mem::take(&mut self.held);
@@ -113,6 +120,8 @@ impl ThinkSplitter {
         let mut out = Vec::new();
         match self.state {
             State::Thinking => push(&mut out, Piece::Reasoning(text)),
+            // Only whitespace is held after a tag.
+            State::Opened => {}
             State::Start | State::AfterThink | State::Answer => {
                 push(&mut out, Piece::Content(text))
             }
@@ -204,6 +213,60 @@ mod tests {
                     }
                 }
                 assert_eq!((r.trim_end().to_string(), c), whole, "cuts {cut} {cut2}");
+            }
+        }
+    }
+
+    /// The pieces of `parts` pushed one after another, runs of the same kind joined, as
+    /// (is reasoning, text).
+    fn split_all(parts: &[&str]) -> Vec<(bool, String)> {
+        let mut s = ThinkSplitter::new("");
+        let mut pieces: Vec<Piece> = parts.iter().flat_map(|p| s.push(p)).collect();
+        pieces.extend(s.finish());
+        let mut out: Vec<(bool, String)> = Vec::new();
+        for p in pieces {
+            let (reasoning, text) = match p {
+                Piece::Reasoning(t) => (true, t),
+                Piece::Content(t) => (false, t),
+            };
+            match out.last_mut() {
+                Some((r, t)) if *r == reasoning => t.push_str(&text),
+                _ => out.push((reasoning, text)),
+            }
+        }
+        out
+    }
+
+    /// The terminal chat's cases (it reads the split from the server since it lost its own
+    /// splitter): the same pieces whole, one character at a time, and cut anywhere in two.
+    #[test]
+    fn the_split_does_not_depend_on_how_the_output_streams() {
+        let cases: [(&str, &[(bool, &str)]); 5] = [
+            (
+                "<think>\nhmm, 2+2</think>\n\nIt is 4.",
+                &[(true, "hmm, 2+2"), (false, "It is 4.")],
+            ),
+            ("  <think>a < b</thin", &[(true, "a < b</thin")]),
+            (
+                "No <think> here</think>",
+                &[(false, "No <think> here</think>")],
+            ),
+            ("<thin", &[(false, "<thin")]),
+            ("<think></think>", &[]),
+        ];
+        for (text, expected) in cases {
+            let expected: Vec<(bool, String)> =
+                expected.iter().map(|(r, t)| (*r, t.to_string())).collect();
+            assert_eq!(split_all(&[text]), expected, "{text:?}");
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(split_all(&chars), expected, "{text:?} by character");
+            for cut in 0..text.len() {
+                assert_eq!(
+                    split_all(&[&text[..cut], &text[cut..]]),
+                    expected,
+                    "{text:?} cut at {cut}"
+                );
             }
         }
     }

@@ -21,6 +21,7 @@ use crate::requests::common::{
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::options::Options;
+use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
 /// runner's capitalized keys are accepted too.
@@ -33,6 +34,12 @@ struct CompletionRequest {
     /// A conversation, rendered with the model's chat template, instead of `prompt`.
     #[serde(default)]
     messages: Option<Vec<serde_json::Value>>,
+    /// With `messages`: Ollama's `think` (true, false, "high"/"medium"/"low"). Given, the
+    /// template is asked to think (or not) and a thinking model's `<think>` reasoning comes
+    /// apart from the content, in `thinking` (as `/api/chat` splits it); absent, the text is
+    /// as generated.
+    #[serde(default)]
+    think: Option<serde_json::Value>,
     #[serde(default, alias = "Options")]
     options: Option<Options>,
     #[serde(default, alias = "Grammar")]
@@ -68,6 +75,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
     let info = model_info(&state)?;
+    let think = tool_calls::parse_think(req.think.as_ref())?;
     let options = req.options.unwrap_or_default();
     let lora = state
         .lora
@@ -86,6 +94,8 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             grammar_for_format(&req.format.unwrap_or_default()).map_err(ApiError::InvalidRequest)?
         }
     };
+    // The reader of the answer's reasoning, when the request asks for it (`think`).
+    let mut output: Option<ChatOutput> = None;
     let prompt = match req.messages {
         Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
             return Err(ApiError::InvalidRequest(
@@ -101,21 +111,76 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             }
             let chat = parse_messages(messages)?;
             image_prompt::check_images(&info, chat.images.len())?;
+            let text = if think.is_some() {
+                // The chat dialects' path: the template's thinking switch, and the output
+                // read for reasoning (no tools: the native API offers none).
+                let (text, reader) =
+                    tool_calls::chat_request(&state, chat.messages, None, &mut params, think)
+                        .await?;
+                output = Some(reader);
+                text
+            } else {
+                chat_prompt(&state, chat.messages, &mut params).await?
+            };
             Prompt {
-                text: chat_prompt(&state, chat.messages, &mut params).await?,
+                text,
                 images: chat.images,
             }
+        }
+        None if think == Some(true) => {
+            return Err(ApiError::InvalidRequest(
+                "think: thinking is split out of a conversation (messages); a prompt is \
+                 completed as it is"
+                    .into(),
+            ))
         }
         None => image_prompt::native_prompt(&info, required("prompt", req.prompt)?, req.images)?,
     };
 
     let generation = start_generation(&state, prompt, params).await?;
-    let lines = generation.map(|event| Ok::<_, Infallible>(Bytes::from(ndjson(&event))));
+    let lines = generation.flat_map(move |event| {
+        let lines = match output.as_mut() {
+            Some(output) => split_lines(output, &event),
+            None => vec![ndjson(&event)],
+        };
+        futures_util::stream::iter(
+            lines
+                .into_iter()
+                .map(|line| Ok::<_, Infallible>(Bytes::from(line))),
+        )
+    });
     Ok((
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(lines),
     )
         .into_response())
+}
+
+/// The lines of an engine event of a chat whose reasoning is split out: the text's pieces as
+/// `{"content"}` or `{"content": "", "thinking"}` lines (text that may be a tag is held back
+/// until the next piece tells), what is held at the end before the final line.
+fn split_lines(output: &mut ChatOutput, event: &Event) -> Vec<String> {
+    let pieces = match event {
+        Event::Text { text, .. } => output.push(text),
+        Event::Done(_) => output.finish(),
+        Event::Started | Event::Error(_) => return vec![ndjson(event)],
+    };
+    let mut lines: Vec<String> = pieces
+        .into_iter()
+        .filter_map(|piece| {
+            let value = match piece {
+                OutPiece::Content(t) => json!({"content": t, "done": false}),
+                OutPiece::Reasoning(t) => json!({"content": "", "thinking": t, "done": false}),
+                // The native API offers no tools, so an answer holds no calls.
+                OutPiece::Calls(_) => return None,
+            };
+            Some(line(&value))
+        })
+        .collect();
+    if matches!(event, Event::Done(_)) {
+        lines.push(ndjson(event));
+    }
+    lines
 }
 
 /// One NDJSON line for an engine event.
@@ -141,7 +206,12 @@ fn ndjson(event: &Event) -> String {
         }
         Event::Started | Event::Progress(_) => json!({"content": "", "done": false}),
     };
-    let mut line = super::stream_json::to_line(&value);
+    line(&value)
+}
+
+/// A JSON value as one NDJSON line.
+fn line(value: &serde_json::Value) -> String {
+    let mut line = super::stream_json::to_line(value);
     line.push('\n');
     line
 }

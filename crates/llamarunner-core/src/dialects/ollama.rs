@@ -77,19 +77,10 @@ impl OllamaRequest {
         Ok(())
     }
 
-    /// `think`: true, false, or a level ("high", "medium", "low": thinking on); absent: as
-    /// the template is (a thinking model's template thinks).
+    /// `think` (`requests::tool_calls::parse_think`); absent: as the template is (a thinking
+    /// model's template thinks).
     fn think(&self) -> Result<Option<bool>, ApiError> {
-        match &self.think {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => {
-                Ok(Some(true))
-            }
-            Some(other) => Err(ApiError::invalid(format!(
-                "think must be true, false, \"high\", \"medium\" or \"low\", got {other}"
-            ))),
-        }
+        tool_calls::parse_think(self.think.as_ref())
     }
 
     fn params(&self) -> Result<SamplingParams, ApiError> {

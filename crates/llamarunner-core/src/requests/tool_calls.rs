@@ -545,6 +545,19 @@ impl ChatOutput {
     }
 }
 
+/// A request's `think` (Ollama's field, also the native chat's): true, false, or a level
+/// ("high", "medium", "low": thinking on); absent or null: None (as the template is).
+pub fn parse_think(think: Option<&Value>) -> Result<Option<bool>, ApiError> {
+    match think {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => Ok(Some(true)),
+        Some(other) => Err(ApiError::invalid(format!(
+            "think must be true, false, \"high\", \"medium\" or \"low\", got {other}"
+        ))),
+    }
+}
+
 /// Whether a chat answer's `<think>` reasoning is split out: not with `--reasoning-format
 /// none`; else as the request says (Ollama's `think`), or when the template is a thinking
 /// model's (it mentions `<think>`).
