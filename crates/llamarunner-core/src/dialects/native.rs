@@ -17,9 +17,11 @@ use crate::http::AppState;
 use crate::protocol::Event;
 use crate::requests::common::{
     chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, start_generation,
+    Chat,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::Keyed;
 use crate::requests::options::Options;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
@@ -65,6 +67,47 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
     })
 }
 
+/// What `/completion` is asked to continue: a conversation or a text.
+enum Input {
+    Chat(Chat),
+    Text(String),
+}
+
+/// The request's `messages` (parsed) or its `prompt` (non-empty), one and not both; images
+/// go in the messages when there are messages.
+fn input(
+    prompt: Option<String>,
+    messages: Option<Vec<serde_json::Value>>,
+    images: Option<&[serde_json::Value]>,
+) -> Result<Input, ApiError> {
+    match messages {
+        Some(_) if prompt.as_ref().is_some_and(|p| !p.is_empty()) => Err(
+            ApiError::InvalidRequest("give either prompt or messages, not both".into()),
+        ),
+        Some(messages) => {
+            if images.is_some_and(|i| !i.is_empty()) {
+                return Err(ApiError::InvalidImage(
+                    "with messages, images go in the messages (their images or image_url parts)"
+                        .into(),
+                ));
+            }
+            Ok(Input::Chat(parse_messages(messages)?))
+        }
+        None => Ok(Input::Text(required("prompt", prompt)?)),
+    }
+}
+
+/// `/completion` as `routing_key` reads it: as `completion` does.
+pub(crate) fn completion_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: CompletionRequest = parse_json(body)?;
+    Ok(
+        match input(req.prompt, req.messages, req.images.as_deref())? {
+            Input::Chat(chat) => Keyed::chat(req.model, chat.messages),
+            Input::Text(text) => Keyed::texts(req.model, vec![text]),
+        },
+    )
+}
+
 /// `POST /completion`.
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
@@ -89,27 +132,15 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             grammar_for_format(&req.format.unwrap_or_default()).map_err(ApiError::InvalidRequest)?
         }
     };
-    let prompt = match req.messages {
-        Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
-            return Err(ApiError::InvalidRequest(
-                "give either prompt or messages, not both".into(),
-            ))
-        }
-        Some(messages) => {
-            if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
-                return Err(ApiError::InvalidImage(
-                    "with messages, images go in the messages (their images or image_url parts)"
-                        .into(),
-                ));
-            }
-            let chat = parse_messages(messages)?;
+    let prompt = match input(req.prompt, req.messages, req.images.as_deref())? {
+        Input::Chat(chat) => {
             image_prompt::check_images(&info, chat.images.len())?;
             Prompt {
                 text: chat_prompt(&state, chat.messages, &mut params).await?,
                 images: chat.images,
             }
         }
-        None => image_prompt::native_prompt(&info, required("prompt", req.prompt)?, req.images)?,
+        Input::Text(prompt) => image_prompt::native_prompt(&info, prompt, req.images)?,
     };
 
     let generation = start_generation(&state, prompt, params).await?;
@@ -158,6 +189,12 @@ struct EmbeddingRequest {
     content: Option<String>,
     #[serde(default, alias = "Truncate")]
     truncate: Option<bool>,
+}
+
+/// `/embedding` as `routing_key` reads it: as `embedding` does.
+pub(crate) fn embedding_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: EmbeddingRequest = parse_json(body)?;
+    Ok(Keyed::texts(req.model, vec![required("content", req.content)?]))
 }
 
 /// `POST /embedding`: `{"content"}` -> `{"embedding", "prompt_eval_count"}` (not normalized).

@@ -6,6 +6,7 @@
 //! - `images.rs`, `image_prompt.rs`: images decoded, counted and placed in prompts;
 //! - `lora.rs`: a request's LoRA scales;
 //! - `rerank.rs`: a reranker's query-document pairs;
+//! - `keyed.rs`: a request's prompt as its dialect reads it (for its routing key);
 //! - `tool_calls.rs`: tool definitions, their call grammars and the calls read from output;
 //! - `common.rs`: what every dialect's handler does (readiness, the model name, chat prompts,
 //!   starting and collecting a generation, embeddings).
@@ -15,6 +16,7 @@ pub mod format;
 pub mod image_prompt;
 pub mod images;
 pub mod infill;
+pub mod keyed;
 pub mod lora;
 pub mod options;
 pub mod rerank;
