@@ -73,7 +73,12 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         .grammar
         .filter(|g| !g.trim().is_empty())
         .map(|g| crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(g)));
-    let parts = parts_of(req.input_prefix, req.input_suffix, req.prompt, req.input_extra);
+    let parts = parts_of(
+        req.input_prefix,
+        req.input_suffix,
+        req.prompt,
+        req.input_extra,
+    );
     // The options' refusals come before the cost of tokenizing.
     validate::check_options(&params).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
     let tokens = infill::tokens(&info, parts, params.num_predict).await?;
@@ -112,9 +117,11 @@ fn parts_of(
     }
 }
 
-/// `/infill` as `routing_key` reads it: as `infill` does, the parts in the order their tokens
-/// are laid out (the other files, the prefix, the suffix, the typed text); the model is the
-/// body's `model`, which a router of many models picks the engine by.
+/// `/infill` as `routing_key` reads it: as `infill` does, the parts whose tokens lead the
+/// prompt (the other files, then the code before the cursor: the suffix and the typed text
+/// come after it, so an edit there would not extend the key as it extends the cached
+/// prefix); the model is the body's `model`, which a router of many models picks the engine
+/// by.
 pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
     let value: Value = parse_json(body)?;
     let model = value
@@ -122,9 +129,14 @@ pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
         .and_then(Value::as_str)
         .map(str::to_string);
     let req = request_with_defaults(value)?;
-    let parts = parts_of(req.input_prefix, req.input_suffix, req.prompt, req.input_extra);
+    let parts = parts_of(
+        req.input_prefix,
+        req.input_suffix,
+        req.prompt,
+        req.input_extra,
+    );
     let mut texts: Vec<String> = parts.extra.into_iter().map(|f| f.text).collect();
-    texts.extend([parts.prefix, parts.suffix, parts.prompt]);
+    texts.push(parts.prefix);
     Ok(Keyed::texts(model, texts))
 }
 

@@ -81,9 +81,9 @@ fn input(
     images: Option<&[serde_json::Value]>,
 ) -> Result<Input, ApiError> {
     match messages {
-        Some(_) if prompt.as_ref().is_some_and(|p| !p.is_empty()) => Err(
-            ApiError::InvalidRequest("give either prompt or messages, not both".into()),
-        ),
+        Some(_) if prompt.as_ref().is_some_and(|p| !p.is_empty()) => Err(ApiError::InvalidRequest(
+            "give either prompt or messages, not both".into(),
+        )),
         Some(messages) => {
             if images.is_some_and(|i| !i.is_empty()) {
                 return Err(ApiError::InvalidImage(
@@ -194,7 +194,10 @@ struct EmbeddingRequest {
 /// `/embedding` as `routing_key` reads it: as `embedding` does.
 pub(crate) fn embedding_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
     let req: EmbeddingRequest = parse_json(body)?;
-    Ok(Keyed::texts(req.model, vec![required("content", req.content)?]))
+    Ok(Keyed::texts(
+        req.model,
+        vec![required("content", req.content)?],
+    ))
 }
 
 /// `POST /embedding`: `{"content"}` -> `{"embedding", "prompt_eval_count"}` (not normalized).

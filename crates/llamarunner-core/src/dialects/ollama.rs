@@ -265,7 +265,10 @@ pub(crate) fn chat_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
     if raw_messages.is_empty() {
         return Ok(Keyed::new(req.model, Vec::new()));
     }
-    Ok(Keyed::chat(req.model, parse_messages(raw_messages)?.messages))
+    Ok(Keyed::chat(
+        req.model,
+        parse_messages(raw_messages)?.messages,
+    ))
 }
 
 fn message(role: &str, content: String) -> ChatMessage {

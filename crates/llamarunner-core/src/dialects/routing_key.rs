@@ -13,7 +13,8 @@
 //!   message's other fields as JSON] MSG_SEP (images are the markers their parts become), so
 //!   the next turn's key has this turn's as its prefix;
 //! - a text prompt is its text; Ollama's `/api/generate` its system message then its text;
-//!   embeddings their texts, MSG_SEP between; `/infill` its files, prefix, suffix and prompt;
+//!   embeddings their texts, MSG_SEP between; `/infill` its files and the code before the
+//!   cursor (what its cached tokens start with);
 //! - `/v1/responses`: its `instructions` as a system message, then its `input`'s messages; a
 //!   request that continues a stored response (`previous_response_id`) has that id after the
 //!   model (`previous_response_id` SEP id MSG_SEP), and the id is returned apart: the router
@@ -196,7 +197,11 @@ fn key_of(keyed: &Keyed) -> Option<String> {
     }
     let mut key = KeyText::new();
     model_lead(&mut key, keyed.model.as_deref());
-    if let Some(id) = keyed.previous_response_id.as_deref().filter(|i| !i.is_empty()) {
+    if let Some(id) = keyed
+        .previous_response_id
+        .as_deref()
+        .filter(|i| !i.is_empty())
+    {
         key.push_str("previous_response_id");
         key.push(ROLE_SEP);
         key.push_str(id);
@@ -272,3 +277,265 @@ fn plain_text(out: &mut KeyText, value: Option<&Value>, depth: usize) {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::{route, routing_key, MAX_KEY_CHARS};
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    fn key(path: &str, body: &Value) -> Option<String> {
+        routing_key(path, body.to_string().as_bytes())
+    }
+
+    /// Two turns of one conversation and a turn of another, in each dialect's shape.
+    fn turns(path: &str, topic: &str) -> (Value, Value) {
+        let user = format!("tell me about {topic}");
+        match path {
+            "/v1/chat/completions" | "/api/chat" | "/completion" => {
+                let first = json!([{"role": "system", "content": "brief"}, {"role": "user", "content": user}]);
+                let mut second = first.clone();
+                if let Some(list) = second.as_array_mut() {
+                    list.push(json!({"role": "assistant", "content": "it is"}));
+                    list.push(
+                        json!({"role": "user", "content": [{"type": "text", "text": "more"}]}),
+                    );
+                }
+                (
+                    json!({"model": "m", "messages": first}),
+                    json!({"model": "m", "messages": second}),
+                )
+            }
+            "/v1/messages" => (
+                json!({"model": "m", "system": "brief", "max_tokens": 8,
+                       "messages": [{"role": "user", "content": user}]}),
+                json!({"model": "m", "system": "brief", "max_tokens": 8, "messages": [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": [{"type": "text", "text": "it is"}]},
+                    {"role": "user", "content": [{"type": "text", "text": "more"}]}]}),
+            ),
+            "/v1/responses" => (
+                json!({"model": "m", "instructions": "brief", "input": user}),
+                json!({"model": "m", "instructions": "brief", "input": [
+                    {"role": "user", "content": user},
+                    {"type": "message", "role": "assistant",
+                     "content": [{"type": "output_text", "text": "it is"}]},
+                    {"role": "user", "content": [{"type": "input_text", "text": "more"}]}]}),
+            ),
+            // Text prompts: the next one continues the text.
+            "/v1/completions" | "/api/generate" => (
+                json!({"model": "m", "prompt": user}),
+                json!({"model": "m", "prompt": format!("{user} it is. more")}),
+            ),
+            "/infill" => (
+                json!({"model": "m", "input_extra": [{"filename": "a.py", "text": user}],
+                       "input_prefix": "def f("}),
+                json!({"model": "m", "input_extra": [{"filename": "a.py", "text": user}],
+                       "input_prefix": "def f(x):\n", "input_suffix": "\n"}),
+            ),
+            _ => unreachable!("no such dialect in the test"),
+        }
+    }
+
+    #[test]
+    fn every_dialects_next_turn_extends_its_key_and_conversations_differ() {
+        for path in [
+            "/completion",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/api/generate",
+            "/api/chat",
+            "/infill",
+        ] {
+            let (first, second) = turns(path, "cats");
+            let (k1, k2) = (key(path, &first), key(path, &second));
+            let (Some(k1), Some(k2)) = (k1, k2) else {
+                panic!("{path}: no key for {first} or {second}");
+            };
+            assert!(k2.starts_with(&k1) && k2 != k1, "{path}: {k1:?} / {k2:?}");
+            assert!(k1.starts_with("model\x1fm\x1e"), "{path}: {k1:?}");
+            let other = key(path, &turns(path, "dogs").0).unwrap_or_default();
+            assert!(!other.starts_with(&k1) && !k2.starts_with(&other), "{path}");
+        }
+    }
+
+    #[test]
+    fn the_same_conversation_keys_alike_across_chat_dialects() {
+        // A conversation is its messages, whichever dialect carries it.
+        let messages =
+            json!([{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"}]);
+        let openai = key(
+            "/v1/chat/completions",
+            &json!({"model": "m", "messages": messages}),
+        );
+        let ollama = key("/api/chat", &json!({"model": "m", "messages": messages}));
+        let anthropic = key(
+            "/v1/messages",
+            &json!({"model": "m", "system": "brief", "messages": [{"role": "user", "content": "hi"}]}),
+        );
+        let responses = key(
+            "/v1/responses",
+            &json!({"model": "m", "instructions": "brief", "input": "hi"}),
+        );
+        assert!(openai.is_some());
+        assert_eq!(openai, ollama);
+        assert_eq!(openai, anthropic);
+        assert_eq!(openai, responses);
+    }
+
+    #[test]
+    fn a_response_that_continues_another_names_it() {
+        let body = json!({"model": "m", "previous_response_id": "resp_1", "input": "more"});
+        let found = route("/v1/responses", body.to_string().as_bytes());
+        assert_eq!(found.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!(
+            found.key.as_deref(),
+            Some("model\x1fm\x1eprevious_response_id\x1fresp_1\x1euser\x1fmore\x1e")
+        );
+        // No input: the stored conversation is the prompt; the id still routes it.
+        let body = json!({"previous_response_id": "resp_1"});
+        let found = route("/v1/responses", body.to_string().as_bytes());
+        assert_eq!(found.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!(found.key, None);
+        let none = route(
+            "/v1/responses",
+            br#"{"input": "x", "previous_response_id": ""}"#,
+        );
+        assert_eq!(none.previous_response_id, None);
+    }
+
+    #[test]
+    fn requests_that_generate_nothing_have_no_key() {
+        for (path, body) in [
+            ("/api/generate", json!({"model": "m"})),
+            ("/api/chat", json!({"model": "m", "messages": []})),
+            ("/api/embeddings", json!({"model": "m", "prompt": ""})),
+            ("/infill", json!({})),
+            ("/tokenize", json!({"content": "x"})),
+            ("/v1/rerank", json!({"query": "q", "documents": ["d"]})),
+            (
+                "/v1/messages/count_tokens",
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+            ),
+        ] {
+            assert_eq!(key(path, &body), None, "{path} {body}");
+        }
+        for body in [&b""[..], b"not json", b"[1]", b"\"s\"", b"{}", b"\xff"] {
+            assert_eq!(routing_key("/v1/chat/completions", body), None);
+        }
+    }
+
+    #[test]
+    fn embeddings_are_keyed_by_their_texts() {
+        assert_eq!(
+            key("/v1/embeddings", &json!({"input": ["a", "b"]})).as_deref(),
+            Some("a\x1eb")
+        );
+        assert_eq!(
+            key("/api/embed", &json!({"input": "a"})).as_deref(),
+            Some("a")
+        );
+        assert_eq!(
+            key("/api/embeddings", &json!({"prompt": "a"})).as_deref(),
+            Some("a")
+        );
+        assert_eq!(
+            key("/embedding", &json!({"content": "a"})).as_deref(),
+            Some("a")
+        );
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        let long = "é".repeat(MAX_KEY_CHARS * 2);
+        let k = key(
+            "/v1/chat/completions",
+            &json!({"model": long, "messages": [{"role": "user", "content": long}]}),
+        );
+        assert_eq!(k.map(|k| k.chars().count()), Some(MAX_KEY_CHARS));
+        let k = key(
+            "/completion",
+            &json!({"prompt": (0..100_000).collect::<Vec<_>>()}),
+        );
+        assert_eq!(k.map(|k| k.chars().count()), Some(MAX_KEY_CHARS));
+        let deep = format!(
+            "{{\"prompt\": {}{}}}",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert_eq!(routing_key("/completion", deep.as_bytes()), None);
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            "[a-z\u{1f}\u{1e} é]{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(5, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    prop_oneof![
+                        Just("role".to_string()),
+                        Just("content".to_string()),
+                        Just("type".to_string()),
+                        Just("text".to_string()),
+                        Just("messages".to_string()),
+                        Just("input".to_string()),
+                        Just("prompt".to_string()),
+                        Just("model".to_string()),
+                        Just("system".to_string()),
+                        Just("image_url".to_string()),
+                        Just("previous_response_id".to_string()),
+                        "[a-z_]{1,8}",
+                    ],
+                    inner,
+                    0..6
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    const PATHS: [&str; 12] = [
+        "/completion",
+        "/embedding",
+        "/infill",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/api/generate",
+        "/api/chat",
+        "/api/embed",
+        "/api/embeddings",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, rng_seed: proptest::test_runner::RngSeed::Fixed(39), ..ProptestConfig::default() })]
+
+        /// Any body, well-formed or not: a bounded key or none, led by the model when the
+        /// model is a string; never a panic.
+        #[test]
+        fn hostile_bodies_give_a_bounded_key_or_none(path in prop::sample::select(&PATHS[..]), body in json_value(), cut in 0usize..64) {
+            let text = body.to_string();
+            for bytes in [text.as_bytes(), &text.as_bytes()[..cut.min(text.len())]] {
+                let found = route(path, bytes);
+                if let Some(k) = &found.key {
+                    prop_assert!(!k.is_empty() && k.chars().count() <= MAX_KEY_CHARS);
+                    if let Some(model) = body.get("model").and_then(Value::as_str).filter(|m| !m.is_empty()) {
+                        let lead = format!("model\x1f{model}\x1e");
+                        prop_assert!(k.starts_with(&lead));
+                    }
+                }
+                if found.previous_response_id.is_some() {
+                    prop_assert_eq!(path, "/v1/responses");
+                }
+            }
+        }
+    }
+}
