@@ -305,3 +305,19 @@ def test_errors_are_openais(server: Server, client: openai.OpenAI) -> None:
     assert httpx.post(f"{server.url}/v1/responses", json={"model": MODEL}).status_code == 400
     gone = httpx.get(f"{server.url}/v1/responses/resp_nope", timeout=10)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+
+
+def test_an_answer_names_the_response_it_stored(server: Server) -> None:
+    # A router of many servers (Ray's ingress) learns there which one holds the response.
+    body: dict[str, Any] = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **EXACT}
+    whole = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert whole.status_code == 200
+    assert whole.headers["x-llamarunner-response-id"] == whole.json()["id"]
+    with httpx.stream(
+        "POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=60
+    ) as streamed:
+        named = streamed.headers["x-llamarunner-response-id"]
+        text = "".join(streamed.iter_text())
+    assert f'"id":"{named}"' in text.replace(" ", "")
+    unkept = httpx.post(f"{server.url}/v1/responses", json={**body, "store": False}, timeout=60)
+    assert unkept.status_code == 200 and "x-llamarunner-response-id" not in unkept.headers

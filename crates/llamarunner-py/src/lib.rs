@@ -6,6 +6,7 @@ mod log_writer;
 use std::sync::{Mutex, Once};
 
 use llamarunner_core::config::LogFormat;
+use llamarunner_core::dialects::routing_key;
 use llamarunner_core::router::{ModelRouter, RouterConfig};
 use llamarunner_core::{Runner, RunnerConfig, StartError};
 use pyo3::create_exception;
@@ -169,6 +170,22 @@ fn default_config() -> PyResult<String> {
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
+/// `(routing key, previous_response_id)` of a POST to `path` (no query string) with `body`,
+/// as the server's dialects read it (`dialects/routing_key.rs`): the key's prefixes follow the
+/// prompt's (None: no prompt), and the id names the stored response a `/v1/responses` request
+/// continues (None: none), which only the server that stored it holds.
+#[pyfunction]
+fn route(py: Python<'_>, path: &str, body: &[u8]) -> (Option<String>, Option<String>) {
+    let found = py.detach(|| routing_key::route(path, body));
+    (found.key, found.previous_response_id)
+}
+
+/// Constants of the routing key: `(MAX_KEY_CHARS, RESPONSE_ID_HEADER)`.
+#[pyfunction]
+fn routing_constants() -> (usize, &'static str) {
+    (routing_key::MAX_KEY_CHARS, routing_key::RESPONSE_ID_HEADER)
+}
+
 /// The version of the native module.
 #[pyfunction]
 fn version() -> &'static str {
@@ -181,6 +198,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_router, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(default_config, m)?)?;
+    m.add_function(wrap_pyfunction!(route, m)?)?;
+    m.add_function(wrap_pyfunction!(routing_constants, m)?)?;
     m.add_class::<NativeServer>()?;
     m.add("ModelLoadError", m.py().get_type::<ModelLoadError>())?;
     Ok(())

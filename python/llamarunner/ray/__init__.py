@@ -16,7 +16,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("llamarunner.ray needs Ray Serve: pip install 'llamarunner[ray]'") from e
 
-from .affinity import AffinityPolicy, PrefixTable, routing_key
+from .affinity import AffinityPolicy, PrefixTable, ResponseHomes, route, routing_key
 from .app import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT, app_builder, build_app
 from .ingress import Ingress
 from .replica import REPLICA_HEADER, LlamaReplica, ProxyRequest
@@ -32,7 +32,9 @@ __all__ = [
     "PrefixAffinityRouter",
     "PrefixTable",
     "ProxyRequest",
+    "ResponseHomes",
     "app_builder",
     "build_app",
+    "route",
     "routing_key",
 ]

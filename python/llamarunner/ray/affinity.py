@@ -5,98 +5,77 @@ it; nothing here touches Ray, so it is tested on its own.
 A routing key is text whose prefixes follow the prompt's: a conversation's next turn has the
 previous turn's key as its prefix, as the prompt the replica renders has the previous prompt
 (and answer) as its prefix. It is not the prompt itself (the replica applies the chat
-template); it only has to grow the same way.
+template); it only has to grow the same way. It is computed in Rust (`_core.route`) from each
+dialect's own reading of the request, so every dialect is keyed as the server parses it.
+
+A ``/v1/responses`` request that continues a stored response (``previous_response_id``) must
+reach the replica that stored it: `ResponseHomes` remembers which one did, from its answer.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-# Separators that cannot be confused with content boundaries inside a key.
-_ROLE_SEP = "\x1f"
-_MSG_SEP = "\x1e"
-
+from .. import _core
 
 # Keys are cut to this many characters: prompts that agree this far share a replica, and the
-# table's memory stays bounded (keys per replica x this).
-MAX_KEY_CHARS = 1 << 15
+# table's memory stays bounded (keys per replica x this). The answer header of
+# ``POST /v1/responses`` that names the response the replica stored.
+MAX_KEY_CHARS, RESPONSE_ID_HEADER = _core.routing_constants()
+
+
+def route(path: str, body: bytes) -> tuple[str | None, str | None]:
+    """The routing key of a POST to ``path`` (no query string) with JSON ``body``, and the
+    stored response it continues (``previous_response_id`` of ``/v1/responses``), both as the
+    server parses the request (`_core.route`, built from each dialect's own reader in
+    ``crates/llamarunner-core/src/dialects/routing_key.rs``).
+
+    The key: the model the request names leads (on replicas that serve many models, a
+    conversation goes where its model holds its prefix), then the conversation's messages
+    (role, content) in order, or the prompt's text, or the texts to embed; at most
+    `MAX_KEY_CHARS` characters. None when the request has no prompt (routes that generate
+    nothing, an empty prompt, bodies that are not JSON objects, JSON nested too deep to
+    parse: the replica answers those). A body the dialect refuses is keyed by its fields'
+    plain text (the replica answers it a 400 wherever it goes)."""
+    return _core.route(path, body)
 
 
 def routing_key(path: str, body: bytes) -> str | None:
-    """The routing key of a request to ``path`` with JSON ``body``; None when the request has
-    no prompt (GET routes, bodies that are not JSON objects, JSON nested too deep to parse:
-    the replica answers those)."""
-    if not body:
-        return None
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    path = path.rstrip("/")
-    parts: list[str] = []
-    system = data.get("system")
-    if isinstance(system, str) and system:  # Ollama's /api/generate and /api/chat
-        parts.append("system" + _ROLE_SEP + system + _MSG_SEP)
-    messages = data.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            if isinstance(m, Mapping):
-                parts.append(
-                    f"{_text(m.get('role'))}{_ROLE_SEP}{_text(m.get('content'))}{_MSG_SEP}"
-                )
-    elif "prompt" in data:
-        parts.append(_text(data["prompt"]))
-    elif path.endswith("embeddings") or path.endswith("embedding") or path.endswith("embed"):
-        for name in ("input", "content"):
-            if name in data:
-                parts.append(_text(data[name]))
-                break
-    prompt = "".join(parts)
-    if not prompt:
-        return None
-    # The model the request names leads: on replicas that serve many models, a conversation
-    # goes where its model holds its prefix (one model's cache is no use to another's prompt).
-    model = data.get("model")
-    if isinstance(model, str) and model:
-        prompt = "model" + _ROLE_SEP + model[:256] + _MSG_SEP + prompt
-    return prompt[:MAX_KEY_CHARS]
+    """The routing key of a request to ``path`` with JSON ``body`` (see `route`)."""
+    return route(path, body)[0]
 
 
-def _text(value: Any, depth: int = 0) -> str:
-    """Text of a prompt or message content: strings as they are, token ids as a comma list
-    (a token prefix is then a text prefix), content parts by their text; nothing below 32
-    levels of nesting (no prompt is shaped so)."""
-    if value is None or depth > 32:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, (int, float)):
-        return f"{value},"
-    if isinstance(value, Mapping):
-        text = value.get("text")
-        if isinstance(text, str):
-            return text
-        return _text(value.get("content"), depth + 1)
-    if isinstance(value, Sequence):
-        parts = []
-        size = 0
-        for v in value:
-            part = _text(v, depth + 1)
-            parts.append(part)
-            size += len(part)
-            if size > MAX_KEY_CHARS:
-                break
-        return "".join(parts)
-    return ""
+# Response ids remembered per ingress (the replica's store keeps 1024 each).
+MAX_RESPONSE_HOMES = 1 << 16
+
+
+class ResponseHomes:
+    """Which replica stored which `/v1/responses` response: learned from the answers
+    (`RESPONSE_ID_HEADER` and the replica's name), so that a request naming it as its
+    ``previous_response_id`` (or ``GET``/``DELETE /v1/responses/{id}``) is sent there: no
+    other replica holds it, and it would answer a 404. Most recent ``limit`` ids, the oldest
+    forgotten first."""
+
+    def __init__(self, limit: int = MAX_RESPONSE_HOMES) -> None:
+        self.limit = limit
+        self._homes: OrderedDict[str, str] = OrderedDict()
+
+    def learn(self, response_id: str, replica: str) -> None:
+        self._homes[response_id] = replica
+        self._homes.move_to_end(response_id)
+        while len(self._homes) > self.limit:
+            self._homes.popitem(last=False)
+
+    def home(self, response_id: str | None) -> str | None:
+        if not response_id:
+            return None
+        return self._homes.get(response_id)
+
+    def __len__(self) -> int:
+        return len(self._homes)
 
 
 def common_prefix_len(a: str, b: str) -> int:

@@ -5,6 +5,11 @@ answer every error in their dialect's shape; the ingress only reads the body (at
 ``max_body + 1`` bytes, so that a larger one still gets the replica's 413) and derives its
 routing key, for requests that carry one of the server's API keys only (an unauthenticated
 client gets the replica's 401 and leaves nothing in the router's prefix table).
+
+A ``/v1/responses`` answer names the response its replica stored (`RESPONSE_ID_HEADER`); the
+ingress remembers where (`ResponseHomes`) and pins a follow-up that names it as its
+``previous_response_id`` (and ``GET``/``DELETE /v1/responses/{id}``) to that replica, as a
+client's `REPLICA_HEADER` pins a request: no other replica holds the response.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from .affinity import routing_key
+from .affinity import RESPONSE_ID_HEADER, ResponseHomes, route
 from .replica import REPLICA_HEADER, ProxyRequest
 
 
@@ -61,6 +66,27 @@ def authenticated(headers: Iterable[tuple[bytes, bytes]], key_digests: Sequence[
     return ok
 
 
+_RESPONSES = "/v1/responses/"
+
+
+def request_route(
+    method: str,
+    path: str,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: bytes,
+    key_digests: Sequence[bytes],
+) -> tuple[str | None, str | None]:
+    """The routing key of a request (of POSTs), and the stored response it needs (a POST's
+    ``previous_response_id``; the id of ``GET``/``DELETE /v1/responses/{id}``): of requests
+    that carry a key (any when none is needed)."""
+    if method not in ("POST", "GET", "DELETE") or not authenticated(headers, key_digests):
+        return None, None
+    if method != "POST":
+        rest = path[len(_RESPONSES) :] if path.startswith(_RESPONSES) else ""
+        return None, (rest if rest and "/" not in rest else None)
+    return route(path, body)
+
+
 def request_key(
     method: str,
     path: str,
@@ -69,9 +95,20 @@ def request_key(
     key_digests: Sequence[bytes],
 ) -> str | None:
     """The routing key of a request: of POSTs that carry a key (any when none is needed)."""
-    if method != "POST" or not authenticated(headers, key_digests):
-        return None
-    return routing_key(path, body)
+    return request_route(method, path, headers, body, key_digests)[0]
+
+
+def learn_home(homes: ResponseHomes, headers: Iterable[tuple[str, str]]) -> None:
+    """Notes which replica stored the response an answer names (its `RESPONSE_ID_HEADER`)."""
+    response_id = replica = None
+    for name, value in headers:
+        name = name.lower()
+        if name == RESPONSE_ID_HEADER:
+            response_id = value
+        elif name == REPLICA_HEADER:
+            replica = value
+    if response_id and replica:
+        homes.learn(response_id, replica)
 
 
 class Ingress:
@@ -83,6 +120,9 @@ class Ingress:
         self._replicas = replicas.options(stream=True, method_name="handle")
         self._max_body = max_body
         self._key_digests = list(key_digests)
+        # Which replica stored which response (the router's pin for its follow-ups): the
+        # ingress sees the answers, the router does not. Per ingress replica, as the router.
+        self._homes = ResponseHomes()
 
     async def __call__(self, request: Request) -> Response:
         body = await read_body(request, self._max_body)
@@ -95,14 +135,16 @@ class Ingress:
             path = path[len(root) :] or "/"
         query = request.scope.get("query_string", b"").decode("latin-1")
         target = path + ("?" + query if query else "")
-        key = request_key(request.method, path, request.headers.raw, body, self._key_digests)
+        key, response_id = request_route(
+            request.method, path, request.headers.raw, body, self._key_digests
+        )
         req = ProxyRequest(
             method=request.method,
             path=target,
             headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
             body=body,
             routing_key=key,
-            replica=request.headers.get(REPLICA_HEADER),
+            replica=request.headers.get(REPLICA_HEADER) or self._homes.home(response_id),
         )
         stream: Any = self._replicas.remote(req)
         try:
@@ -110,6 +152,7 @@ class Ingress:
         except BaseException:
             stream.cancel()
             raise
+        learn_home(self._homes, headers)
 
         async def relay() -> AsyncIterator[bytes]:
             try:

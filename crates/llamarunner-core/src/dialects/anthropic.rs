@@ -20,8 +20,11 @@ use crate::http::error::{AnthropicError, ApiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event};
-use crate::requests::common::{collect, model_info, parse_json, parse_messages, start_generation};
+use crate::requests::common::{
+    collect, model_info, parse_json, parse_messages, start_generation, Chat,
+};
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::Keyed;
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use crate::requests::validate;
 
@@ -457,17 +460,29 @@ fn tool_request(
     ToolRequest::parse(Some(&tools), choice.as_ref(), parallel)
 }
 
+/// The request's conversation, as the chat path reads it.
+fn conversation(req: &MessagesRequest) -> Result<Chat, ApiError> {
+    let messages = chat_messages(
+        req.system.as_ref(),
+        req.messages.as_deref().unwrap_or_default(),
+    )?;
+    parse_messages(messages)
+}
+
+/// `/v1/messages` as `routing_key` reads it: as `messages` does.
+pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: MessagesRequest = parse_json(body)?;
+    let chat = conversation(&req)?;
+    Ok(Keyed::chat(req.model, chat.messages))
+}
+
 /// A request read: the prompt (rendered, with its images) and how to read the answer.
 async fn prepare(
     state: &AppState,
     req: &MessagesRequest,
     params: &mut SamplingParams,
 ) -> Result<(Prompt, ChatOutput), ApiError> {
-    let messages = chat_messages(
-        req.system.as_ref(),
-        req.messages.as_deref().unwrap_or_default(),
-    )?;
-    let chat = parse_messages(messages)?;
+    let chat = conversation(req)?;
     image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let tools = tool_request(req.tools.as_deref(), req.tool_choice.as_ref())?;
     let think = req.think()?;

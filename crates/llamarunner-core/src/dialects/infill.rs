@@ -22,6 +22,7 @@ use crate::requests::common::{
     collect, ensure_ready, model_info, parse_json, start_generation, PromptSource,
 };
 use crate::requests::infill::{self, ExtraFile, Parts};
+use crate::requests::keyed::Keyed;
 use crate::requests::options::Options;
 use crate::requests::validate;
 
@@ -72,12 +73,12 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         .grammar
         .filter(|g| !g.trim().is_empty())
         .map(|g| crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(g)));
-    let parts = Parts {
-        prefix: req.input_prefix.unwrap_or_default(),
-        suffix: req.input_suffix.unwrap_or_default(),
-        prompt: req.prompt.unwrap_or_default(),
-        extra: req.input_extra.unwrap_or_default(),
-    };
+    let parts = parts_of(
+        req.input_prefix,
+        req.input_suffix,
+        req.prompt,
+        req.input_extra,
+    );
     // The options' refusals come before the cost of tokenizing.
     validate::check_options(&params).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
     let tokens = infill::tokens(&info, parts, params.num_predict).await?;
@@ -99,6 +100,44 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&value)))
     });
     Ok(Sse::new(events).into_response())
+}
+
+/// The parts of the cursor's context.
+fn parts_of(
+    prefix: Option<String>,
+    suffix: Option<String>,
+    prompt: Option<String>,
+    extra: Option<Vec<ExtraFile>>,
+) -> Parts {
+    Parts {
+        prefix: prefix.unwrap_or_default(),
+        suffix: suffix.unwrap_or_default(),
+        prompt: prompt.unwrap_or_default(),
+        extra: extra.unwrap_or_default(),
+    }
+}
+
+/// `/infill` as `routing_key` reads it: as `infill` does, the parts whose tokens lead the
+/// prompt (the other files, then the code before the cursor: the suffix and the typed text
+/// come after it, so an edit there would not extend the key as it extends the cached
+/// prefix); the model is the body's `model`, which a router of many models picks the engine
+/// by.
+pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let value: Value = parse_json(body)?;
+    let model = value
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let req = request_with_defaults(value)?;
+    let parts = parts_of(
+        req.input_prefix,
+        req.input_suffix,
+        req.prompt,
+        req.input_extra,
+    );
+    let mut texts: Vec<String> = parts.extra.into_iter().map(|f| f.text).collect();
+    texts.push(parts.prefix);
+    Ok(Keyed::texts(model, texts))
 }
 
 /// llama-server's sampling defaults where Ollama's (which `Options` has) differ: no

@@ -10,7 +10,9 @@
 //!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);
 //! - `rerank.rs`: reranking documents against a query (`/v1/rerank`, Jina's, Cohere's and
 //!   TEI's shapes) for reranker models;
-//! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader.
+//! - `stream_json.rs`: the JSON of streamed lines, safe for every line reader;
+//! - `routing_key.rs`: a request's routing key for a router of many servers (Ray's), from
+//!   each dialect's own reading of its body.
 
 pub mod anthropic;
 pub mod infill;
@@ -19,4 +21,5 @@ pub mod ollama;
 pub mod openai;
 pub mod rerank;
 pub mod responses;
+pub mod routing_key;
 pub mod stream_json;

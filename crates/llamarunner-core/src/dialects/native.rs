@@ -17,9 +17,11 @@ use crate::http::AppState;
 use crate::protocol::Event;
 use crate::requests::common::{
     chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, start_generation,
+    Chat,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::Keyed;
 use crate::requests::options::Options;
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
 
@@ -27,8 +29,10 @@ use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
 /// runner's capitalized keys are accepted too.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
-    // `model` is not read: any name is the one model (`requests::common::check_model`); a
-    // router picks the engine by it.
+    /// The model: any name is the one model here (`requests::common::check_model`); the
+    /// routing key leads with it, and a router picks the engine by it.
+    #[serde(default, alias = "Model")]
+    model: Option<String>,
     #[serde(default, alias = "Prompt")]
     prompt: Option<String>,
     /// A conversation, rendered with the model's chat template, instead of `prompt`.
@@ -70,6 +74,47 @@ fn required(name: &str, value: Option<String>) -> Result<String, ApiError> {
     })
 }
 
+/// What `/completion` is asked to continue: a conversation or a text.
+enum Input {
+    Chat(Chat),
+    Text(String),
+}
+
+/// The request's `messages` (parsed) or its `prompt` (non-empty), one and not both; images
+/// go in the messages when there are messages.
+fn input(
+    prompt: Option<String>,
+    messages: Option<Vec<serde_json::Value>>,
+    images: Option<&[serde_json::Value]>,
+) -> Result<Input, ApiError> {
+    match messages {
+        Some(_) if prompt.as_ref().is_some_and(|p| !p.is_empty()) => Err(ApiError::InvalidRequest(
+            "give either prompt or messages, not both".into(),
+        )),
+        Some(messages) => {
+            if images.is_some_and(|i| !i.is_empty()) {
+                return Err(ApiError::InvalidImage(
+                    "with messages, images go in the messages (their images or image_url parts)"
+                        .into(),
+                ));
+            }
+            Ok(Input::Chat(parse_messages(messages)?))
+        }
+        None => Ok(Input::Text(required("prompt", prompt)?)),
+    }
+}
+
+/// `/completion` as `routing_key` reads it: as `completion` does.
+pub(crate) fn completion_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: CompletionRequest = parse_json(body)?;
+    Ok(
+        match input(req.prompt, req.messages, req.images.as_deref())? {
+            Input::Chat(chat) => Keyed::chat(req.model, chat.messages),
+            Input::Text(text) => Keyed::texts(req.model, vec![text]),
+        },
+    )
+}
+
 /// `POST /completion`.
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
@@ -96,20 +141,8 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     };
     // The reader of the answer's reasoning, when the request asks for it (`think`).
     let mut output: Option<ChatOutput> = None;
-    let prompt = match req.messages {
-        Some(_) if req.prompt.as_ref().is_some_and(|p| !p.is_empty()) => {
-            return Err(ApiError::InvalidRequest(
-                "give either prompt or messages, not both".into(),
-            ))
-        }
-        Some(messages) => {
-            if req.images.as_ref().is_some_and(|i| !i.is_empty()) {
-                return Err(ApiError::InvalidImage(
-                    "with messages, images go in the messages (their images or image_url parts)"
-                        .into(),
-                ));
-            }
-            let chat = parse_messages(messages)?;
+    let prompt = match input(req.prompt, req.messages, req.images.as_deref())? {
+        Input::Chat(chat) => {
             image_prompt::check_images(&info, chat.images.len())?;
             let text = if think.is_some() {
                 // The chat dialects' path: the template's thinking switch, and the output
@@ -127,14 +160,14 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
                 images: chat.images,
             }
         }
-        None if think == Some(true) => {
+        Input::Text(_) if think == Some(true) => {
             return Err(ApiError::InvalidRequest(
                 "think: thinking is split out of a conversation (messages); a prompt is \
                  completed as it is"
                     .into(),
             ))
         }
-        None => image_prompt::native_prompt(&info, required("prompt", req.prompt)?, req.images)?,
+        Input::Text(prompt) => image_prompt::native_prompt(&info, prompt, req.images)?,
     };
 
     let generation = start_generation(&state, prompt, params).await?;
@@ -163,7 +196,7 @@ fn split_lines(output: &mut ChatOutput, event: &Event) -> Vec<String> {
     let pieces = match event {
         Event::Text { text, .. } => output.push(text),
         Event::Done(_) => output.finish(),
-        Event::Started | Event::Error(_) => return vec![ndjson(event)],
+        Event::Started | Event::Progress(_) | Event::Error(_) => return vec![ndjson(event)],
     };
     let mut lines: Vec<String> = pieces
         .into_iter()
@@ -219,10 +252,22 @@ fn line(value: &serde_json::Value) -> String {
 /// Body of `POST /embedding`.
 #[derive(Debug, Deserialize)]
 struct EmbeddingRequest {
+    /// Not checked (any name is the one model); the routing key leads with it.
+    #[serde(default, alias = "Model")]
+    model: Option<String>,
     #[serde(default, alias = "Content")]
     content: Option<String>,
     #[serde(default, alias = "Truncate")]
     truncate: Option<bool>,
+}
+
+/// `/embedding` as `routing_key` reads it: as `embedding` does.
+pub(crate) fn embedding_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: EmbeddingRequest = parse_json(body)?;
+    Ok(Keyed::texts(
+        req.model,
+        vec![required("content", req.content)?],
+    ))
 }
 
 /// `POST /embedding`: `{"content"}` -> `{"embedding", "prompt_eval_count"}` (not normalized).

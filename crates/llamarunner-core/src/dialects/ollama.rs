@@ -30,6 +30,7 @@ use crate::requests::common::{
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::{Keyed, Piece};
 use crate::requests::options::Options;
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 
@@ -192,28 +193,73 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
         )
         .into());
     }
-    let prompt = req.prompt.clone().unwrap_or_default();
-    let system = req.system.clone().unwrap_or_default();
-    if prompt.is_empty() && system.is_empty() && req.images.as_ref().is_none_or(Vec::is_empty) {
+    let Some((system, prompt)) = generate_parts(&req) else {
         return Ok(Json(meta.loaded()).into_response());
-    }
+    };
     // The images take their places in the user's text (`requests::image_prompt::ollama_generate`).
     let user = image_prompt::ollama_generate(&*model_info(&state)?, prompt, req.images.clone())?;
-    let text = if req.raw == Some(true) {
-        user.text
-    } else {
-        let mut messages = Vec::new();
-        if !system.is_empty() {
-            messages.push(message("system", system));
+    let text = match system {
+        None => user.text,
+        Some(system) => {
+            let mut messages = system_message(system);
+            messages.push(message("user", user.text));
+            chat_prompt(&state, messages, &mut params).await?
         }
-        messages.push(message("user", user.text));
-        chat_prompt(&state, messages, &mut params).await?
     };
     let prompt = Prompt {
         text,
         images: user.images,
     };
     respond(state, prompt, params, meta, req.stream.unwrap_or(true)).await
+}
+
+/// A generate request's system prompt (None: `raw`, no template) and prompt; None when it
+/// asks for nothing (Ollama's way to load a model).
+fn generate_parts(req: &OllamaRequest) -> Option<(Option<String>, String)> {
+    let prompt = req.prompt.clone().unwrap_or_default();
+    let system = req.system.clone().unwrap_or_default();
+    if prompt.is_empty() && system.is_empty() && req.images.as_ref().is_none_or(Vec::is_empty) {
+        return None;
+    }
+    let system = (req.raw != Some(true)).then_some(system);
+    Some((system, prompt))
+}
+
+/// The system message of a generate request, if it has one.
+fn system_message(system: String) -> Vec<ChatMessage> {
+    if system.is_empty() {
+        Vec::new()
+    } else {
+        vec![message("system", system)]
+    }
+}
+
+/// `/api/generate` as `routing_key` reads it: as `generate` does (the system message, then
+/// the prompt's text, which the template puts in a user message after it).
+pub(crate) fn generate_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: OllamaRequest = parse_json(body)?;
+    let Some((system, prompt)) = generate_parts(&req) else {
+        return Ok(Keyed::new(req.model, Vec::new()));
+    };
+    let mut pieces: Vec<Piece> = system_message(system.unwrap_or_default())
+        .into_iter()
+        .map(Piece::Message)
+        .collect();
+    pieces.push(Piece::Text(prompt));
+    Ok(Keyed::new(req.model, pieces))
+}
+
+/// `/api/chat` as `routing_key` reads it: as `chat` does.
+pub(crate) fn chat_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: OllamaRequest = parse_json(body)?;
+    let raw_messages = req.messages.unwrap_or_default();
+    if raw_messages.is_empty() {
+        return Ok(Keyed::new(req.model, Vec::new()));
+    }
+    Ok(Keyed::chat(
+        req.model,
+        parse_messages(raw_messages)?.messages,
+    ))
 }
 
 fn message(role: &str, content: String) -> ChatMessage {
@@ -384,15 +430,11 @@ struct EmbedRequest {
     dimensions: Option<u32>,
 }
 
-/// `POST /api/embed`: `input` a string or a list; normalized `embeddings`.
-pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
-    let started = Instant::now();
-    let info = model_info(&state)?;
-    let req: EmbedRequest = parse_json(&body)?;
-    let model = required_model(&state, req.model.as_deref())?;
-    let inputs = match req.input {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s],
+/// `/api/embed`'s texts: `input` a string or a list of strings (none: nothing to embed).
+fn embed_inputs(input: Option<Value>) -> Result<Vec<String>, ApiError> {
+    match input {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s]),
         Some(Value::Array(items)) => items
             .into_iter()
             .map(|v| match v {
@@ -401,11 +443,35 @@ pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Respons
                     "input must be a string or a list of strings",
                 )),
             })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(ApiError::invalid("input must be a string or a list of strings").into())
-        }
-    };
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            "input must be a string or a list of strings",
+        )),
+    }
+}
+
+/// `/api/embed` as `routing_key` reads it: as `embed` does.
+pub(crate) fn embed_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: EmbedRequest = parse_json(body)?;
+    let inputs = embed_inputs(req.input)?;
+    Ok(Keyed::texts(req.model, inputs))
+}
+
+/// `/api/embeddings` as `routing_key` reads it: as `embeddings` does (an empty prompt embeds
+/// nothing).
+pub(crate) fn embeddings_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: EmbedRequest = parse_json(body)?;
+    let prompt = req.prompt.filter(|p| !p.is_empty());
+    Ok(Keyed::texts(req.model, prompt.into_iter().collect()))
+}
+
+/// `POST /api/embed`: `input` a string or a list; normalized `embeddings`.
+pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let started = Instant::now();
+    let info = model_info(&state)?;
+    let req: EmbedRequest = parse_json(&body)?;
+    let model = required_model(&state, req.model.as_deref())?;
+    let inputs = embed_inputs(req.input)?;
     check_dimensions(&info, req.dimensions)?;
     let embeddings = embed_all(&state, inputs, req.truncate.unwrap_or(true)).await?;
     let count: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();

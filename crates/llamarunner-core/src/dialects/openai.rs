@@ -24,11 +24,12 @@ use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event, TokenLogprob};
 use crate::requests::common::{
     check_dimensions, check_model, collect, embed_inputs, l2_normalize, model_info, parse_json,
-    parse_messages, start_generation, unix_seconds, EmbedInput, PromptSource,
+    parse_messages, start_generation, unix_seconds, Chat, EmbedInput, PromptSource,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::infill;
+use crate::requests::keyed::Keyed;
 use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
 /// Most choices `n` may ask for: each is a sequence in a slot of its own.
@@ -456,17 +457,60 @@ fn parse_request(state: &AppState, body: &[u8]) -> Result<OpenAiRequest, ApiErro
     parse_json(body)
 }
 
+/// A chat request's conversation.
+fn chat_of(req: &OpenAiRequest) -> Result<Chat, ApiError> {
+    parse_messages(
+        req.messages
+            .clone()
+            .ok_or_else(|| ApiError::invalid("messages is required"))?,
+    )
+}
+
+/// `/v1/chat/completions` as `routing_key` reads it: as `chat_completions` does.
+pub(crate) fn chat_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: OpenAiRequest = parse_json(body)?;
+    let chat = chat_of(&req)?;
+    Ok(Keyed::chat(req.model, chat.messages))
+}
+
+/// A completion request's prompt: one text (empty only with a suffix).
+fn completion_prompt(req: &OpenAiRequest) -> Result<String, ApiError> {
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid("echo is not supported"));
+    }
+    let prompt = match &req.prompt {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "prompt: only one text prompt per request is supported (token arrays and batches are not)",
+            ))
+        }
+        _ => return Err(ApiError::invalid("prompt is required and must be a string")),
+    };
+    if prompt.is_empty() && req.suffix.as_ref().is_none_or(|s| s.is_empty()) {
+        return Err(ApiError::invalid("prompt must not be empty"));
+    }
+    Ok(prompt)
+}
+
+/// `/v1/completions` as `routing_key` reads it: as `completions` does (the prompt; with a
+/// suffix, the code before the cursor, which the cached tokens start with too).
+pub(crate) fn completions_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: OpenAiRequest = parse_json(body)?;
+    let prompt = completion_prompt(&req)?;
+    Ok(Keyed::texts(req.model, vec![prompt]))
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<AppState>,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
-    let chat = parse_messages(
-        req.messages
-            .clone()
-            .ok_or_else(|| ApiError::invalid("messages is required"))?,
-    )?;
+    let chat = chat_of(&req)?;
     check_continuation(&req, &chat.messages)?;
     image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let mut params = req.params(true)?;
@@ -552,25 +596,7 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
-    if req.echo == Some(true) {
-        return Err(ApiError::invalid("echo is not supported").into());
-    }
-    let prompt = match &req.prompt {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_string()
-        }
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid(
-                "prompt: only one text prompt per request is supported (token arrays and batches are not)",
-            )
-            .into())
-        }
-        _ => return Err(ApiError::invalid("prompt is required and must be a string").into()),
-    };
-    if prompt.is_empty() && req.suffix.as_ref().is_none_or(|s| s.is_empty()) {
-        return Err(ApiError::invalid("prompt must not be empty").into());
-    }
+    let prompt = completion_prompt(&req)?;
     let mut params = req.params(false)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     // With a suffix, the prompt is the code before the cursor (`requests/infill.rs`).
@@ -929,6 +955,20 @@ struct EmbeddingsRequest {
     input: Option<Value>,
     encoding_format: Option<String>,
     dimensions: Option<u32>,
+}
+
+/// `/v1/embeddings` as `routing_key` reads it: as `embeddings` does.
+pub(crate) fn embeddings_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: EmbeddingsRequest = parse_json(body)?;
+    // Token ids as the comma list the key writes them as (a token prefix is a text prefix).
+    let inputs = embedding_inputs(req.input)?
+        .into_iter()
+        .map(|input| match input {
+            EmbedInput::Text(text) => text,
+            EmbedInput::Tokens(ids) => ids.iter().map(|id| format!("{id},")).collect(),
+        })
+        .collect();
+    Ok(Keyed::texts(req.model, inputs))
 }
 
 /// `POST /v1/embeddings`: L2-normalized vectors, as floats or base64 (the `openai` client asks

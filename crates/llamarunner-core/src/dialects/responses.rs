@@ -12,6 +12,7 @@ use std::time::SystemTime;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
+use axum::http::{HeaderName, HeaderValue};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -28,6 +29,7 @@ use crate::requests::common::{
     collect, model_info, parse_json, parse_messages, start_generation, unix_seconds,
 };
 use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::{Keyed, Piece};
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece, ToolRequest};
 use crate::requests::validate;
 
@@ -413,6 +415,11 @@ fn check_metadata(metadata: Option<&Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The answer header of `POST /v1/responses` that names the response it stored (absent when
+/// the request asked it not be stored): a router of many servers learns there which one a
+/// follow-up's `previous_response_id` must reach (`routing_key.rs`).
+pub const RESPONSE_ID_HEADER: &str = "x-llamarunner-response-id";
+
 /// `POST /v1/responses`.
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Response, OpenAiError> {
     model_info(&state)?;
@@ -437,12 +444,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
     if history.is_empty() {
         return Err(ApiError::invalid("input is required").into());
     }
-    let mut messages = Vec::with_capacity(history.len() + 1);
-    if let Some(instructions) = req.instructions.as_deref().filter(|s| !s.is_empty()) {
-        messages.push(json!({"role": "system", "content": instructions}));
-    }
-    messages.extend(history.iter().cloned());
-    let chat = parse_messages(messages)?;
+    let chat = parse_messages(with_instructions(&req, &history))?;
     image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let tools = tool_request(&req)?;
     let (text, output) =
@@ -477,7 +479,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
         if let Some((store, history)) = store {
             keep_response(&store, &meta.id, history, &items, &response);
         }
-        return Ok(Json(response).into_response());
+        return Ok(named(Json(response).into_response(), &meta.id, keep));
     }
     let mut writer = Items::new(meta.clone(), output, store);
     let created = meta.object(&Finished::InProgress, &[]);
@@ -487,7 +489,53 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
     ];
     let events = rx.flat_map(move |e| stream::iter(writer.on(e)));
     let body = stream::iter(head).chain(events).map(Ok::<_, Infallible>);
-    Ok(Sse::new(body).into_response())
+    Ok(named(Sse::new(body).into_response(), &meta.id, keep))
+}
+
+/// The conversation the template is given: `instructions` as a system message, then the
+/// conversation (the stored one continued, then the input).
+fn with_instructions(req: &ResponsesRequest, history: &[Value]) -> Vec<Value> {
+    let mut messages = Vec::with_capacity(history.len() + 1);
+    if let Some(instructions) = req.instructions.as_deref().filter(|s| !s.is_empty()) {
+        messages.push(json!({"role": "system", "content": instructions}));
+    }
+    messages.extend(history.iter().cloned());
+    messages
+}
+
+/// An answer that stores its response names it in `RESPONSE_ID_HEADER`, so that a router of
+/// many servers learns which one holds it (a follow-up's `previous_response_id` must go there;
+/// `dialects/routing_key.rs`).
+fn named(mut response: Response, id: &str, stored: bool) -> Response {
+    if let (true, Ok(value)) = (stored, HeaderValue::from_str(id)) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(RESPONSE_ID_HEADER), value);
+    }
+    response
+}
+
+/// `/v1/responses` as `routing_key` reads it: as `create` does, without the stored
+/// conversation a `previous_response_id` continues (one server holds it: the id is kept apart
+/// for the router).
+pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: ResponsesRequest = parse_json(body)?;
+    let history = input_messages_after(Vec::new(), req.input.as_ref())?;
+    let messages = with_instructions(&req, &history);
+    let pieces = if messages.is_empty() {
+        Vec::new()
+    } else {
+        parse_messages(messages)?
+            .messages
+            .into_iter()
+            .map(Piece::Message)
+            .collect()
+    };
+    Ok(Keyed {
+        model: req.model,
+        previous_response_id: req.previous_response_id,
+        pieces,
+    })
 }
 
 /// `GET /v1/responses/{id}`: a kept response.

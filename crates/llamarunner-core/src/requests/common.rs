@@ -19,6 +19,8 @@ use crate::protocol::{
     Completion, EmbedRequest, Embedding, Event, EventSink, Input, LoadState, ModelInfo, Request,
     TokenLogprob,
 };
+use crate::requests::embed_input;
+pub use crate::requests::embed_input::EmbedInput;
 use crate::requests::image_prompt::{self, ImageSource, Prompt};
 use crate::requests::validate;
 
@@ -537,15 +539,6 @@ pub async fn embed_all(
     .await
 }
 
-/// One input to embed: text, or its token ids (OpenAI's `input` allows both).
-#[derive(Clone, Debug, PartialEq)]
-pub enum EmbedInput {
-    /// Text, tokenized here.
-    Text(String),
-    /// Token ids, checked against the vocabulary.
-    Tokens(Vec<i64>),
-}
-
 /// `embed_all` for inputs of text or token ids.
 pub async fn embed_inputs(
     state: &AppState,
@@ -570,7 +563,7 @@ pub async fn embed_inputs(
     for input in inputs {
         valid.push(match input {
             EmbedInput::Text(text) => validate::embedding_input(&info, text, truncate).await?,
-            EmbedInput::Tokens(ids) => validate::embedding_token_input(&info, &ids, truncate)?,
+            EmbedInput::Tokens(ids) => embed_input::token_input(&info, &ids, truncate)?,
         });
     }
     embed_tokens(state, valid).await

@@ -530,36 +530,6 @@ pub async fn embedding_input(
     Ok((tokens, cut))
 }
 
-/// Validates one embedding input given as token ids (OpenAI's and llama-server's token
-/// arrays): each inside the vocabulary, fitted as `embedding_input` fits text.
-pub fn embedding_token_input(
-    info: &ModelInfo,
-    ids: &[i64],
-    truncate: bool,
-) -> Result<(Vec<Token>, bool), ApiError> {
-    if ids.is_empty() {
-        return Err(ApiError::invalid("an input to embed must not be empty"));
-    }
-    let n_vocab = i64::from(info.n_vocab);
-    let mut tokens = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| {
-            (0..n_vocab)
-                .contains(&id)
-                .then(|| Token::try_from(id).ok())
-                .flatten()
-                .ok_or_else(|| {
-                    ApiError::invalid(format!(
-                        "input token {i}: {id} is not in the vocabulary (0..{n_vocab})"
-                    ))
-                })
-        })
-        .collect::<Result<Vec<Token>, ApiError>>()?;
-    let cut = kv::fit_input(&mut tokens, truncate, info.slot_ctx)?;
-    Ok((tokens, cut))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
