@@ -63,12 +63,13 @@ class FileResult:
 
 
 def tests_dir(checkout: Path, into: Path) -> Path:
-    """`tools/server/tests` of a checkout, or extracted from a git directory's HEAD."""
+    """`tools/server/tests` of a checkout, or extracted from a git directory's HEAD with the
+    chat templates some tests read (`models/templates`, by a path relative to the tests)."""
     direct = checkout / "tools" / "server" / "tests"
     if (direct / "unit").is_dir():
         return direct
     archive = subprocess.run(
-        ["git", "-C", str(checkout), "archive", "HEAD", "tools/server/tests"],
+        ["git", "-C", str(checkout), "archive", "HEAD", "tools/server/tests", "models/templates"],
         check=True,
         capture_output=True,
     ).stdout

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 # llama-server flag -> (our flag or None to drop, takes a value). Flags absent here are dropped
@@ -41,7 +42,6 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--lora": ("--lora", True),
     "--swa-full": ("--swa-full", False),
     "--chat-template-file": ("--chat-template", True),
-    "--chat-template": ("--chat-template", True),
     "--model-draft": ("--draft-model", True),
     "-md": ("--draft-model", True),
     "--spec-draft-n-max": ("--draft-max", True),
@@ -77,6 +77,24 @@ def _value_follows(args: Sequence[str], i: int) -> bool:
     return i + 1 < len(args) and not (args[i + 1].startswith("-") and len(args[i + 1]) > 1)
 
 
+# Our built-in templates (`--chat-template NAME`).
+BUILTIN_TEMPLATES = {"gemma", "chatml", "llama3", "phi3", "mistral"}
+
+
+def chat_template(value: str) -> list[str]:
+    """llama-server's `--chat-template` is a built-in name or a Jinja template's text; ours is
+    a built-in name or a file: the text goes to a file."""
+    if value in BUILTIN_TEMPLATES or os.path.isfile(value):
+        return ["--chat-template", value]
+    if "{%" in value or "{{" in value:
+        fd, path = tempfile.mkstemp(suffix=".jinja", prefix="shim-template-")
+        with os.fdopen(fd, "w") as f:
+            f.write(value)
+        return ["--chat-template", path]
+    print(f"llama_server_shim: --chat-template {value} dropped (no such built-in)", file=sys.stderr)
+    return []
+
+
 def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
     """`llamarunner serve` arguments for llama-server's `args`."""
     out: list[str] = []
@@ -105,6 +123,8 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
             pass  # ours sets K and V together (-ctk)
         elif flag == "--cache-ram":
             out += ["--cache-ram", value]
+        elif flag == "--chat-template":
+            out += chat_template(value)
         elif flag == "--reasoning-format":
             out += ["--reasoning-format", "none" if value == "none" else "auto"]
         elif flag in FLAG_MAP:

@@ -91,6 +91,18 @@ fn table(with_metrics: bool) -> Vec<Route> {
         model_post("/completions", post(openai::completions)),
         model_post("/embeddings", post(openai::embeddings)),
         model_post("/responses", post(responses::create)),
+        // The tokens a request's prompt would have (llama-server's, and OpenAI's for
+        // Responses), with and without `/v1`.
+        model_post(
+            "/v1/chat/completions/input_tokens",
+            post(openai::chat_input_tokens),
+        ),
+        model_post(
+            "/chat/completions/input_tokens",
+            post(openai::chat_input_tokens),
+        ),
+        model_post("/v1/responses/input_tokens", post(responses::input_tokens)),
+        model_post("/responses/input_tokens", post(responses::input_tokens)),
         model_post("/v1/rerank", post(rerank::rerank)),
         model_post("/v1/reranking", post(rerank::rerank)),
         model_post("/rerank", post(rerank::rerank)),
@@ -213,6 +225,10 @@ mod tests {
             "/completions",
             "/embeddings",
             "/responses",
+            "/v1/chat/completions/input_tokens",
+            "/chat/completions/input_tokens",
+            "/v1/responses/input_tokens",
+            "/responses/input_tokens",
             "/v1/rerank",
             "/v1/reranking",
             "/rerank",

@@ -470,3 +470,49 @@ async fn the_routers_route_lists_are_the_engines_routes() {
     }
     handle.shutdown();
 }
+
+#[tokio::test]
+async fn input_tokens_count_what_a_generation_would_decode() {
+    let (app, handle) = app(FakeConfig::default());
+    let chat = r#"{"model":"any","messages":[{"role":"user","content":"hello there"}]}"#;
+    let mut counts = Vec::new();
+    for path in [
+        "/v1/chat/completions/input_tokens",
+        "/chat/completions/input_tokens",
+    ] {
+        let (s, text) = post_to(&app, path, chat).await;
+        assert_eq!(s, StatusCode::OK, "{path}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["object"], "response.input_tokens", "{text}");
+        counts.push(v["input_tokens"].as_u64().unwrap());
+    }
+    // The same conversation as a generation: its usage counts the same prompt.
+    let (s, text) = post_to(
+        &app,
+        "/v1/chat/completions",
+        &chat.replace("}]}", r#"}],"max_tokens":1}"#),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    counts.push(v["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert!(
+        counts.iter().all(|&n| n == counts[0] && n > 0),
+        "{counts:?}"
+    );
+    for path in ["/v1/responses/input_tokens", "/responses/input_tokens"] {
+        let (s, text) = post_to(&app, path, r#"{"input":"hello there"}"#).await;
+        assert_eq!(s, StatusCode::OK, "{path}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert!(v["input_tokens"].as_u64() > Some(0), "{text}");
+    }
+    // A bad request is the generation's 400.
+    let (s, _) = post_to(
+        &app,
+        "/v1/chat/completions/input_tokens",
+        r#"{"messages":5}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    handle.shutdown();
+}

@@ -21,7 +21,7 @@ use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event};
 use crate::requests::common::{
-    collect, model_info, parse_json, parse_messages, start_generation, Chat,
+    collect, count_prompt_tokens, model_info, parse_json, parse_messages, start_generation, Chat,
 };
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::keyed::Keyed;
@@ -572,20 +572,10 @@ pub async fn count_tokens(
     body: Bytes,
 ) -> Result<Response, AnthropicError> {
     let req = parse_request(&state, &body)?;
-    let info = model_info(&state)?;
+    model_info(&state)?;
     let mut params = SamplingParams::default();
     let (prompt, _) = prepare(&state, &req, &mut params).await?;
-    let n = if prompt.images.is_empty() {
-        validate::tokenize_text(&info, prompt.text, true, "prompt")
-            .await?
-            .len()
-    } else {
-        let images = image_prompt::decode_images(&info, prompt.images).await?;
-        validate::tokenize_with_images(&info, prompt.text, images)
-            .await?
-            .0
-            .len()
-    };
+    let n = count_prompt_tokens(&state, prompt).await?;
     Ok(Json(json!({"input_tokens": n})).into_response())
 }
 

@@ -23,8 +23,9 @@ use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event, TokenLogprob};
 use crate::requests::common::{
-    check_dimensions, check_model, collect, embed_inputs, l2_normalize, model_info, parse_json,
-    parse_messages, start_generation, unix_seconds, Chat, EmbedInput, PromptSource,
+    check_dimensions, check_model, collect, count_prompt_tokens, embed_inputs, l2_normalize,
+    model_info, parse_json, parse_messages, start_generation, unix_seconds, Chat, EmbedInput,
+    PromptSource,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
@@ -510,9 +511,20 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
-    let chat = chat_of(&req)?;
-    check_continuation(&req, &chat.messages)?;
-    image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
+    let (prompt, params, output) = chat_prompt_of(&state, &req).await?;
+    respond(state, &req, prompt.into(), params, Some(output)).await
+}
+
+/// The prompt a chat request generates from (its conversation rendered with its tools), its
+/// parameters and the reader of its answer: what `chat_completions` and
+/// `POST /v1/chat/completions/input_tokens` both build.
+async fn chat_prompt_of(
+    state: &AppState,
+    req: &OpenAiRequest,
+) -> Result<(Prompt, SamplingParams, ChatOutput), ApiError> {
+    let chat = chat_of(req)?;
+    check_continuation(req, &chat.messages)?;
+    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let mut params = req.params(true)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     let tools = ToolRequest::parse(
@@ -521,12 +533,24 @@ pub async fn chat_completions(
         req.parallel_tool_calls,
     )?;
     let (text, output) =
-        tool_calls::chat_request(&state, chat.messages, tools, &mut params, None).await?;
+        tool_calls::chat_request(state, chat.messages, tools, &mut params, None).await?;
     let prompt = Prompt {
         text,
         images: chat.images,
     };
-    respond(state, &req, prompt.into(), params, Some(output)).await
+    Ok((prompt, params, output))
+}
+
+/// `POST /v1/chat/completions/input_tokens` (llama-server's): the tokens the request's prompt
+/// would have, `{"object": "response.input_tokens", "input_tokens": N}`.
+pub async fn chat_input_tokens(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    let req = parse_request(&state, &body)?;
+    let (prompt, _, _) = chat_prompt_of(&state, &req).await?;
+    let n = count_prompt_tokens(&state, prompt).await?;
+    Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
 }
 
 /// OpenAI's `input` to embed: a string, an array of token ids (one input), or an array whose
@@ -653,10 +677,11 @@ async fn respond(
         body["usage"] = usage(&all.done);
         return Ok(Json(body).into_response());
     }
-    // The first chat chunk names the role, as OpenAI's does.
+    // The first chat chunk names the role, with no content yet (null, as llama-server sends
+    // it; OpenAI sends "", and clients read both).
     let first = chat.then(|| {
         let mut choice = meta.choice(None, &[], false, None, true);
-        choice["delta"] = json!({"role": "assistant", "content": ""});
+        choice["delta"] = json!({"role": "assistant", "content": null});
         sse(with_usage_null(&meta, meta.body(true, vec![choice])))
     });
     let mut output = output;
@@ -732,7 +757,7 @@ async fn respond_many(
             .iter()
             .map(|m| {
                 let mut choice = m.choice(None, &[], false, None, true);
-                choice["delta"] = json!({"role": "assistant", "content": ""});
+                choice["delta"] = json!({"role": "assistant", "content": null});
                 sse(with_usage_null(m, m.body(true, vec![choice])))
             })
             .collect()

@@ -26,7 +26,8 @@ use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event};
 use crate::requests::common::{
-    collect, model_info, parse_json, parse_messages, start_generation, unix_seconds,
+    collect, count_prompt_tokens, model_info, parse_json, parse_messages, start_generation,
+    unix_seconds,
 };
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::keyed::{Keyed, Piece};
@@ -420,10 +421,17 @@ fn check_metadata(metadata: Option<&Value>) -> Result<(), ApiError> {
 /// follow-up's `previous_response_id` must reach (`routing_key.rs`).
 pub const RESPONSE_ID_HEADER: &str = "x-llamarunner-response-id";
 
-/// `POST /v1/responses`.
-pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Response, OpenAiError> {
-    model_info(&state)?;
-    let req: ResponsesRequest = parse_json(&body)?;
+/// What a Responses request generates from: the prompt (the previous response's conversation,
+/// then this input, rendered with its tools), its parameters, the reader of its answer and
+/// the conversation to keep with it.
+struct Prepared {
+    prompt: Prompt,
+    params: SamplingParams,
+    output: ChatOutput,
+    history: Vec<Value>,
+}
+
+async fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<Prepared, ApiError> {
     check_metadata(req.metadata.as_ref())?;
     let mut params = req.params()?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
@@ -442,17 +450,48 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
     };
     let history = input_messages_after(history, req.input.as_ref())?;
     if history.is_empty() {
-        return Err(ApiError::invalid("input is required").into());
+        return Err(ApiError::invalid("input is required"));
     }
-    let chat = parse_messages(with_instructions(&req, &history))?;
-    image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
-    let tools = tool_request(&req)?;
+    let chat = parse_messages(with_instructions(req, &history))?;
+    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
+    let tools = tool_request(req)?;
     let (text, output) =
-        tool_calls::chat_request(&state, chat.messages, tools, &mut params, req.think()?).await?;
+        tool_calls::chat_request(state, chat.messages, tools, &mut params, req.think()?).await?;
     let prompt = Prompt {
         text,
         images: chat.images,
     };
+    Ok(Prepared {
+        prompt,
+        params,
+        output,
+        history,
+    })
+}
+
+/// `POST /v1/responses/input_tokens` (OpenAI's and llama-server's): the tokens the request's
+/// prompt would have, `{"object": "response.input_tokens", "input_tokens": N}`.
+pub async fn input_tokens(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    let req: ResponsesRequest = parse_json(&body)?;
+    let prepared = prepare(&state, &req).await?;
+    let n = count_prompt_tokens(&state, prepared.prompt).await?;
+    Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
+}
+
+/// `POST /v1/responses`.
+pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Response, OpenAiError> {
+    model_info(&state)?;
+    let req: ResponsesRequest = parse_json(&body)?;
+    let Prepared {
+        prompt,
+        params,
+        output,
+        history,
+    } = prepare(&state, &req).await?;
     let meta = Arc::new(Meta::new(&state, &req, &params));
     let rx = start_generation(&state, prompt, params).await?;
     let keep = req.store != Some(false);

@@ -91,6 +91,23 @@ pub fn check_model(state: &AppState, requested: Option<&str>) -> Result<(), ApiE
     }
 }
 
+/// The tokens a rendered prompt has, images' positions included: what the count-tokens routes
+/// answer (`/v1/messages/count_tokens`, `.../input_tokens`), tokenized as a generation would be.
+pub async fn count_prompt_tokens(state: &AppState, prompt: Prompt) -> Result<usize, ApiError> {
+    let info = model_info(state)?;
+    Ok(if prompt.images.is_empty() {
+        validate::tokenize_text(&info, prompt.text, true, "prompt")
+            .await?
+            .len()
+    } else {
+        let images = image_prompt::decode_images(&info, prompt.images).await?;
+        validate::tokenize_with_images(&info, prompt.text, images)
+            .await?
+            .0
+            .len()
+    })
+}
+
 /// A conversation as a request gives it: its messages, each image replaced in its content by
 /// the projector's marker (`image_prompt`), and the images in marker order.
 #[derive(Debug, Default)]
