@@ -1,0 +1,141 @@
+"""What clients written for llama.cpp's llama-server rely on (docs/endpoints.md, "Drop-in for
+llama-server's clients"), through the official ``openai`` client and plain HTTP, on the tiny
+model: any model name, routes without ``/v1``, constraints honoured or refused, conversations
+that cannot be rendered refused, the context error's sizes, token-id embeddings, prompt
+progress, input token counts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from llamarunner import Server
+
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def root_client(tiny_server: Server) -> Iterator[openai.OpenAI]:
+    """A client given the server's root as its base URL (no ``/v1``), as some tools are."""
+    with openai.OpenAI(base_url=tiny_server.url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_any_model_name_and_the_routes_without_v1(
+    root_client: openai.OpenAI, tiny_server: Server
+) -> None:
+    answer = root_client.chat.completions.create(
+        model="gpt-4o-mini", messages=CHAT, max_tokens=3, temperature=0  # type: ignore[arg-type]
+    )
+    assert answer.model == "tiny" and answer.usage is not None
+    text = root_client.completions.create(model="anything", prompt="hi", max_tokens=2)
+    assert text.model == "tiny" and len(text.choices) == 1
+    vectors = root_client.embeddings.create(model="text-embedding-3-small", input="hi")
+    assert len(vectors.data[0].embedding) > 0
+    assert [m.id for m in root_client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{tiny_server.url}/v1/health").status_code == 200
+    # Ollama's routes keep the 404 its clients pull a model on.
+    r = post(tiny_server, "/api/generate", {"model": "llama3", "prompt": "hi"})
+    assert r.status_code == 404, r.text
+
+
+def test_constraints_are_honoured_or_refused(tiny_server: Server) -> None:
+    base = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
+    for constraint in (
+        {"json_schema": {"const": "42"}},
+        {"response_format": {"type": "json_object", "schema": {"const": "42"}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "42"}}}},
+    ):
+        r = post(tiny_server, "/chat/completions", {**base, **constraint})
+        assert r.status_code == 200, (constraint, r.text)
+        assert json.loads(r.json()["choices"][0]["message"]["content"]) == "42", constraint
+    for bad in (
+        {"response_format": {"type": 123}},
+        {"response_format": {"type": "sound"}},
+        {"response_format": {"type": "json_object", "schema": 123}},
+        {"response_format": {"type": "json_object", "schema": {"type": "hiccup"}}},
+        {"json_schema": {"const": "42"}, "grammar": 'root ::= "a"'},
+    ):
+        r = post(tiny_server, "/v1/chat/completions", {**base, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_conversations_that_cannot_be_rendered_are_refused(tiny_server: Server) -> None:
+    two_answers = [
+        {"role": "user", "content": "test"},
+        {"role": "assistant", "content": "test"},
+        {"role": "assistant", "content": "test"},
+    ]
+    r = post(tiny_server, "/v1/chat/completions", {"messages": two_answers})
+    assert r.status_code == 400 and "2 or more assistant" in r.text, r.text
+    prefill = [*CHAT, {"role": "assistant", "content": "Hello"}]
+    both = {"add_generation_prompt": True, "continue_final_message": True}
+    r = post(tiny_server, "/v1/chat/completions", {"messages": prefill, **both})
+    assert r.status_code == 400, r.text
+    ok = {"add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2}
+    assert post(tiny_server, "/v1/chat/completions", {"messages": prefill, **ok}).is_success
+
+
+def test_a_prompt_too_long_says_its_size_and_the_slot_s(tiny_server: Server) -> None:
+    r = post(tiny_server, "/v1/chat/completions", {"messages": CHAT * 200})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert err["type"] == "exceed_context_size_error"
+    assert err["n_ctx"] == 512 and err["n_prompt_tokens"] > 512
+
+
+def test_embeddings_of_token_ids_equal_those_of_their_text(tiny_server: Server) -> None:
+    ids = httpx.post(f"{tiny_server.url}/tokenize", json={"content": "the cat"}).json()["tokens"]
+    r = post(tiny_server, "/v1/embeddings", {"input": ["the cat", ids, ids]})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1, 2]
+    assert data[1]["embedding"] == data[2]["embedding"]
+    # The text is tokenized with BOS; the ids are embedded as given.
+    assert len(data[0]["embedding"]) == len(data[1]["embedding"])
+    for bad in ([[10**9]], [1.5], [[]], [{"a": 1}]):
+        r = post(tiny_server, "/v1/embeddings", {"input": bad})
+        assert r.status_code == 400, (bad, r.text)
+
+
+def test_prompt_progress_is_streamed_when_asked(tiny_server: Server) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "This is a test " * 10}],
+        "max_tokens": 3,
+        "stream": True,
+        "return_progress": True,
+    }
+    progress = []
+    with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: ") :])
+                if "prompt_progress" in chunk:
+                    assert chunk["choices"] == []
+                    progress.append(chunk["prompt_progress"])
+    assert len(progress) >= 2, progress
+    first, last = progress[0], progress[-1]
+    assert first["processed"] == first["cache"]
+    assert last["processed"] == last["total"] > 0
+    assert all(a["processed"] < b["processed"] for a, b in zip(progress, progress[1:]))
+
+
+def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:
+    counted = post(tiny_server, "/v1/chat/completions/input_tokens", {"messages": CHAT})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["object"] == "response.input_tokens"
+    generated = post(tiny_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    assert counted.json()["input_tokens"] == generated.json()["usage"]["prompt_tokens"]
+    r = post(tiny_server, "/responses/input_tokens", {"input": "hello there"})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
