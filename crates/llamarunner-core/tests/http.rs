@@ -235,6 +235,15 @@ async fn openai_errors_have_openai_shape() {
         assert_eq!(s, StatusCode::OK, "{path}: {text}");
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["model"], "fake", "{text}");
+        // llama-server's timings beside OpenAI's usage.
+        assert_eq!(
+            v["timings"]["predicted_n"], v["usage"]["completion_tokens"],
+            "{text}"
+        );
+        assert!(
+            v["timings"]["prompt_per_second"].as_f64() >= Some(0.0),
+            "{text}"
+        );
     }
     // Ollama's routes keep the 404 its clients pull a model on.
     let (s, text) = post_to(&app, "/api/generate", r#"{"model":"other","prompt":"x"}"#).await;

@@ -419,6 +419,30 @@ fn usage(done: &Completion) -> Value {
     })
 }
 
+/// llama-server's `timings` of a finished answer: the prompt's decoded and cached tokens and the
+/// generation, with their times and rates (0 where nothing was timed). Clients written for
+/// llama-server (its web page among them) show them.
+fn timings(done: &Completion) -> Value {
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let per_token = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
+    let per_second = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
+    let prompt_n = done
+        .prompt_eval_count
+        .saturating_sub(done.prompt_cached_count);
+    let (prompt_ms, predicted_ms) = (ms(done.prompt_eval_duration_ns), ms(done.eval_duration_ns));
+    json!({
+        "cache_n": done.prompt_cached_count,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
+        "prompt_per_second": per_second(prompt_ms, prompt_n),
+        "predicted_n": done.eval_count,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": per_token(predicted_ms, done.eval_count),
+        "predicted_per_second": per_second(predicted_ms, done.eval_count),
+    })
+}
+
 fn token_text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -675,6 +699,7 @@ async fn respond(
         }
         let mut body = meta.body(false, vec![choice]);
         body["usage"] = usage(&all.done);
+        body["timings"] = timings(&all.done);
         return Ok(Json(body).into_response());
     }
     // The first chat chunk names the role, with no content yet (null, as llama-server sends
@@ -788,7 +813,7 @@ async fn respond_many(
         ended += usize::from(finished);
         if finished && ended == n {
             let dones: Vec<Completion> = dones.iter().flatten().cloned().collect();
-            out.extend(stream_end(&meta, usage_of_choices(&dones)));
+            out.extend(stream_end(&meta, usage_of_choices(&dones), None));
         }
         stream::iter(out)
     });
@@ -865,17 +890,21 @@ fn done_chunks(meta: &Meta, done: &Completion, finish: &str) -> Vec<SseEvent> {
     let choice = meta.choice(text, &[], false, Some(finish), true);
     let mut out = vec![sse(with_usage_null(meta, meta.body(true, vec![choice])))];
     if meta.ends_stream {
-        out.extend(stream_end(meta, usage(done)));
+        out.extend(stream_end(meta, usage(done), Some(timings(done))));
     }
     out
 }
 
-/// The stream's last events: the usage when asked for, `[DONE]`.
-fn stream_end(meta: &Meta, usage: Value) -> Vec<SseEvent> {
+/// The stream's last events: the usage when asked for (with the answer's `timings` when there
+/// is one answer), `[DONE]`.
+fn stream_end(meta: &Meta, usage: Value, timings: Option<Value>) -> Vec<SseEvent> {
     let mut out = Vec::new();
     if meta.include_usage {
         let mut last = meta.body(true, Vec::new());
         last["usage"] = usage;
+        if let Some(timings) = timings {
+            last["timings"] = timings;
+        }
         out.push(sse(last));
     }
     out.push(SseEvent::default().data("[DONE]"));
