@@ -34,7 +34,10 @@ def test_any_model_name_and_the_routes_without_v1(
     root_client: openai.OpenAI, tiny_server: Server
 ) -> None:
     answer = root_client.chat.completions.create(
-        model="gpt-4o-mini", messages=CHAT, max_tokens=3, temperature=0  # type: ignore[arg-type]
+        model="gpt-4o-mini",
+        messages=CHAT,
+        max_tokens=3,
+        temperature=0,  # type: ignore[arg-type]
     )
     assert answer.model == "tiny" and answer.usage is not None
     text = root_client.completions.create(model="anything", prompt="hi", max_tokens=2)
@@ -139,3 +142,21 @@ def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) ->
     assert counted.json()["input_tokens"] == generated.json()["usage"]["prompt_tokens"]
     r = post(tiny_server, "/responses/input_tokens", {"input": "hello there"})
     assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+
+
+def test_header_names_are_written_in_title_case(tiny_server: Server) -> None:
+    """As llama-server writes them: some clients compare header names as written."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(tiny_server.url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        response.read()
+        names = [name for name, _ in response.getheaders()]
+    finally:
+        conn.close()
+    assert response.status == 200
+    assert "Process-Start-Time-Unix" in names and "Content-Type" in names, names

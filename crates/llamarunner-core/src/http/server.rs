@@ -203,6 +203,10 @@ pub async fn serve_http(
     // Our own timers (`Activity`) replace hyper's header timeout, which also cuts keep-alive
     // connections that are merely idle.
     http.keep_alive(true).header_read_timeout(None::<Duration>);
+    // Header names go out in title case ("Content-Type", "Process-Start-Time-Unix"), as
+    // llama-server and most servers write them: HTTP does not care, but some clients compare
+    // them as written.
+    http.title_case_headers(true);
     loop {
         // Over the cap, connections are not accepted: they wait in the listen backlog.
         let permit = tokio::select! {
