@@ -74,7 +74,17 @@ MODEL_FLAGS = {"--model", "-m", "--hf-repo", "-hfr", "-hf", "--hf-file", "-hff",
 
 
 def _value_follows(args: Sequence[str], i: int) -> bool:
-    return i + 1 < len(args) and not (args[i + 1].startswith("-") and len(args[i + 1]) > 1)
+    """Whether the word after flag `i` is its value: not a flag (a negative number is a
+    value: `--n-predict -1`)."""
+    if i + 1 >= len(args):
+        return False
+    word = args[i + 1]
+    if word.startswith("-") and len(word) > 1:
+        try:
+            float(word)
+        except ValueError:
+            return False
+    return True
 
 
 # Our built-in templates (`--chat-template NAME`).
