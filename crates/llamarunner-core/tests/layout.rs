@@ -239,16 +239,14 @@ fn the_import_reader_reads_paths_and_groups() {
     );
 }
 
-#[test]
-fn only_backend_llama_uses_llama_cpp() {
-    let mut wrong = Vec::new();
-    for source in sources() {
-        if source.path.starts_with("backend/llama/") {
-            continue;
-        }
+/// The production lines, as `src/PATH:LINE: TEXT`, of the files `inside` takes that name any
+/// of `words`.
+fn lines_naming(inside: impl Fn(&str) -> bool, words: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
+    for source in sources().into_iter().filter(|s| inside(&s.path)) {
         for line in &source.lines {
-            if line.text.contains("llama_cpp_2::") || line.text.contains("llama_cpp_sys_2::") {
-                wrong.push(format!(
+            if words.iter().any(|w| line.text.contains(w)) {
+                found.push(format!(
                     "src/{}:{}: {}",
                     source.path,
                     line.number,
@@ -257,6 +255,15 @@ fn only_backend_llama_uses_llama_cpp() {
             }
         }
     }
+    found
+}
+
+#[test]
+fn only_backend_llama_uses_llama_cpp() {
+    let wrong = lines_naming(
+        |path| !path.starts_with("backend/llama/"),
+        &["llama_cpp_2::", "llama_cpp_sys_2::"],
+    );
     assert!(
         wrong.is_empty(),
         "only backend/llama/ may use llama-cpp-2 or llama-cpp-sys-2:\n{}",
@@ -339,22 +346,10 @@ const CHANNEL_WORDS: &[&str] = &["mpsc", "oneshot", "crossbeam", "Sender<", "Rec
 
 #[test]
 fn the_scheduler_and_the_caches_touch_no_channel() {
-    let mut wrong = Vec::new();
-    for source in sources() {
-        if !(source.path.starts_with("sched/") || source.path.starts_with("kv/")) {
-            continue;
-        }
-        for line in &source.lines {
-            if CHANNEL_WORDS.iter().any(|w| line.text.contains(w)) {
-                wrong.push(format!(
-                    "src/{}:{}: {}",
-                    source.path,
-                    line.number,
-                    line.text.trim()
-                ));
-            }
-        }
-    }
+    let wrong = lines_naming(
+        |path| path.starts_with("sched/") || path.starts_with("kv/"),
+        CHANNEL_WORDS,
+    );
     assert!(
         wrong.is_empty(),
         "sched/ and kv/ are policy: they offer events to a request's EventSink and hand \
