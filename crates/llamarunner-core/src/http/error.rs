@@ -330,11 +330,26 @@ pub enum Dialect {
 }
 
 impl Dialect {
-    /// The dialect of a request path.
+    /// The dialect of a request path. OpenAI's routes are served without `/v1` too (as
+    /// llama-server serves them, `routes.rs`), and answer in OpenAI's shape there as well.
     pub fn of_path(path: &str) -> Self {
-        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+        // (`/models/...` stays the many-model router's own: `/models/load`, `/models/unload`.)
+        const OPENAI_WITHOUT_V1: [&str; 4] = [
+            "/chat/completions",
+            "/completions",
+            "/embeddings",
+            "/responses",
+        ];
+        let under = |root: &str| {
+            path.strip_prefix(root)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
+        if under("/v1/messages") {
             Dialect::Anthropic
-        } else if path.starts_with("/v1/") {
+        } else if path.starts_with("/v1/")
+            || path == "/models"
+            || OPENAI_WITHOUT_V1.iter().any(|root| under(root))
+        {
             Dialect::OpenAi
         } else if path.starts_with("/api/") {
             Dialect::Ollama
@@ -384,6 +399,35 @@ impl From<SubmitError> for ApiError {
         match e {
             SubmitError::QueueFull => ApiError::Overloaded(e.to_string()),
             SubmitError::Stopped => ApiError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Dialect;
+
+    #[test]
+    fn each_path_answers_errors_in_its_api_s_shape() {
+        for (path, dialect) in [
+            ("/v1/messages", Dialect::Anthropic),
+            ("/v1/messages/count_tokens", Dialect::Anthropic),
+            ("/v1/messagesx", Dialect::OpenAi),
+            ("/v1/chat/completions", Dialect::OpenAi),
+            ("/chat/completions", Dialect::OpenAi),
+            ("/chat/completions/input_tokens", Dialect::OpenAi),
+            ("/completions", Dialect::OpenAi),
+            ("/embeddings", Dialect::OpenAi),
+            ("/responses/resp_1", Dialect::OpenAi),
+            ("/models", Dialect::OpenAi),
+            ("/completion", Dialect::Native),
+            ("/completionsx", Dialect::Native),
+            ("/embedding", Dialect::Native),
+            ("/models/load", Dialect::Native),
+            ("/api/chat", Dialect::Ollama),
+            ("/", Dialect::Native),
+        ] {
+            assert_eq!(Dialect::of_path(path), dialect, "{path}");
         }
     }
 }
