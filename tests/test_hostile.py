@@ -25,6 +25,7 @@ a failing test. Named hostile requests follow the property-based tests; the regr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -300,7 +301,7 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
             )
         elif path == "/api/embeddings":
             ok = numbers(obj.get("embedding"))
-        elif path == "/v1/messages/count_tokens":
+        elif path == "/v1/messages/count_tokens" or path.endswith("/input_tokens"):
             ok = isinstance(obj.get("input_tokens"), int)
         elif path == "/apply-template":
             ok = isinstance(obj.get("prompt"), str)
@@ -571,6 +572,9 @@ RESPONSE_FORMATS = st.one_of(
     st.just({"type": "json_object"}),
     st.just({"type": "text"}),
     SCHEMAS.map(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}),
+    # llama-server's shapes: a schema beside json_object, or directly under json_schema.
+    st.builds(lambda s: {"type": "json_object", "schema": s}, st.one_of(SCHEMAS, HOSTILE)),
+    st.builds(lambda s: {"type": "json_schema", "schema": s}, st.one_of(SCHEMAS, HOSTILE)),
     st.builds(lambda t: {"type": t}, HOSTILE),
     HOSTILE,
 )
@@ -707,6 +711,11 @@ OPENAI_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "mirostat_eta": OPTION_FIELDS["mirostat_eta"],
     "ignore_eos": BOOLS,
     "grammar": GRAMMARS,
+    # llama-server's top-level schema, progress reports and template switches.
+    "json_schema": either(st.one_of(SCHEMAS, HOSTILE)),
+    "return_progress": BOOLS,
+    "add_generation_prompt": BOOLS,
+    "continue_final_message": BOOLS,
     "user": STRINGS,
     **SAMPLER_FIELDS,
 }
@@ -1055,6 +1064,13 @@ ROUTES = {
                         PROMPTS,
                         st.lists(PROMPTS, max_size=8),
                         st.lists(st.integers(0, 300), max_size=5),
+                        # Token ids of any size and sign, and strings mixed with id arrays
+                        # (OpenAI's and llama-server's shapes), nested where they may not be.
+                        st.lists(INTS, min_size=1, max_size=5),
+                        st.lists(
+                            st.one_of(PROMPTS, st.lists(INTS, max_size=5), HOSTILE),
+                            max_size=4,
+                        ),
                     )
                 ),
                 "encoding_format": either(st.sampled_from(["float", "base64", "", "hex"])),
@@ -1154,6 +1170,12 @@ ROUTES = {
         ),
     ]
 }
+# The token counts of llama-server (and OpenAI's Responses) take the generation's body.
+for _generating, _counting in [
+    ("/v1/chat/completions", "/v1/chat/completions/input_tokens"),
+    ("/v1/responses", "/v1/responses/input_tokens"),
+]:
+    ROUTES[_counting] = dataclasses.replace(ROUTES[_generating], path=_counting)
 
 
 def raw_variants(valid: bytes) -> st.SearchStrategy[bytes]:
