@@ -5,30 +5,44 @@ use super::*;
 use crate::protocol::handle::QueueGauge;
 use crate::sched::StepOutcome;
 
-#[test]
-fn a_turn_says_what_its_step_decoded() {
-    let backend = FakeBackend::new(FakeConfig::default());
-    let capacity = FakeConfig::default().batch_capacity;
-    let mut sched = Scheduler::new(
-        backend,
+/// A scheduler of one slot on the fake backend, driven by the test.
+fn one_slot() -> Scheduler<FakeBackend> {
+    Scheduler::new(
+        FakeBackend::new(FakeConfig::default()),
         1,
         Arc::new(NoObserver),
         Arc::new(QueueGauge::default()),
-    );
+    )
+}
+
+/// A request for `prompt` whose events go to `events`.
+fn request(
+    id: &str,
+    prompt: &str,
+    params: SamplingParams,
+    events: crate::protocol::EventSink,
+) -> Request {
+    Request {
+        id: id.into(),
+        prompt: prompt.into(),
+        params,
+        truncated: false,
+        events,
+        received: Instant::now(),
+        deadline: None,
+        images: Vec::new(),
+    }
+}
+
+#[test]
+fn a_turn_says_what_its_step_decoded() {
+    let capacity = FakeConfig::default().batch_capacity;
+    let mut sched = one_slot();
     // Nothing to do: nothing decoded, nothing stalled.
     assert_eq!(sched.turn(), StepOutcome::default());
     let prompt = "x".repeat(capacity + 8);
     let (tx, mut rx) = crate::protocol::EventSink::channel();
-    sched.enqueue(Request {
-        id: "outcome".into(),
-        prompt: prompt.as_str().into(),
-        params: greedy(2),
-        truncated: false,
-        events: tx,
-        received: Instant::now(),
-        deadline: None,
-        images: Vec::new(),
-    });
+    sched.enqueue(request("outcome", &prompt, greedy(2), tx));
     // BOS and the prompt's bytes, more than one batch: a full chunk without logits first.
     let first = sched.turn();
     assert_eq!((first.batch_tokens, first.outputs), (capacity, 0));
@@ -60,25 +74,11 @@ fn a_turn_says_what_its_step_decoded() {
 
 #[test]
 fn a_refused_request_ends_with_its_error_for_the_engine_to_deliver() {
-    let mut sched = Scheduler::new(
-        FakeBackend::new(FakeConfig::default()),
-        1,
-        Arc::new(NoObserver),
-        Arc::new(QueueGauge::default()),
-    );
+    let mut sched = one_slot();
     let (tx, mut rx) = crate::protocol::EventSink::channel();
     let mut params = greedy(2);
     params.truncate = false;
-    sched.enqueue(Request {
-        id: "too-long".into(),
-        prompt: "x".repeat(100_000).as_str().into(),
-        params,
-        truncated: false,
-        events: tx,
-        received: Instant::now(),
-        deadline: None,
-        images: Vec::new(),
-    });
+    sched.enqueue(request("too-long", &"x".repeat(100_000), params, tx));
     assert_eq!(sched.turn(), StepOutcome::default());
     assert!(
         rx.try_recv().is_err(),
@@ -92,26 +92,12 @@ fn a_refused_request_ends_with_its_error_for_the_engine_to_deliver() {
 #[test]
 fn a_request_that_asks_hears_how_far_its_prompt_is() {
     let capacity = FakeConfig::default().batch_capacity;
-    let mut sched = Scheduler::new(
-        FakeBackend::new(FakeConfig::default()),
-        1,
-        Arc::new(NoObserver),
-        Arc::new(QueueGauge::default()),
-    );
+    let mut sched = one_slot();
     let prompt = "x".repeat(capacity + 8);
     let (tx, mut rx) = crate::protocol::EventSink::channel();
     let mut params = greedy(1);
     params.return_progress = true;
-    sched.enqueue(Request {
-        id: "progress".into(),
-        prompt: prompt.as_str().into(),
-        params,
-        truncated: false,
-        events: tx,
-        received: Instant::now(),
-        deadline: None,
-        images: Vec::new(),
-    });
+    sched.enqueue(request("progress", &prompt, params, tx));
     while !sched.idle() {
         sched.turn();
     }
