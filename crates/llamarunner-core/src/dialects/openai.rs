@@ -27,7 +27,6 @@ use crate::requests::common::{
     model_info, parse_json, parse_messages, start_generation, unix_seconds, Chat, EmbedInput,
     PromptSource,
 };
-use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::infill;
 use crate::requests::keyed::Keyed;
@@ -267,11 +266,8 @@ fn constraint(req: &OpenAiRequest) -> Result<Option<crate::constrain::Grammar>, 
         return Ok(Some(Grammar::new(GrammarSource::Gbnf(g.to_string()))));
     }
     if let Some(schema) = schema {
-        if !schema.is_object() {
-            return Err(ApiError::invalid("json_schema must be an object"));
-        }
-        return grammar_for_format(schema)
-            .map_err(|e| ApiError::invalid(format!("json_schema: {e}")));
+        return crate::requests::format::json_schema(schema, "json_schema")
+            .map_err(ApiError::invalid);
     }
     Ok(format)
 }

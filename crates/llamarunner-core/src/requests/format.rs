@@ -25,6 +25,15 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<Grammar>,
     }
 }
 
+/// A JSON schema given as the field `at` (`json_schema`, `response_format.schema`, ...): an
+/// object, compiled into a grammar; anything else is an error naming the field.
+pub fn json_schema(schema: &serde_json::Value, at: &str) -> Result<Option<Grammar>, String> {
+    if !schema.is_object() {
+        return Err(format!("{at} must be an object"));
+    }
+    grammar_for_format(schema).map_err(|e| format!("{at}: {e}"))
+}
+
 /// OpenAI's `response_format` (chat completions; `text.format` of the Responses API, and
 /// Anthropic's `output_config.format`, whose callers check the types they allow), read once
 /// for every dialect: `text` = none; `json_object` = any JSON object, or its `schema` when
@@ -36,12 +45,7 @@ pub fn response_format(format: &serde_json::Value, at: &str) -> Result<Option<Gr
     if format.is_null() {
         return Ok(None);
     }
-    let schema_at = |schema: &Value, path: &str| -> Result<Option<Grammar>, String> {
-        if !schema.is_object() {
-            return Err(format!("{at}.{path} must be an object"));
-        }
-        grammar_for_format(schema).map_err(|e| format!("{at}.{path}: {e}"))
-    };
+    let schema_at = |schema: &Value, path: &str| json_schema(schema, &format!("{at}.{path}"));
     match format.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
         Some("json_object") => match format.get("schema").filter(|s| !s.is_null()) {
