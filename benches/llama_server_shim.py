@@ -47,6 +47,8 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--spec-draft-n-max": ("--draft-max", True),
     "--spec-draft-n-min": ("--draft-min", True),
     "--cors-origins": ("--allow-origin", True),
+    "--reasoning": ("--reasoning", True),
+    "-rea": ("--reasoning", True),
     "--verbose": ("--verbose", False),
     # Ours always batches continuously, serves embeddings, reranking, /metrics and /slots,
     # renders templates with Jinja and shifts the context.

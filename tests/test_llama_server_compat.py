@@ -2,12 +2,14 @@
 llama-server's clients"), through the official ``openai`` client and plain HTTP, on the tiny
 model: any model name, routes without ``/v1``, constraints honoured or refused, conversations
 that cannot be rendered refused, the context error's sizes, token-id embeddings, prompt
-progress, input token counts."""
+progress, input token counts, the template's thinking switch and variables."""
 
 from __future__ import annotations
 
+import datetime
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +17,8 @@ import openai
 import pytest
 
 from llamarunner import Server
+
+from tinymodel import write_tiny_model
 
 CHAT = [{"role": "user", "content": "hello there"}]
 
@@ -160,3 +164,69 @@ def test_header_names_are_written_in_title_case(tiny_server: Server) -> None:
         conn.close()
     assert response.status == 200
     assert "Process-Start-Time-Unix" in names and "Content-Type" in names, names
+
+
+# A thinking template in the shape llama.cpp ships QwQ's and DeepSeek-R1's: the block opened
+# for the answer, closed at once unless `enable_thinking`; and the variables llama-server gives
+# every template (today's `date_string`) and a request's own kwargs (`note`).
+THINKING_TEMPLATE = (
+    "[{{ date_string }}|{{ note | default('-') }}]"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+    "{% if not enable_thinking %}</think>{% endif %}{% endif %}"
+)
+
+
+def apply_template(server: Server, **fields: Any) -> httpx.Response:
+    return post(server, "/apply-template", {"messages": CHAT, **fields})
+
+
+def test_thinking_follows_the_request_then_the_server_s_reasoning_flag(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    model = write_tiny_model(tmp_path / "thinking.gguf")
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    auto = start_server(model, chat_template=str(template))
+    # --reasoning auto: a template that reads enable_thinking thinks.
+    prompt = apply_template(auto).json()["prompt"]
+    assert prompt.endswith("<think>\n"), prompt
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%d %b %Y")
+    yesterday = (
+        datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    ).strftime("%d %b %Y")
+    assert prompt.startswith((f"[{today}|-]", f"[{yesterday}|-]")), prompt
+    for switch in (
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"reasoning_effort": "none"},
+        {"think": False},
+    ):
+        prompt = apply_template(auto, **switch).json()["prompt"]
+        assert prompt.endswith("<think>\n</think>"), (switch, prompt)
+    prompt = apply_template(auto, chat_template_kwargs={"note": "hi"}).json()["prompt"]
+    assert "|hi]" in prompt, prompt
+    # The chat completion renders the same way: closing the block costs tokens.
+    count = "/v1/chat/completions/input_tokens"
+    thinking = post(auto, count, {"messages": CHAT}).json()["input_tokens"]
+    closed = post(
+        auto, count, {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    ).json()["input_tokens"]
+    assert closed > thinking, (closed, thinking)
+    for bad in (
+        {"chat_template_kwargs": {"enable_thinking": "false"}},
+        {"chat_template_kwargs": {"messages": []}},
+        {"chat_template_kwargs": ["enable_thinking"]},
+        {"reasoning_effort": "extreme"},
+    ):
+        for path, kind in (
+            ("/apply-template", "invalid_request"),
+            ("/v1/chat/completions", "invalid_request_error"),
+        ):
+            r = post(auto, path, {"messages": CHAT, "max_tokens": 1, **bad})
+            assert r.status_code == 400, (path, bad, r.text)
+            assert r.json()["error"]["type"] == kind, r.text
+    # --reasoning off: closed unless the request asks.
+    off = start_server(model, chat_template=str(template), reasoning="off")
+    assert apply_template(off).json()["prompt"].endswith("<think>\n</think>")
+    prompt = apply_template(off, chat_template_kwargs={"enable_thinking": True}).json()["prompt"]
+    assert prompt.endswith("<think>\n"), prompt

@@ -94,6 +94,7 @@ class ServerConfig:
     alias: str | None = _D["alias"]
     chat_template: str | None = _D["chat_template"]
     reasoning_format: str = _D["reasoning_format"]
+    reasoning: str = _D["reasoning"]
     api_key: list[str] = _D["api_key"]
     api_key_file: str | None = _D["api_key_file"]
     allow_origin: list[str] = _D["allow_origin"]

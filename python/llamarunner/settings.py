@@ -308,6 +308,16 @@ SERVER_SETTINGS = _table(
         choices=("auto", "none"),
     ),
     Setting(
+        "reasoning",
+        str,
+        "auto",
+        "whether chat templates think when a request does not say (llama-server's flag; a "
+        "request's think, chat_template_kwargs.enable_thinking or reasoning_effort wins): auto "
+        "turns enable_thinking on for templates that read it, on for every template, off "
+        "closes the thinking block (default {default})",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "max_tokens",
         int,
         0,

@@ -93,7 +93,7 @@ impl Runner {
             .with_limits(limits)
             .with_slot_save_path(slot_save_path)
             .with_lora(crate::protocol::lora::LoraTable::new(&config.lora))
-            .with_reasoning_format(config.reasoning_format);
+            .with_reasoning(config.reasoning_format, config.reasoning);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

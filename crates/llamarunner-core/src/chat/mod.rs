@@ -6,6 +6,7 @@
 //! base model without one), so a small set of known family templates is built in and picked by
 //! architecture and vocabulary; `--chat-template NAME|FILE` overrides both.
 
+mod dates;
 pub mod reasoning;
 pub mod tools;
 pub mod utf8;
@@ -13,6 +14,8 @@ pub mod utf8;
 use minijinja::value::Serde;
 use minijinja::{Environment, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
+
+pub(crate) use dates::civil_from_days;
 
 /// Gemma (1, 2, 3): `<start_of_turn>user ... <end_of_turn>`, the system prompt folded into the
 /// first user turn, the assistant called "model".
@@ -164,9 +167,23 @@ pub enum TemplateError {
 pub struct RenderExtras {
     /// The request's tools, in OpenAI's shape (`chat::tools::template_tools`).
     pub tools: Option<serde_json::Value>,
-    /// Qwen3-style thinking switch (Ollama's `think`).
+    /// Qwen3-style thinking switch (Ollama's `think`, `chat_template_kwargs.enable_thinking`,
+    /// else the server's `--reasoning`).
     pub enable_thinking: Option<bool>,
+    /// A request's other `chat_template_kwargs` (llama-server's and vLLM's field), as template
+    /// variables; never one of `RESERVED_VARIABLES`.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The variables a chat template gets from the server, which a request's
+/// `chat_template_kwargs` may not replace (`enable_thinking` is read as the thinking switch).
+pub const RESERVED_VARIABLES: [&str; 5] = [
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+];
 
 /// A compiled chat template with the model's special tokens.
 #[derive(Debug)]
@@ -208,7 +225,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
+        env.add_function("strftime_now", dates::strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| TemplateError::Compile {
                 name: name.clone(),
@@ -239,8 +256,15 @@ impl ChatTemplate {
         self.render_with(messages, add_generation_prompt, &RenderExtras::default())
     }
 
+    /// Whether the template reads the `enable_thinking` switch (Qwen3's, DeepSeek-R1's and
+    /// Command R7B's as llama.cpp ships them).
+    pub fn reads_enable_thinking(&self) -> bool {
+        self.source.contains("enable_thinking")
+    }
+
     /// `render`, with the request's tools and thinking switch for templates that read them
-    /// (`tools`, `enable_thinking`; left undefined when absent).
+    /// (`tools`, `enable_thinking`: none when absent), its other template kwargs, and today's
+    /// date (`chat/dates.rs`).
     pub fn render_with(
         &self,
         messages: &[ChatMessage],
@@ -251,18 +275,28 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TemplateError::Render(e.to_string()))?;
-        let base = minijinja::context! {
-            messages => Value::from(Serde(messages)),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone(),
-            eos_token => self.eos_token.clone(),
-        };
+        // Today's date first (a request's kwargs may set its own), then the request's template
+        // kwargs, then what every template reads (kwargs never name these: the requests
+        // refuse them).
+        let mut vars: std::collections::BTreeMap<String, Value> = dates::date_variables()
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), Value::from(value)))
+            .collect();
+        for (name, value) in &extras.kwargs {
+            vars.insert(name.clone(), Value::from(Serde(value)));
+        }
         let tools = extras.tools.as_ref().map(|t| Value::from(Serde(t)));
-        let ctx = minijinja::context! {
-            tools => tools,
-            enable_thinking => extras.enable_thinking,
-            ..base
-        };
+        for (name, value) in [
+            ("messages", Value::from(Serde(messages))),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ("bos_token", Value::from(self.bos_token.clone())),
+            ("eos_token", Value::from(self.eos_token.clone())),
+            ("tools", tools.unwrap_or(Value::from(()))),
+            ("enable_thinking", Value::from(extras.enable_thinking)),
+        ] {
+            vars.insert(name.to_string(), value);
+        }
+        let ctx = Value::from(vars);
         let text = template.render(ctx).map_err(|e| {
             let mut reason = e.to_string();
             if e.kind() == ErrorKind::InvalidOperation {
@@ -283,76 +317,6 @@ impl ChatTemplate {
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-}
-
-/// English month names, as `%B` prints them (`%b`: their first three letters).
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-
-/// `strftime_now(format)`, as Hugging Face's renderer offers (Llama 3.1+ templates print the
-/// date). Supports the directives those templates use.
-fn strftime_now(format: String) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    strftime_at(&format, now)
-}
-
-/// `format` printed for the moment `unix_secs` (UTC): what `strftime_now` prints, for a clock
-/// given explicitly.
-fn strftime_at(format: &str, unix_secs: u64) -> String {
-    let (year, month, day) = civil_from_days((unix_secs / 86_400) as i64);
-    let month_name = MONTHS[(month - 1) as usize];
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('B') => out.push_str(month_name),
-            Some('b') => out.push_str(&month_name[..3]),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
-
-/// (year, month, day) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-pub(crate) fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 #[cfg(test)]
@@ -628,149 +592,37 @@ mod tests {
         );
     }
 
-    /// (year, month, day) of day `days` since 1970-01-01, counted one day at a time from the
-    /// epoch: an independent check of `civil_from_days`.
-    fn walk_calendar(from: i64, to: i64) -> Vec<(i64, u32, u32)> {
-        let leap = |y: i64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-        let month_len = |y: i64, m: u32| match m {
-            2 if leap(y) => 29,
-            2 => 28,
-            4 | 6 | 9 | 11 => 30,
-            _ => 31,
-        };
-        assert!(from <= 0 && to >= 0);
-        let mut forward = vec![(1970, 1, 1)];
-        let (mut y, mut m, mut d) = (1970_i64, 1_u32, 1_u32);
-        for _ in 0..to {
-            d += 1;
-            if d > month_len(y, m) {
-                d = 1;
-                m += 1;
-                if m > 12 {
-                    m = 1;
-                    y += 1;
-                }
-            }
-            forward.push((y, m, d));
-        }
-        let mut backward = Vec::new();
-        let (mut y, mut m, mut d) = (1970_i64, 1_u32, 1_u32);
-        for _ in from..0 {
-            if d == 1 {
-                if m == 1 {
-                    m = 12;
-                    y -= 1;
-                } else {
-                    m -= 1;
-                }
-                d = month_len(y, m);
-            } else {
-                d -= 1;
-            }
-            backward.push((y, m, d));
-        }
-        backward.reverse();
-        backward.extend(forward);
-        backward
-    }
-
     #[test]
-    fn civil_from_days_matches_the_calendar() {
-        // Fixed dates, leap days and century rules included.
-        for (days, date) in [
-            (0, (1970, 1, 1)),
-            (-1, (1969, 12, 31)),
-            (59, (1970, 3, 1)),
-            (11_016, (2000, 2, 29)),
-            (11_017, (2000, 3, 1)),
-            (20_088, (2024, 12, 31)),
-            (47_541, (2100, 3, 1)),
-            (-25_508, (1900, 3, 1)),
-            (-135_081, (1600, 2, 29)),
-        ] {
-            assert_eq!(civil_from_days(days), date, "day {days}");
-        }
-        // Every day from 1696 to 2243.
-        let (from, to) = (-100_000, 100_000);
-        for (i, date) in walk_calendar(from, to).into_iter().enumerate() {
-            let days = from + i as i64;
-            assert_eq!(civil_from_days(days), date, "day {days}");
-        }
-    }
-
-    /// What `strftime_now(format)` must give on day `days` since the epoch.
-    fn expected_strftime(days: i64) -> String {
-        let (y, m, d) = walk_calendar(0, days)[days as usize];
-        let name = MONTHS[m as usize - 1];
-        format!(
-            "{d:02}|{m:02}|{y}|{:02}|{name}|{}|%|%Q|%",
-            y % 100,
-            &name[..3]
+    fn template_kwargs_and_the_thinking_switch_reach_the_template() {
+        let t = ChatTemplate::new(
+            "t",
+            "{{ enable_thinking }}|{{ effort | default('-') }}|{{ date_string }}",
+            "",
+            "",
         )
-    }
-
-    fn today() -> i64 {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        (secs / 86_400) as i64
-    }
-
-    #[test]
-    fn strftime_at_a_fixed_clock() {
-        // 2024-07-26 13:05:09 UTC, the date Llama 3.1's template example prints.
-        let t = 1_722_000_309;
+        .unwrap();
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("effort".into(), serde_json::json!("high"));
+        kwargs.insert("date_string".into(), serde_json::json!("1 Jan 2000"));
+        let extras = RenderExtras {
+            tools: None,
+            enable_thinking: Some(false),
+            kwargs,
+        };
         assert_eq!(
-            strftime_at("%d|%m|%Y|%y|%B|%b|%%|%Q|%", t),
-            "26|07|2024|24|July|Jul|%|%Q|%"
+            t.render_with(&[], true, &extras).unwrap(),
+            "False|high|1 Jan 2000"
         );
-        assert_eq!(
-            strftime_at("Today Date: %d %b %Y", 0),
-            "Today Date: 01 Jan 1970"
-        );
-        // A leap day, and the last second before a new year.
-        assert_eq!(strftime_at("%d %B %Y", 1_709_164_800), "29 February 2024");
-        assert_eq!(strftime_at("%d %m %Y", 1_735_689_599), "31 12 2024");
-        for days in [0i64, 59, 365, 11_016, 19_930, 20_000] {
-            let secs = u64::try_from(days).unwrap() * 86_400 + 86_399;
-            let format = "%d|%m|%Y|%y|%B|%b|%%|%Q|%";
-            assert_eq!(
-                strftime_at(format, secs),
-                expected_strftime(days),
-                "day {days}"
-            );
-        }
-    }
-
-    #[test]
-    fn strftime_now_prints_the_current_date_in_every_directive() {
-        // The clock is read inside strftime_now: bracket the call (a day may turn meanwhile)
-        // and compare with a calendar walked from the epoch.
-        let format = "%d|%m|%Y|%y|%B|%b|%%|%Q|%";
-        let before = today();
-        let got = strftime_now(format.into());
-        let after = today();
-        let candidates: Vec<String> = (before..=after).map(expected_strftime).collect();
-        assert!(
-            candidates.contains(&got),
-            "{got:?} is none of {candidates:?}"
-        );
-        // Through a template, as Llama 3.1's prints "Today Date: 26 Jul 2024".
-        let t = ChatTemplate::new("t", "{{ strftime_now('%d %b %Y') }}", "", "").unwrap();
-        let before = today();
         let text = t.render(&[], true).unwrap();
-        let after = today();
-        let candidates: Vec<String> = (before..=after)
-            .map(|day| {
-                let e = expected_strftime(day);
-                let parts: Vec<&str> = e.split('|').collect();
-                format!("{} {} {}", parts[0], parts[5], parts[2])
-            })
-            .collect();
-        assert!(
-            candidates.contains(&text),
-            "{text:?} is none of {candidates:?}"
-        );
+        assert!(text.starts_with("None|-|"), "{text}");
+    }
+
+    #[test]
+    fn an_undefined_variable_joined_to_text_is_a_clear_error() {
+        // Firefunction v2's template joins `functions`, which no server defines, to its system
+        // prompt: Python's Jinja refuses that too (llama.cpp's renderer prints nothing).
+        let t = ChatTemplate::new("t", "{{ 'a' + functions + 'b' }}", "", "").unwrap();
+        let err = t.render(&[], true).unwrap_err().to_string();
+        assert!(err.contains("`functions` is undefined"), "{err}");
     }
 }

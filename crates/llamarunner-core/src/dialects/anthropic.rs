@@ -487,7 +487,7 @@ async fn prepare(
     let tools = tool_request(req.tools.as_deref(), req.tool_choice.as_ref())?;
     let think = req.think()?;
     let (text, output) =
-        tool_calls::chat_request(state, chat.messages, tools, params, think).await?;
+        tool_calls::chat_request(state, chat.messages, tools, params, think.into()).await?;
     Ok((
         Prompt {
             text,

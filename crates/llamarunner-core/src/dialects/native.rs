@@ -120,7 +120,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     ensure_ready(&state)?;
     let req: CompletionRequest = parse_json(&body)?;
     let info = model_info(&state)?;
-    let think = tool_calls::parse_think(req.think.as_ref())?;
+    let think = crate::requests::thinking::parse_think(req.think.as_ref())?;
     let options = req.options.unwrap_or_default();
     let lora = state
         .lora
@@ -147,9 +147,14 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             let text = if think.is_some() {
                 // The chat dialects' path: the template's thinking switch, and the output
                 // read for reasoning (no tools: the native API offers none).
-                let (text, reader) =
-                    tool_calls::chat_request(&state, chat.messages, None, &mut params, think)
-                        .await?;
+                let (text, reader) = tool_calls::chat_request(
+                    &state,
+                    chat.messages,
+                    None,
+                    &mut params,
+                    think.into(),
+                )
+                .await?;
                 output = Some(reader);
                 text
             } else {

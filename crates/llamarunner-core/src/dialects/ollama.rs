@@ -78,10 +78,10 @@ impl OllamaRequest {
         Ok(())
     }
 
-    /// `think` (`requests::tool_calls::parse_think`); absent: as the template is (a thinking
+    /// `think` (`requests::thinking::parse_think`); absent: as the template is (a thinking
     /// model's template thinks).
     fn think(&self) -> Result<Option<bool>, ApiError> {
-        tool_calls::parse_think(self.think.as_ref())
+        crate::requests::thinking::parse_think(self.think.as_ref())
     }
 
     fn params(&self) -> Result<SamplingParams, ApiError> {
@@ -280,8 +280,14 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     let chat = parse_messages(raw_messages)?;
     image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let tools = ToolRequest::parse(req.tools.as_deref(), None, None)?;
-    let (text, output) =
-        tool_calls::chat_request(&state, chat.messages, tools, &mut params, req.think()?).await?;
+    let (text, output) = tool_calls::chat_request(
+        &state,
+        chat.messages,
+        tools,
+        &mut params,
+        req.think()?.into(),
+    )
+    .await?;
     let prompt = Prompt {
         text,
         images: chat.images,

@@ -30,6 +30,7 @@ use crate::requests::common::{
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::infill;
 use crate::requests::keyed::Keyed;
+use crate::requests::thinking::TemplateArgs;
 use crate::requests::tool_calls::{self, Answer, ChatOutput, OutPiece, ToolRequest};
 
 /// Most choices `n` may ask for: each is a sequence in a slot of its own.
@@ -97,12 +98,25 @@ struct OpenAiRequest {
     cache_prompt: Option<bool>,
     /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
     return_progress: Option<bool>,
+    /// Template variables (llama-server's and vLLM's; `enable_thinking` among them).
+    chat_template_kwargs: Option<Value>,
+    /// OpenAI's reasoning level; `"none"` turns a thinking template's thinking off.
+    reasoning_effort: Option<Value>,
     /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
     #[serde(flatten)]
     samplers: crate::requests::options::SamplerFields,
 }
 
 impl OpenAiRequest {
+    /// The chat template's switches: `chat_template_kwargs` and `reasoning_effort`.
+    fn template_args(&self) -> Result<TemplateArgs, ApiError> {
+        TemplateArgs::read(
+            None,
+            self.chat_template_kwargs.as_ref(),
+            self.reasoning_effort.as_ref(),
+        )
+    }
+
     /// Sampling parameters with OpenAI's defaults (temperature 1, top_p 1, no repetition
     /// penalty; Ollama's top_k 40 unless given).
     fn params(&self, chat: bool) -> Result<SamplingParams, ApiError> {
@@ -552,8 +566,14 @@ async fn chat_prompt_of(
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    let (text, output) =
-        tool_calls::chat_request(state, chat.messages, tools, &mut params, None).await?;
+    let (text, output) = tool_calls::chat_request(
+        state,
+        chat.messages,
+        tools,
+        &mut params,
+        req.template_args()?,
+    )
+    .await?;
     let prompt = Prompt {
         text,
         images: chat.images,

@@ -455,8 +455,14 @@ async fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<Prepared, A
     let chat = parse_messages(with_instructions(req, &history))?;
     image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let tools = tool_request(req)?;
-    let (text, output) =
-        tool_calls::chat_request(state, chat.messages, tools, &mut params, req.think()?).await?;
+    let (text, output) = tool_calls::chat_request(
+        state,
+        chat.messages,
+        tools,
+        &mut params,
+        req.think()?.into(),
+    )
+    .await?;
     let prompt = Prompt {
         text,
         images: chat.images,

@@ -224,16 +224,21 @@ pub fn apply(router: Router, policy: Arc<HttpPolicy>) -> Router {
         .layer(from_fn_with_state(policy, check_host_and_origin))
 }
 
-/// Methods a page may use, as preflights are told.
-const CORS_METHODS: &str = "GET, HEAD, POST";
+/// Methods a page may use, as preflights are told (`DELETE /v1/responses/{id}` among them).
+const CORS_METHODS: &str = "GET, HEAD, POST, DELETE";
 
 /// How long a browser may cache a preflight's answer, in seconds.
 const CORS_MAX_AGE: &str = "600";
 
-/// The answer to a CORS preflight from an allowed `origin`: the methods, the headers it asked
-/// for (`Authorization` among them, which a wildcard would not cover) and no body.
+/// The headers a preflight's answer varies by.
+const PREFLIGHT_VARY: &str =
+    "origin, access-control-request-method, access-control-request-headers";
+
+/// The answer to a CORS preflight from an allowed `origin`: 200 (as llama-server answers; any
+/// 2xx is a preflight's "ok status"), the methods, the headers it asked for (`Authorization`
+/// among them, which a wildcard would not cover) and no body.
 fn preflight(origin: &HeaderValue, headers: &HeaderMap) -> Response {
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    let mut response = StatusCode::OK.into_response();
     let h = response.headers_mut();
     h.insert(ACCESS_CONTROL_ALLOW_ORIGIN, origin.clone());
     h.insert(
@@ -247,12 +252,18 @@ fn preflight(origin: &HeaderValue, headers: &HeaderMap) -> Response {
         ACCESS_CONTROL_MAX_AGE,
         HeaderValue::from_static(CORS_MAX_AGE),
     );
-    h.insert(
-        VARY,
-        HeaderValue::from_static(
-            "origin, access-control-request-method, access-control-request-headers",
-        ),
-    );
+    h.insert(VARY, HeaderValue::from_static(PREFLIGHT_VARY));
+    response
+}
+
+/// The answer to a CORS preflight from an origin that is not allowed: 200 without any CORS
+/// header, so the browser itself stops the call (as llama-server answers); the call, were it
+/// made anyway, is refused with 403.
+fn preflight_refused() -> Response {
+    let mut response = StatusCode::OK.into_response();
+    response
+        .headers_mut()
+        .insert(VARY, HeaderValue::from_static(PREFLIGHT_VARY));
     response
 }
 
@@ -287,14 +298,18 @@ async fn check_host_and_origin(
     };
     let shown = origin.to_str().unwrap_or("(not text)");
     let same_origin = policy.requires_key() && is_same_origin(shown, req.headers().get(HOST));
+    let is_preflight = req.method() == Method::OPTIONS
+        && req.headers().contains_key(ACCESS_CONTROL_REQUEST_METHOD);
     if !same_origin && !policy.origin_allowed(shown) {
+        if is_preflight {
+            return preflight_refused();
+        }
         return refuse(format!(
             "Origin {shown:?} is not allowed: only pages on localhost can call this server \
              unless it is started with --allow-origin"
         ));
     }
-    if req.method() == Method::OPTIONS && req.headers().contains_key(ACCESS_CONTROL_REQUEST_METHOD)
-    {
+    if is_preflight {
         return preflight(&origin, req.headers());
     }
     let mut response = next.run(req).await;

@@ -44,6 +44,8 @@ pub struct AppState {
     pub lora: Arc<crate::protocol::lora::LoraTable>,
     /// `<think>` reasoning in chat answers (`--reasoning-format`).
     pub reasoning_format: crate::config::ReasoningFormat,
+    /// Whether templates think when a request does not say (`--reasoning`).
+    pub reasoning: crate::config::Reasoning,
     /// Images being decoded, tokenized or queued, at most `IMAGES_IN_FLIGHT`:
     /// each holds its pixels, then the projector's preprocessed input, until its request has
     /// a slot.
@@ -64,6 +66,7 @@ impl AppState {
             slot_save_path: None,
             lora: Arc::default(),
             reasoning_format: crate::config::ReasoningFormat::Auto,
+            reasoning: crate::config::Reasoning::Auto,
             images_in_flight: Arc::new(tokio::sync::Semaphore::new(IMAGES_IN_FLIGHT)),
             responses: Arc::default(),
         }
@@ -89,9 +92,15 @@ impl AppState {
         self
     }
 
-    /// The same state with this treatment of `<think>` reasoning.
-    pub fn with_reasoning_format(mut self, format: crate::config::ReasoningFormat) -> Self {
+    /// The same state with this treatment of `<think>` reasoning: how answers are read
+    /// (`--reasoning-format`) and whether templates think by default (`--reasoning`).
+    pub fn with_reasoning(
+        mut self,
+        format: crate::config::ReasoningFormat,
+        reasoning: crate::config::Reasoning,
+    ) -> Self {
         self.reasoning_format = format;
+        self.reasoning = reasoning;
         self
     }
 

@@ -12,6 +12,7 @@ use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::Token;
 use crate::requests::common::{ensure_ready, model_info, parse_json, parse_messages, render_chat};
+use crate::requests::thinking::{parse_think, TemplateArgs};
 use crate::requests::tool_calls::ToolRequest;
 use crate::requests::validate;
 
@@ -26,6 +27,14 @@ struct ApplyTemplateRequest {
     tools: Option<Vec<serde_json::Value>>,
     #[serde(default)]
     tool_choice: Option<serde_json::Value>,
+    /// Template variables, `enable_thinking` among them (`requests::thinking`).
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Value>,
+    #[serde(default)]
+    reasoning_effort: Option<serde_json::Value>,
+    /// Ollama's and the native chat's thinking switch.
+    #[serde(default)]
+    think: Option<serde_json::Value>,
 }
 
 /// `POST /apply-template`: `{"messages"}` -> `{"prompt"}`, the text the chat endpoints would
@@ -38,6 +47,11 @@ pub async fn apply_template(
     let req: ApplyTemplateRequest = parse_json(&body)?;
     let messages = parse_messages(req.messages.unwrap_or_default())?.messages;
     let tools = ToolRequest::parse(req.tools.as_deref(), req.tool_choice.as_ref(), None)?;
+    let args = TemplateArgs::read(
+        parse_think(req.think.as_ref())?,
+        req.chat_template_kwargs.as_ref(),
+        req.reasoning_effort.as_ref(),
+    )?;
     let history = messages
         .iter()
         .any(|m| m.role == "tool" || m.extra.contains_key("tool_calls"));
@@ -45,11 +59,12 @@ pub async fn apply_template(
         // As the chat endpoints prepare it: tools in the prompt, earlier calls and results.
         let mut params = crate::protocol::params::SamplingParams::default();
         let (prompt, _) =
-            crate::requests::tool_calls::chat_request(&state, messages, tools, &mut params, None)
+            crate::requests::tool_calls::chat_request(&state, messages, tools, &mut params, args)
                 .await?;
         return Ok(Json(json!({ "prompt": prompt })).into_response());
     }
-    let prompt = render_chat(&state, messages, req.add_generation_prompt.unwrap_or(true)).await?;
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let prompt = render_chat(&state, messages, add_generation_prompt, args).await?;
     Ok(Json(json!({ "prompt": prompt })).into_response())
 }
 

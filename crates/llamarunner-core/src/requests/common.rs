@@ -22,6 +22,7 @@ use crate::protocol::{
 use crate::requests::embed_input;
 pub use crate::requests::embed_input::EmbedInput;
 use crate::requests::image_prompt::{self, ImageSource, Prompt};
+use crate::requests::thinking::TemplateArgs;
 use crate::requests::validate;
 
 /// Parses a JSON body, naming the offending field in the error.
@@ -236,20 +237,18 @@ fn text_of_parts(
     Ok(text)
 }
 
-/// Renders a conversation with the model's chat template, on a blocking thread (a template
-/// is a small program, and a conversation can be long).
+/// Renders a conversation with the model's chat template and the request's template
+/// switches (`args`), on a blocking thread (a template is a small program, and a conversation
+/// can be long).
 pub async fn render_chat(
     state: &AppState,
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
+    args: TemplateArgs,
 ) -> Result<String, ApiError> {
-    render(
-        model_info(state)?,
-        messages,
-        add_generation_prompt,
-        RenderExtras::default(),
-    )
-    .await
+    let info = model_info(state)?;
+    let extras = args.extras(state, &info);
+    render(info, messages, add_generation_prompt, extras).await
 }
 
 async fn render(
@@ -266,17 +265,20 @@ async fn render(
     .map_err(|e| ApiError::InvalidRequest(e.to_string()))
 }
 
-/// The prompt for a chat request: the rendered conversation, with the template's end-of-turn
-/// markers added to the request's stop strings.
+/// The prompt for a chat request: the rendered conversation (thinking as the server's
+/// `--reasoning` decides), with the template's end-of-turn markers added to the request's
+/// stop strings.
 pub async fn chat_prompt(
     state: &AppState,
     messages: Vec<ChatMessage>,
     params: &mut SamplingParams,
 ) -> Result<String, ApiError> {
-    chat_prompt_with(state, messages, params, RenderExtras::default()).await
+    let extras = TemplateArgs::default().extras(state, &*model_info(state)?);
+    chat_prompt_with(state, messages, params, extras).await
 }
 
-/// `chat_prompt` with the request's tools / thinking switch for the template.
+/// `chat_prompt` with the template's variables as the request sets them (its tools, thinking
+/// switch and kwargs: `requests::thinking`).
 pub async fn chat_prompt_with(
     state: &AppState,
     messages: Vec<ChatMessage>,

@@ -22,5 +22,6 @@ pub mod keyed;
 pub mod lora;
 pub mod options;
 pub mod rerank;
+pub mod thinking;
 pub mod tool_calls;
 pub mod validate;

@@ -6,16 +6,16 @@
 
 use serde_json::Value;
 
-use crate::chat::reasoning::{Piece, ThinkSplitter, THINK_OPEN};
+use crate::chat::reasoning::{Piece, ThinkSplitter};
 use crate::chat::tools::{self, Parsed, Tool, ToolCall, ToolFormat};
 use crate::chat::{ChatMessage, RenderExtras};
-use crate::config::ReasoningFormat;
 use crate::constrain::{Compiler, Grammar, GrammarSource};
 use crate::http::error::ApiError;
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::ModelInfo;
 use crate::requests::format::check_schema_bounds;
+use crate::requests::thinking::{reasoning_enabled, TemplateArgs};
 use crate::requests::validate;
 
 /// Most tools one request may offer.
@@ -285,7 +285,7 @@ pub async fn prepare(
     params.grammar = Some(grammar);
     let extras = RenderExtras {
         tools: renders_tools.then(|| tools::template_tools(&request.tools)),
-        enable_thinking: None,
+        ..RenderExtras::default()
     };
     let messages = tools::prepare_messages(format, renders_tools, Some(&request.tools), messages);
     Ok(Prepared {
@@ -302,19 +302,22 @@ pub async fn prepare(
     })
 }
 
-/// The prompt of a chat request with its tools (`think`: Ollama's flag), and the reader of
-/// its output; the grammar and stop strings go into `params`.
+/// The prompt of a chat request with its tools and template switches (`args`: its thinking
+/// switch and other template kwargs), and the reader of its output; the grammar and stop
+/// strings go into `params`.
 pub async fn chat_request(
     state: &AppState,
     messages: Vec<ChatMessage>,
     tools: Option<ToolRequest>,
     params: &mut SamplingParams,
-    think: Option<bool>,
+    args: TemplateArgs,
 ) -> Result<(String, ChatOutput), ApiError> {
     let info = crate::requests::common::model_info(state)?;
-    let reasoning = reasoning_enabled(state, &info, think);
+    let switches = args.extras(state, &info);
+    let reasoning = reasoning_enabled(state, &info, switches.enable_thinking);
     let mut prepared = prepare(&info, tools, messages, params, reasoning).await?;
-    prepared.extras.enable_thinking = think;
+    prepared.extras.enable_thinking = switches.enable_thinking;
+    prepared.extras.kwargs = switches.kwargs;
     let prompt = crate::requests::common::chat_prompt_with(
         state,
         prepared.messages,
@@ -543,27 +546,6 @@ impl ChatOutput {
         }
         answer
     }
-}
-
-/// A request's `think` (Ollama's field, also the native chat's): true, false, or a level
-/// ("high", "medium", "low": thinking on); absent or null: None (as the template is).
-pub fn parse_think(think: Option<&Value>) -> Result<Option<bool>, ApiError> {
-    match think {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => Ok(Some(true)),
-        Some(other) => Err(ApiError::invalid(format!(
-            "think must be true, false, \"high\", \"medium\" or \"low\", got {other}"
-        ))),
-    }
-}
-
-/// Whether a chat answer's `<think>` reasoning is split out: not with `--reasoning-format
-/// none`; else as the request says (Ollama's `think`), or when the template is a thinking
-/// model's (it mentions `<think>`).
-pub fn reasoning_enabled(state: &AppState, info: &ModelInfo, think: Option<bool>) -> bool {
-    state.reasoning_format != ReasoningFormat::None
-        && think.unwrap_or_else(|| info.template.source.contains(THINK_OPEN))
 }
 
 /// A call id as OpenAI writes them: `call_` and 24 letters and digits.

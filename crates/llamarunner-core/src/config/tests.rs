@@ -1,0 +1,314 @@
+//! The runner's settings checked: defaults, limits, and the errors a bad value gets.
+
+use super::*;
+
+fn with_model() -> RunnerConfig {
+    RunnerConfig {
+        model: "m.gguf".into(),
+        ..RunnerConfig::default()
+    }
+}
+
+#[test]
+fn defaults_are_valid_once_a_model_is_set() {
+    assert_eq!(
+        RunnerConfig::default().validate(),
+        Err(ConfigError::NoModel)
+    );
+    assert_eq!(with_model().validate(), Ok(()));
+}
+
+#[test]
+fn out_of_range_values_are_named() {
+    let cfg = RunnerConfig {
+        parallel: 0,
+        ..with_model()
+    };
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("parallel"), "{err}");
+    let cfg = RunnerConfig {
+        kv_cache_type: "q5".into(),
+        ..with_model()
+    };
+    assert!(matches!(cfg.validate(), Err(ConfigError::KvCacheType(_))));
+}
+
+#[test]
+fn speculation_settings_are_bounded() {
+    let check = |draft_max, draft_min, spec_ngram| {
+        RunnerConfig {
+            draft_max,
+            draft_min,
+            spec_ngram,
+            ..with_model()
+        }
+        .validate()
+        .map_err(|e| e.to_string())
+    };
+    assert!(check(0, 0, 1).is_ok());
+    assert!(check(64, 64, 32).is_ok());
+    assert!(check(0, 1, 3).is_ok(), "draft-min 1 with speculation off");
+    for (max, min, ngram, name) in [
+        (65, 1, 3, "draft-max"),
+        (u32::MAX, 1, 3, "draft-max"),
+        (4, 5, 3, "draft-min"),
+        (8, 1, 0, "spec-ngram"),
+        (8, 1, 33, "spec-ngram"),
+    ] {
+        let err = check(max, min, ngram).unwrap_err();
+        assert!(err.contains(name), "{max} {min} {ngram}: {err}");
+    }
+}
+
+#[test]
+fn model_name_is_the_alias_or_the_file_stem() {
+    let cfg = RunnerConfig {
+        model: "/models/gemma-3-270m-q4_k_m.gguf".into(),
+        ..RunnerConfig::default()
+    };
+    assert_eq!(cfg.model_name(), "gemma-3-270m-q4_k_m");
+    let cfg = RunnerConfig {
+        alias: Some("gemma".into()),
+        ..cfg
+    };
+    assert_eq!(cfg.model_name(), "gemma");
+}
+
+#[test]
+fn chat_template_must_be_builtin_or_a_file() {
+    let cfg = RunnerConfig {
+        chat_template: Some("gemma".into()),
+        ..with_model()
+    };
+    assert_eq!(cfg.validate(), Ok(()));
+    let cfg = RunnerConfig {
+        chat_template: Some("/no/such/template.jinja".into()),
+        ..with_model()
+    };
+    assert!(matches!(cfg.validate(), Err(ConfigError::ChatTemplate(_))));
+}
+
+#[test]
+fn http_limits_and_durations_are_checked() {
+    assert_eq!(with_model().max_body, 8 * 1024 * 1024);
+    for (cfg, name) in [
+        (
+            RunnerConfig {
+                max_body: 0,
+                ..with_model()
+            },
+            "max-body",
+        ),
+        (
+            RunnerConfig {
+                max_connections: 0,
+                ..with_model()
+            },
+            "max-connections",
+        ),
+        (
+            RunnerConfig {
+                header_timeout: 0.0,
+                ..with_model()
+            },
+            "header-timeout",
+        ),
+        (
+            RunnerConfig {
+                idle_timeout: f64::NAN,
+                ..with_model()
+            },
+            "idle-timeout",
+        ),
+        (
+            RunnerConfig {
+                shutdown_timeout: -1.0,
+                ..with_model()
+            },
+            "shutdown-timeout",
+        ),
+        (
+            RunnerConfig {
+                timeout: f64::INFINITY,
+                ..with_model()
+            },
+            "timeout",
+        ),
+        (
+            RunnerConfig {
+                timeout: 1e9,
+                ..with_model()
+            },
+            "timeout",
+        ),
+    ] {
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{name} must be")), "{err}");
+    }
+    let zeros = RunnerConfig {
+        shutdown_timeout: 0.0,
+        timeout: 0.0,
+        max_tokens: 0,
+        header_timeout: 0.5,
+        ..with_model()
+    };
+    assert_eq!(zeros.validate(), Ok(()));
+    let cfg = RunnerConfig {
+        allow_origin: vec![" ".into()],
+        ..with_model()
+    };
+    assert_eq!(cfg.validate(), Err(ConfigError::EmptyOrigin));
+}
+
+#[test]
+fn slot_save_path_must_be_a_directory_or_missing() {
+    let file = temp_file("not-a-dir", "x");
+    for (dir, why) in [
+        (PathBuf::new(), "must not be empty"),
+        (file.clone(), "not a directory"),
+    ] {
+        let cfg = RunnerConfig {
+            slot_save_path: Some(dir),
+            ..with_model()
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("slot-save-path") && err.ends_with(why),
+            "{err}"
+        );
+    }
+    std::fs::remove_file(&file).unwrap();
+    for dir in [std::env::temp_dir(), "/no/such/dir/yet".into()] {
+        let cfg = RunnerConfig {
+            slot_save_path: Some(dir),
+            ..with_model()
+        };
+        assert_eq!(cfg.validate(), Ok(()));
+    }
+}
+
+/// A file under the temp dir, unique to this test process and `name`.
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("llamarunner-config-{}-{name}", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn api_keys_come_from_the_list_and_the_file() {
+    assert_eq!(with_model().api_keys(), Ok(vec![]));
+    let file = temp_file("keys", "# operators\n\n  key-two  \nkey-three\n# end\n");
+    let cfg = RunnerConfig {
+        api_key: vec!["key-one".into()],
+        api_key_file: Some(file.clone()),
+        ..with_model()
+    };
+    assert_eq!(cfg.validate(), Ok(()));
+    assert_eq!(cfg.api_keys().unwrap(), ["key-one", "key-two", "key-three"]);
+    std::fs::remove_file(&file).unwrap();
+
+    for key in ["", "two words"] {
+        let cfg = RunnerConfig {
+            api_key: vec![key.into()],
+            ..with_model()
+        };
+        assert_eq!(cfg.validate(), Err(ConfigError::BadApiKey), "{key:?}");
+    }
+    let missing = RunnerConfig {
+        api_key_file: Some("/no/such/keys.txt".into()),
+        ..with_model()
+    };
+    let err = missing.validate().unwrap_err().to_string();
+    assert!(
+        err.starts_with("api-key-file /no/such/keys.txt: cannot read"),
+        "{err}"
+    );
+    let empty = temp_file("empty-keys", "# nothing yet\n\n");
+    let cfg = RunnerConfig {
+        api_key_file: Some(empty.clone()),
+        ..with_model()
+    };
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.ends_with("no key in it"), "{err}");
+    std::fs::remove_file(&empty).unwrap();
+}
+
+#[test]
+fn http_settings_deserialize_from_json() {
+    let cfg: RunnerConfig = serde_json::from_str(
+        r#"{"model":"m","api_key":["a","b"],"allow_origin":["*"],"max_body":1024,
+            "max_connections":4,"header_timeout":2.5,"idle_timeout":30,
+            "shutdown_timeout":0,"max_tokens":100,"timeout":60}"#,
+    )
+    .unwrap();
+    assert_eq!(cfg.api_key, ["a", "b"]);
+    assert_eq!(cfg.allow_origin, ["*"]);
+    assert_eq!((cfg.max_body, cfg.max_connections), (1024, 4));
+    assert_eq!((cfg.header_timeout, cfg.idle_timeout), (2.5, 30.0));
+    assert_eq!((cfg.max_tokens, cfg.timeout), (100, 60.0));
+    assert_eq!(cfg.validate(), Ok(()));
+}
+
+#[test]
+fn unknown_json_fields_are_rejected() {
+    // A bad value names its setting.
+    for (json, name) in [
+        (r#"{"model":"m","draft_max":-1}"#, "--draft-max: "),
+        (r#"{"model":"m","draft_min":-3}"#, "--draft-min: "),
+        (r#"{"model":"m","spec_ngram":"x"}"#, "--spec-ngram: "),
+        (r#"{"model":"m","parallel":-1}"#, "--parallel: "),
+    ] {
+        let e = RunnerConfig::from_json(json).unwrap_err();
+        assert!(e.starts_with(name), "{e}");
+    }
+    assert!(RunnerConfig::from_json(r#"{"model":"m"}"#).is_ok());
+    let r: Result<RunnerConfig, _> = serde_json::from_str(r#"{"model":"m","bogus":1}"#);
+    assert!(r.is_err());
+    let r: RunnerConfig = serde_json::from_str(r#"{"model":"m","flash_attn":"on"}"#).unwrap();
+    assert_eq!(r.flash_attn, FlashAttn::On);
+    assert_eq!(r.parallel, 1);
+    assert_eq!((r.log_format, r.no_metrics), (LogFormat::Text, false));
+    let r: RunnerConfig =
+        serde_json::from_str(r#"{"model":"m","log_format":"json","no_metrics":true}"#).unwrap();
+    assert_eq!((r.log_format, r.no_metrics), (LogFormat::Json, true));
+    let r: Result<RunnerConfig, _> = serde_json::from_str(r#"{"model":"m","log_format":"xml"}"#);
+    assert!(r.is_err());
+}
+
+#[test]
+fn reasoning_format_is_auto_or_none() {
+    let r: RunnerConfig = serde_json::from_str(r#"{"model":"m"}"#).unwrap();
+    assert_eq!(r.reasoning_format, ReasoningFormat::Auto);
+    let r: RunnerConfig =
+        serde_json::from_str(r#"{"model":"m","reasoning_format":"none"}"#).unwrap();
+    assert_eq!(r.reasoning_format, ReasoningFormat::None);
+    let r: Result<RunnerConfig, _> =
+        serde_json::from_str(r#"{"model":"m","reasoning_format":"deepseek"}"#);
+    assert!(r.is_err());
+}
+
+#[test]
+fn reasoning_is_auto_on_or_off() {
+    let r: RunnerConfig = serde_json::from_str(r#"{"model":"m"}"#).unwrap();
+    assert_eq!(r.reasoning, Reasoning::Auto);
+    for (text, want) in [("on", Reasoning::On), ("off", Reasoning::Off)] {
+        let r: RunnerConfig =
+            serde_json::from_str(&format!(r#"{{"model":"m","reasoning":"{text}"}}"#)).unwrap();
+        assert_eq!(r.reasoning, want);
+    }
+    let r: Result<RunnerConfig, _> = serde_json::from_str(r#"{"model":"m","reasoning":"maybe"}"#);
+    assert!(r.is_err());
+}
+
+#[test]
+fn reasoning_defaults_thinking_by_template() {
+    let reads =
+        crate::chat::ChatTemplate::new("t", "{% if enable_thinking %}think{% endif %}", "", "")
+            .unwrap();
+    let plain = crate::chat::ChatTemplate::new("t", "{{ messages }}", "", "").unwrap();
+    assert_eq!(Reasoning::Auto.default_thinking(&reads), Some(true));
+    assert_eq!(Reasoning::Auto.default_thinking(&plain), None);
+    assert_eq!(Reasoning::On.default_thinking(&plain), Some(true));
+    assert_eq!(Reasoning::Off.default_thinking(&reads), Some(false));
+}
