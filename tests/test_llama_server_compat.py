@@ -230,3 +230,53 @@ def test_thinking_follows_the_request_then_the_server_s_reasoning_flag(
     assert apply_template(off).json()["prompt"].endswith("<think>\n</think>")
     prompt = apply_template(off, chat_template_kwargs={"enable_thinking": True}).json()["prompt"]
     assert prompt.endswith("<think>\n"), prompt
+
+
+def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
+    """A `/completion` body with llama-server's fields gets llama-server's answer; one in the
+    Ollama runner's shape keeps the runner's NDJSON."""
+    body = {"prompt": "I believe the meaning of life is", "n_predict": 4, "temperature": 0}
+    r = post(tiny_server, "/completion", body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["stop"] is True and answer["model"] == "tiny"
+    assert answer["stop_type"] == "limit" and answer["tokens_predicted"] == 4
+    timings = answer["timings"]
+    assert timings["predicted_n"] == 4
+    assert timings["prompt_n"] + timings["cache_n"] == answer["tokens_evaluated"] > 0
+    assert answer["generation_settings"]["n_predict"] == 4
+    # The same prompt again: its tokens come from the cache, and the text is the same.
+    again = post(tiny_server, "/completion", body).json()
+    assert again["content"] == answer["content"]
+    assert again["timings"]["cache_n"] > 0
+    # Streamed: partial answers, then the statistics; no [DONE].
+    events = []
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/completion", json={**body, "stream": True}, timeout=60
+    ) as s:
+        assert s.status_code == 200
+        assert s.headers["content-type"].startswith("text/event-stream")
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == answer["content"]
+    assert events[-1]["timings"]["predicted_n"] == 4
+    # Token ids as the prompt.
+    ids = post(tiny_server, "/tokenize", {"content": "hello"}).json()["tokens"]
+    r = post(tiny_server, "/completion", {"prompt": ids, "n_predict": 2})
+    assert r.status_code == 200 and r.json()["tokens_evaluated"] == len(ids), r.text
+    # The Ollama runner's format is unchanged.
+    r = post(tiny_server, "/completion", {"prompt": "hi", "options": {"num_predict": 2}})
+    assert r.headers["content-type"] == "application/x-ndjson"
+    assert json.loads(r.text.splitlines()[-1])["done"] is True
+    for bad in (
+        {"prompt": "hi", "n_predict": 2, "n_probs": 3},
+        {"prompt": "hi", "n_predict": 2, "grammar": 'root ::= "a"', "json_schema": {}},
+        {"prompt": ["a", "b"], "n_predict": 2},
+        {"prompt": "", "n_predict": 2},
+        {"prompt": "hi", "temperature": -1},
+    ):
+        r = post(tiny_server, "/completion", bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["type"] == "invalid_request", r.text

@@ -1,9 +1,26 @@
-//! llama-server's own formats, for the clients written against it: the `timings` of a
-//! finished answer (also on OpenAI's answers, as llama-server adds them).
+//! llama-server's own formats, for the clients written against it (Ollama's among them, which
+//! now starts llama-server and sends it these): `POST /completion` in llama-server's format
+//! (told from the Ollama runner's by its fields: `is_llama_server_body`), its sampling
+//! defaults, and the `timings` of a finished answer (also on OpenAI's answers, as
+//! llama-server adds them).
 
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::protocol::Completion;
+use crate::constrain::{Grammar, GrammarSource};
+use crate::http::error::ApiError;
+use crate::http::AppState;
+use crate::protocol::params::SamplingParams;
+use crate::protocol::{Completion, DoneReason, Event, Token};
+use crate::requests::common::{collect, parse_json, start_generation, PromptSource};
+use crate::requests::format::json_schema;
+use crate::requests::options::SamplerFields;
 
 /// llama-server's `timings` of a finished answer: the prompt's decoded and cached tokens and the
 /// generation, with their times and rates (0 where nothing was timed). Clients written for
@@ -27,4 +44,372 @@ pub(crate) fn timings(done: &Completion) -> Value {
         "predicted_per_token_ms": per_token(predicted_ms, done.eval_count),
         "predicted_per_second": per_second(predicted_ms, done.eval_count),
     })
+}
+
+/// The top-level fields by which a `POST /completion` body is llama-server's: its sampling
+/// fields and switches, which the Ollama runner's format keeps in `options` or lacks.
+const LLAMA_SERVER_FIELDS: &[&str] = &[
+    "stream",
+    "n_predict",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "seed",
+    "stop",
+    "n_probs",
+    "n_keep",
+    "json_schema",
+    "return_tokens",
+    "id_slot",
+    "timings_per_token",
+    "response_fields",
+    "ignore_eos",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "return_progress",
+];
+
+/// Whether a `POST /completion` body is in llama-server's format rather than the Ollama
+/// runner's: it has none of the runner's `options` and one of llama-server's top-level fields
+/// (`n_predict`, `stream`, `temperature`...). A body with neither (`{"prompt"}`) keeps the
+/// runner's format. Keys are compared as the runner reads them, without case.
+pub(crate) fn is_llama_server_body(body: &[u8]) -> bool {
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
+    let has = |name: &str| fields.keys().any(|k| k.eq_ignore_ascii_case(name));
+    !has("options") && LLAMA_SERVER_FIELDS.iter().any(|f| has(f))
+}
+
+/// The sampling a llama-server-format request gets for what it leaves out: llama-server's
+/// defaults (top_p 0.95, min_p 0.05, no repetition penalty; a random seed), which `GET /props`
+/// reports as `default_generation_settings.params`.
+pub(crate) fn default_params() -> SamplingParams {
+    SamplingParams {
+        top_p: 0.95,
+        min_p: 0.05,
+        repeat_penalty: 1.0,
+        ..SamplingParams::default()
+    }
+}
+
+/// Body of `POST /completion` in llama-server's format. Unknown fields are ignored, as there.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct CompletionRequest {
+    model: Option<String>,
+    /// A text, or the token ids of one prompt.
+    prompt: Option<Value>,
+    stream: Option<bool>,
+    #[serde(alias = "max_tokens")]
+    n_predict: Option<i64>,
+    n_keep: Option<i64>,
+    temperature: Option<f32>,
+    top_k: Option<i32>,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+    typical_p: Option<f32>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<i32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    mirostat: Option<i32>,
+    mirostat_tau: Option<f32>,
+    mirostat_eta: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Vec<String>>,
+    ignore_eos: Option<bool>,
+    grammar: Option<String>,
+    json_schema: Option<Value>,
+    cache_prompt: Option<bool>,
+    lora: Option<Value>,
+    return_progress: Option<bool>,
+    n_probs: Option<u32>,
+    return_tokens: Option<bool>,
+    #[serde(flatten)]
+    samplers: SamplerFields,
+}
+
+impl CompletionRequest {
+    /// The sampling parameters: the request's, llama-server's defaults for the rest.
+    fn params(&self, state: &AppState) -> Result<SamplingParams, ApiError> {
+        if self.n_probs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid(
+                "n_probs: token probabilities are not given in this format; /v1/completions \
+                 gives them (logprobs)",
+            ));
+        }
+        if self.return_tokens == Some(true) {
+            return Err(ApiError::invalid(
+                "return_tokens: the answer's token ids are not given; POST /tokenize gives a \
+                 text's",
+            ));
+        }
+        let d = default_params();
+        let mut p = SamplingParams {
+            num_predict: self.n_predict.unwrap_or(d.num_predict),
+            num_keep: self.n_keep.unwrap_or(d.num_keep),
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            typical_p: self.typical_p.unwrap_or(d.typical_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            mirostat: self.mirostat.unwrap_or(d.mirostat),
+            mirostat_tau: self.mirostat_tau.unwrap_or(d.mirostat_tau),
+            mirostat_eta: self.mirostat_eta.unwrap_or(d.mirostat_eta),
+            seed: self.seed.unwrap_or(d.seed),
+            stop: self.stop.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            cache_prompt: self.cache_prompt.unwrap_or(true),
+            return_progress: self.return_progress == Some(true) && self.stream == Some(true),
+            samplers: self.samplers.samplers(),
+            ..d
+        };
+        p.lora = state.lora.for_request(self.lora.as_ref())?;
+        let gbnf = self.grammar.as_ref().filter(|g| !g.trim().is_empty());
+        let schema = self.json_schema.as_ref().filter(|s| !s.is_null());
+        p.grammar = match (gbnf, schema) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid(
+                    "give one constraint: grammar or json_schema, not both",
+                ))
+            }
+            (Some(g), None) => Some(Grammar::new(GrammarSource::Gbnf(g.clone()))),
+            (None, Some(s)) => json_schema(s, "json_schema").map_err(ApiError::InvalidRequest)?,
+            (None, None) => None,
+        };
+        Ok(p)
+    }
+
+    /// The prompt: a non-empty text, or one prompt's token ids.
+    fn prompt(&self) -> Result<PromptSource, ApiError> {
+        match &self.prompt {
+            Some(Value::String(text)) if !text.is_empty() => Ok(PromptSource::from(text.clone())),
+            Some(Value::Array(items)) if !items.is_empty() => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|id| Token::try_from(id).ok())
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                "prompt: an array is one prompt's token ids (non-negative \
+                                 integers); send several prompts as several requests",
+                            )
+                        })
+                })
+                .collect::<Result<Vec<Token>, _>>()
+                .map(PromptSource::Tokens),
+            _ => Err(ApiError::invalid(
+                "prompt is required: a non-empty text or an array of token ids",
+            )),
+        }
+    }
+}
+
+/// What every answer of one request carries besides the text.
+struct Meta {
+    model: String,
+    prompt: String,
+    settings: Value,
+}
+
+/// llama-server's `stop_type`: why the generation ended.
+fn stop_type(done: &Completion) -> &'static str {
+    match (done.done_reason, &done.stop_string) {
+        (DoneReason::Stop, Some(_)) => "word",
+        (DoneReason::Stop, None) => "eos",
+        (DoneReason::Length, _) => "limit",
+        (DoneReason::Timeout, _) => "none",
+    }
+}
+
+/// The last answer (stream) or the whole one: the text and the statistics.
+fn final_body(meta: &Meta, content: &str, done: &Completion) -> Value {
+    json!({
+        "index": 0,
+        "content": content,
+        "tokens": [],
+        "id_slot": -1,
+        "stop": true,
+        "model": meta.model,
+        "tokens_predicted": done.eval_count,
+        "tokens_evaluated": done.prompt_eval_count,
+        "generation_settings": meta.settings,
+        "prompt": meta.prompt,
+        "has_new_line": content.contains('\n'),
+        "truncated": done.truncated,
+        "stop_type": stop_type(done),
+        "stopping_word": done.stop_string.clone().unwrap_or_default(),
+        "tokens_cached": done.prompt_eval_count + done.eval_count,
+        "timings": timings(done),
+    })
+}
+
+/// The sampling a request runs with, under llama-server's names.
+pub(crate) fn settings_json(p: &SamplingParams) -> Value {
+    json!({
+        "n_predict": p.num_predict,
+        "n_keep": p.num_keep,
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "typical_p": p.typical_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "ignore_eos": p.ignore_eos,
+        "stop": p.stop,
+        "cache_prompt": p.cache_prompt,
+    })
+}
+
+/// `POST /completion` in llama-server's format (`is_llama_server_body`): one JSON answer, or
+/// with `"stream": true` server-sent events, each a partial answer (`"stop": false`, its text
+/// in `content`) and the last the whole statistics (`"stop": true`, `timings`); no `[DONE]`.
+pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_json(body)?;
+    let params = req.params(&state)?;
+    let prompt = req.prompt()?;
+    let meta = Meta {
+        model: state.model_name.to_string(),
+        prompt: match &req.prompt {
+            Some(Value::String(text)) => text.clone(),
+            _ => String::new(),
+        },
+        settings: settings_json(&params),
+    };
+    let generation = start_generation(&state, prompt, params).await?;
+    let evaluated = generation.prompt_tokens;
+    if req.stream != Some(true) {
+        let all = collect(generation).await?;
+        return Ok(Json(final_body(&meta, &all.text, &all.done)).into_response());
+    }
+    let mut predicted = 0usize;
+    let events = generation.filter_map(move |event| {
+        let value = match event {
+            Event::Started => None,
+            Event::Progress(p) => Some(json!({
+                "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
+                "tokens_predicted": 0, "tokens_evaluated": evaluated,
+                "prompt_progress": super::openai::prompt_progress(&p),
+            })),
+            Event::Text { text, .. } => {
+                predicted += 1;
+                Some(json!({
+                    "index": 0, "content": text, "tokens": [], "stop": false, "id_slot": -1,
+                    "tokens_predicted": predicted, "tokens_evaluated": evaluated,
+                }))
+            }
+            Event::Done(done) => Some(final_body(&meta, "", &done)),
+            Event::Error(e) => Some(ApiError::from(e).body()),
+        };
+        std::future::ready(value.map(|v| {
+            Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&v)))
+        }))
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_body_s_fields_choose_the_format() {
+        for (body, llama_server) in [
+            (r#"{"prompt": "hi", "n_predict": 8}"#, true),
+            (r#"{"prompt": "hi", "stream": true}"#, true),
+            (r#"{"prompt": [1, 2], "temperature": 0}"#, true),
+            (r#"{"Prompt": "hi", "N_Predict": 8}"#, true),
+            // The Ollama runner's: options, or nothing llama-server's.
+            (r#"{"prompt": "hi"}"#, false),
+            (r#"{"prompt": "hi", "options": {"num_predict": 2}}"#, false),
+            (r#"{"prompt": "hi", "Options": {}, "stream": true}"#, false),
+            (r#"{"messages": [], "think": true}"#, false),
+            ("not json", false),
+            ("[1, 2]", false),
+        ] {
+            assert_eq!(
+                is_llama_server_body(body.as_bytes()),
+                llama_server,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn params_take_llama_server_s_defaults_and_refuse_what_is_not_given() {
+        let (engine, _inbox) = crate::protocol::EngineHandle::new(4);
+        let state = AppState::new(engine, "m");
+        let req: CompletionRequest = serde_json::from_str(r#"{"prompt": "hi"}"#).unwrap();
+        let p = req.params(&state).unwrap();
+        assert_eq!((p.top_p, p.min_p, p.repeat_penalty), (0.95, 0.05, 1.0));
+        assert_eq!(p.num_predict, -1);
+        let req: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "hi", "n_predict": 3, "temperature": 0}"#).unwrap();
+        let p = req.params(&state).unwrap();
+        assert_eq!((p.num_predict, p.temperature), (3, 0.0));
+        for (body, wanted) in [
+            (r#"{"n_probs": 2}"#, "n_probs"),
+            (r#"{"return_tokens": true}"#, "return_tokens"),
+            (
+                r#"{"grammar": "root ::= \"a\"", "json_schema": {}}"#,
+                "one constraint",
+            ),
+            (r#"{"json_schema": 3}"#, "json_schema must be an object"),
+        ] {
+            let req: CompletionRequest = serde_json::from_str(body).unwrap();
+            let err = req.params(&state).unwrap_err().to_string();
+            assert!(err.contains(wanted), "{body}: {err}");
+        }
+        for (prompt, ok) in [
+            (r#""hi""#, true),
+            ("[1, 2, 3]", true),
+            (r#""""#, false),
+            ("[]", false),
+            ("[-1]", false),
+            (r#"["a", "b"]"#, false),
+            ("[[1]]", false),
+            ("null", false),
+        ] {
+            let req: CompletionRequest =
+                serde_json::from_str(&format!(r#"{{"prompt": {prompt}}}"#)).unwrap();
+            assert_eq!(req.prompt().is_ok(), ok, "{prompt}");
+        }
+    }
+
+    #[test]
+    fn stop_types_name_why_it_ended() {
+        let done = |done_reason, stop: Option<&str>| Completion {
+            done_reason,
+            prompt_eval_count: 3,
+            prompt_cached_count: 0,
+            queue_duration_ns: 0,
+            prompt_eval_duration_ns: 0,
+            eval_count: 1,
+            eval_duration_ns: 0,
+            truncated: false,
+            draft_count: 0,
+            draft_accepted_count: 0,
+            stop_string: stop.map(String::from),
+        };
+        assert_eq!(stop_type(&done(DoneReason::Stop, None)), "eos");
+        assert_eq!(stop_type(&done(DoneReason::Stop, Some("\n"))), "word");
+        assert_eq!(stop_type(&done(DoneReason::Length, None)), "limit");
+        assert_eq!(stop_type(&done(DoneReason::Timeout, None)), "none");
+    }
 }

@@ -115,9 +115,13 @@ pub(crate) fn completion_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
     )
 }
 
-/// `POST /completion`.
+/// `POST /completion`: the Ollama runner's format, or llama-server's for a body in it
+/// (`llama_server::is_llama_server_body`).
 pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     ensure_ready(&state)?;
+    if super::llama_server::is_llama_server_body(&body) {
+        return super::llama_server::completion(state, &body).await;
+    }
     let req: CompletionRequest = parse_json(&body)?;
     let info = model_info(&state)?;
     let think = crate::requests::thinking::parse_think(req.think.as_ref())?;

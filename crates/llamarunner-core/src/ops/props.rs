@@ -91,27 +91,7 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
     .into_response())
 }
 
-/// The sampling defaults under llama-server's names.
+/// The sampling defaults of a llama-server-format request, under llama-server's names.
 fn default_params() -> serde_json::Value {
-    let p = crate::protocol::params::SamplingParams::default();
-    json!({
-        "n_predict": p.num_predict,
-        "n_keep": p.num_keep,
-        "seed": p.seed,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "typical_p": p.typical_p,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "mirostat": p.mirostat,
-        "mirostat_tau": p.mirostat_tau,
-        "mirostat_eta": p.mirostat_eta,
-        "ignore_eos": p.ignore_eos,
-        "stop": p.stop,
-        "cache_prompt": p.cache_prompt,
-    })
+    crate::dialects::llama_server::settings_json(&crate::dialects::llama_server::default_params())
 }
