@@ -205,6 +205,21 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
     data = reply.body
     want_stream = isinstance(request, dict) and request.get("stream") is True
     try:
+        if path == "/completion" and "application/x-ndjson" not in reply.content_type:
+            # llama-server's format (dialects/llama_server.rs).
+            if "text/event-stream" in reply.content_type:
+                events = [json.loads(p) for p in sse_payloads(data)]
+                if not events or events[-1].get("stop") is not True:
+                    return f"the stream does not end with stop:true: {show(data[-300:])}"
+                if any("error" in e for e in events):
+                    return f"an error inside the stream: {show(data[-300:])}"
+                return None
+            if want_stream:
+                return f"stream:true answered {reply.content_type}, not SSE"
+            obj = json.loads(data)
+            if obj.get("stop") is not True or not isinstance(obj.get("timings"), dict):
+                return f"not a llama-server completion: {show(data)}"
+            return None
         if path == "/completion":
             lines = json_lines(data)
             if not lines:
@@ -931,6 +946,8 @@ class Route:
     base: st.SearchStrategy[dict[str, Any]]
     fields: dict[str, st.SearchStrategy[Any]]
     has_options: bool = False
+    label: str = ""
+    """The route's name in the tests when one path has two formats (default: the path)."""
 
 
 def small_options() -> st.SearchStrategy[dict[str, Any]]:
@@ -941,7 +958,7 @@ def small_options() -> st.SearchStrategy[dict[str, Any]]:
 
 
 ROUTES = {
-    r.path: r
+    r.label or r.path: r
     for r in [
         Route(
             "/completion",
@@ -971,6 +988,29 @@ ROUTES = {
                 ),
             },
             has_options=True,
+        ),
+        Route(
+            "/completion",
+            st.fixed_dictionaries({"prompt": PROMPTS, "n_predict": st.integers(1, 4)}),
+            {
+                **{
+                    k: v
+                    for k, v in OPTION_FIELDS.items()
+                    if k not in ("num_predict", "lora", "speculative")
+                },
+                "prompt": either(
+                    st.one_of(PROMPTS, st.lists(st.integers(-2, 40_000), min_size=1, max_size=6))
+                ),
+                "n_predict": either(SMALL_N),
+                "stream": BOOLS,
+                "grammar": GRAMMARS,
+                "json_schema": either(SCHEMAS),
+                "n_probs": either(SMALL_N),
+                "return_tokens": BOOLS,
+                "cache_prompt": BOOLS,
+                "return_progress": BOOLS,
+            },
+            label="/completion (llama-server's format)",
         ),
         Route(
             "/infill",
@@ -1314,7 +1354,8 @@ def run_route(srv: WatchedServer, path: str, strategy: st.SearchStrategy[bytes])
 
 @pytest.mark.parametrize("path", sorted(ROUTES))
 def test_hostile_bodies(server: WatchedServer, path: str) -> None:
-    run_route(server, path, bodies(ROUTES[path]))
+    route = ROUTES[path]
+    run_route(server, route.path, bodies(route))
 
 
 GET_PATHS = [
