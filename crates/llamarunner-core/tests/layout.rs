@@ -558,10 +558,6 @@ const OVER_MAX_LINES: &[(&str, &str)] = &[
         "dialects/anthropic.rs",
         "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
     ),
-    (
-        "router/registry.rs",
-        "the engine client is not yet apart from the forwarder (issue 39, step 5)",
-    ),
 ];
 
 #[test]

@@ -46,6 +46,11 @@ pub(crate) fn timings(done: &Completion) -> Value {
     })
 }
 
+/// llama-server's `prompt_progress` object (`return_progress`).
+pub(crate) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
+    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
+}
+
 /// The top-level fields by which a `POST /completion` body is llama-server's: its sampling
 /// fields and switches, which the Ollama runner's format keeps in `options` or lacks.
 const LLAMA_SERVER_FIELDS: &[&str] = &[
@@ -305,7 +310,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             Event::Progress(p) => Some(json!({
                 "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
                 "tokens_predicted": 0, "tokens_evaluated": evaluated,
-                "prompt_progress": super::openai::prompt_progress(&p),
+                "prompt_progress": prompt_progress(&p),
             })),
             Event::Text { text, .. } => {
                 predicted += 1;

@@ -18,7 +18,7 @@ use futures_util::{stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::llama_server::timings;
+use super::llama_server::{prompt_progress, timings};
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
@@ -842,11 +842,6 @@ fn finish_reason(reason: DoneReason) -> &'static str {
 
 fn sse(value: Value) -> SseEvent {
     SseEvent::default().data(super::stream_json::to_line(&value))
-}
-
-/// llama-server's `prompt_progress` object.
-pub(super) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
-    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
 }
 
 /// With `include_usage`, every chunk carries `"usage": null` until the last, as OpenAI's do.

@@ -873,7 +873,7 @@ impl Items {
                 let response = self.meta.object(&Finished::InProgress, &[]);
                 let data = json!({
                     "response": response,
-                    "prompt_progress": super::openai::prompt_progress(&p),
+                    "prompt_progress": super::llama_server::prompt_progress(&p),
                 });
                 out.push(self.event("response.in_progress", data));
             }

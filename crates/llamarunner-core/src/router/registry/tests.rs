@@ -1,0 +1,155 @@
+//! The registry's loading, leasing and unloading, against stand-in engine processes.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{Registry, Status};
+use crate::http::error::ApiError;
+use crate::router::ModelSpec;
+
+fn registry(names: &[&str]) -> std::sync::Arc<Registry> {
+    registry_running(names, &["true"], Duration::from_secs(1))
+}
+
+fn registry_running(
+    names: &[&str],
+    command: &[&str],
+    load_timeout: Duration,
+) -> std::sync::Arc<Registry> {
+    let specs: Vec<ModelSpec> = names
+        .iter()
+        .map(|n| ModelSpec {
+            name: n.to_string(),
+            path: format!("/models/{n}.gguf"),
+            config: json!({}),
+        })
+        .collect();
+    Registry::new(
+        &specs,
+        2,
+        0,
+        None,
+        command.iter().map(|c| c.to_string()).collect(),
+        load_timeout,
+    )
+}
+
+#[test]
+fn a_model_is_found_by_name_tag_or_file_name() {
+    let r = registry(&["alpha", "bravo"]);
+    for asked in ["alpha", "alpha:latest", "alpha.gguf"] {
+        assert_eq!(
+            r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
+            Some("alpha")
+        );
+    }
+    // Names are exact, as the engine compares them: a padded name would load a model
+    // whose engine then refuses the request.
+    for asked in [
+        "ALPHA", "alpha:v2", "../alpha", "alpha\0", "gamma", " alpha ", "  ",
+    ] {
+        let e = r.find(Some(asked)).unwrap_err();
+        assert!(
+            matches!(e, ApiError::ModelNotFound(ref m) if m.contains("alpha, bravo")),
+            "{e}"
+        );
+    }
+    // Several models: a request must name one.
+    assert!(matches!(r.find(None), Err(ApiError::InvalidRequest(_))));
+    assert!(matches!(r.find(Some("")), Err(ApiError::InvalidRequest(_))));
+    // One model: a request need not.
+    assert_eq!(
+        registry(&["solo"])
+            .find(None)
+            .map(|m| m.name.clone())
+            .ok()
+            .as_deref(),
+        Some("solo")
+    );
+}
+
+#[test]
+fn a_models_own_name_comes_before_another_models_tag_or_file_name() {
+    // Files alpha.gguf, alpha.gguf.gguf (named "alpha.gguf") and alpha:latest.gguf (named
+    // "alpha:latest"): each name finds its own model, whatever the order.
+    for names in [
+        ["alpha", "alpha.gguf", "alpha:latest"],
+        ["alpha:latest", "alpha.gguf", "alpha"],
+    ] {
+        let r = registry(&names);
+        for asked in names {
+            assert_eq!(
+                r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
+                Some(asked)
+            );
+        }
+        // File names come last: alpha.gguf.gguf is the model named "alpha.gguf".
+        assert_eq!(
+            r.find(Some("alpha.gguf.gguf"))
+                .map(|m| m.name.clone())
+                .ok()
+                .as_deref(),
+            Some("alpha.gguf")
+        );
+    }
+}
+
+#[test]
+fn a_long_unknown_name_is_cut_in_the_message() {
+    let r = registry(&["alpha"]);
+    let Err(ApiError::ModelNotFound(m)) = r.find(Some(&"x".repeat(100_000))) else {
+        panic!("not a 404");
+    };
+    assert!(m.len() < 400, "{}", m.len());
+}
+
+#[tokio::test]
+async fn an_engine_that_exits_while_loading_fails_the_request_with_its_reason() {
+    // `true` exits at once: the load fails, the request is told, the model says failed.
+    let r = registry(&["alpha", "bravo"]);
+    let m = r.find(Some("alpha")).unwrap();
+    let e = r.lease(&m).await.unwrap_err();
+    assert!(
+        matches!(e, ApiError::LoadFailed(ref why) if why.contains("ended while loading")),
+        "{e}"
+    );
+    assert!(matches!(m.status(), Status::Failed { .. }));
+    assert_eq!(r.describe(&m)["status"]["value"], "failed");
+}
+
+#[tokio::test]
+async fn an_engine_that_hangs_while_loading_is_stopped_at_the_load_timeout() {
+    let r = registry_running(&["alpha"], &["sleep", "60"], Duration::from_millis(300));
+    let m = r.find(Some("alpha")).unwrap();
+    let started = Instant::now();
+    let e = r.lease(&m).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5), "{e}");
+    // The watchdog marks it failed and kills the process: its place is free again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !matches!(m.status(), Status::Failed { .. }) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match m.status() {
+        Status::Failed { error } => assert!(error.contains("did not load"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(m.lock().process.is_none());
+    assert_eq!(m.counts(), (1, 1));
+}
+
+#[tokio::test]
+async fn a_stale_decision_does_not_unload_a_model_that_took_a_lease_since() {
+    let r = registry(&["alpha"]);
+    let m = r.find(Some("alpha")).unwrap();
+    {
+        let mut inner = m.lock();
+        inner.status = Status::Loaded { port: 1 };
+        inner.in_flight = 1; // a request came after the idle check
+    }
+    assert!(!r.unload_idle(&m, "test"));
+    assert!(matches!(m.status(), Status::Loaded { .. }));
+    m.lock().in_flight = 0;
+    assert!(r.unload_idle(&m, "test"));
+    assert_eq!(m.status(), Status::Unloaded);
+}
