@@ -280,3 +280,37 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
         r = post(tiny_server, "/completion", bad)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["type"] == "invalid_request", r.text
+
+
+def llamacpp_metrics(server: Server) -> dict[str, float]:
+    """llama-server's families on ``/metrics``: unlabelled samples, each with HELP and TYPE."""
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:"):
+            name, value = line.split(" ")
+            assert "{" not in name, line
+            assert f"# TYPE {name} " in text and f"# HELP {name} " in text, name
+            values[name.removeprefix("llamacpp:")] = float(value)
+    return values
+
+
+def test_llama_server_s_metrics_count_what_the_answers_say(tiny_server: Server) -> None:
+    before = llamacpp_metrics(tiny_server)
+    timings = []
+    for n in (1, 5):
+        body = {"prompt": "the quick brown fox", "n_predict": n, "temperature": 0}
+        timings.append(post(tiny_server, "/completion", body).json()["timings"])
+    after = llamacpp_metrics(tiny_server)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    assert grew("prompt_tokens_cached_total") == sum(t["cache_n"] for t in timings)
+    assert grew("tokens_predicted_total") == 6
+    assert grew("n_decode_total") >= 5
+    assert after["requests_processing"] == 0
+    # The first token comes with the prompt's decode: no generation rate for one token.
+    assert timings[0]["predicted_per_second"] == 0.0
+    assert timings[1]["predicted_per_second"] > 0

@@ -23,26 +23,56 @@ use crate::requests::format::json_schema;
 use crate::requests::options::SamplerFields;
 
 /// llama-server's `timings` of a finished answer: the prompt's decoded and cached tokens and the
-/// generation, with their times and rates (0 where nothing was timed). Clients written for
+/// generation, with their times and rates (0 where nothing was timed). The generation's rate
+/// is over its decode steps, one fewer than its tokens: the first token comes from the
+/// prompt's last decode, and the generation's time starts after it. Clients written for
 /// llama-server (its web page among them) show them.
 pub(crate) fn timings(done: &Completion) -> Value {
     let ms = |ns: u64| ns as f64 / 1e6;
-    let per_token = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
-    let per_second = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
     let prompt_n = done
         .prompt_eval_count
         .saturating_sub(done.prompt_cached_count);
-    let (prompt_ms, predicted_ms) = (ms(done.prompt_eval_duration_ns), ms(done.eval_duration_ns));
+    let mut t = timings_of(
+        done.prompt_cached_count,
+        prompt_n,
+        ms(done.prompt_eval_duration_ns),
+        done.eval_count,
+        ms(done.eval_duration_ns),
+    );
+    if done.draft_count > 0 {
+        t["draft_n"] = json!(done.draft_count);
+        t["draft_n_accepted"] = json!(done.draft_accepted_count);
+    }
+    t
+}
+
+/// The `timings` of a prompt's decode so far (`timings_per_token` with `return_progress`).
+fn progress_timings(p: &crate::protocol::PromptProgress) -> Value {
+    let prompt_n = p.processed.saturating_sub(p.cache);
+    timings_of(p.cache, prompt_n, p.time_ms as f64, 0, 0.0)
+}
+
+/// llama-server's timings object from its counts and times (ms); rates 0 where a divisor is 0.
+fn timings_of(
+    cache_n: usize,
+    prompt_n: usize,
+    prompt_ms: f64,
+    predicted_n: usize,
+    predicted_ms: f64,
+) -> Value {
+    let per_token = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
+    let per_second = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
+    let steps = predicted_n.saturating_sub(1);
     json!({
-        "cache_n": done.prompt_cached_count,
+        "cache_n": cache_n,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
         "prompt_per_second": per_second(prompt_ms, prompt_n),
-        "predicted_n": done.eval_count,
+        "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": per_token(predicted_ms, done.eval_count),
-        "predicted_per_second": per_second(predicted_ms, done.eval_count),
+        "predicted_per_token_ms": per_token(predicted_ms, steps),
+        "predicted_per_second": per_second(predicted_ms, steps),
     })
 }
 
@@ -76,6 +106,7 @@ const LLAMA_SERVER_FIELDS: &[&str] = &[
     "presence_penalty",
     "frequency_penalty",
     "return_progress",
+    "timings_per_token",
 ];
 
 /// Whether a `POST /completion` body is in llama-server's format rather than the Ollama
@@ -135,6 +166,8 @@ struct CompletionRequest {
     return_progress: Option<bool>,
     n_probs: Option<u32>,
     return_tokens: Option<bool>,
+    /// Timings on every prompt-progress event too (`return_progress`); text events carry none.
+    timings_per_token: Option<bool>,
     #[serde(flatten)]
     samplers: SamplerFields,
 }
@@ -304,14 +337,21 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         return Ok(Json(final_body(&meta, &all.text, &all.done)).into_response());
     }
     let mut predicted = 0usize;
+    let progress_timings_too = req.timings_per_token == Some(true);
     let events = generation.filter_map(move |event| {
         let value = match event {
             Event::Started => None,
-            Event::Progress(p) => Some(json!({
-                "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
-                "tokens_predicted": 0, "tokens_evaluated": evaluated,
-                "prompt_progress": prompt_progress(&p),
-            })),
+            Event::Progress(p) => {
+                let mut chunk = json!({
+                    "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
+                    "tokens_predicted": 0, "tokens_evaluated": evaluated,
+                    "prompt_progress": prompt_progress(&p),
+                });
+                if progress_timings_too {
+                    chunk["timings"] = progress_timings(&p);
+                }
+                Some(chunk)
+            }
             Event::Text { text, .. } => {
                 predicted += 1;
                 Some(json!({
@@ -416,5 +456,33 @@ mod tests {
         assert_eq!(stop_type(&done(DoneReason::Stop, Some("\n"))), "word");
         assert_eq!(stop_type(&done(DoneReason::Length, None)), "limit");
         assert_eq!(stop_type(&done(DoneReason::Timeout, None)), "none");
+    }
+
+    #[test]
+    fn the_generation_rate_is_over_its_decode_steps() {
+        let one = timings_of(2, 8, 4.0, 1, 0.0);
+        assert_eq!(one["predicted_per_second"], 0.0);
+        assert_eq!(one["predicted_per_token_ms"], 0.0);
+        assert_eq!(one["prompt_per_token_ms"], 0.5);
+        assert_eq!(one["prompt_per_second"], 2000.0);
+        let many = timings_of(0, 8, 4.0, 16, 30.0);
+        assert_eq!(many["predicted_per_token_ms"], 2.0);
+        assert_eq!(many["predicted_per_second"], 500.0);
+        let nothing = timings_of(0, 0, 0.0, 0, 0.0);
+        for (key, value) in nothing.as_object().unwrap() {
+            assert!(value.as_f64().is_some_and(|v| v == 0.0), "{key}: {value}");
+        }
+        let p = crate::protocol::PromptProgress {
+            total: 40,
+            cache: 8,
+            processed: 24,
+            time_ms: 16,
+        };
+        let t = progress_timings(&p);
+        assert_eq!(
+            (t["cache_n"].clone(), t["prompt_n"].clone()),
+            (json!(8), json!(16))
+        );
+        assert_eq!(t["predicted_n"], 0);
     }
 }

@@ -70,7 +70,11 @@ impl EmbedQueue {
         }
         let end = (job.done + backend.embed_piece().max(1)).min(job.tokens.len());
         let last = end == job.tokens.len();
-        match backend.embed(&job.tokens[job.done..end], job.done, last) {
+        let result = backend.embed(&job.tokens[job.done..end], job.done, last);
+        if result.is_ok() {
+            observer.decoded(1);
+        }
+        match result {
             Ok(None) => {
                 job.done = end;
                 self.current = Some(job);

@@ -63,8 +63,10 @@ impl<B: Backend> Engine<B> {
             self.embeddings
                 .step(self.sched.backend_mut(), self.inbox.observer.as_ref());
             self.stalled = self.sched.turn().stalled;
-            self.deliver();
+            // The table first: a client that has its answer finds its slot free (`/slots`,
+            // the busy-slot gauges).
             self.publish_slots();
+            self.deliver();
         }
         self.fail_everything();
     }

@@ -161,6 +161,8 @@ pub struct Metrics {
     info_published: OnceLock<()>,
     /// The served model's name (`--alias`).
     model_name: String,
+    /// llama-server's families under its names (`http/llama_server_metrics.rs`).
+    llamacpp: super::llama_server_metrics::LlamaServerMetrics,
 }
 
 impl Metrics {
@@ -354,6 +356,7 @@ impl Metrics {
             model_info,
             info_published: OnceLock::new(),
             model_name: model_name.to_string(),
+            llamacpp: super::llama_server_metrics::LlamaServerMetrics::new()?,
             registry,
         })
     }
@@ -370,6 +373,7 @@ impl Metrics {
                     .observe(done.prompt_eval_count as f64);
                 self.request_generation_tokens
                     .observe(done.eval_count as f64);
+                self.llamacpp.finished(done);
             }
             Outcome::Rejected(reason) => {
                 self.requests_rejected.with_label_values(&[*reason]).inc();
@@ -388,6 +392,7 @@ impl Metrics {
         self.num_requests_running.set(i64::from(busy));
         self.requests_waiting.set(waiting);
         self.num_requests_waiting.set(waiting);
+        self.llamacpp.publish(i64::from(busy), waiting);
         self.slots_total.set(i64::from(total));
         if let Some(info) = health.model_info() {
             let cells = info.slot_ctx as f64 * f64::from(total);
@@ -421,7 +426,9 @@ impl Metrics {
             self.model_load_seconds.set(seconds(t));
         }
         let mut out = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut out)?;
+        let mut families = self.registry.gather();
+        families.extend(self.llamacpp.registry.gather());
+        TextEncoder::new().encode(&families, &mut out)?;
         String::from_utf8(out).map_err(|e| prometheus::Error::Msg(e.to_string()))
     }
 
@@ -451,6 +458,7 @@ impl EngineObserver for Metrics {
         self.queue_time.observe(seconds(queued));
         self.prompt_tokens.inc_by(prompt as u64);
         self.prompt_tokens_cached.inc_by(cached as u64);
+        self.llamacpp.admitted(prompt, cached);
         if truncated {
             self.prompt_truncations.inc();
         }
@@ -458,11 +466,13 @@ impl EngineObserver for Metrics {
 
     fn first_token(&self, since_arrival: Duration) {
         self.generation_tokens.inc();
+        self.llamacpp.token(true);
         self.time_to_first_token.observe(seconds(since_arrival));
     }
 
     fn next_token(&self, gap: Duration) {
         self.generation_tokens.inc();
+        self.llamacpp.token(false);
         self.inter_token_latency.observe(seconds(gap));
     }
 
@@ -473,10 +483,16 @@ impl EngineObserver for Metrics {
     fn speculated(&self, drafted: usize, accepted: usize) {
         self.spec_draft_tokens.inc_by(drafted as u64);
         self.spec_accepted_tokens.inc_by(accepted as u64);
+        self.llamacpp.speculated(drafted, accepted);
+    }
+
+    fn decoded(&self, sequences: usize) {
+        self.llamacpp.decoded(sequences);
     }
 
     fn embedded(&self, tokens: usize) {
         self.prompt_tokens.inc_by(tokens as u64);
+        self.llamacpp.embedded(tokens);
     }
 
     fn prompt_cache(&self, bytes: usize, entries: usize, restored: usize) {
@@ -538,6 +554,56 @@ mod tests {
         for r in [400, 401, 403, 404, 408, 413, 429, 503, 500] {
             assert!(REJECTED_REASONS.contains(&rejection_reason(r, None)), "{r}");
         }
+    }
+
+    #[test]
+    fn llama_server_s_families_are_unlabelled_and_add_up() {
+        let m = Metrics::new("m", 64).unwrap();
+        let (engine, _inbox) = EngineHandle::new(4);
+        // Two requests: 10 prompt tokens (4 cached), then 3 tokens; 6 tokens, then 1.
+        m.admitted(Duration::ZERO, 10, 4, false);
+        m.decoded(2);
+        m.first_token(Duration::ZERO);
+        m.next_token(Duration::ZERO);
+        m.decoded(1);
+        m.next_token(Duration::ZERO);
+        m.decoded(1);
+        m.admitted(Duration::ZERO, 6, 0, false);
+        m.first_token(Duration::ZERO);
+        m.speculated(4, 1);
+        m.embedded(5);
+        let mut first = done(DoneReason::Length, 10, 3);
+        first.prompt_eval_duration_ns = 500_000_000;
+        first.eval_duration_ns = 1_000_000_000;
+        m.record(&Outcome::Finished(first), Duration::ZERO);
+        let mut second = done(DoneReason::Stop, 6, 1);
+        second.prompt_eval_duration_ns = 500_000_000;
+        m.record(&Outcome::Finished(second), Duration::ZERO);
+        let text = m.render(&engine).unwrap();
+        for (name, want) in [
+            // Decoded prompt tokens: 6 + 6, and the embedding's 5.
+            ("prompt_tokens_total", 17.0),
+            ("prompt_tokens_cached_total", 4.0),
+            ("prompt_seconds_total", 1.0),
+            ("tokens_predicted_total", 4.0),
+            ("tokens_predicted_seconds_total", 1.0),
+            ("n_decode_total", 3.0),
+            ("n_tokens_max", 13.0),
+            ("spec_decode_num_draft_tokens_total", 4.0),
+            ("spec_decode_num_accepted_tokens_total", 1.0),
+            ("spec_decode_num_drafts_total", 1.0),
+            ("prompt_tokens_seconds", 17.0),
+            // Two tokens cost a decode step each (the first ones came with their prompts).
+            ("predicted_tokens_seconds", 2.0),
+            ("n_busy_slots_per_decode", 4.0 / 3.0),
+            ("requests_processing", 0.0),
+            ("requests_deferred", 0.0),
+        ] {
+            let full = format!("llamacpp:{name}");
+            assert_eq!(sample(&text, &full), Some(want), "{full}\n{text}");
+            assert!(text.contains(&format!("# HELP {full} ")), "{full}");
+        }
+        assert!(!text.contains("llamacpp:busy_slot_steps"), "{text}");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 pub mod access;
 pub mod error;
 pub mod fallback;
+pub mod llama_server_metrics;
 pub mod metrics;
 pub mod middleware;
 pub mod response_store;

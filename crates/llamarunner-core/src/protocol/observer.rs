@@ -35,6 +35,12 @@ pub trait EngineObserver: Send + Sync + std::fmt::Debug {
         let _ = (drafted, accepted);
     }
 
+    /// The model decoded a batch (a `llama_decode` call) holding positions of `sequences`
+    /// sequences (1 for an embedding input's piece).
+    fn decoded(&self, sequences: usize) {
+        let _ = sequences;
+    }
+
     /// A slot filled while generating and half of its unkept tokens were discarded.
     fn context_shift(&self) {}
 

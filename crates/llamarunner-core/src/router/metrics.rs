@@ -24,7 +24,7 @@ pub async fn handler(State(registry): State<Arc<Registry>>) -> Response {
             if let Some(text) =
                 engine_client::engine_get(port, registry.engine_key(), "/metrics").await
             {
-                texts.push(text);
+                texts.push(label_bare_samples(&text, &model.name));
             }
         }
     }
@@ -79,6 +79,24 @@ fn escape(value: &str) -> String {
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// `text` with a `model_name` label on the samples that have no labels (llama-server's
+/// `llamacpp:` families), so that two models' samples stay apart.
+fn label_bare_samples(text: &str, model: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        match line.split_once(' ') {
+            Some((name, value)) if !line.starts_with('#') && !name.contains('{') => {
+                let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {value}", escape(model));
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// One exposition from several: each family once, with its HELP and TYPE and every text's
@@ -204,5 +222,16 @@ mod tests {
     #[test]
     fn label_values_are_escaped() {
         assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn bare_samples_get_the_model_s_name() {
+        let text =
+            "# HELP llamacpp:n_decode_total Calls.\n# TYPE llamacpp:n_decode_total counter\n\
+                    llamacpp:n_decode_total 3\nllamarunner:x{model_name=\"a\"} 1\n";
+        let labelled = label_bare_samples(text, "m\"1");
+        assert!(labelled.contains("llamacpp:n_decode_total{model_name=\"m\\\"1\"} 3\n"));
+        assert!(labelled.contains("llamarunner:x{model_name=\"a\"} 1\n"));
+        assert!(labelled.starts_with("# HELP llamacpp:n_decode_total Calls.\n"));
     }
 }

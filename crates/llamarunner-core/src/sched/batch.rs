@@ -193,6 +193,13 @@ impl<B: Backend> Scheduler<B> {
             return outcome;
         }
         self.decodes += 1;
+        let sequences = self
+            .batch
+            .iter()
+            .map(|t| t.seq)
+            .collect::<std::collections::BTreeSet<i32>>()
+            .len();
+        self.observer.decoded(sequences);
         let now = Instant::now();
         let decoded = now - started;
         // For the step's trace line: what the cost model expected, and the drafted positions.
