@@ -547,15 +547,15 @@ fn no_files_of_one_folder_import_each_other() {
 const MAX_LINES: usize = 900;
 const OVER_MAX_LINES: &[(&str, &str)] = &[
     (
-        "dialects/responses.rs",
+        "dialects/responses/mod.rs",
         "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
     ),
     (
-        "dialects/openai.rs",
+        "dialects/openai/mod.rs",
         "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
     ),
     (
-        "dialects/anthropic.rs",
+        "dialects/anthropic/mod.rs",
         "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
     ),
     (
