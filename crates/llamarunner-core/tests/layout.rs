@@ -551,10 +551,6 @@ const OVER_MAX_LINES: &[(&str, &str)] = &[
         "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
     ),
     (
-        "dialects/anthropic/mod.rs",
-        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
-    ),
-    (
         "router/registry.rs",
         "the engine client is not yet apart from the forwarder (issue 39, step 5)",
     ),

@@ -5,7 +5,7 @@
 //! - `infill.rs`: llama-server's fill-in-the-middle route for editors (`/infill`);
 //! - `openai/`: OpenAI's chat completions, completions, embeddings and models;
 //! - `ollama.rs`: Ollama's `/api/*`;
-//! - `anthropic.rs`: Anthropic's Messages API (`/v1/messages`, its token count);
+//! - `anthropic/`: Anthropic's Messages API (`/v1/messages`, its token count);
 //! - `responses.rs`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
 //!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);
 //! - `rerank.rs`: reranking documents against a query (`/v1/rerank`, Jina's, Cohere's and
