@@ -545,20 +545,8 @@ fn no_files_of_one_folder_import_each_other() {
 
 /// Lines a source file may have; the files still over it, each with why.
 const MAX_LINES: usize = 900;
-const OVER_MAX_LINES: &[(&str, &str)] = &[
-    (
-        "dialects/responses.rs",
-        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
-    ),
-    (
-        "dialects/openai.rs",
-        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
-    ),
-    (
-        "dialects/anthropic.rs",
-        "builds its JSON by hand; typed wire formats (issue 39, step 4) will shrink it",
-    ),
-];
+/// (None now: a file that grows past the limit is split in the change that grows it.)
+const OVER_MAX_LINES: &[(&str, &str)] = &[];
 
 #[test]
 fn no_source_file_is_longer_than_the_limit() {

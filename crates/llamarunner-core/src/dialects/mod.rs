@@ -3,10 +3,10 @@
 //!
 //! - `native.rs`: the runner's own (`/completion`, `/embedding`);
 //! - `infill.rs`: llama-server's fill-in-the-middle route for editors (`/infill`);
-//! - `openai.rs`: OpenAI's chat completions, completions, embeddings and models;
+//! - `openai/`: OpenAI's chat completions, completions, embeddings and models;
 //! - `ollama.rs`: Ollama's `/api/*`;
-//! - `anthropic.rs`: Anthropic's Messages API (`/v1/messages`, its token count);
-//! - `responses.rs`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
+//! - `anthropic/`: Anthropic's Messages API (`/v1/messages`, its token count);
+//! - `responses/`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
 //!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);
 //! - `rerank.rs`: reranking documents against a query (`/v1/rerank`, Jina's, Cohere's and
 //!   TEI's shapes) for reranker models;

@@ -1,0 +1,154 @@
+//! Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`): the
+//! request read into the chat path every dialect shares (template, tools, reasoning), the
+//! answer written back as content blocks (`thinking`, `text`, `tool_use`), whole or as
+//! Anthropic's event stream, with errors in Anthropic's shape. What the API has and a local
+//! runner cannot honour (server tools, documents, citations) is refused with a 400 naming it.
+//!
+//! This file holds the routes (and a whole answer's JSON); the request's fields and sampling
+//! parameters are in `request.rs`, its messages and tools as the chat path reads them in
+//! `conversation.rs`, what every part of an answer repeats in `answer.rs`, and the event
+//! stream in `events.rs`.
+
+mod answer;
+mod conversation;
+mod events;
+mod request;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{stream, StreamExt};
+use serde_json::json;
+
+use crate::http::error::{AnthropicError, ApiError};
+use crate::http::state::AppState;
+use crate::protocol::params::SamplingParams;
+use crate::requests::common::{
+    collect, count_prompt_tokens, model_info, parse_json, start_generation,
+};
+use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::keyed::Keyed;
+use crate::requests::tool_calls::{self, ChatOutput};
+
+use answer::{tool_use_id, usage, Meta};
+use conversation::{conversation, tool_request};
+use events::{event, Blocks};
+use request::{parse_request, MessagesRequest};
+
+/// `/v1/messages` as `routing_key` reads it: as `messages` does.
+pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
+    let req: MessagesRequest = parse_json(body)?;
+    let chat = conversation(&req)?;
+    Ok(Keyed::chat(req.model, chat.messages))
+}
+
+/// A request read: the prompt (rendered, with its images) and how to read the answer.
+async fn prepare(
+    state: &AppState,
+    req: &MessagesRequest,
+    params: &mut SamplingParams,
+) -> Result<(Prompt, ChatOutput), ApiError> {
+    let chat = conversation(req)?;
+    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
+    let tools = tool_request(req.tools.as_deref(), req.tool_choice.as_ref())?;
+    let think = req.think()?;
+    let (text, output) =
+        tool_calls::chat_request(state, chat.messages, tools, params, think.into()).await?;
+    Ok((
+        Prompt {
+            text,
+            images: chat.images,
+        },
+        output,
+    ))
+}
+
+/// `POST /v1/messages`.
+pub async fn messages(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, AnthropicError> {
+    let req = parse_request(&state, &body)?;
+    let mut params = req.params()?;
+    params.lora = state.lora.for_request(req.lora.as_ref())?;
+    let (prompt, output) = prepare(&state, &req, &mut params).await?;
+    let meta = Arc::new(Meta {
+        id: format!("msg_{}", crate::http::access::current_id().replace('-', "")),
+        model: state.model_name.to_string(),
+        stop_sequences: req.stop_sequences.clone().unwrap_or_default(),
+    });
+    let rx = start_generation(&state, prompt, params).await?;
+    if req.stream != Some(true) {
+        let all = collect(rx).await?;
+        let answer = output.read_all(&all.text);
+        let mut content = Vec::new();
+        if !answer.reasoning.is_empty() {
+            content
+                .push(json!({"type": "thinking", "thinking": answer.reasoning, "signature": ""}));
+        }
+        if !answer.content.is_empty() {
+            content.push(json!({"type": "text", "text": answer.content}));
+        }
+        for call in &answer.calls {
+            content.push(json!({
+                "type": "tool_use",
+                "id": tool_use_id(),
+                "name": call.name,
+                "input": call.arguments,
+            }));
+        }
+        let (reason, sequence) = meta.stop_reason(&all.done, !answer.calls.is_empty());
+        return Ok(Json(json!({
+            "id": meta.id,
+            "type": "message",
+            "role": "assistant",
+            "model": meta.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage(&all.done),
+        }))
+        .into_response());
+    }
+    let start = json!({"type": "message_start", "message": {
+        "id": meta.id,
+        "type": "message",
+        "role": "assistant",
+        "model": meta.model,
+        "content": [],
+        "stop_reason": null,
+        "stop_sequence": null,
+        "usage": {"input_tokens": rx.prompt_tokens, "output_tokens": 0},
+    }});
+    let head = [event(&start), event(&json!({"type": "ping"}))];
+    let mut writer = Blocks::new(meta, output);
+    let events = rx.flat_map(move |e| stream::iter(writer.on(e)));
+    let body = stream::iter(head).chain(events).map(Ok::<_, Infallible>);
+    // A call is held back until it is whole: pings keep a quiet stream alive, as Anthropic's.
+    let ping = SseEvent::default().event("ping").data(r#"{"type":"ping"}"#);
+    Ok(Sse::new(body)
+        .keep_alive(KeepAlive::new().event(ping))
+        .into_response())
+}
+
+/// Body of `POST /v1/messages/count_tokens`' answer: the prompt's tokens, as the request
+/// would be rendered (system, tools, images included).
+pub async fn count_tokens(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, AnthropicError> {
+    let req = parse_request(&state, &body)?;
+    model_info(&state)?;
+    let mut params = SamplingParams::default();
+    let (prompt, _) = prepare(&state, &req, &mut params).await?;
+    let n = count_prompt_tokens(&state, prompt).await?;
+    Ok(Json(json!({"input_tokens": n})).into_response())
+}
+
+#[cfg(test)]
+mod tests;
