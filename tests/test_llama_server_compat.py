@@ -262,6 +262,25 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
     assert "".join(e["content"] for e in events) == answer["content"]
     assert events[-1]["timings"]["predicted_n"] == 4
+    # The sampled tokens' ids and probabilities, when asked, whole and streamed.
+    asked = {**body, "n_probs": 3, "return_tokens": True}
+    answer = post(tiny_server, "/completion", asked).json()
+    assert len(answer["tokens"]) == 4 and all(isinstance(t, int) for t in answer["tokens"])
+    probs = answer["completion_probabilities"]
+    assert [p["id"] for p in probs] == answer["tokens"]
+    for p in probs:
+        assert p["logprob"] <= 0 and isinstance(p["bytes"], list) and len(p["top_logprobs"]) == 3
+    # Greedy: the sampled token is the most likely one.
+    assert all(p["id"] == p["top_logprobs"][0]["id"] for p in probs)
+    streamed = []
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/completion", json={**asked, "stream": True}, timeout=60
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                streamed.append(json.loads(line[len("data: ") :]))
+    ids = [t for e in streamed if not e["stop"] for t in e["tokens"]]
+    assert ids == answer["tokens"], streamed
     # Token ids as the prompt.
     ids = post(tiny_server, "/tokenize", {"content": "hello"}).json()["tokens"]
     r = post(tiny_server, "/completion", {"prompt": ids, "n_predict": 2})
@@ -271,7 +290,8 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     assert r.headers["content-type"] == "application/x-ndjson"
     assert json.loads(r.text.splitlines()[-1])["done"] is True
     for bad in (
-        {"prompt": "hi", "n_predict": 2, "n_probs": 3},
+        {"prompt": "hi", "n_predict": 2, "n_probs": 21},
+        {"prompt": "hi", "n_predict": 2, "n_probs": 2, "post_sampling_probs": True},
         {"prompt": "hi", "n_predict": 2, "grammar": 'root ::= "a"', "json_schema": {}},
         {"prompt": ["a", "b"], "n_predict": 2},
         {"prompt": "", "n_predict": 2},

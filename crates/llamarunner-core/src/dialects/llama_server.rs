@@ -17,10 +17,11 @@ use crate::constrain::{Grammar, GrammarSource};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
-use crate::protocol::{Completion, DoneReason, Event, Token};
+use crate::protocol::{Completion, DoneReason, Event, Token, TokenLogprob, TopLogprob};
 use crate::requests::common::{collect, parse_json, start_generation, PromptSource};
 use crate::requests::format::json_schema;
 use crate::requests::options::SamplerFields;
+use crate::requests::validate::MAX_TOP_LOGPROBS;
 
 /// llama-server's `timings` of a finished answer: the prompt's decoded and cached tokens and the
 /// generation, with their times and rates (0 where nothing was timed). The generation's rate
@@ -164,7 +165,12 @@ struct CompletionRequest {
     cache_prompt: Option<bool>,
     lora: Option<Value>,
     return_progress: Option<bool>,
+    /// The most likely tokens at each position, with the sampled one's probability
+    /// (`completion_probabilities`).
     n_probs: Option<u32>,
+    /// Probabilities after the sampler chain (refused: the engine reports the model's).
+    post_sampling_probs: Option<bool>,
+    /// The generated tokens' ids in `tokens`.
     return_tokens: Option<bool>,
     /// Timings on every prompt-progress event too (`return_progress`); text events carry none.
     timings_per_token: Option<bool>,
@@ -175,17 +181,17 @@ struct CompletionRequest {
 impl CompletionRequest {
     /// The sampling parameters: the request's, llama-server's defaults for the rest.
     fn params(&self, state: &AppState) -> Result<SamplingParams, ApiError> {
-        if self.n_probs.is_some_and(|n| n > 0) {
+        if self.post_sampling_probs == Some(true) {
             return Err(ApiError::invalid(
-                "n_probs: token probabilities are not given in this format; /v1/completions \
-                 gives them (logprobs)",
+                "post_sampling_probs: the probabilities given are the model's, before \
+                 sampling; leave it out",
             ));
         }
-        if self.return_tokens == Some(true) {
-            return Err(ApiError::invalid(
-                "return_tokens: the answer's token ids are not given; POST /tokenize gives a \
-                 text's",
-            ));
+        let n_probs = self.n_probs.unwrap_or(0) as usize;
+        if n_probs > MAX_TOP_LOGPROBS {
+            return Err(ApiError::invalid(format!(
+                "n_probs must be at most {MAX_TOP_LOGPROBS}"
+            )));
         }
         let d = default_params();
         let mut p = SamplingParams {
@@ -209,6 +215,9 @@ impl CompletionRequest {
             cache_prompt: self.cache_prompt.unwrap_or(true),
             return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),
+            // The engine reports each sampled token (and n_probs alternatives) when asked:
+            // what completion_probabilities and tokens are made of.
+            logprobs: (n_probs > 0 || self.return_tokens == Some(true)).then_some(n_probs),
             ..d
         };
         p.lora = state.lora.for_request(self.lora.as_ref())?;
@@ -257,6 +266,39 @@ struct Meta {
     model: String,
     prompt: String,
     settings: Value,
+    /// `return_tokens`: the generated tokens' ids in `tokens`.
+    return_tokens: bool,
+    /// `n_probs` > 0: `completion_probabilities`.
+    probabilities: bool,
+}
+
+impl Meta {
+    /// `tokens` and `completion_probabilities` of these tokens, as the request asked.
+    fn add_tokens(&self, body: &mut Value, logprobs: &[TokenLogprob]) {
+        if self.return_tokens {
+            body["tokens"] = json!(logprobs.iter().map(|l| l.sampled.token).collect::<Vec<_>>());
+        }
+        if self.probabilities {
+            body["completion_probabilities"] =
+                Value::Array(logprobs.iter().map(probability).collect());
+        }
+    }
+}
+
+/// One token's entry in `completion_probabilities`: its id, text (lossy where it is part of a
+/// character), bytes and log-probability, and the most likely tokens at its position.
+fn probability(l: &TokenLogprob) -> Value {
+    let one = |t: &TopLogprob| {
+        json!({
+            "id": t.token,
+            "token": String::from_utf8_lossy(&t.bytes),
+            "bytes": t.bytes,
+            "logprob": t.logprob,
+        })
+    };
+    let mut entry = one(&l.sampled);
+    entry["top_logprobs"] = Value::Array(l.top.iter().map(one).collect());
+    entry
 }
 
 /// llama-server's `stop_type`: why the generation ended.
@@ -329,12 +371,16 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             _ => String::new(),
         },
         settings: settings_json(&params),
+        return_tokens: req.return_tokens == Some(true),
+        probabilities: req.n_probs.is_some_and(|n| n > 0),
     };
     let generation = start_generation(&state, prompt, params).await?;
     let evaluated = generation.prompt_tokens;
     if req.stream != Some(true) {
         let all = collect(generation).await?;
-        return Ok(Json(final_body(&meta, &all.text, &all.done)).into_response());
+        let mut body = final_body(&meta, &all.text, &all.done);
+        meta.add_tokens(&mut body, &all.logprobs);
+        return Ok(Json(body).into_response());
     }
     let mut predicted = 0usize;
     let progress_timings_too = req.timings_per_token == Some(true);
@@ -352,13 +398,16 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                 }
                 Some(chunk)
             }
-            Event::Text { text, .. } => {
-                predicted += 1;
-                Some(json!({
+            Event::Text { text, logprobs } => {
+                predicted += logprobs.len().max(1);
+                let mut chunk = json!({
                     "index": 0, "content": text, "tokens": [], "stop": false, "id_slot": -1,
                     "tokens_predicted": predicted, "tokens_evaluated": evaluated,
-                }))
+                });
+                meta.add_tokens(&mut chunk, &logprobs);
+                Some(chunk)
             }
+            // A streamed answer's tokens came with its text: the last event has none.
             Event::Done(done) => Some(final_body(&meta, "", &done)),
             Event::Error(e) => Some(ApiError::from(e).body()),
         };
@@ -408,9 +457,18 @@ mod tests {
             serde_json::from_str(r#"{"prompt": "hi", "n_predict": 3, "temperature": 0}"#).unwrap();
         let p = req.params(&state).unwrap();
         assert_eq!((p.num_predict, p.temperature), (3, 0.0));
+        for (body, logprobs) in [
+            (r#"{"n_probs": 2}"#, Some(2)),
+            (r#"{"return_tokens": true}"#, Some(0)),
+            (r#"{"n_probs": 3, "return_tokens": true}"#, Some(3)),
+            (r#"{"n_probs": 0, "return_tokens": false}"#, None),
+        ] {
+            let req: CompletionRequest = serde_json::from_str(body).unwrap();
+            assert_eq!(req.params(&state).unwrap().logprobs, logprobs, "{body}");
+        }
         for (body, wanted) in [
-            (r#"{"n_probs": 2}"#, "n_probs"),
-            (r#"{"return_tokens": true}"#, "return_tokens"),
+            (r#"{"n_probs": 21}"#, "n_probs must be at most 20"),
+            (r#"{"post_sampling_probs": true}"#, "post_sampling_probs"),
             (
                 r#"{"grammar": "root ::= \"a\"", "json_schema": {}}"#,
                 "one constraint",

@@ -15,6 +15,7 @@
 //!   each dialect's own reading of its body.
 
 pub mod anthropic;
+pub mod blocks;
 pub mod infill;
 pub mod llama_server;
 pub mod native;

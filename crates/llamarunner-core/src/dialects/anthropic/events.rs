@@ -7,6 +7,7 @@ use axum::response::sse::Event as SseEvent;
 use serde_json::{json, Value};
 
 use super::answer::{tool_use_id, usage, Meta};
+use crate::dialects::blocks::{Kind, Step};
 use crate::http::error::ApiError;
 use crate::protocol::Event;
 use crate::requests::tool_calls::{ChatOutput, OutPiece};
@@ -22,19 +23,13 @@ pub(super) fn event(data: &Value) -> SseEvent {
         .data(crate::dialects::stream_json::to_line(data))
 }
 
-/// The kind of the content block being streamed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Open {
-    Thinking,
-    Text,
-}
-
 /// Writes a streamed answer as content blocks: one thinking block, one text block for each
-/// run of text, one tool_use block per call; each opened, filled by deltas, closed.
+/// run of text, one tool_use block per call; each opened, filled by deltas, closed
+/// (`dialects/blocks.rs` decides when).
 pub(super) struct Blocks {
     meta: Arc<Meta>,
     output: ChatOutput,
-    open: Option<Open>,
+    blocks: crate::dialects::blocks::Blocks,
     /// Index of the next block.
     next: usize,
     called: bool,
@@ -45,7 +40,7 @@ impl Blocks {
         Self {
             meta,
             output,
-            open: None,
+            blocks: Default::default(),
             next: 0,
             called: false,
         }
@@ -82,70 +77,67 @@ impl Blocks {
     }
 
     fn piece(&mut self, piece: OutPiece, out: &mut Vec<SseEvent>) {
-        match piece {
-            OutPiece::Reasoning(t) => {
-                self.ensure(Open::Thinking, out);
-                out.push(self.delta(json!({"type": "thinking_delta", "thinking": t})));
-            }
-            OutPiece::Content(t) if t.is_empty() => {}
-            OutPiece::Content(t) => {
-                self.ensure(Open::Text, out);
-                out.push(self.delta(json!({"type": "text_delta", "text": t})));
-            }
-            OutPiece::Calls(calls) => {
-                self.close(out);
-                self.called |= !calls.is_empty();
-                for call in calls {
-                    let index = self.next;
-                    out.push(event(&json!({
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {
-                            "type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {},
-                        },
-                    })));
-                    out.push(event(&json!({
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()},
-                    })));
-                    out.push(event(
-                        &json!({"type": "content_block_stop", "index": index}),
-                    ));
-                    self.next += 1;
-                }
-            }
+        for step in self.blocks.piece(piece) {
+            self.write(step, out);
         }
     }
 
-    /// Opens a block of `kind` unless one is open (closing another kind first).
-    fn ensure(&mut self, kind: Open, out: &mut Vec<SseEvent>) {
-        if self.open == Some(kind) {
-            return;
+    fn close(&mut self, out: &mut Vec<SseEvent>) {
+        if let Some(step) = self.blocks.close() {
+            self.write(step, out);
         }
-        self.close(out);
-        let block = match kind {
-            Open::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
-            Open::Text => json!({"type": "text", "text": ""}),
-        };
-        out.push(event(&json!({
-            "type": "content_block_start",
-            "index": self.next,
-            "content_block": block,
-        })));
-        self.open = Some(kind);
+    }
+
+    /// The events of one step.
+    fn write(&mut self, step: Step, out: &mut Vec<SseEvent>) {
+        let index = self.next;
+        match step {
+            Step::Open(kind) => {
+                let block = match kind {
+                    Kind::Reasoning => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                    Kind::Text => json!({"type": "text", "text": ""}),
+                };
+                out.push(event(&json!({
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": block,
+                })));
+            }
+            Step::Delta(Kind::Reasoning, t) => {
+                out.push(self.delta(json!({"type": "thinking_delta", "thinking": t})));
+            }
+            Step::Delta(Kind::Text, t) => {
+                out.push(self.delta(json!({"type": "text_delta", "text": t})));
+            }
+            Step::Close(..) => {
+                out.push(event(
+                    &json!({"type": "content_block_stop", "index": index}),
+                ));
+                self.next += 1;
+            }
+            Step::Call(call) => {
+                self.called = true;
+                out.push(event(&json!({
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": {
+                        "type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {},
+                    },
+                })));
+                out.push(event(&json!({
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()},
+                })));
+                out.push(event(
+                    &json!({"type": "content_block_stop", "index": index}),
+                ));
+                self.next += 1;
+            }
+        }
     }
 
     fn delta(&self, delta: Value) -> SseEvent {
         event(&json!({"type": "content_block_delta", "index": self.next, "delta": delta}))
-    }
-
-    fn close(&mut self, out: &mut Vec<SseEvent>) {
-        if self.open.take().is_some() {
-            out.push(event(
-                &json!({"type": "content_block_stop", "index": self.next}),
-            ));
-            self.next += 1;
-        }
     }
 }

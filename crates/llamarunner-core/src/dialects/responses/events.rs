@@ -10,23 +10,21 @@ use super::answer::{
     call_item, item_status, keep_response, message_item, new_id, reasoning_item,
     response_error_code, Finished, Meta,
 };
+use crate::dialects::blocks::{Kind, Step};
 use crate::http::error::ApiError;
 use crate::http::response_store::ResponseStore;
 use crate::protocol::Event;
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
 
-/// The item being streamed.
-enum Open {
-    Reasoning { id: String, text: String },
-    Message { id: String, text: String },
-}
-
 /// Writes a streamed answer as output items, each added, filled by deltas and done, with the
-/// events' `sequence_number`s; at the end, the whole response (kept unless `store: false`).
+/// events' `sequence_number`s (`dialects/blocks.rs` decides when); at the end, the whole
+/// response (kept unless `store: false`).
 pub(super) struct Items {
     meta: Arc<Meta>,
     output: ChatOutput,
-    open: Option<Open>,
+    blocks: crate::dialects::blocks::Blocks,
+    /// The id of the item being streamed.
+    open_id: String,
     done: Vec<Value>,
     sequence: u64,
     store: Option<(Arc<ResponseStore>, Vec<Value>)>,
@@ -41,7 +39,8 @@ impl Items {
         Self {
             meta,
             output,
-            open: None,
+            blocks: Default::default(),
+            open_id: String::new(),
             done: Vec::new(),
             sequence: 0,
             store,
@@ -112,93 +111,8 @@ impl Items {
     }
 
     fn piece(&mut self, piece: OutPiece, out: &mut Vec<SseEvent>) {
-        match piece {
-            OutPiece::Reasoning(t) => {
-                if !matches!(self.open, Some(Open::Reasoning { .. })) {
-                    self.close(out);
-                    let id = new_id("rs");
-                    let item = json!({"type": "reasoning", "id": id, "summary": [], "content": []});
-                    let index = self.index();
-                    out.push(self.event(
-                        "response.output_item.added",
-                        json!({"output_index": index, "item": item}),
-                    ));
-                    self.open = Some(Open::Reasoning {
-                        id,
-                        text: String::new(),
-                    });
-                }
-                let index = self.index();
-                if let Some(Open::Reasoning { id, text }) = &mut self.open {
-                    text.push_str(&t);
-                    let id = id.clone();
-                    out.push(self.event(
-                        "response.reasoning_text.delta",
-                        json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
-                    ));
-                }
-            }
-            OutPiece::Content(t) if t.is_empty() => {}
-            OutPiece::Content(t) => {
-                if !matches!(self.open, Some(Open::Message { .. })) {
-                    self.close(out);
-                    let id = new_id("msg");
-                    let index = self.index();
-                    let item = json!({"type": "message", "id": id, "status": "in_progress",
-                                      "role": "assistant", "content": []});
-                    out.push(self.event(
-                        "response.output_item.added",
-                        json!({"output_index": index, "item": item}),
-                    ));
-                    out.push(self.event(
-                        "response.content_part.added",
-                        json!({"item_id": id, "output_index": index, "content_index": 0,
-                               "part": {"type": "output_text", "text": "", "annotations": []}}),
-                    ));
-                    self.open = Some(Open::Message {
-                        id,
-                        text: String::new(),
-                    });
-                }
-                let index = self.index();
-                if let Some(Open::Message { id, text }) = &mut self.open {
-                    text.push_str(&t);
-                    let id = id.clone();
-                    out.push(self.event(
-                        "response.output_text.delta",
-                        json!({"item_id": id, "output_index": index, "content_index": 0,
-                               "delta": t, "logprobs": []}),
-                    ));
-                }
-            }
-            OutPiece::Calls(calls) => {
-                self.close(out);
-                for c in calls {
-                    let index = self.index();
-                    let (id, call_id) = (new_id("fc"), tool_calls::call_id());
-                    let arguments = c.arguments.to_string();
-                    out.push(self.event(
-                        "response.output_item.added",
-                        json!({"output_index": index,
-                               "item": call_item(&id, &call_id, &c.name, "", "in_progress")}),
-                    ));
-                    out.push(self.event(
-                        "response.function_call_arguments.delta",
-                        json!({"item_id": id, "output_index": index, "delta": arguments}),
-                    ));
-                    out.push(self.event(
-                        "response.function_call_arguments.done",
-                        json!({"item_id": id, "output_index": index, "name": c.name,
-                               "arguments": arguments}),
-                    ));
-                    let item = call_item(&id, &call_id, &c.name, &arguments, "completed");
-                    out.push(self.event(
-                        "response.output_item.done",
-                        json!({"output_index": index, "item": item.clone()}),
-                    ));
-                    self.done.push(item);
-                }
-            }
+        for step in self.blocks.piece(piece) {
+            self.write(step, out, "completed");
         }
     }
 
@@ -208,34 +122,110 @@ impl Items {
 
     /// Closes the open item; a message gets `status`.
     fn close_as(&mut self, out: &mut Vec<SseEvent>, status: &str) {
+        if let Some(step) = self.blocks.close() {
+            self.write(step, out, status);
+        }
+    }
+
+    /// The events of one step; a message closed gets `status`.
+    fn write(&mut self, step: Step, out: &mut Vec<SseEvent>, status: &str) {
         let index = self.index();
-        let item = match self.open.take() {
-            None => return,
-            Some(Open::Reasoning { id, text }) => {
+        match step {
+            Step::Open(Kind::Reasoning) => {
+                let id = new_id("rs");
+                let item = json!({"type": "reasoning", "id": id, "summary": [], "content": []});
                 out.push(self.event(
-                    "response.reasoning_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
                 ));
-                reasoning_item(&id, &text)
+                self.open_id = id;
             }
-            Some(Open::Message { id, text }) => {
+            Step::Open(Kind::Text) => {
+                let id = new_id("msg");
+                let item = json!({"type": "message", "id": id, "status": "in_progress",
+                                  "role": "assistant", "content": []});
                 out.push(self.event(
-                    "response.output_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "text": text, "logprobs": []}),
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
                 ));
                 out.push(self.event(
-                    "response.content_part.done",
+                    "response.content_part.added",
                     json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": {"type": "output_text", "text": text, "annotations": []}}),
+                           "part": {"type": "output_text", "text": "", "annotations": []}}),
                 ));
-                message_item(&id, &text, status)
+                self.open_id = id;
             }
-        };
-        out.push(self.event(
-            "response.output_item.done",
-            json!({"output_index": index, "item": item.clone()}),
-        ));
-        self.done.push(item);
+            Step::Delta(Kind::Reasoning, t) => {
+                let id = self.open_id.clone();
+                out.push(self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
+                ));
+            }
+            Step::Delta(Kind::Text, t) => {
+                let id = self.open_id.clone();
+                out.push(self.event(
+                    "response.output_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0,
+                           "delta": t, "logprobs": []}),
+                ));
+            }
+            Step::Close(kind, text) => {
+                let id = std::mem::take(&mut self.open_id);
+                let item = match kind {
+                    Kind::Reasoning => {
+                        out.push(self.event(
+                            "response.reasoning_text.done",
+                            json!({"item_id": id, "output_index": index, "content_index": 0,
+                                   "text": text}),
+                        ));
+                        reasoning_item(&id, &text)
+                    }
+                    Kind::Text => {
+                        out.push(self.event(
+                            "response.output_text.done",
+                            json!({"item_id": id, "output_index": index, "content_index": 0,
+                                   "text": text, "logprobs": []}),
+                        ));
+                        out.push(self.event(
+                            "response.content_part.done",
+                            json!({"item_id": id, "output_index": index, "content_index": 0,
+                                   "part": {"type": "output_text", "text": text,
+                                            "annotations": []}}),
+                        ));
+                        message_item(&id, &text, status)
+                    }
+                };
+                out.push(self.event(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item.clone()}),
+                ));
+                self.done.push(item);
+            }
+            Step::Call(c) => {
+                let (id, call_id) = (new_id("fc"), tool_calls::call_id());
+                let arguments = c.arguments.to_string();
+                out.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index,
+                           "item": call_item(&id, &call_id, &c.name, "", "in_progress")}),
+                ));
+                out.push(self.event(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": index, "delta": arguments}),
+                ));
+                out.push(self.event(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": index, "name": c.name,
+                           "arguments": arguments}),
+                ));
+                let item = call_item(&id, &call_id, &c.name, &arguments, "completed");
+                out.push(self.event(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item.clone()}),
+                ));
+                self.done.push(item);
+            }
+        }
     }
 }
