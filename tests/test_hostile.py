@@ -200,6 +200,25 @@ def numbers(v: Any) -> bool:
     )
 
 
+def llama_server_answer_problem(reply: Reply, want_stream: bool, what: str) -> str | None:
+    """What is wrong with an answer in llama-server's native format (`/infill`, and
+    `/completion` in its format): events ending with ``stop: true``, or one such object."""
+    data = reply.body
+    if "text/event-stream" in reply.content_type:
+        events = [json.loads(p) for p in sse_payloads(data)]
+        if not events or events[-1].get("stop") is not True:
+            return f"the {what} stream does not end with stop:true: {show(data[-300:])}"
+        if any("error" in e for e in events):
+            return f"an error inside the {what} stream: {show(data[-300:])}"
+        return None
+    if want_stream:
+        return f"stream:true answered {reply.content_type}, not SSE"
+    obj = json.loads(data)
+    if obj.get("stop") is not True or not isinstance(obj.get("content"), str):
+        return f"not a {what} answer: {show(data)}"
+    return None
+
+
 def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
     """What is wrong with a 200 answer, or None."""
     data = reply.body
@@ -207,19 +226,7 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
     try:
         if path == "/completion" and "application/x-ndjson" not in reply.content_type:
             # llama-server's format (dialects/llama_server.rs).
-            if "text/event-stream" in reply.content_type:
-                events = [json.loads(p) for p in sse_payloads(data)]
-                if not events or events[-1].get("stop") is not True:
-                    return f"the stream does not end with stop:true: {show(data[-300:])}"
-                if any("error" in e for e in events):
-                    return f"an error inside the stream: {show(data[-300:])}"
-                return None
-            if want_stream:
-                return f"stream:true answered {reply.content_type}, not SSE"
-            obj = json.loads(data)
-            if obj.get("stop") is not True or not isinstance(obj.get("timings"), dict):
-                return f"not a llama-server completion: {show(data)}"
-            return None
+            return llama_server_answer_problem(reply, want_stream, "completion")
         if path == "/completion":
             lines = json_lines(data)
             if not lines:
@@ -230,19 +237,7 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
                 return f"the stream ended with an error: {lines[-1]}"
             return None
         if path == "/infill":
-            if "text/event-stream" in reply.content_type:
-                events = [json.loads(p) for p in sse_payloads(data)]
-                if not events or events[-1].get("stop") is not True:
-                    return f"the infill stream does not end with stop:true: {show(data[-300:])}"
-                if any("error" in e for e in events):
-                    return f"an error inside the infill stream: {show(data[-300:])}"
-                return None
-            if want_stream:
-                return f"stream:true answered {reply.content_type}, not SSE"
-            obj = json.loads(data)
-            if obj.get("stop") is not True or not isinstance(obj.get("content"), str):
-                return f"not an infill answer: {show(data)}"
-            return None
+            return llama_server_answer_problem(reply, want_stream, "infill")
         if path in ("/v1/chat/completions", "/v1/completions"):
             if "text/event-stream" in reply.content_type:
                 payloads = sse_payloads(data)
