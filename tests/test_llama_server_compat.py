@@ -285,6 +285,9 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     ids = post(tiny_server, "/tokenize", {"content": "hello"}).json()["tokens"]
     r = post(tiny_server, "/completion", {"prompt": ids, "n_predict": 2})
     assert r.status_code == 200 and r.json()["tokens_evaluated"] == len(ids), r.text
+    # Alone too: a prompt of token ids is llama-server's format (the runner's prompt is text).
+    r = post(tiny_server, "/completion", {"prompt": ids})
+    assert r.status_code == 200 and r.json()["stop"] is True, r.text
     # The Ollama runner's format is unchanged.
     r = post(tiny_server, "/completion", {"prompt": "hi", "options": {"num_predict": 2}})
     assert r.headers["content-type"] == "application/x-ndjson"
@@ -296,6 +299,10 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
         {"prompt": ["a", "b"], "n_predict": 2},
         {"prompt": "", "n_predict": 2},
         {"prompt": "hi", "temperature": -1},
+        {"prompt": "hi", "n_cmpl": 2},
+        # Token ids outside the vocabulary: the client's error, not the server's.
+        {"prompt": [1, 10_000_000]},
+        {"prompt": [1, 2**31]},
     ):
         r = post(tiny_server, "/completion", bad)
         assert r.status_code == 400, (bad, r.text)

@@ -83,10 +83,12 @@ pub(crate) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
 }
 
 /// The top-level fields by which a `POST /completion` body is llama-server's: its sampling
-/// fields and switches, which the Ollama runner's format keeps in `options` or lacks.
+/// fields and switches, which the Ollama runner's format keeps in `options` or lacks (fields
+/// both formats have, `prompt`, `grammar`, `lora`, `cache_prompt`, tell nothing).
 const LLAMA_SERVER_FIELDS: &[&str] = &[
     "stream",
     "n_predict",
+    "max_tokens",
     "temperature",
     "top_k",
     "top_p",
@@ -95,6 +97,7 @@ const LLAMA_SERVER_FIELDS: &[&str] = &[
     "seed",
     "stop",
     "n_probs",
+    "post_sampling_probs",
     "n_keep",
     "json_schema",
     "return_tokens",
@@ -106,20 +109,45 @@ const LLAMA_SERVER_FIELDS: &[&str] = &[
     "repeat_last_n",
     "presence_penalty",
     "frequency_penalty",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "xtc_probability",
+    "xtc_threshold",
+    "top_n_sigma",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "samplers",
+    "n_indent",
+    "t_max_predict_ms",
+    "n_cmpl",
     "return_progress",
-    "timings_per_token",
 ];
 
 /// Whether a `POST /completion` body is in llama-server's format rather than the Ollama
-/// runner's: it has none of the runner's `options` and one of llama-server's top-level fields
-/// (`n_predict`, `stream`, `temperature`...). A body with neither (`{"prompt"}`) keeps the
-/// runner's format. Keys are compared as the runner reads them, without case.
+/// runner's: it has none of the runner's own fields (`options`, `messages`) and either a prompt
+/// of token ids (the runner's is text) or one of llama-server's top-level fields (`n_predict`,
+/// `stream`, `temperature`...). A body with neither (`{"prompt"}`) keeps the runner's format.
+/// Keys are compared as the runner reads them, without case.
 pub(crate) fn is_llama_server_body(body: &[u8]) -> bool {
     let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else {
         return false;
     };
-    let has = |name: &str| fields.keys().any(|k| k.eq_ignore_ascii_case(name));
-    !has("options") && LLAMA_SERVER_FIELDS.iter().any(|f| has(f))
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find_map(|(k, v)| k.eq_ignore_ascii_case(name).then_some(v))
+    };
+    if field("options").is_some() || field("messages").is_some() {
+        return false;
+    }
+    matches!(field("prompt"), Some(Value::Array(_)))
+        || LLAMA_SERVER_FIELDS.iter().any(|f| field(f).is_some())
 }
 
 /// The sampling a llama-server-format request gets for what it leaves out: llama-server's
@@ -174,6 +202,8 @@ struct CompletionRequest {
     return_tokens: Option<bool>,
     /// Timings on every prompt-progress event too (`return_progress`); text events carry none.
     timings_per_token: Option<bool>,
+    /// Completions of the prompt (llama-server answers several in an array): one here.
+    n_cmpl: Option<u64>,
     #[serde(flatten)]
     samplers: SamplerFields,
 }
@@ -185,6 +215,11 @@ impl CompletionRequest {
             return Err(ApiError::invalid(
                 "post_sampling_probs: the probabilities given are the model's, before \
                  sampling; leave it out",
+            ));
+        }
+        if self.n_cmpl.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid(
+                "n_cmpl: one completion per request here; send several requests",
             ));
         }
         let n_probs = self.n_probs.unwrap_or(0) as usize;
@@ -306,13 +341,14 @@ fn stop_type(done: &Completion) -> &'static str {
     match (done.done_reason, &done.stop_string) {
         (DoneReason::Stop, Some(_)) => "word",
         (DoneReason::Stop, None) => "eos",
-        (DoneReason::Length, _) => "limit",
-        (DoneReason::Timeout, _) => "none",
+        // A time limit is a limit too (llama-server's t_max_predict_ms ends as "limit").
+        (DoneReason::Length | DoneReason::Timeout, _) => "limit",
     }
 }
 
-/// The last answer (stream) or the whole one: the text and the statistics.
-fn final_body(meta: &Meta, content: &str, done: &Completion) -> Value {
+/// The last answer (stream) or the whole one: the text and the statistics. `has_new_line`:
+/// whether the whole generation wrote one (a stream's last answer carries no text).
+fn final_body(meta: &Meta, content: &str, has_new_line: bool, done: &Completion) -> Value {
     json!({
         "index": 0,
         "content": content,
@@ -324,7 +360,7 @@ fn final_body(meta: &Meta, content: &str, done: &Completion) -> Value {
         "tokens_evaluated": done.prompt_eval_count,
         "generation_settings": meta.settings,
         "prompt": meta.prompt,
-        "has_new_line": content.contains('\n'),
+        "has_new_line": has_new_line,
         "truncated": done.truncated,
         "stop_type": stop_type(done),
         "stopping_word": done.stop_string.clone().unwrap_or_default(),
@@ -378,11 +414,12 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     let evaluated = generation.prompt_tokens;
     if req.stream != Some(true) {
         let all = collect(generation).await?;
-        let mut body = final_body(&meta, &all.text, &all.done);
+        let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
         meta.add_tokens(&mut body, &all.logprobs);
         return Ok(Json(body).into_response());
     }
     let mut predicted = 0usize;
+    let mut has_new_line = false;
     let progress_timings_too = req.timings_per_token == Some(true);
     let events = generation.filter_map(move |event| {
         let value = match event {
@@ -400,6 +437,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             }
             Event::Text { text, logprobs } => {
                 predicted += logprobs.len().max(1);
+                has_new_line |= text.contains('\n');
                 let mut chunk = json!({
                     "index": 0, "content": text, "tokens": [], "stop": false, "id_slot": -1,
                     "tokens_predicted": predicted, "tokens_evaluated": evaluated,
@@ -408,7 +446,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                 Some(chunk)
             }
             // A streamed answer's tokens came with its text: the last event has none.
-            Event::Done(done) => Some(final_body(&meta, "", &done)),
+            Event::Done(done) => Some(final_body(&meta, "", has_new_line, &done)),
             Event::Error(e) => Some(ApiError::from(e).body()),
         };
         std::future::ready(value.map(|v| {
@@ -429,11 +467,22 @@ mod tests {
             (r#"{"prompt": "hi", "stream": true}"#, true),
             (r#"{"prompt": [1, 2], "temperature": 0}"#, true),
             (r#"{"Prompt": "hi", "N_Predict": 8}"#, true),
+            // A prompt of token ids alone: the runner's prompt is text.
+            (r#"{"prompt": [1, 2]}"#, true),
+            (r#"{"prompt": "hi", "max_tokens": 4}"#, true),
+            (r#"{"prompt": "hi", "dry_multiplier": 0.5}"#, true),
+            (r#"{"prompt": "hi", "n_cmpl": 2}"#, true),
             // The Ollama runner's: options, or nothing llama-server's.
             (r#"{"prompt": "hi"}"#, false),
             (r#"{"prompt": "hi", "options": {"num_predict": 2}}"#, false),
             (r#"{"prompt": "hi", "Options": {}, "stream": true}"#, false),
             (r#"{"messages": [], "think": true}"#, false),
+            // The runner's messages, even beside a field of llama-server's.
+            (r#"{"messages": [], "stream": true}"#, false),
+            (
+                r#"{"prompt": "hi", "lora": [], "cache_prompt": false}"#,
+                false,
+            ),
             ("not json", false),
             ("[1, 2]", false),
         ] {
@@ -469,6 +518,7 @@ mod tests {
         for (body, wanted) in [
             (r#"{"n_probs": 21}"#, "n_probs must be at most 20"),
             (r#"{"post_sampling_probs": true}"#, "post_sampling_probs"),
+            (r#"{"n_cmpl": 2}"#, "n_cmpl"),
             (
                 r#"{"grammar": "root ::= \"a\"", "json_schema": {}}"#,
                 "one constraint",
@@ -513,7 +563,7 @@ mod tests {
         assert_eq!(stop_type(&done(DoneReason::Stop, None)), "eos");
         assert_eq!(stop_type(&done(DoneReason::Stop, Some("\n"))), "word");
         assert_eq!(stop_type(&done(DoneReason::Length, None)), "limit");
-        assert_eq!(stop_type(&done(DoneReason::Timeout, None)), "none");
+        assert_eq!(stop_type(&done(DoneReason::Timeout, None)), "limit");
     }
 
     #[test]

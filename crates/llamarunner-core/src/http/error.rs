@@ -103,6 +103,19 @@ pub enum ApiError {
     InsufficientMemory(String),
 }
 
+/// Most characters of a client's value an error message quotes.
+const QUOTED_CHARS: usize = 60;
+
+/// A client's JSON value as an error message quotes it: whole when short, else its first
+/// characters and an ellipsis, so that a huge value is not echoed back (nor logged) whole.
+pub fn quoted(value: &serde_json::Value) -> String {
+    let text = value.to_string();
+    match text.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text,
+    }
+}
+
 impl ApiError {
     /// A 400 `invalid_request` with this message.
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -406,6 +419,15 @@ impl From<SubmitError> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::Dialect;
+
+    #[test]
+    fn a_quoted_value_is_cut_after_its_first_characters() {
+        use serde_json::json;
+        assert_eq!(super::quoted(&json!({"a": 1})), r#"{"a":1}"#);
+        let long = super::quoted(&json!("é".repeat(500)));
+        assert_eq!(long.chars().count(), super::QUOTED_CHARS + 3);
+        assert!(long.starts_with("\"éé") && long.ends_with("..."), "{long}");
+    }
 
     #[test]
     fn each_path_answers_errors_in_its_api_s_shape() {

@@ -5,8 +5,11 @@
 //! Where each comes from: prompt, cached and embedded tokens at admission and embedding;
 //! every decode step and the slots in it (`EngineObserver::decoded`); the generated tokens as
 //! they are sampled; the prompt's and the generation's time from each finished request
-//! (`Completion`), the throughput gauges from those sums, and the running and waiting
-//! requests read at scrape time.
+//! (`Completion`), the throughput gauges from finished requests alone (tokens and seconds
+//! counted together, so that requests under way do not inflate them), and the running and
+//! waiting requests read at scrape time.
+
+use std::sync::Mutex;
 
 use prometheus::{Counter, Gauge, IntCounter, IntGauge, Registry};
 
@@ -38,9 +41,14 @@ pub struct LlamaServerMetrics {
     n_busy_slots_per_decode: Gauge,
     /// Busy slots summed over decode steps (not exported: the gauge is its mean).
     busy_slot_steps: IntCounter,
-    /// Generation time of the tokens that cost a decode step (each request's first token comes
-    /// with its prompt), for the generation rate.
+    /// Finished requests' decoded prompt tokens, for the prompt rate over `prompt_seconds`.
+    finished_prompt_tokens: IntCounter,
+    /// Finished requests' tokens that cost a decode step (each request's first token comes with
+    /// its prompt), for the generation rate over `tokens_predicted_seconds`.
     generation_steps: IntCounter,
+    /// Held while `n_tokens_max` is read and raised, so that two requests finishing at once
+    /// cannot both raise it from the same value.
+    raising_max: Mutex<()>,
 }
 
 impl LlamaServerMetrics {
@@ -122,7 +130,9 @@ impl LlamaServerMetrics {
                 "Average number of busy slots per llama_decode() call.",
             )?,
             busy_slot_steps: internal("busy_slot_steps")?,
+            finished_prompt_tokens: internal("finished_prompt_tokens")?,
             generation_steps: internal("generation_steps")?,
+            raising_max: Mutex::new(()),
             registry,
         })
     }
@@ -134,12 +144,9 @@ impl LlamaServerMetrics {
         self.prompt_tokens_cached.inc_by(cached as u64);
     }
 
-    /// A token was sampled (`first`: a request's first, which its prompt's decode gave).
-    pub(super) fn token(&self, first: bool) {
+    /// A token was sampled.
+    pub(super) fn token(&self) {
         self.tokens_predicted.inc();
-        if !first {
-            self.generation_steps.inc();
-        }
     }
 
     /// A decode step over `sequences` busy slots.
@@ -168,7 +175,14 @@ impl LlamaServerMetrics {
             .inc_by(done.prompt_eval_duration_ns as f64 / 1e9);
         self.tokens_predicted_seconds
             .inc_by(done.eval_duration_ns as f64 / 1e9);
+        self.finished_prompt_tokens.inc_by(
+            done.prompt_eval_count
+                .saturating_sub(done.prompt_cached_count) as u64,
+        );
+        self.generation_steps
+            .inc_by(done.eval_count.saturating_sub(1) as u64);
         let n_tokens = (done.prompt_eval_count + done.eval_count) as u64;
+        let _raising = self.raising_max.lock().unwrap_or_else(|e| e.into_inner());
         let max = self.n_tokens_max.get();
         if n_tokens > max {
             self.n_tokens_max.inc_by(n_tokens - max);
@@ -186,8 +200,10 @@ impl LlamaServerMetrics {
                 0.0
             }
         };
-        self.prompt_tokens_seconds
-            .set(rate(self.prompt_tokens.get(), self.prompt_seconds.get()));
+        self.prompt_tokens_seconds.set(rate(
+            self.finished_prompt_tokens.get(),
+            self.prompt_seconds.get(),
+        ));
         self.predicted_tokens_seconds.set(rate(
             self.generation_steps.get(),
             self.tokens_predicted_seconds.get(),

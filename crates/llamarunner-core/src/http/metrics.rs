@@ -466,13 +466,13 @@ impl EngineObserver for Metrics {
 
     fn first_token(&self, since_arrival: Duration) {
         self.generation_tokens.inc();
-        self.llamacpp.token(true);
+        self.llamacpp.token();
         self.time_to_first_token.observe(seconds(since_arrival));
     }
 
     fn next_token(&self, gap: Duration) {
         self.generation_tokens.inc();
-        self.llamacpp.token(false);
+        self.llamacpp.token();
         self.inter_token_latency.observe(seconds(gap));
     }
 
@@ -573,27 +573,35 @@ mod tests {
         m.speculated(4, 1);
         m.embedded(5);
         let mut first = done(DoneReason::Length, 10, 3);
+        first.prompt_cached_count = 4;
         first.prompt_eval_duration_ns = 500_000_000;
         first.eval_duration_ns = 1_000_000_000;
         m.record(&Outcome::Finished(first), Duration::ZERO);
         let mut second = done(DoneReason::Stop, 6, 1);
         second.prompt_eval_duration_ns = 500_000_000;
         m.record(&Outcome::Finished(second), Duration::ZERO);
+        // A third, under way: its tokens count, but not in the rates until it finishes.
+        m.admitted(Duration::ZERO, 50, 0, false);
+        m.first_token(Duration::ZERO);
+        m.next_token(Duration::ZERO);
+        m.next_token(Duration::ZERO);
         let text = m.render(&engine).unwrap();
         for (name, want) in [
-            // Decoded prompt tokens: 6 + 6, and the embedding's 5.
-            ("prompt_tokens_total", 17.0),
+            // Decoded prompt tokens: 6 + 6 + 50, and the embedding's 5.
+            ("prompt_tokens_total", 67.0),
             ("prompt_tokens_cached_total", 4.0),
             ("prompt_seconds_total", 1.0),
-            ("tokens_predicted_total", 4.0),
+            ("tokens_predicted_total", 7.0),
             ("tokens_predicted_seconds_total", 1.0),
             ("n_decode_total", 3.0),
             ("n_tokens_max", 13.0),
             ("spec_decode_num_draft_tokens_total", 4.0),
             ("spec_decode_num_accepted_tokens_total", 1.0),
             ("spec_decode_num_drafts_total", 1.0),
-            ("prompt_tokens_seconds", 17.0),
-            // Two tokens cost a decode step each (the first ones came with their prompts).
+            // The finished requests' decoded prompt tokens (6 + 6) over their second.
+            ("prompt_tokens_seconds", 12.0),
+            // Of the finished requests' tokens, two cost a decode step each (the first ones
+            // came with their prompts).
             ("predicted_tokens_seconds", 2.0),
             ("n_busy_slots_per_decode", 4.0 / 3.0),
             ("requests_processing", 0.0),

@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use crate::chat::reasoning::THINK_OPEN;
 use crate::chat::{RenderExtras, RESERVED_VARIABLES};
 use crate::config::ReasoningFormat;
-use crate::http::error::ApiError;
+use crate::http::error::{quoted, ApiError};
 use crate::http::state::AppState;
 use crate::protocol::ModelInfo;
 
@@ -59,7 +59,8 @@ impl TemplateArgs {
                             other => {
                                 return Err(ApiError::invalid(format!(
                                     "chat_template_kwargs.enable_thinking must be a boolean, \
-                                     got {other}"
+                                     got {}",
+                                    quoted(other)
                                 )))
                             }
                         };
@@ -70,7 +71,8 @@ impl TemplateArgs {
             }
             Some(other) => {
                 return Err(ApiError::invalid(format!(
-                    "chat_template_kwargs must be an object, got {other}"
+                    "chat_template_kwargs must be an object, got {}",
+                    quoted(other)
                 )))
             }
         }
@@ -86,7 +88,8 @@ impl TemplateArgs {
             Some(other) => {
                 return Err(ApiError::invalid(format!(
                     "reasoning_effort must be none, minimal, low, medium, high or xhigh, got \
-                     {other}"
+                     {}",
+                    quoted(other)
                 )))
             }
         }
@@ -114,7 +117,8 @@ pub fn parse_think(think: Option<&Value>) -> Result<Option<bool>, ApiError> {
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => Ok(Some(true)),
         Some(other) => Err(ApiError::invalid(format!(
-            "think must be true, false, \"high\", \"medium\" or \"low\", got {other}"
+            "think must be true, false, \"high\", \"medium\" or \"low\", got {}",
+            quoted(other)
         ))),
     }
 }

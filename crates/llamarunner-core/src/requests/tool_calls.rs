@@ -10,7 +10,7 @@ use crate::chat::reasoning::{Piece, ThinkSplitter};
 use crate::chat::tools::{self, Parsed, Tool, ToolCall, ToolFormat};
 use crate::chat::{ChatMessage, RenderExtras};
 use crate::constrain::{Compiler, Grammar, GrammarSource};
-use crate::http::error::ApiError;
+use crate::http::error::{quoted, ApiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::ModelInfo;
@@ -104,7 +104,10 @@ fn parse_tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
         Some(other) => {
             return Err(at(
                 ".type",
-                &format!("must be \"function\" (the only tool type supported), got {other}"),
+                &format!(
+                    "must be \"function\" (the only tool type supported), got {}",
+                    quoted(other)
+                ),
             ))
         }
     }
@@ -140,7 +143,10 @@ fn parse_tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
                 Some(other) => {
                     return Err(at(
                         ".function.parameters.type",
-                        &format!("must be \"object\" (arguments are an object), got {other}"),
+                        &format!(
+                            "must be \"object\" (arguments are an object), got {}",
+                            quoted(other)
+                        ),
                     ))
                 }
             }
@@ -184,7 +190,8 @@ fn parse_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
                 Some(Value::String(s)) if s == "function" => {}
                 Some(other) => {
                     return Err(ApiError::invalid(format!(
-                        "tool_choice.type must be \"function\", got {other}"
+                        "tool_choice.type must be \"function\", got {}",
+                        quoted(other)
                     )))
                 }
             }
@@ -196,7 +203,8 @@ fn parse_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
             }
         }
         Some(other) => Err(ApiError::invalid(format!(
-            "tool_choice must be a string or an object, got {other}"
+            "tool_choice must be a string or an object, got {}",
+            quoted(other)
         ))),
     }
 }
