@@ -4,6 +4,7 @@
 //! has nothing to do.
 
 use std::convert::Infallible;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -545,52 +546,81 @@ fn details(info: &ModelInfo) -> Value {
     })
 }
 
-/// An identifier for the model file in Ollama's `sha256:` digest form. It is derived from the
+/// An identifier for a model file in Ollama's `sha256:` digest form. It is derived from the
 /// path, size and modification time, not the file's contents (hashing gigabytes at every
-/// start would be too slow), so it changes when the file does.
-fn digest(info: &ModelInfo) -> String {
+/// start would be too slow), so it changes when the file does. The router's listings and an
+/// engine's give a model the same one.
+pub(crate) fn digest(path: &Path, size: u64, modified: SystemTime) -> String {
     use std::hash::{Hash, Hasher};
     let mut words = [0u64; 4];
     for (i, word) in words.iter_mut().enumerate() {
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (i, &info.path, info.file_size, info.modified).hash(&mut h);
+        (i, path, size, modified).hash(&mut h);
         *word = h.finish();
     }
     words.iter().map(|w| format!("{w:016x}")).collect()
 }
 
-fn modified_at(info: &ModelInfo) -> String {
-    rfc3339(info.modified.unwrap_or(SystemTime::UNIX_EPOCH))
+/// How long `/api/ps` says a model stays loaded when nothing unloads it: a far future, as
+/// Ollama reports for `keep_alive: -1`.
+pub(crate) const KEPT_LOADED: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// A model file as Ollama's `/api/tags` and `/api/ps` list it, on an engine and a router alike.
+pub(crate) struct Listed<'a> {
+    pub name: &'a str,
+    pub path: &'a Path,
+    pub size: u64,
+    pub modified: SystemTime,
+    /// `details`: the model's family, size and quantization where known.
+    pub details: Value,
 }
 
-/// What `/api/tags` and `/api/ps` both say of the served model.
-fn model_entry(state: &AppState, info: &ModelInfo) -> Value {
-    json!({
-        "name": state.model_name.as_ref(),
-        "model": state.model_name.as_ref(),
-        "size": info.file_size,
-        "digest": digest(info),
-        "details": details(info),
-    })
+impl Listed<'_> {
+    /// `/api/tags`' entry.
+    pub(crate) fn tags_entry(&self) -> Value {
+        json!({
+            "name": self.name,
+            "model": self.name,
+            "size": self.size,
+            "modified_at": rfc3339(self.modified),
+            "digest": digest(self.path, self.size, self.modified),
+            "details": self.details,
+        })
+    }
+
+    /// `/api/ps`' entry: a loaded model's, with its expiry and its bytes in device memory.
+    pub(crate) fn ps_entry(&self, expires: SystemTime, size_vram: u64) -> Value {
+        let mut entry = self.tags_entry();
+        entry["expires_at"] = json!(rfc3339(expires));
+        entry["size_vram"] = json!(size_vram);
+        entry
+    }
+}
+
+/// The served model, as listed.
+fn listed<'a>(state: &'a AppState, info: &'a ModelInfo) -> Listed<'a> {
+    Listed {
+        name: state.model_name.as_ref(),
+        path: &info.path,
+        size: info.file_size,
+        modified: info.modified.unwrap_or(SystemTime::UNIX_EPOCH),
+        details: details(info),
+    }
 }
 
 /// `GET /api/tags`: the served model.
 pub async fn tags(State(state): State<AppState>) -> Result<Response, OllamaError> {
     let info = model_info(&state)?;
-    let mut entry = model_entry(&state, &info);
-    entry["modified_at"] = json!(modified_at(&info));
+    let entry = listed(&state, &info).tags_entry();
     Ok(Json(json!({ "models": [entry] })).into_response())
 }
 
 /// `GET /api/ps`: the served model, always loaded.
 pub async fn ps(State(state): State<AppState>) -> Result<Response, OllamaError> {
     let info = model_info(&state)?;
-    // Loaded until the server stops: report an expiry far in the future, as Ollama does for
-    // keep_alive -1.
-    let expires = SystemTime::now() + Duration::from_secs(100 * 365 * 86_400);
-    let mut entry = model_entry(&state, &info);
-    entry["expires_at"] = json!(rfc3339(expires));
-    entry["size_vram"] = json!(info.devices.vram_bytes);
+    // Loaded until the server stops.
+    let expires = SystemTime::now() + KEPT_LOADED;
+    let mut entry = listed(&state, &info).ps_entry(expires, info.devices.vram_bytes);
     entry["context_length"] = json!(info.slot_ctx);
     Ok(Json(json!({ "models": [entry] })).into_response())
 }
@@ -643,7 +673,7 @@ pub async fn show(State(state): State<AppState>, body: Bytes) -> Result<Response
         "details": details(&info),
         "model_info": model_info,
         "capabilities": ["completion"],
-        "modified_at": modified_at(&info),
+        "modified_at": rfc3339(info.modified.unwrap_or(SystemTime::UNIX_EPOCH)),
     }))
     .into_response())
 }

@@ -160,7 +160,12 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        // Seeded: the same cases on every run and machine (a failure reproduces as it is).
+        #![proptest_config(ProptestConfig {
+            cases: 256,
+            rng_seed: proptest::test_runner::RngSeed::Fixed(39),
+            ..ProptestConfig::default()
+        })]
 
         /// Whatever happens, the bytes counted are the states' sum, within the budget, the
         /// count within the maximum, and what `takes` accepts is stored.

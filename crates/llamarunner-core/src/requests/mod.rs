@@ -1,6 +1,6 @@
 //! The one validation layer: every limit is checked here, before a request reaches the queue.
 //!
-//! - `validate.rs`: sampling options, prompts fitted into a slot, grammars compiled, the bounded
+//! - `validate/`: sampling options, prompts fitted into a slot, grammars compiled, the bounded
 //!   blocking pool;
 //! - `options.rs`: Ollama's `options` object; `format.rs`: `format` / `response_format`;
 //! - `images.rs`, `image_prompt.rs`: images decoded, counted and placed in prompts;

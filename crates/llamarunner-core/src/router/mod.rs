@@ -2,7 +2,7 @@
 //! process routes each request by its `model` to that model's engine, a `llamarunner` server
 //! in its own process on a loopback port (a llama.cpp abort takes down that model only).
 //!
-//! - `registry.rs`: the models and their states; loading on demand (once), `--models-max`
+//! - `registry/`: the models and their states; loading on demand (once), `--models-max`
 //!   (least recently used idle model out), keep-alive expiry, leases held by running requests;
 //! - `engine_process.rs`: starting and following one engine process;
 //! - `engine_client.rs`: the HTTP client to an engine (requests, its `/health`, `/metrics`);

@@ -11,7 +11,7 @@
 //! there `mtmd_encode_chunk` runs the projector and `mtmd_helper_decode_image_chunk` decodes
 //! the embeddings at the sequence's positions (non-causal attention for the image when the
 //! model wants it). The context and projector pointers the crate keeps private are read from
-//! their `Debug` output once, at load, as `lora_llama.rs` does, and checked.
+//! their `Debug` output once, at load, as `backend/llama/lora.rs` does, and checked.
 //!
 //! Threads: `mtmd_tokenize` (HTTP side, the blocking pool) preprocesses images with the
 //! projector's image preprocessor and reads the vocabulary; `mtmd_encode_chunk` (engine thread)

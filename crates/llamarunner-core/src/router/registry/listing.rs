@@ -1,10 +1,11 @@
 //! How the router lists its models: llama-server's router shape for `GET /models` and
 //! `/health`, and Ollama's `/api/tags` and `/api/ps` entries.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use serde_json::{json, Value};
-use sha2::Digest as _;
+
+use crate::dialects::ollama;
 
 use super::{Model, Registry, Status};
 
@@ -56,26 +57,25 @@ impl Registry {
         })
     }
 
-    /// Ollama's `/api/tags` entry of a model (`loaded`: `/api/ps`'s, with its expiry).
+    /// Ollama's `/api/tags` entry of a model (`loaded`: `/api/ps`'s, with its expiry), as
+    /// an engine lists its own (`dialects::ollama::Listed`).
     pub fn ollama_entry(&self, model: &Model, loaded: bool) -> Value {
         let (size, modified) = model.file_facts();
-        let mut entry = json!({
-            "name": model.name,
-            "model": model.name,
-            "size": size,
-            "modified_at": crate::requests::common::rfc3339(modified),
-            "digest": format!("{:x}", sha2::Sha256::digest(model.spec.path.as_bytes())),
-            "details": {"format": "gguf"},
-        });
-        if loaded {
-            let inner = model.lock();
-            let expires = match inner.keep_alive {
-                Some(k) => SystemTime::now() + k.saturating_sub(inner.last_used.elapsed()),
-                None => SystemTime::now() + Duration::from_secs(100 * 365 * 86_400),
-            };
-            entry["expires_at"] = json!(crate::requests::common::rfc3339(expires));
-            entry["size_vram"] = json!(inner.vram_bytes);
+        let listed = ollama::Listed {
+            name: &model.name,
+            path: std::path::Path::new(&model.spec.path),
+            size,
+            modified,
+            details: json!({"format": "gguf"}),
+        };
+        if !loaded {
+            return listed.tags_entry();
         }
-        entry
+        let inner = model.lock();
+        let expires = match inner.keep_alive {
+            Some(k) => SystemTime::now() + k.saturating_sub(inner.last_used.elapsed()),
+            None => SystemTime::now() + ollama::KEPT_LOADED,
+        };
+        listed.ps_entry(expires, inner.vram_bytes)
     }
 }
