@@ -1,5 +1,6 @@
 """The one wait for a model to load (`llamarunner._health`), as `Server`, the clients,
-``serve`` and ``run`` use it: its rules, without a server."""
+``serve`` and ``run`` use it, and the watch of a serving engine (``serve``, a router's engine
+processes): their rules, without a server."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from llamarunner._health import (
     failure_reason,
     wait_ready,
     wait_ready_async,
+    watch_serving,
 )
 
 
@@ -80,3 +82,16 @@ def test_a_failure_is_a_failed_load_or_a_stopped_engine() -> None:
     assert failure_reason(H("error")) == "the model failed to load"
     assert not engine_stopped(failure_reason(H("error", error="no such file")))
     assert engine_stopped(failure_reason(H("error", error="the engine stopped: panic")))
+
+
+def test_the_watch_of_a_serving_engine_ends_when_it_dies_or_when_told() -> None:
+    answers = polls(H("ready"), H("ready"), H("error", error="the engine stopped: panic"))
+    died = watch_serving(lambda: next(answers), 0.0)
+    assert died is not None and died.error == "the engine stopped: panic"
+    # Told to end (a router's engine whose router is gone): None, after a last look.
+    answers = polls(H("ready"), H("ready"))
+    calls = iter([False, True])
+    assert watch_serving(lambda: next(answers), 0.0, until=lambda: next(calls)) is None
+    # An engine that died is reported even when told to end at the same time.
+    answers = polls(H("error", error="x"))
+    assert watch_serving(lambda: next(answers), 0.0, until=lambda: True) == H("error", error="x")

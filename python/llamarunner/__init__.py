@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._health import Health
     from .client import (
         APIConnectionError,
         APIStatusError,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
         TokenPiece,
     )
     from .config import NoModelError, ServerConfig, default_model_path
-    from .server import EngineStoppedError, Health, ModelLoadError, Server
+    from .server import EngineStoppedError, ModelLoadError, Server
 
     __version__: str
 
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 # reading the package's metadata took ~0.3 s of every model load.
 _LAZY = {
     "config": ("NoModelError", "ServerConfig", "default_model_path"),
-    "server": ("EngineStoppedError", "Health", "ModelLoadError", "Server"),
+    "_health": ("Health",),
+    "server": ("EngineStoppedError", "ModelLoadError", "Server"),
 }
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 from . import _core
+from ._health import Health, watch_serving
 
 CONFIG_ENV = "LLAMARUNNER_ENGINE_CONFIG"
 
@@ -33,16 +33,15 @@ def main() -> int:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    while True:
-        status, _, error, _, _ = native.health()
-        if status == "error":
-            print(f"llamarunner: model {name}: {error}", file=sys.stderr, flush=True)
-            native.stop()
-            return 1
-        if os.getppid() != parent:  # the router is gone
-            native.stop()
-            return 0
-        time.sleep(0.2)
+    # Until the engine dies, or the router is gone.
+    died = watch_serving(
+        lambda: Health(*native.health()), 0.2, until=lambda: os.getppid() != parent
+    )
+    native.stop()
+    if died is not None:
+        print(f"llamarunner: model {name}: {died.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

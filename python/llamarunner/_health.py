@@ -1,7 +1,8 @@
 """Waiting for a model to load, once for every caller: poll a health source until it says
 "ready"; raise when it says "error" (and "stopped", for callers that say so) or when the time
 is up. `ReadyWait` holds the rules; `wait_ready` (blocking) and `wait_ready_async` (asyncio)
-are the loops around them. The sources: the native server's ``health()`` (`Server`,
+are the loops around them; once it serves, `watch_serving` polls on until the engine dies.
+The sources: the native server's ``health()`` (`Health`: `Server`,
 ``llamarunner serve`` and ``run``) and a client's ``GET /health`` (`Client`, `AsyncClient`,
 which poll None when the server cannot be reached). Each caller says which error each
 outcome raises, so their messages and exception types stay their own.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 ENGINE_STOPPED = "the engine stopped"
@@ -19,8 +21,22 @@ LOAD_FAILED = "the model failed to load"
 """The reason of an "error" health without one."""
 
 
+@dataclass(frozen=True)
+class Health:
+    """The server's load state."""
+
+    status: str
+    """"loading", "ready", "error" or "stopped"."""
+    progress: float
+    """Model load progress, 0..1."""
+    error: str | None
+    """Why loading failed or the engine stopped, when status is "error"."""
+    slots_busy: int
+    slots_total: int
+
+
 class HealthLike(Protocol):
-    """What a health answer has (`server.Health`, `HealthStatus`)."""
+    """What a health answer has (`Health`, `HealthStatus`)."""
 
     @property
     def status(self) -> str: ...
@@ -110,3 +126,17 @@ async def wait_ready_async(
         if ready is not None:
             return ready
         await asyncio.sleep(interval)
+
+
+def watch_serving(
+    poll: Callable[[], H], interval: float, *, until: Callable[[], bool] | None = None
+) -> H | None:
+    """Polls a serving model's health every ``interval`` seconds: returns the first "error"
+    health (the engine died after it served: a panic, say), or None once ``until()`` is true."""
+    while True:
+        h = poll()
+        if h.status == "error":
+            return h
+        if until is not None and until():
+            return None
+        time.sleep(interval)

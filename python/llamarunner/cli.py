@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from . import __version__, _core
 from ._health import ENGINE_STOPPED as STOPPED_REASON
-from ._health import HealthFailed, ReadyWait, wait_ready
+from ._health import Health, HealthFailed, ReadyWait, wait_ready, watch_serving
 from ._progress import LoadProgress
 from .arguments import (
     SERVER_FLAGS,
@@ -23,7 +23,7 @@ from .arguments import (
 )
 from .config import NoModelError, ServerConfig, model_name
 from .router import router_config_json, served_models
-from .server import Health, ModelLoadError, Server
+from .server import ModelLoadError, Server
 from .terminal_chat import COMMANDS_HELP
 
 USAGE_ERROR = 2
@@ -225,12 +225,10 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        while True:
-            time.sleep(0.5)
-            h = server.health()
-            if h.status == "error":  # it served, then the engine died (a panic, say)
-                server.stop()
-                _fail(h.error or STOPPED_REASON, ENGINE_STOPPED)
+        died = watch_serving(server.health, 0.5)
+        if died is not None:
+            server.stop()
+            _fail(died.error or STOPPED_REASON, ENGINE_STOPPED)
     except KeyboardInterrupt:
         progress.clear()
         print("llamarunner: shutting down", file=sys.stderr, flush=True)

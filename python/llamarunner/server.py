@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from . import _core
-from ._health import ReadyWait, engine_stopped, failure_reason, wait_ready
+from ._health import Health, ReadyWait, engine_stopped, failure_reason, wait_ready
 from .client import Client
 from .config import ServerConfig
 from .router import router_config_json, served_models
@@ -29,20 +28,6 @@ _POLL_INTERVAL = 0.02
 class EngineStoppedError(RuntimeError):
     """The engine thread ended while the server should have been serving (it panicked, for
     example): requests cannot be answered any more. Stop the server and start a new one."""
-
-
-@dataclass(frozen=True)
-class Health:
-    """The server's load state."""
-
-    status: str
-    """"loading", "ready", "error" or "stopped"."""
-    progress: float
-    """Model load progress, 0..1."""
-    error: str | None
-    """Why loading failed or the engine stopped, when status is "error"."""
-    slots_busy: int
-    slots_total: int
 
 
 def _load_failure(h: Health) -> ModelLoadError | EngineStoppedError:

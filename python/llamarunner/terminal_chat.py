@@ -545,10 +545,10 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 
 def _chat_here(args: argparse.Namespace) -> int:
-    from ._health import HealthFailed, ReadyWait, wait_ready
+    from ._health import Health, HealthFailed, ReadyWait, wait_ready
     from ._progress import LoadProgress
     from .config import model_name
-    from .server import Health, ModelLoadError, Server
+    from .server import ModelLoadError, Server
 
     overrides = {k: getattr(args, k, None) for k in SERVER_FLAGS}
     overrides.update(model=args.model, host="127.0.0.1", port=0)
