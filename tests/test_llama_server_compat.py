@@ -77,6 +77,24 @@ def test_constraints_are_honoured_or_refused(tiny_server: Server) -> None:
         assert r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
+def test_verbose_answers_carry_the_rendered_prompt(tiny_server: Server) -> None:
+    """llama-server's ``verbose``: a whole answer carries ``__verbose``, the answer in its
+    native format with the prompt as the template rendered it; not without it."""
+    chat = [{"role": "system", "content": "Book"}, {"role": "user", "content": "best book?"}]
+    base = {"messages": chat, "max_tokens": 3, "temperature": 0}
+    answer = post(tiny_server, "/v1/chat/completions", {**base, "verbose": True}).json()
+    verbose = answer["__verbose"]
+    assert "Book" in verbose["prompt"] and "best book?" in verbose["prompt"], verbose
+    assert verbose["content"] == answer["choices"][0]["message"]["content"]
+    assert verbose["tokens_predicted"] == answer["usage"]["completion_tokens"]
+    assert verbose["generation_settings"]["n_predict"] == 3
+    once = {"prompt": "Once", "max_tokens": 2, "verbose": True}
+    text = post(tiny_server, "/v1/completions", once)
+    assert text.json()["__verbose"]["prompt"] == "Once", text.text
+    for body in (base, {**base, "verbose": False}):
+        assert "__verbose" not in post(tiny_server, "/v1/chat/completions", body).json()
+
+
 def test_conversations_that_cannot_be_rendered_are_refused(tiny_server: Server) -> None:
     two_answers = [
         {"role": "user", "content": "test"},
@@ -136,6 +154,42 @@ def test_prompt_progress_is_streamed_when_asked(tiny_server: Server) -> None:
     assert first["processed"] == first["cache"]
     assert last["processed"] == last["total"] > 0
     assert all(a["processed"] < b["processed"] for a, b in zip(progress, progress[1:]))
+
+
+def sse_data(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON objects of a streamed answer's ``data:`` lines."""
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(x[len("data: ") :]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def test_timings_per_token_are_streamed_when_asked(tiny_server: Server) -> None:
+    """llama-server's ``timings_per_token``: the Responses API's text deltas and the text
+    events of ``/completion`` carry the timings so far; the last event the engine's own."""
+    body = {"max_output_tokens": 4, "temperature": 0, "stream": True, "timings_per_token": True}
+    events = sse_data(tiny_server, "/responses", {**body, "input": "This is a test " * 5})
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("timings" in e for e in deltas), events
+    counts = [e["timings"]["predicted_n"] for e in deltas]
+    assert counts == sorted(counts) and counts[0] >= 1
+    for e in deltas:
+        t = e["timings"]
+        assert t["prompt_n"] + t["cache_n"] > 0 and t["prompt_ms"] >= 0, t
+        assert "prompt_per_second" in t and "predicted_per_second" in t
+    completed = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
+    assert (
+        completed[0]["timings"]["predicted_n"] == completed[0]["response"]["usage"]["output_tokens"]
+    )
+    # Not asked: no timings on the deltas, the last event's still.
+    events = sse_data(tiny_server, "/responses", {**body, "timings_per_token": False, "input": "x"})
+    assert not any("timings" in e for e in events if e["type"].endswith(".delta")), events
+    chunks = sse_data(
+        tiny_server,
+        "/completion",
+        {"prompt": "Once", "n_predict": 3, "stream": True, "timings_per_token": True},
+    )
+    text = [c for c in chunks if not c["stop"]]
+    assert text and all(c["timings"]["predicted_n"] >= 1 for c in text), chunks
 
 
 def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:

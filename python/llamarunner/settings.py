@@ -341,7 +341,13 @@ SERVER_SETTINGS = _table(
         optional=True,
         path=True,
     ),
-    Setting("verbose", bool, False, "also log llama.cpp's own messages"),
+    Setting(
+        "verbose",
+        bool,
+        False,
+        "also log llama.cpp's own messages, and put llama-server's __verbose debug object "
+        "in whole OpenAI answers",
+    ),
     Setting(
         "log_format",
         str,

@@ -138,7 +138,8 @@ pub struct RunnerConfig {
     /// A draft model for speculative decoding (same vocabulary as the model): drafts come from
     /// it instead of prompt lookup.
     pub draft_model: Option<PathBuf>,
-    /// Log llama.cpp's own messages too.
+    /// Log llama.cpp's own messages too, and answer OpenAI requests with llama-server's
+    /// `__verbose` debug object (the rendered prompt among it) unless a request says not to.
     pub verbose: bool,
     /// How log lines are written: text, or JSON objects (read by `llamarunner-py`, which
     /// installs the log subscriber).

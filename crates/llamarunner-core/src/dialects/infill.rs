@@ -95,7 +95,7 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
             Event::Text { text, .. } => json!({"content": text, "stop": false}),
             Event::Done(c) => final_fields(&model, &c),
             Event::Error(e) => ApiError::from(e).body(),
-            Event::Started | Event::Progress(_) => json!({"content": "", "stop": false}),
+            Event::Started { .. } | Event::Progress(_) => json!({"content": "", "stop": false}),
         };
         Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&value)))
     });

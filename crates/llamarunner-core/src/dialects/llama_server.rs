@@ -2,9 +2,10 @@
 //! now starts llama-server and sends it these): `POST /completion` in llama-server's format
 //! (told from the Ollama runner's by its fields: `is_llama_server_body`), its sampling
 //! defaults, and the `timings` of a finished answer (also on OpenAI's answers, as
-//! llama-server adds them).
+//! llama-server adds them) and of a stream so far (`timings_per_token`).
 
 use std::convert::Infallible;
+use std::time::Instant;
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -18,7 +19,7 @@ use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, DoneReason, Event, Token, TokenLogprob, TopLogprob};
-use crate::requests::common::{collect, parse_json, start_generation, PromptSource};
+use crate::requests::common::{collect, parse_json, start_generation, Generation, PromptSource};
 use crate::requests::format::json_schema;
 use crate::requests::options::SamplerFields;
 use crate::requests::validate::MAX_TOP_LOGPROBS;
@@ -45,6 +46,60 @@ pub(crate) fn timings(done: &Completion) -> Value {
         t["draft_n_accepted"] = json!(done.draft_accepted_count);
     }
     t
+}
+
+/// llama-server's `timings_per_token`: the timings of a stream so far, measured here as its
+/// events arrive: the prompt's from its admission to its first text, the generation's since.
+/// Tokens are counted per text event, or per token where their log-probabilities came with
+/// it (a client that reads slowly gets several tokens in one event). The last event's timings
+/// are the engine's own (`timings`).
+#[derive(Debug)]
+pub(crate) struct StreamClock {
+    admitted: Instant,
+    first_text: Option<Instant>,
+    cache_n: usize,
+    prompt_n: usize,
+    predicted_n: usize,
+}
+
+impl StreamClock {
+    /// A clock for this generation, started at its admission (now).
+    pub(crate) fn new(generation: &Generation) -> Self {
+        Self::admitted(generation.prompt_tokens, generation.cached_tokens)
+    }
+
+    /// A clock for a prompt of `prompt` tokens, `cached` of them from a cache, admitted now.
+    fn admitted(prompt: usize, cached: usize) -> Self {
+        Self {
+            admitted: Instant::now(),
+            first_text: None,
+            cache_n: cached,
+            prompt_n: prompt.saturating_sub(cached),
+            predicted_n: 0,
+        }
+    }
+
+    /// A text event arrived, completing `tokens` tokens (0: not counted, one event).
+    pub(crate) fn text(&mut self, tokens: usize) {
+        self.first_text.get_or_insert_with(Instant::now);
+        self.predicted_n += tokens.max(1);
+    }
+
+    /// The timings so far.
+    pub(crate) fn timings(&self) -> Value {
+        let now = Instant::now();
+        let ms =
+            |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
+        let first = self.first_text.unwrap_or(now);
+        let predicted_ms = self.first_text.map_or(0.0, |t| ms(t, now));
+        timings_of(
+            self.cache_n,
+            self.prompt_n,
+            ms(self.admitted, first),
+            self.predicted_n,
+            predicted_ms,
+        )
+    }
 }
 
 /// The `timings` of a prompt's decode so far (`timings_per_token` with `return_progress`).
@@ -200,7 +255,7 @@ struct CompletionRequest {
     post_sampling_probs: Option<bool>,
     /// The generated tokens' ids in `tokens`.
     return_tokens: Option<bool>,
-    /// Timings on every prompt-progress event too (`return_progress`); text events carry none.
+    /// Timings on every streamed event: text (`StreamClock`) and prompt progress.
     timings_per_token: Option<bool>,
     /// Completions of the prompt (llama-server answers several in an array): one here.
     n_cmpl: Option<u64>,
@@ -369,6 +424,25 @@ fn final_body(meta: &Meta, content: &str, has_new_line: bool, done: &Completion)
     })
 }
 
+/// llama-server's `__verbose` debug object on an OpenAI answer (`verbose`): the answer in its
+/// native format, with the prompt as rendered and the settings it ran with.
+pub(crate) fn verbose_body(
+    model: &str,
+    prompt: String,
+    settings: Value,
+    content: &str,
+    done: &Completion,
+) -> Value {
+    let meta = Meta {
+        model: model.to_string(),
+        prompt,
+        settings,
+        return_tokens: false,
+        probabilities: false,
+    };
+    final_body(&meta, content, content.contains('\n'), done)
+}
+
 /// The sampling a request runs with, under llama-server's names.
 pub(crate) fn settings_json(p: &SamplingParams) -> Value {
     json!({
@@ -420,17 +494,17 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     }
     let mut predicted = 0usize;
     let mut has_new_line = false;
-    let progress_timings_too = req.timings_per_token == Some(true);
+    let mut clock = (req.timings_per_token == Some(true)).then(|| StreamClock::new(&generation));
     let events = generation.filter_map(move |event| {
         let value = match event {
-            Event::Started => None,
+            Event::Started { .. } => None,
             Event::Progress(p) => {
                 let mut chunk = json!({
                     "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
                     "tokens_predicted": 0, "tokens_evaluated": evaluated,
                     "prompt_progress": prompt_progress(&p),
                 });
-                if progress_timings_too {
+                if clock.is_some() {
                     chunk["timings"] = progress_timings(&p);
                 }
                 Some(chunk)
@@ -443,6 +517,10 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                     "tokens_predicted": predicted, "tokens_evaluated": evaluated,
                 });
                 meta.add_tokens(&mut chunk, &logprobs);
+                if let Some(clock) = clock.as_mut() {
+                    clock.text(logprobs.len());
+                    chunk["timings"] = clock.timings();
+                }
                 Some(chunk)
             }
             // A streamed answer's tokens came with its text: the last event has none.
@@ -543,6 +621,26 @@ mod tests {
                 serde_json::from_str(&format!(r#"{{"prompt": {prompt}}}"#)).unwrap();
             assert_eq!(req.prompt().is_ok(), ok, "{prompt}");
         }
+    }
+
+    #[test]
+    fn a_stream_s_clock_counts_its_tokens_and_times_its_parts() {
+        let mut clock = StreamClock::admitted(10, 4);
+        let t = clock.timings();
+        assert_eq!(
+            (t["cache_n"].as_u64(), t["prompt_n"].as_u64()),
+            (Some(4), Some(6))
+        );
+        assert_eq!(t["predicted_n"], 0);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        clock.text(0); // one event, no token count: one token
+        clock.text(3); // three tokens' log-probabilities
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let t = clock.timings();
+        assert_eq!(t["predicted_n"], 4);
+        assert!(t["prompt_ms"].as_f64().unwrap() >= 5.0, "{t}");
+        assert!(t["predicted_ms"].as_f64().unwrap() >= 5.0, "{t}");
+        assert!(t["predicted_per_second"].as_f64().unwrap() > 0.0, "{t}");
     }
 
     #[test]

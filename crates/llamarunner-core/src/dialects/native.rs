@@ -205,7 +205,7 @@ fn split_lines(output: &mut ChatOutput, event: &Event) -> Vec<String> {
     let pieces = match event {
         Event::Text { text, .. } => output.push(text),
         Event::Done(_) => output.finish(),
-        Event::Started | Event::Progress(_) | Event::Error(_) => return vec![ndjson(event)],
+        Event::Started { .. } | Event::Progress(_) | Event::Error(_) => return vec![ndjson(event)],
     };
     let mut lines: Vec<String> = pieces
         .into_iter()
@@ -246,7 +246,7 @@ fn ndjson(event: &Event) -> String {
             let err = ApiError::from(e.clone());
             json!({"done": true, "done_reason": "error", "error": err.body()["error"]})
         }
-        Event::Started | Event::Progress(_) => json!({"content": "", "done": false}),
+        Event::Started { .. } | Event::Progress(_) => json!({"content": "", "done": false}),
     };
     line(&value)
 }

@@ -343,7 +343,7 @@ async fn respond_chat(
     let meta = Arc::new(meta);
     let lines = rx.flat_map(move |event| {
         let lines: Vec<Value> = match event {
-            Event::Started | Event::Progress(_) => Vec::new(),
+            Event::Started { .. } | Event::Progress(_) => Vec::new(),
             Event::Text { text, logprobs } => {
                 let mut lines: Vec<Value> = output
                     .push(&text)
@@ -399,7 +399,7 @@ async fn respond(
     let meta = Arc::new(meta);
     let lines = rx.filter_map(move |event| {
         let line = match event {
-            Event::Started | Event::Progress(_) => None,
+            Event::Started { .. } | Event::Progress(_) => None,
             Event::Text { text, logprobs } => {
                 let mut line = meta.line(&text);
                 if want_logprobs {

@@ -52,6 +52,9 @@ pub struct AppState {
     pub images_in_flight: Arc<tokio::sync::Semaphore>,
     /// The responses `POST /v1/responses` keeps for `previous_response_id`.
     pub responses: Arc<super::response_store::ResponseStore>,
+    /// Whether OpenAI answers carry llama-server's `__verbose` debug object when the request
+    /// does not say (`--verbose`, as llama-server's).
+    pub verbose_answers: bool,
 }
 
 impl AppState {
@@ -69,7 +72,14 @@ impl AppState {
             reasoning: crate::config::Reasoning::Auto,
             images_in_flight: Arc::new(tokio::sync::Semaphore::new(IMAGES_IN_FLIGHT)),
             responses: Arc::default(),
+            verbose_answers: false,
         }
+    }
+
+    /// The same state answering with llama-server's `__verbose` debug object by default.
+    pub fn with_verbose_answers(mut self, verbose: bool) -> Self {
+        self.verbose_answers = verbose;
+        self
     }
 
     /// The same state serving these LoRA adapters (the engine must have loaded the same).

@@ -121,7 +121,10 @@ impl EngineError {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// The prompt was admitted into a slot and processing started.
-    Started,
+    Started {
+        /// The prompt's tokens found in a cache (not decoded).
+        cached: usize,
+    },
     /// Generated text (valid UTF-8, never containing a stop string), with the log-probabilities
     /// of the tokens it completes when the request asked for them.
     Text {

@@ -339,10 +339,12 @@ pub struct Generation {
     pending: Option<Event>,
     /// The prompt's positions in the slot (images' included), as queued.
     pub prompt_tokens: usize,
+    /// Of those, the ones found in a cache at admission (not decoded).
+    pub cached_tokens: usize,
 }
 
 impl Generation {
-    fn new(rx: Receiver<Event>, prompt_tokens: usize) -> Self {
+    fn new(rx: Receiver<Event>, prompt_tokens: usize, cached_tokens: usize) -> Self {
         let record = access::current();
         if let Some(r) = &record {
             r.generation_started();
@@ -352,6 +354,7 @@ impl Generation {
             record,
             pending: None,
             prompt_tokens,
+            cached_tokens,
         }
     }
 
@@ -493,7 +496,7 @@ async fn submit(
         images: valid.images,
     })?;
     match rx.recv().await {
-        Some(Event::Started) => Ok(Generation::new(rx, prompt_tokens)),
+        Some(Event::Started { cached }) => Ok(Generation::new(rx, prompt_tokens, cached)),
         Some(Event::Error(e)) => Err(e.into()),
         Some(other) => Err(ApiError::Internal(format!(
             "unexpected first event {other:?}"
@@ -519,7 +522,7 @@ pub async fn collect(mut rx: Generation) -> Result<Collected, ApiError> {
     let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Started | Event::Progress(_) => {}
+            Event::Started { .. } | Event::Progress(_) => {}
             Event::Text {
                 text: t,
                 logprobs: l,

@@ -154,7 +154,10 @@ impl<B: Backend> Scheduler<B> {
         slot.last_used = Some(std::time::SystemTime::now());
         self.clock += 1;
         slot.last_tick = self.clock;
-        if !matches!(request.events.offer(Event::Started), Offer::Taken) {
+        if !matches!(
+            request.events.offer(Event::Started { cached: reuse }),
+            Offer::Taken
+        ) {
             return Ok(()); // the client is gone; the slot stays free
         }
         let admitted = Instant::now();

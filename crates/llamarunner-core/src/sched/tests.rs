@@ -145,7 +145,7 @@ impl Drop for Harness {
 /// Reads a sequence to its end: (text, final stats).
 fn collect(rx: &mut Receiver<Event>) -> (String, Completion) {
     let mut text = String::new();
-    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
     loop {
         match rx
             .blocking_recv()
@@ -286,7 +286,7 @@ fn long_prompt_does_not_stall_generating_sequences() {
         .collect();
     // Let the three start generating.
     for rx in &mut gens {
-        assert_eq!(rx.blocking_recv(), Some(Event::Started));
+        assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
         assert!(matches!(rx.blocking_recv(), Some(Event::Text { .. })));
     }
     let long = "y".repeat(2000);
@@ -331,7 +331,7 @@ fn cancelled_request_frees_its_slot() {
         1,
     );
     let mut rx = h.submit("endless", greedy(-1));
-    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
     assert!(matches!(rx.blocking_recv(), Some(Event::Text { .. })));
     drop(rx);
     // With one slot, this can only run once the first one is gone.
@@ -363,7 +363,10 @@ fn shutdown_fails_running_and_waiting_requests() {
     );
     let mut running = h.submit("a", greedy(-1));
     let mut waiting = h.submit("b", greedy(-1));
-    assert_eq!(running.blocking_recv(), Some(Event::Started));
+    assert!(matches!(
+        running.blocking_recv(),
+        Some(Event::Started { .. })
+    ));
     h.handle.shutdown();
     let last = |rx: &mut Receiver<Event>| {
         let mut last = None;
@@ -494,7 +497,7 @@ fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
         1,
     );
     let mut rx = h.submit("doomed", greedy(10));
-    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
     let last = std::iter::from_fn(|| rx.blocking_recv()).last();
     match last {
         Some(Event::Error(e)) => {
@@ -511,7 +514,7 @@ fn a_no_kv_slot_decode_error_fails_that_batch_and_the_engine_keeps_serving() {
 /// Reads a sequence to its end, keeping each text chunk with its log-probability entries.
 fn collect_logprobs(rx: &mut Receiver<Event>) -> Vec<(String, Vec<crate::protocol::TokenLogprob>)> {
     let mut chunks = Vec::new();
-    assert_eq!(rx.blocking_recv(), Some(Event::Started));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
     loop {
         match rx.blocking_recv().expect("stream ended without Done") {
             Event::Text { text, logprobs } => chunks.push((text, logprobs)),
@@ -583,7 +586,7 @@ fn cancelled_queued_requests_give_their_places_back_at_once() {
     let mut running = h.submit("busy", greedy(-1));
     assert_eq!(
         recv_within(&mut running, Duration::from_secs(5)),
-        Event::Started
+        Event::Started { cached: 0 }
     );
     let a = h.submit("a", greedy(1));
     let b = h.submit("b", greedy(1));
@@ -655,7 +658,7 @@ fn the_time_limit_ends_running_requests_and_refuses_queued_ones() {
     match recv_within(&mut queued, Duration::from_secs(5)) {
         Event::Error(e) => assert_eq!(e.kind, EngineErrorKind::Timeout),
         // Admitted in the same step the running one ended: it then ends by the limit at once.
-        Event::Started => {
+        Event::Started { .. } => {
             let mut text = String::new();
             loop {
                 match recv_within(&mut queued, Duration::from_secs(5)) {

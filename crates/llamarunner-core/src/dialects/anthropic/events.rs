@@ -49,7 +49,7 @@ impl Blocks {
     pub(super) fn on(&mut self, e: Event) -> Vec<SseEvent> {
         let mut out = Vec::new();
         match e {
-            Event::Started | Event::Progress(_) => {}
+            Event::Started { .. } | Event::Progress(_) => {}
             Event::Text { text, .. } => {
                 for piece in self.output.push(&text) {
                     self.piece(piece, &mut out);

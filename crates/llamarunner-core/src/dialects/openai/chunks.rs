@@ -25,7 +25,7 @@ pub(super) fn with_usage_null(meta: &Meta, mut body: Value) -> Value {
 /// The SSE events for one engine event.
 pub(super) fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<SseEvent> {
     match event {
-        Event::Started => Vec::new(),
+        Event::Started { .. } => Vec::new(),
         // llama-server's `return_progress`: a chunk without choices that says how far the
         // prompt's decode is.
         Event::Progress(p) => {

@@ -24,7 +24,7 @@ use axum::Json;
 use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
 
-use crate::dialects::llama_server::timings;
+use crate::dialects::llama_server::{self, timings};
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
@@ -147,6 +147,15 @@ async fn respond(
     if n > 1 {
         return respond_many(state, req, meta, prompt, params, output, n).await;
     }
+    // llama-server's debug object, for a whole answer: its prompt and settings, kept before
+    // they go to the queue.
+    let verbose = (req.verbose(&state) && req.stream != Some(true)).then(|| {
+        let text = match &prompt {
+            PromptSource::Text(p) => p.text.clone(),
+            PromptSource::Tokens(_) => String::new(),
+        };
+        (text, llama_server::settings_json(&params))
+    });
     let rx = start_generation(&state, prompt, params).await?;
     if req.stream != Some(true) {
         let all = collect(rx).await?;
@@ -167,6 +176,15 @@ async fn respond(
         let mut body = meta.body(false, vec![choice]);
         body["usage"] = usage(&all.done);
         body["timings"] = timings(&all.done);
+        if let Some((prompt, settings)) = verbose {
+            body["__verbose"] = llama_server::verbose_body(
+                &state.model_name,
+                prompt,
+                settings,
+                &all.text,
+                &all.done,
+            );
+        }
         return Ok(Json(body).into_response());
     }
     // The first chat chunk names the role, with no content yet (null, as llama-server sends

@@ -74,6 +74,9 @@ pub(super) struct OpenAiRequest {
     cache_prompt: Option<bool>,
     /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
     return_progress: Option<bool>,
+    /// llama-server's `verbose`: a whole answer carries `__verbose` (the answer in its native
+    /// format, the rendered prompt among it); absent, as the server's `--verbose`.
+    verbose: Option<bool>,
     /// Template variables (llama-server's and vLLM's; `enable_thinking` among them).
     chat_template_kwargs: Option<Value>,
     /// OpenAI's reasoning level; `"none"` turns a thinking template's thinking off.
@@ -84,6 +87,11 @@ pub(super) struct OpenAiRequest {
 }
 
 impl OpenAiRequest {
+    /// Whether the answer carries llama-server's `__verbose` object.
+    pub(super) fn verbose(&self, state: &AppState) -> bool {
+        self.verbose.unwrap_or(state.verbose_answers)
+    }
+
     /// The chat template's switches: `chat_template_kwargs` and `reasoning_effort`.
     pub(super) fn template_args(&self) -> Result<TemplateArgs, ApiError> {
         TemplateArgs::read(

@@ -11,6 +11,7 @@ use super::answer::{
     response_error_code, Finished, Meta,
 };
 use crate::dialects::blocks::{Kind, Step};
+use crate::dialects::llama_server::{timings, StreamClock};
 use crate::http::error::ApiError;
 use crate::http::response_store::ResponseStore;
 use crate::protocol::Event;
@@ -28,6 +29,10 @@ pub(super) struct Items {
     done: Vec<Value>,
     sequence: u64,
     store: Option<(Arc<ResponseStore>, Vec<Value>)>,
+    /// llama-server's `timings_per_token`: the timings the deltas of the text event being
+    /// written carry.
+    clock: Option<StreamClock>,
+    delta_timings: Option<Value>,
 }
 
 impl Items {
@@ -35,6 +40,7 @@ impl Items {
         meta: Arc<Meta>,
         output: ChatOutput,
         store: Option<(Arc<ResponseStore>, Vec<Value>)>,
+        clock: Option<StreamClock>,
     ) -> Self {
         Self {
             meta,
@@ -44,12 +50,17 @@ impl Items {
             done: Vec::new(),
             sequence: 0,
             store,
+            clock,
+            delta_timings: None,
         }
     }
 
     pub(super) fn event(&mut self, kind: &str, mut data: Value) -> SseEvent {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
+        if let (true, Some(t)) = (kind.ends_with(".delta"), &self.delta_timings) {
+            data["timings"] = t.clone();
+        }
         self.sequence += 1;
         SseEvent::default()
             .event(kind)
@@ -59,7 +70,7 @@ impl Items {
     pub(super) fn on(&mut self, e: Event) -> Vec<SseEvent> {
         let mut out = Vec::new();
         match e {
-            Event::Started => {}
+            Event::Started { .. } => {}
             // llama-server's `return_progress`: another `response.in_progress` that says how
             // far the prompt's decode is.
             Event::Progress(p) => {
@@ -70,10 +81,15 @@ impl Items {
                 });
                 out.push(self.event("response.in_progress", data));
             }
-            Event::Text { text, .. } => {
+            Event::Text { text, logprobs } => {
+                self.delta_timings = self.clock.as_mut().map(|clock| {
+                    clock.text(logprobs.len());
+                    clock.timings()
+                });
                 for piece in self.output.push(&text) {
                     self.piece(piece, &mut out);
                 }
+                self.delta_timings = None;
             }
             Event::Done(done) => {
                 for piece in self.output.finish() {
@@ -90,7 +106,9 @@ impl Items {
                 } else {
                     "response.incomplete"
                 };
-                out.push(self.event(kind, json!({"response": response})));
+                // The engine's timings of the whole answer, as llama-server ends with them.
+                let data = json!({"response": response, "timings": timings(&done)});
+                out.push(self.event(kind, data));
             }
             Event::Error(e) => {
                 self.close(&mut out);

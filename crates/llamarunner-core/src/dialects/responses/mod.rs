@@ -27,6 +27,7 @@ use axum::Json;
 use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
 
+use crate::dialects::llama_server::StreamClock;
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
@@ -152,7 +153,8 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
         }
         return Ok(named(Json(response).into_response(), &meta.id, keep));
     }
-    let mut writer = Items::new(meta.clone(), output, store);
+    let clock = (req.timings_per_token == Some(true)).then(|| StreamClock::new(&rx));
+    let mut writer = Items::new(meta.clone(), output, store, clock);
     let created = meta.object(&Finished::InProgress, &[]);
     let head = [
         writer.event("response.created", json!({"response": created.clone()})),

@@ -43,6 +43,9 @@ pub(super) struct ResponsesRequest {
     cache_prompt: Option<bool>,
     /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
     return_progress: Option<bool>,
+    /// llama-server's `timings_per_token`: a streamed answer's text deltas carry the timings
+    /// so far.
+    pub(super) timings_per_token: Option<bool>,
     /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
     #[serde(flatten)]
     samplers: crate::requests::options::SamplerFields,

@@ -38,7 +38,7 @@ fn embeddings_never_wait_for_a_generation_slot() {
     let mut running = h.submit("busy", greedy(-1));
     assert_eq!(
         recv_within(&mut running, Duration::from_secs(5)),
-        Event::Started
+        Event::Started { cached: 0 }
     );
     // A queued completion too: the embedding must not wait behind it either.
     let mut queued = h.submit("waiting", greedy(1));
@@ -77,7 +77,7 @@ fn a_long_embedding_is_decoded_in_pieces_between_decode_steps() {
     let mut running = h.submit("gen", params_with(|p| p.num_predict = 400));
     assert_eq!(
         recv_within(&mut running, Duration::from_secs(5)),
-        Event::Started
+        Event::Started { cached: 0 }
     );
     let steps_before = h.log.lock().unwrap().len();
     let long = "y".repeat(99); // BOS + 99 = 100 tokens: 13 pieces of at most 8

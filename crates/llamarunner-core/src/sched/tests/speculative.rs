@@ -33,7 +33,7 @@ pub(super) fn run_all(h: &Harness, jobs: &[(String, SamplingParams)]) -> Vec<Run
         .map(|rx| {
             let mut text = String::new();
             let mut entries = Vec::new();
-            assert_eq!(rx.blocking_recv(), Some(Event::Started));
+            assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
             loop {
                 match rx.blocking_recv().expect("stream ended without Done") {
                     Event::Text { text: t, logprobs } => {
