@@ -93,7 +93,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, Any]:
             if (
                 h.status_code == 200
                 and h.json().get("slots_processing") == 0
-                and not any(slot.get("busy") for slot in s.json().get("slots", []))
+                and not any(slot.get("busy") for slot in s.json())
             ):
                 return dict(h.json())
         except httpx.HTTPError as e:
@@ -158,7 +158,7 @@ class Neighbour:
 
     def slot(self) -> dict[str, Any]:
         """Its entry in the slot table; fails when no slot holds it."""
-        slots = httpx.get(f"{self.url}/slots", timeout=10).json()["slots"]
+        slots = httpx.get(f"{self.url}/slots", timeout=10).json()
         mine = [s for s in slots if s["request_id"] == self.request_id]
         assert len(mine) == 1, f"no slot holds the neighbour {self.request_id}: {slots}"
         return dict(mine[0])
@@ -236,7 +236,7 @@ class SlotWatch:
         try:
             with httpx.Client(timeout=30) as client:
                 while not self._stop.is_set():
-                    slots = client.get(f"{self.url}/slots").json()["slots"]
+                    slots = client.get(f"{self.url}/slots").json()
                     self.polls += 1
                     generating = {
                         s["request_id"]
@@ -356,7 +356,7 @@ def run_together(
     def failed() -> bool:
         return any(isinstance(r, BaseException) for r in results)
 
-    total = len(httpx.get(f"{url}/slots", timeout=10).json()["slots"])
+    total = len(httpx.get(f"{url}/slots", timeout=10).json())
     holders: list[_SlotHolder] = []
     watch = SlotWatch(url, ids)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -375,7 +375,7 @@ def run_together(
             h.release()
         holders = []
         started.wait()
-        slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+        slots = httpx.get(f"{url}/slots", timeout=10).json()
     except threading.BrokenBarrierError:
         pass  # a request failed before it started: its error is raised below
     finally:

@@ -347,7 +347,7 @@ def test_a_slot_file_is_restored_only_under_the_scales_it_was_saved_with(
     url = srv.url
     complete(url, "the cat is", {"lora": [{"id": 0, "scale": 1.5}]}, **GREEDY)
     wait_idle(url)
-    slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+    slots = httpx.get(f"{url}/slots", timeout=10).json()
     slot = next(s["id"] for s in slots if s["cached_tokens"] > 0)
     saved = httpx.post(f"{url}/slots/{slot}?action=save", json={"filename": "scaled.bin"})
     assert saved.status_code == 200, saved.text

@@ -424,7 +424,7 @@ def test_a_busy_slot_shows_its_request_id(srv: Server) -> None:
         seen: list[Any] = []
 
         def shown() -> bool:
-            seen[:] = httpx.get(f"{url}/slots", headers=AUTH, timeout=10).json()["slots"]
+            seen[:] = httpx.get(f"{url}/slots", headers=AUTH, timeout=10).json()
             return any(s["busy"] for s in seen)
 
         wait_until(shown, "the slot table to show the busy slot")
@@ -432,7 +432,7 @@ def test_a_busy_slot_shows_its_request_id(srv: Server) -> None:
     wait_until(
         lambda: all(
             s["request_id"] is None and not s["busy"]
-            for s in httpx.get(f"{url}/slots", headers=AUTH, timeout=10).json()["slots"]
+            for s in httpx.get(f"{url}/slots", headers=AUTH, timeout=10).json()
         ),
         "the slot to be free again",
     )

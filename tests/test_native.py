@@ -402,7 +402,7 @@ def test_prompt_longer_than_the_slot_is_truncated_by_default(tiny_server: Server
 def test_slots_lists_every_slot(tiny_server: Server) -> None:
     complete(tiny_server.url, "hello slots", num_predict=2)
     wait_idle(tiny_server.url)
-    slots = httpx.get(f"{tiny_server.url}/slots").json()["slots"]
+    slots = httpx.get(f"{tiny_server.url}/slots").json()
     assert [s["id"] for s in slots] == [0, 1]
     assert all(s["busy"] is False for s in slots)
     assert any(s["cached_tokens"] > 0 and s["last_used_ms"] > 0 for s in slots)

@@ -174,14 +174,14 @@ def test_props_ps_and_metrics_say_where_the_model_runs(tiny_server: Server) -> N
 def test_the_slot_table_shows_phase_and_tokens_generated(tiny_server: Server) -> None:
     url = tiny_server.url
     wait_idle(url)
-    slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+    slots = httpx.get(f"{url}/slots", timeout=10).json()
     assert {s["phase"] for s in slots} == {"idle"}
     assert all(s["generated_tokens"] == 0 and s["prompt_tokens"] == 0 for s in slots)
     body = {"prompt": "xyz", "options": {"num_predict": 100_000, "ignore_eos": True}}
     lines = stream_lines(url, body)
     for _ in range(5):
         assert next(lines)["done"] is False
-    busy = [s for s in httpx.get(f"{url}/slots", timeout=10).json()["slots"] if s["busy"]]
+    busy = [s for s in httpx.get(f"{url}/slots", timeout=10).json() if s["busy"]]
     assert len(busy) == 1, busy
     slot = busy[0]
     assert slot["phase"] == "decode"
@@ -234,7 +234,7 @@ def test_a_saved_slot_survives_a_restart_and_its_prefix_is_reused(
         restored = post(url, "/slots/1?action=restore", {"filename": "system.bin"})
         assert restored.status_code == 200, restored.text
         assert restored.json()["n_restored"] == n
-        table = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+        table = httpx.get(f"{url}/slots", timeout=10).json()
         assert [s["cached_tokens"] for s in table] == [0, n]
         again, done = complete(url, prompt, num_predict=6, temperature=0, ignore_eos=True)
         # All but the last prompt token come from the restored cache, and the greedy text is
@@ -302,7 +302,7 @@ def test_a_busy_slot_is_refused_and_erase_empties_an_idle_one(slot_server: str) 
     next(lines)
 
     def busy_slots() -> list[dict[str, Any]]:
-        return [s for s in httpx.get(f"{url}/slots", timeout=10).json()["slots"] if s["busy"]]
+        return [s for s in httpx.get(f"{url}/slots", timeout=10).json() if s["busy"]]
 
     wait_until(lambda: len(busy_slots()) == 1, "the request to show in /slots")
     busy = busy_slots()[0]
@@ -317,7 +317,7 @@ def test_a_busy_slot_is_refused_and_erase_empties_an_idle_one(slot_server: str) 
     wait_idle(url)
     cached = next(
         s["cached_tokens"]
-        for s in httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+        for s in httpx.get(f"{url}/slots", timeout=10).json()
         if s["id"] == busy["id"]
     )
     assert cached > 0

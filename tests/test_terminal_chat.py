@@ -179,7 +179,7 @@ class Requests:
 
 
 def busy_slots(url: str) -> int:
-    slots = httpx.get(f"{url}/slots", timeout=10).json()["slots"]
+    slots = httpx.get(f"{url}/slots", timeout=10).json()
     return sum(1 for s in slots if s["busy"])
 
 

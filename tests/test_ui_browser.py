@@ -162,7 +162,7 @@ def answered(d: WebDriver) -> dict[str, str]:
 
 
 def busy_slots(url: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    slots = httpx.get(f"{url}/slots", headers=headers, timeout=10).json()["slots"]
+    slots = httpx.get(f"{url}/slots", headers=headers, timeout=10).json()
     return [s for s in slots if s["busy"]]
 
 

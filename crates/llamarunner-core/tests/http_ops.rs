@@ -208,8 +208,8 @@ async fn slots_are_saved_restored_and_erased_and_bad_requests_refused() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(erased, json!({"id_slot": 0, "n_erased": n}));
     let (_, table) = call(&app, "GET", "/slots", "").await;
-    assert_eq!(table["slots"][0]["cached_tokens"], 0);
-    assert_eq!(table["slots"][0]["phase"], "idle");
+    assert_eq!(table[0]["cached_tokens"], 0);
+    assert_eq!(table[0]["phase"], "idle");
 
     let (status, restored) = call(
         &app,
@@ -222,7 +222,7 @@ async fn slots_are_saved_restored_and_erased_and_bad_requests_refused() {
     assert_eq!(restored["n_restored"], n);
     assert_eq!(restored["n_read"], saved["n_written"]);
     let (_, table) = call(&app, "GET", "/slots", "").await;
-    assert_eq!(table["slots"][1]["cached_tokens"], n);
+    assert_eq!(table[1]["cached_tokens"], n);
     let (_, again) = call(&app, "POST", "/completion", prompt).await;
     assert_eq!(again["prompt_cached_count"], 22, "{again}");
 
@@ -308,7 +308,7 @@ async fn a_busy_slot_is_409_and_slot_files_without_a_directory_are_501() {
     assert_eq!(status, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"]["type"], "slot_busy");
     let (_, table) = call(&app, "GET", "/slots", "").await;
-    let busy = &table["slots"][0];
+    let busy = &table[0];
     assert_eq!(busy["busy"], true);
     assert!(["prefill", "decode"].contains(&busy["phase"].as_str().unwrap()));
     assert_eq!(busy["prompt_tokens"], 5);

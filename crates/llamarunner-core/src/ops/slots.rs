@@ -336,10 +336,26 @@ pub fn prepare_dir(dir: &Path) -> Result<Arc<Path>, String> {
     Ok(Arc::from(dir))
 }
 
-/// `GET /slots`: each slot's id, busy flag, cached tokens and last use, and what its request is
-/// doing: phase, prompt tokens (cached, processed), tokens generated, paused for its client.
+/// `GET /slots`: an array, as llama-server's (whose tools read it), of each slot's id, busy
+/// flag, cached tokens and last use, and what its request is doing: phase, prompt tokens
+/// (cached, processed), tokens generated, paused for its client; with llama-server's names for
+/// what it has too (`is_processing`, `n_ctx`).
 pub async fn list(State(state): State<AppState>) -> Response {
-    Json(json!({ "slots": state.engine.health.slot_table() })).into_response()
+    let n_ctx = state.engine.health.model_info().map(|info| info.slot_ctx);
+    let slots: Vec<serde_json::Value> = state
+        .engine
+        .health
+        .slot_table()
+        .into_iter()
+        .map(|slot| {
+            let busy = slot.busy;
+            let mut entry = json!(slot);
+            entry["is_processing"] = json!(busy);
+            entry["n_ctx"] = json!(n_ctx);
+            entry
+        })
+        .collect();
+    Json(slots).into_response()
 }
 
 #[cfg(test)]

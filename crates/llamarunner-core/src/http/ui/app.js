@@ -869,7 +869,8 @@
       const m = models.find((x) => x.id === model);
       slotsMessage("Model " + model + " is " + (m ? m.status : "not loaded") + ": its slots appear once it is loaded (on its first request).");
     } else if (slotsRes.ok) {
-      const slots = (await slotsRes.json()).slots || [];
+      const table = await slotsRes.json();
+      const slots = Array.isArray(table) ? table : [];
       showSlots(slots, now);
       for (const s of slots) sample.slots[s.id] = { rid: s.request_id, gen: s.generated_tokens };
       const busy = slots.filter((s) => s.busy).length;
