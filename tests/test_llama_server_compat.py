@@ -342,6 +342,12 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     # Alone too: a prompt of token ids is llama-server's format (the runner's prompt is text).
     r = post(tiny_server, "/completion", {"prompt": ids})
     assert r.status_code == 200 and r.json()["stop"] is True, r.text
+    # /completions without /v1: llama-server's own format for a body naming no model (as
+    # llama-server answers there), OpenAI's for an OpenAI client's (it always names one).
+    r = post(tiny_server, "/completions", {"prompt": "I believe", "n_predict": 2})
+    assert r.status_code == 200 and r.json()["stop"] is True and "content" in r.json(), r.text
+    r = post(tiny_server, "/completions", {"model": "x", "prompt": "I believe", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
     # The Ollama runner's format is unchanged.
     r = post(tiny_server, "/completion", {"prompt": "hi", "options": {"num_predict": 2}})
     assert r.headers["content-type"] == "application/x-ndjson"

@@ -86,9 +86,9 @@ fn table(with_metrics: bool) -> Vec<Route> {
         // The OpenAI routes without `/v1`, as llama-server serves them, for clients given the
         // server's root as their base URL: OpenAI's answers, as those clients expect
         // (llama-server answers its own formats on /completions and /embeddings;
-        // docs/endpoints.md).
+        // docs/endpoints.md); a /completions body naming no model is llama-server's.
         model_post("/chat/completions", post(openai::chat_completions)),
-        model_post("/completions", post(openai::completions)),
+        model_post("/completions", post(openai::completions_at_root)),
         model_post("/embeddings", post(openai::embeddings)),
         model_post("/responses", post(responses::create)),
         // The tokens a request's prompt would have (llama-server's, and OpenAI's for

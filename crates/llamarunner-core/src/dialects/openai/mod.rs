@@ -133,6 +133,22 @@ pub async fn completions(
     respond(state, &req, prompt, params, None).await
 }
 
+/// `POST /completions` (no `/v1`): llama-server answers its own `/completion` format there,
+/// and an OpenAI client given the server's root as its base URL posts OpenAI's. A body that
+/// names no `model` (OpenAI's API requires one, and its clients always send it) is
+/// llama-server's (`llama_server::completion`); one that does, OpenAI's.
+pub async fn completions_at_root(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    let names_model = serde_json::from_slice::<Value>(&body)
+        .is_ok_and(|v| v.as_object().is_some_and(|o| o.contains_key("model")));
+    if names_model {
+        return completions(State(state), body).await;
+    }
+    Ok(llama_server::completion(state, &body).await?)
+}
+
 async fn respond(
     state: AppState,
     req: &OpenAiRequest,
