@@ -342,6 +342,26 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     # Alone too: a prompt of token ids is llama-server's format (the runner's prompt is text).
     r = post(tiny_server, "/completion", {"prompt": ids})
     assert r.status_code == 200 and r.json()["stop"] is True, r.text
+    # Several prompts in one request: one answer each, in their order; token ids and texts
+    # mixed in one prompt; llama-server's prompt object.
+    several = {"prompt": ["I believe", ids, {"prompt_string": "hi"}], "n_predict": 2}
+    r = post(tiny_server, "/completion", several)
+    assert r.status_code == 200, r.text
+    assert [a["index"] for a in r.json()] == [0, 1, 2] and r.json()[0]["prompt"] == "I believe"
+    r = post(tiny_server, "/completion", {"prompt": [*ids, " and more"], "n_predict": 2})
+    assert r.status_code == 200 and r.json()["tokens_evaluated"] > len(ids), r.text
+    r = post(tiny_server, "/completion", {"prompt": {"prompt_string": "x", "multimodal_data": []}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "images_not_supported"
+    # logit_bias, by token id (both shapes) or by text: a banned token is never sampled.
+    greedy = {"prompt": "I believe the meaning of life is", "n_predict": 1, "temperature": 0}
+    first = post(tiny_server, "/completion", {**greedy, "return_tokens": True}).json()["tokens"][0]
+    for bias in ([[first, False]], {str(first): -100}, [[first, -100]]):
+        r = post(tiny_server, "/completion", {**greedy, "return_tokens": True, "logit_bias": bias})
+        assert r.status_code == 200 and r.json()["tokens"][0] != first, (bias, r.text)
+    text = post(tiny_server, "/detokenize", {"tokens": [first]}).json()["content"]
+    by_text = {**greedy, "return_tokens": True, "logit_bias": {text: False}}
+    r = post(tiny_server, "/completion", by_text)
+    assert r.status_code == 200, r.text
     # /completions without /v1: llama-server's own format for a body naming no model (as
     # llama-server answers there), OpenAI's for an OpenAI client's (it always names one).
     r = post(tiny_server, "/completions", {"prompt": "I believe", "n_predict": 2})
@@ -356,7 +376,9 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
         {"prompt": "hi", "n_predict": 2, "n_probs": 21},
         {"prompt": "hi", "n_predict": 2, "n_probs": 2, "post_sampling_probs": True},
         {"prompt": "hi", "n_predict": 2, "grammar": 'root ::= "a"', "json_schema": {}},
-        {"prompt": ["a", "b"], "n_predict": 2},
+        {"prompt": ["a", "b"], "n_predict": 2, "stream": True},
+        {"prompt": "hi", "n_predict": 2, "logit_bias": 3},
+        {"prompt": "hi", "n_predict": 2, "logit_bias": [[1, "x"]]},
         {"prompt": "", "n_predict": 2},
         {"prompt": "hi", "temperature": -1},
         {"prompt": "hi", "n_cmpl": 2},

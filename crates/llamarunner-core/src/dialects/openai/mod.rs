@@ -136,7 +136,7 @@ pub async fn completions(
 /// `POST /completions` (no `/v1`): llama-server answers its own `/completion` format there,
 /// and an OpenAI client given the server's root as its base URL posts OpenAI's. A body that
 /// names no `model` (OpenAI's API requires one, and its clients always send it) is
-/// llama-server's (`llama_server::completion`); one that does, OpenAI's.
+/// llama-server's (`completion` of `dialects/llama_server/`); one that does, OpenAI's.
 pub async fn completions_at_root(
     State(state): State<AppState>,
     body: Bytes,

@@ -5,7 +5,6 @@
 //! llama-server adds them) and of a stream so far (`timings_per_token`).
 
 use std::convert::Infallible;
-use std::time::Instant;
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -18,119 +17,20 @@ use crate::constrain::{Grammar, GrammarSource};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
-use crate::protocol::{Completion, DoneReason, Event, Token, TokenLogprob, TopLogprob};
-use crate::requests::common::{collect, parse_json, start_generation, Generation, PromptSource};
+use crate::protocol::{Completion, DoneReason, Event, TokenLogprob, TopLogprob};
+use crate::requests::common::{collect, model_info, parse_json, start_generation};
 use crate::requests::format::json_schema;
 use crate::requests::options::SamplerFields;
 use crate::requests::validate::MAX_TOP_LOGPROBS;
 
-/// llama-server's `timings` of a finished answer: the prompt's decoded and cached tokens and the
-/// generation, with their times and rates (0 where nothing was timed). The generation's rate
-/// is over its decode steps, one fewer than its tokens: the first token comes from the
-/// prompt's last decode, and the generation's time starts after it. Clients written for
-/// llama-server (its web page among them) show them.
-pub(crate) fn timings(done: &Completion) -> Value {
-    let ms = |ns: u64| ns as f64 / 1e6;
-    let prompt_n = done
-        .prompt_eval_count
-        .saturating_sub(done.prompt_cached_count);
-    let mut t = timings_of(
-        done.prompt_cached_count,
-        prompt_n,
-        ms(done.prompt_eval_duration_ns),
-        done.eval_count,
-        ms(done.eval_duration_ns),
-    );
-    if done.draft_count > 0 {
-        t["draft_n"] = json!(done.draft_count);
-        t["draft_n_accepted"] = json!(done.draft_accepted_count);
-    }
-    t
-}
+mod logit_bias;
+mod prompt;
+mod timings;
 
-/// llama-server's `timings_per_token`: the timings of a stream so far, measured here as its
-/// events arrive: the prompt's from its admission to its first text, the generation's since.
-/// Tokens are counted per text event, or per token where their log-probabilities came with
-/// it (a client that reads slowly gets several tokens in one event). The last event's timings
-/// are the engine's own (`timings`).
-#[derive(Debug)]
-pub(crate) struct StreamClock {
-    admitted: Instant,
-    first_text: Option<Instant>,
-    cache_n: usize,
-    prompt_n: usize,
-    predicted_n: usize,
-}
-
-impl StreamClock {
-    /// A clock for this generation, started at its admission (now).
-    pub(crate) fn new(generation: &Generation) -> Self {
-        Self::admitted(generation.prompt_tokens, generation.cached_tokens)
-    }
-
-    /// A clock for a prompt of `prompt` tokens, `cached` of them from a cache, admitted now.
-    fn admitted(prompt: usize, cached: usize) -> Self {
-        Self {
-            admitted: Instant::now(),
-            first_text: None,
-            cache_n: cached,
-            prompt_n: prompt.saturating_sub(cached),
-            predicted_n: 0,
-        }
-    }
-
-    /// A text event arrived, completing `tokens` tokens (0: not counted, one event).
-    pub(crate) fn text(&mut self, tokens: usize) {
-        self.first_text.get_or_insert_with(Instant::now);
-        self.predicted_n += tokens.max(1);
-    }
-
-    /// The timings so far.
-    pub(crate) fn timings(&self) -> Value {
-        let now = Instant::now();
-        let ms =
-            |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
-        let first = self.first_text.unwrap_or(now);
-        let predicted_ms = self.first_text.map_or(0.0, |t| ms(t, now));
-        timings_of(
-            self.cache_n,
-            self.prompt_n,
-            ms(self.admitted, first),
-            self.predicted_n,
-            predicted_ms,
-        )
-    }
-}
-
-/// The `timings` of a prompt's decode so far (`timings_per_token` with `return_progress`).
-fn progress_timings(p: &crate::protocol::PromptProgress) -> Value {
-    let prompt_n = p.processed.saturating_sub(p.cache);
-    timings_of(p.cache, prompt_n, p.time_ms as f64, 0, 0.0)
-}
-
-/// llama-server's timings object from its counts and times (ms); rates 0 where a divisor is 0.
-fn timings_of(
-    cache_n: usize,
-    prompt_n: usize,
-    prompt_ms: f64,
-    predicted_n: usize,
-    predicted_ms: f64,
-) -> Value {
-    let per_token = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
-    let per_second = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
-    let steps = predicted_n.saturating_sub(1);
-    json!({
-        "cache_n": cache_n,
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
-        "prompt_per_second": per_second(prompt_ms, prompt_n),
-        "predicted_n": predicted_n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": per_token(predicted_ms, steps),
-        "predicted_per_second": per_second(predicted_ms, steps),
-    })
-}
+use logit_bias::LogitBias;
+use prompt::OnePrompt;
+use timings::progress_timings;
+pub(crate) use timings::{timings, StreamClock};
 
 /// llama-server's `prompt_progress` object (`return_progress`).
 pub(crate) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
@@ -247,6 +147,8 @@ struct CompletionRequest {
     json_schema: Option<Value>,
     cache_prompt: Option<bool>,
     lora: Option<Value>,
+    /// Biases by token id or by text (`LogitBias`).
+    logit_bias: Option<Value>,
     return_progress: Option<bool>,
     /// The most likely tokens at each position, with the sampled one's probability
     /// (`completion_probabilities`).
@@ -324,30 +226,6 @@ impl CompletionRequest {
             (None, None) => None,
         };
         Ok(p)
-    }
-
-    /// The prompt: a non-empty text, or one prompt's token ids.
-    fn prompt(&self) -> Result<PromptSource, ApiError> {
-        match &self.prompt {
-            Some(Value::String(text)) if !text.is_empty() => Ok(PromptSource::from(text.clone())),
-            Some(Value::Array(items)) if !items.is_empty() => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|id| Token::try_from(id).ok())
-                        .ok_or_else(|| {
-                            ApiError::invalid(
-                                "prompt: an array is one prompt's token ids (non-negative \
-                                 integers); send several prompts as several requests",
-                            )
-                        })
-                })
-                .collect::<Result<Vec<Token>, _>>()
-                .map(PromptSource::Tokens),
-            _ => Err(ApiError::invalid(
-                "prompt is required: a non-empty text or an array of token ids",
-            )),
-        }
     }
 }
 
@@ -472,18 +350,48 @@ pub(crate) fn settings_json(p: &SamplingParams) -> Value {
 /// in `content`) and the last the whole statistics (`"stop": true`, `timings`); no `[DONE]`.
 pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_json(body)?;
-    let params = req.params(&state)?;
-    let prompt = req.prompt()?;
-    let meta = Meta {
+    let mut params = req.params(&state)?;
+    let prompts = prompt::read(req.prompt.as_ref())?;
+    let info = model_info(&state)?;
+    if let Some(bias) = &req.logit_bias {
+        params.logit_bias = LogitBias::read(bias)?.tokens(&info).await?;
+    }
+    let settings = settings_json(&params);
+    let meta_of = |p: &OnePrompt| Meta {
         model: state.model_name.to_string(),
-        prompt: match &req.prompt {
-            Some(Value::String(text)) => text.clone(),
-            _ => String::new(),
-        },
-        settings: settings_json(&params),
+        prompt: p.text(),
+        settings: settings.clone(),
         return_tokens: req.return_tokens == Some(true),
         probabilities: req.n_probs.is_some_and(|n| n > 0),
     };
+    if prompts.len() > 1 {
+        if req.stream == Some(true) {
+            return Err(ApiError::invalid(
+                "stream: one prompt per streamed request; send the others as requests of \
+                 their own, or leave stream out to have every answer at once",
+            ));
+        }
+        // Several prompts: generated side by side, answered in one array in their order.
+        let answers = prompts.into_iter().enumerate().map(|(index, p)| {
+            let meta = meta_of(&p);
+            let (state, info, params) = (state.clone(), info.clone(), params.clone());
+            async move {
+                let source = p.source(&info).await?;
+                let all = collect(start_generation(&state, source, params).await?).await?;
+                let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
+                meta.add_tokens(&mut body, &all.logprobs);
+                body["index"] = json!(index);
+                Ok::<_, ApiError>(body)
+            }
+        });
+        let answers = futures_util::future::try_join_all(answers).await?;
+        return Ok(Json(answers).into_response());
+    }
+    let Some(p) = prompts.into_iter().next() else {
+        return Err(ApiError::invalid("prompt is required"));
+    };
+    let meta = meta_of(&p);
+    let prompt = p.source(&info).await?;
     let generation = start_generation(&state, prompt, params).await?;
     let evaluated = generation.prompt_tokens;
     if req.stream != Some(true) {
@@ -535,160 +443,4 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_body_s_fields_choose_the_format() {
-        for (body, llama_server) in [
-            (r#"{"prompt": "hi", "n_predict": 8}"#, true),
-            (r#"{"prompt": "hi", "stream": true}"#, true),
-            (r#"{"prompt": [1, 2], "temperature": 0}"#, true),
-            (r#"{"Prompt": "hi", "N_Predict": 8}"#, true),
-            // A prompt of token ids alone: the runner's prompt is text.
-            (r#"{"prompt": [1, 2]}"#, true),
-            (r#"{"prompt": "hi", "max_tokens": 4}"#, true),
-            (r#"{"prompt": "hi", "dry_multiplier": 0.5}"#, true),
-            (r#"{"prompt": "hi", "n_cmpl": 2}"#, true),
-            // The Ollama runner's: options, or nothing llama-server's.
-            (r#"{"prompt": "hi"}"#, false),
-            (r#"{"prompt": "hi", "options": {"num_predict": 2}}"#, false),
-            (r#"{"prompt": "hi", "Options": {}, "stream": true}"#, false),
-            (r#"{"messages": [], "think": true}"#, false),
-            // The runner's messages, even beside a field of llama-server's.
-            (r#"{"messages": [], "stream": true}"#, false),
-            (
-                r#"{"prompt": "hi", "lora": [], "cache_prompt": false}"#,
-                false,
-            ),
-            ("not json", false),
-            ("[1, 2]", false),
-        ] {
-            assert_eq!(
-                is_llama_server_body(body.as_bytes()),
-                llama_server,
-                "{body}"
-            );
-        }
-    }
-
-    #[test]
-    fn params_take_llama_server_s_defaults_and_refuse_what_is_not_given() {
-        let (engine, _inbox) = crate::protocol::EngineHandle::new(4);
-        let state = AppState::new(engine, "m");
-        let req: CompletionRequest = serde_json::from_str(r#"{"prompt": "hi"}"#).unwrap();
-        let p = req.params(&state).unwrap();
-        assert_eq!((p.top_p, p.min_p, p.repeat_penalty), (0.95, 0.05, 1.0));
-        assert_eq!(p.num_predict, -1);
-        let req: CompletionRequest =
-            serde_json::from_str(r#"{"prompt": "hi", "n_predict": 3, "temperature": 0}"#).unwrap();
-        let p = req.params(&state).unwrap();
-        assert_eq!((p.num_predict, p.temperature), (3, 0.0));
-        for (body, logprobs) in [
-            (r#"{"n_probs": 2}"#, Some(2)),
-            (r#"{"return_tokens": true}"#, Some(0)),
-            (r#"{"n_probs": 3, "return_tokens": true}"#, Some(3)),
-            (r#"{"n_probs": 0, "return_tokens": false}"#, None),
-        ] {
-            let req: CompletionRequest = serde_json::from_str(body).unwrap();
-            assert_eq!(req.params(&state).unwrap().logprobs, logprobs, "{body}");
-        }
-        for (body, wanted) in [
-            (r#"{"n_probs": 21}"#, "n_probs must be at most 20"),
-            (r#"{"post_sampling_probs": true}"#, "post_sampling_probs"),
-            (r#"{"n_cmpl": 2}"#, "n_cmpl"),
-            (
-                r#"{"grammar": "root ::= \"a\"", "json_schema": {}}"#,
-                "one constraint",
-            ),
-            (r#"{"json_schema": 3}"#, "json_schema must be an object"),
-        ] {
-            let req: CompletionRequest = serde_json::from_str(body).unwrap();
-            let err = req.params(&state).unwrap_err().to_string();
-            assert!(err.contains(wanted), "{body}: {err}");
-        }
-        for (prompt, ok) in [
-            (r#""hi""#, true),
-            ("[1, 2, 3]", true),
-            (r#""""#, false),
-            ("[]", false),
-            ("[-1]", false),
-            (r#"["a", "b"]"#, false),
-            ("[[1]]", false),
-            ("null", false),
-        ] {
-            let req: CompletionRequest =
-                serde_json::from_str(&format!(r#"{{"prompt": {prompt}}}"#)).unwrap();
-            assert_eq!(req.prompt().is_ok(), ok, "{prompt}");
-        }
-    }
-
-    #[test]
-    fn a_stream_s_clock_counts_its_tokens_and_times_its_parts() {
-        let mut clock = StreamClock::admitted(10, 4);
-        let t = clock.timings();
-        assert_eq!(
-            (t["cache_n"].as_u64(), t["prompt_n"].as_u64()),
-            (Some(4), Some(6))
-        );
-        assert_eq!(t["predicted_n"], 0);
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        clock.text(0); // one event, no token count: one token
-        clock.text(3); // three tokens' log-probabilities
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        let t = clock.timings();
-        assert_eq!(t["predicted_n"], 4);
-        assert!(t["prompt_ms"].as_f64().unwrap() >= 5.0, "{t}");
-        assert!(t["predicted_ms"].as_f64().unwrap() >= 5.0, "{t}");
-        assert!(t["predicted_per_second"].as_f64().unwrap() > 0.0, "{t}");
-    }
-
-    #[test]
-    fn stop_types_name_why_it_ended() {
-        let done = |done_reason, stop: Option<&str>| Completion {
-            done_reason,
-            prompt_eval_count: 3,
-            prompt_cached_count: 0,
-            queue_duration_ns: 0,
-            prompt_eval_duration_ns: 0,
-            eval_count: 1,
-            eval_duration_ns: 0,
-            truncated: false,
-            draft_count: 0,
-            draft_accepted_count: 0,
-            stop_string: stop.map(String::from),
-        };
-        assert_eq!(stop_type(&done(DoneReason::Stop, None)), "eos");
-        assert_eq!(stop_type(&done(DoneReason::Stop, Some("\n"))), "word");
-        assert_eq!(stop_type(&done(DoneReason::Length, None)), "limit");
-        assert_eq!(stop_type(&done(DoneReason::Timeout, None)), "limit");
-    }
-
-    #[test]
-    fn the_generation_rate_is_over_its_decode_steps() {
-        let one = timings_of(2, 8, 4.0, 1, 0.0);
-        assert_eq!(one["predicted_per_second"], 0.0);
-        assert_eq!(one["predicted_per_token_ms"], 0.0);
-        assert_eq!(one["prompt_per_token_ms"], 0.5);
-        assert_eq!(one["prompt_per_second"], 2000.0);
-        let many = timings_of(0, 8, 4.0, 16, 30.0);
-        assert_eq!(many["predicted_per_token_ms"], 2.0);
-        assert_eq!(many["predicted_per_second"], 500.0);
-        let nothing = timings_of(0, 0, 0.0, 0, 0.0);
-        for (key, value) in nothing.as_object().unwrap() {
-            assert!(value.as_f64().is_some_and(|v| v == 0.0), "{key}: {value}");
-        }
-        let p = crate::protocol::PromptProgress {
-            total: 40,
-            cache: 8,
-            processed: 24,
-            time_ms: 16,
-        };
-        let t = progress_timings(&p);
-        assert_eq!(
-            (t["cache_n"].clone(), t["prompt_n"].clone()),
-            (json!(8), json!(16))
-        );
-        assert_eq!(t["predicted_n"], 0);
-    }
-}
+mod tests;

@@ -1,0 +1,83 @@
+//! llama-server's `logit_bias`, in both of its shapes, with texts as keys.
+
+use serde_json::{json, Value};
+
+use crate::http::error::ApiError;
+use crate::protocol::Token;
+
+/// llama-server's `logit_bias`: `[[key, bias], ...]` or `{"key": bias}`, each key a token id
+/// or a text whose every token gets the bias; a bias is a number, or `false` (never sampled).
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct LogitBias {
+    pub(super) ids: Vec<(Token, f32)>,
+    pub(super) texts: Vec<(String, f32)>,
+}
+
+impl LogitBias {
+    pub(super) fn read(value: &Value) -> Result<Self, ApiError> {
+        let bad = || {
+            ApiError::invalid(
+                "logit_bias must be [[token or text, bias], ...] or {\"token or text\": bias}, \
+                 a bias a number or false",
+            )
+        };
+        let entries: Vec<(Value, &Value)> = match value {
+            Value::Null => Vec::new(),
+            Value::Array(pairs) => pairs
+                .iter()
+                .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                    Some([key, bias]) => Ok((key.clone(), bias)),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<_, _>>()?,
+            Value::Object(map) => map
+                .iter()
+                .map(|(key, bias)| {
+                    let key = key
+                        .parse::<i64>()
+                        .map_or_else(|_| json!(key), |id| json!(id));
+                    (key, bias)
+                })
+                .collect(),
+            _ => return Err(bad()),
+        };
+        if entries.len() > crate::requests::validate::MAX_LOGIT_BIAS {
+            return Err(ApiError::invalid(format!(
+                "logit_bias: at most {} entries",
+                crate::requests::validate::MAX_LOGIT_BIAS
+            )));
+        }
+        let mut bias = Self::default();
+        for (key, value) in entries {
+            let b = match value {
+                Value::Bool(false) => f32::NEG_INFINITY,
+                Value::Number(n) => n.as_f64().filter(|b| b.is_finite()).ok_or_else(bad)? as f32,
+                _ => return Err(bad()),
+            };
+            match key {
+                Value::String(text) => bias.texts.push((text, b)),
+                Value::Number(n) => {
+                    let id = n.as_u64().and_then(|id| Token::try_from(id).ok());
+                    bias.ids.push((id.ok_or_else(bad)?, b));
+                }
+                _ => return Err(bad()),
+            }
+        }
+        Ok(bias)
+    }
+
+    /// The biases by token id: the texts tokenized (on the blocking pool), the ids checked
+    /// against the vocabulary later with the other options.
+    pub(super) async fn tokens(
+        self,
+        info: &std::sync::Arc<crate::protocol::ModelInfo>,
+    ) -> Result<Vec<(Token, f32)>, ApiError> {
+        let mut out = self.ids;
+        for (text, b) in self.texts {
+            let tokens =
+                crate::requests::validate::tokenize_text(info, text, false, "logit_bias").await?;
+            out.extend(tokens.into_iter().map(|t| (t, b)));
+        }
+        Ok(out)
+    }
+}
