@@ -63,12 +63,13 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--kv-unified": (None, False),
     "--no-ui": (None, False),
     "--offline": (None, False),
-    # Tuning that has no counterpart: llama.cpp's micro-batch and the server-wide sampling
-    # defaults the tests pass (--temp 0.8 --seed 42: requests set their own).
+    "--seed": ("--seed", True),
+    "-s": ("--seed", True),
+    # Tuning that has no counterpart: llama.cpp's micro-batch and the server-wide temperature
+    # the tests pass (--temp 0.8: requests set their own).
     "--ubatch-size": (None, True),
     "-ub": (None, True),
     "--temp": (None, True),
-    "--seed": (None, True),
 }
 
 # Handled below: the model, the cache size and slots, and flags whose values change.

@@ -192,6 +192,26 @@ def test_timings_per_token_are_streamed_when_asked(tiny_server: Server) -> None:
     assert text and all(c["timings"]["predicted_n"] >= 1 for c in text), chunks
 
 
+def test_the_server_s_seed_seeds_the_requests_that_give_none(tmp_path: Path) -> None:
+    """``--seed`` (llama-server's): a request without a seed gets the server's, so the same
+    request gives the same text; one with its own keeps it."""
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2, seed=42) as srv:
+        body = {"prompt": "Once upon a", "n_predict": 12, "temperature": 1.5, "cache_prompt": False}
+        texts = {post(srv, "/completion", body).json()["content"] for _ in range(3)}
+        assert len(texts) == 1, texts
+        chat = {"messages": CHAT, "max_tokens": 12, "temperature": 1.5, "cache_prompt": False}
+        answers = {
+            post(srv, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+            for _ in range(2)
+        }
+        assert len(answers) == 1, answers
+        props = httpx.get(f"{srv.url}/props").json()
+        assert props["default_generation_settings"]["params"]["seed"] == 42
+        own = {post(srv, "/completion", {**body, "seed": s}).json()["content"] for s in range(6)}
+        assert len(own) > 1, own
+
+
 def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:
     counted = post(tiny_server, "/v1/chat/completions/input_tokens", {"messages": CHAT})
     assert counted.status_code == 200, counted.text

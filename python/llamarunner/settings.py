@@ -324,6 +324,13 @@ SERVER_SETTINGS = _table(
         "most tokens one request may generate; 0 = no server cap (default {default})",
     ),
     Setting(
+        "seed",
+        int,
+        -1,
+        "the seed of requests that give none (llama-server's --seed); -1 = a random one per "
+        "request (default {default})",
+    ),
+    Setting(
         "timeout",
         float,
         0.0,

@@ -94,7 +94,8 @@ impl Runner {
             .with_slot_save_path(slot_save_path)
             .with_lora(crate::protocol::lora::LoraTable::new(&config.lora))
             .with_reasoning(config.reasoning_format, config.reasoning)
-            .with_verbose_answers(config.verbose);
+            .with_verbose_answers(config.verbose)
+            .with_default_seed(config.seed);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

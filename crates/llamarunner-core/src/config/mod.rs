@@ -176,6 +176,9 @@ pub struct RunnerConfig {
     pub shutdown_timeout: f64,
     /// Most tokens one request may generate; 0 = no server cap.
     pub max_tokens: u32,
+    /// The seed of requests that give none (llama-server's `--seed`); -1: a random seed per
+    /// request.
+    pub seed: i64,
     /// Wall-time limit of one request, in seconds; 0 = none.
     pub timeout: f64,
     /// Directory of slot files (`POST /slots/{id}?action=save|restore`), made if missing;
@@ -231,6 +234,7 @@ impl Default for RunnerConfig {
             idle_timeout: 60.0,
             shutdown_timeout: 10.0,
             max_tokens: 0,
+            seed: -1,
             timeout: 0.0,
             slot_save_path: None,
         }
@@ -356,7 +360,7 @@ impl RunnerConfig {
         if self.model.as_os_str().is_empty() {
             return Err(ConfigError::NoModel);
         }
-        let ranges: [(&'static str, i64, i64, i64, &'static str); 8] = [
+        let ranges: [(&'static str, i64, i64, i64, &'static str); 9] = [
             (
                 "ctx-checkpoints",
                 self.ctx_checkpoints,
@@ -406,6 +410,13 @@ impl RunnerConfig {
                 -1,
                 MAX_CACHE_RAM_MIB,
                 "-1 (a quarter of the memory), 0 (off) or MiB up to 16 TiB",
+            ),
+            (
+                "seed",
+                self.seed,
+                -1,
+                u32::MAX.into(),
+                "-1 (random) or between 0 and 4294967295",
             ),
         ];
         for (name, value, lo, hi, rule) in ranges {

@@ -31,6 +31,28 @@ fn out_of_range_values_are_named() {
         ..with_model()
     };
     assert!(matches!(cfg.validate(), Err(ConfigError::KvCacheType(_))));
+    for (seed, ok) in [
+        (-1, true),
+        (0, true),
+        (42, true),
+        (4_294_967_295, true),
+        (-2, false),
+    ] {
+        let cfg = RunnerConfig {
+            seed,
+            ..with_model()
+        };
+        assert_eq!(cfg.validate().is_ok(), ok, "{seed}");
+    }
+    let cfg = RunnerConfig {
+        seed: 1 << 32,
+        ..with_model()
+    };
+    assert!(cfg
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .starts_with("seed must be"));
 }
 
 #[test]

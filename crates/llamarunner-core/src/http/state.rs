@@ -55,6 +55,8 @@ pub struct AppState {
     /// Whether OpenAI answers carry llama-server's `__verbose` debug object when the request
     /// does not say (`--verbose`, as llama-server's).
     pub verbose_answers: bool,
+    /// The seed of requests that give none (`--seed`); -1: random per request.
+    pub default_seed: i64,
 }
 
 impl AppState {
@@ -73,7 +75,14 @@ impl AppState {
             images_in_flight: Arc::new(tokio::sync::Semaphore::new(IMAGES_IN_FLIGHT)),
             responses: Arc::default(),
             verbose_answers: false,
+            default_seed: -1,
         }
+    }
+
+    /// The same state seeding requests that give no seed with `seed` (-1: random).
+    pub fn with_default_seed(mut self, seed: i64) -> Self {
+        self.default_seed = seed;
+        self
     }
 
     /// The same state answering with llama-server's `__verbose` debug object by default.

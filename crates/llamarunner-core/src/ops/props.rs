@@ -9,6 +9,7 @@ use serde_json::json;
 
 use crate::http::error::ApiError;
 use crate::http::AppState;
+use crate::protocol::params::SamplingParams;
 use crate::protocol::{LoadState, Token, LLAMA_CPP_2_VERSION};
 use crate::requests::common::model_info;
 
@@ -55,11 +56,11 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "n_ctx": info.slot_ctx,
         "n_ctx_total": info.slot_ctx.saturating_mul(total as usize),
         // As llama-server's: the context per slot and the sampling a request gets for the
-        // fields it leaves out (the native dialect's defaults; seed -1: a random seed per
-        // request).
+        // fields it leaves out (llama-server's format's defaults; the seed `--seed`'s, -1: a
+        // random seed per request).
         "default_generation_settings": {
             "n_ctx": info.slot_ctx,
-            "params": default_params(),
+            "params": default_params(state.default_seed),
         },
         "chat_template": info.template.source,
         "chat_template_name": info.template.name,
@@ -92,6 +93,9 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
 }
 
 /// The sampling defaults of a llama-server-format request, under llama-server's names.
-fn default_params() -> serde_json::Value {
-    crate::dialects::llama_server::settings_json(&crate::dialects::llama_server::default_params())
+fn default_params(seed: i64) -> serde_json::Value {
+    crate::dialects::llama_server::settings_json(&SamplingParams {
+        seed,
+        ..crate::dialects::llama_server::default_params()
+    })
 }

@@ -419,6 +419,9 @@ pub async fn start_generation(
     let received = Instant::now();
     let info = model_info(state)?;
     let mut params = params;
+    if params.seed < 0 {
+        params.seed = state.default_seed;
+    }
     if params.lora.is_none() {
         params.lora = Some(state.lora.defaults());
     }

@@ -243,6 +243,9 @@ async fn respond_many(
     generations.push(first);
     for i in 1..n {
         let mut p = params.clone();
+        if p.seed < 0 {
+            p.seed = state.default_seed;
+        }
         if p.seed >= 0 {
             p.seed = (p.seed % (1 << 32) + i as i64) % (1 << 32);
         }
