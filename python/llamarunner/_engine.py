@@ -37,11 +37,11 @@ def main() -> int:
     died = watch_serving(
         lambda: Health(*native.health()), 0.2, until=lambda: os.getppid() != parent
     )
-    native.stop()
     if died is not None:
+        # Said first: the router reads it even if stopping the engine then hangs.
         print(f"llamarunner: model {name}: {died.error}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    native.stop()
+    return 0 if died is None else 1
 
 
 if __name__ == "__main__":

@@ -66,18 +66,36 @@ impl LogitBias {
         Ok(bias)
     }
 
-    /// The biases by token id: the texts tokenized (on the blocking pool), the ids checked
-    /// against the vocabulary later with the other options.
+    /// The biases by token id: the texts tokenized as plain text (special tokens stay text,
+    /// no BOS), in one task on the blocking pool; the ids and their count checked later with
+    /// the other options.
     pub(super) async fn tokens(
         self,
         info: &std::sync::Arc<crate::protocol::ModelInfo>,
     ) -> Result<Vec<(Token, f32)>, ApiError> {
         let mut out = self.ids;
-        for (text, b) in self.texts {
-            let tokens =
-                crate::requests::validate::tokenize_text(info, text, false, "logit_bias").await?;
-            out.extend(tokens.into_iter().map(|t| (t, b)));
+        if self.texts.is_empty() {
+            return Ok(out);
         }
+        let bytes: usize = self.texts.iter().map(|(t, _)| t.len()).sum();
+        let max = crate::requests::validate::max_text_bytes(info);
+        if bytes > max {
+            return Err(ApiError::invalid(format!(
+                "logit_bias: its texts have {bytes} bytes, at most {max}"
+            )));
+        }
+        let model = info.text.clone();
+        let texts = self.texts;
+        let biased = crate::requests::validate::blocking(move || {
+            let mut biased = Vec::new();
+            for (text, b) in texts {
+                biased.extend(model.tokenize_literal(&text)?.into_iter().map(|t| (t, b)));
+            }
+            Ok::<_, crate::protocol::BackendError>(biased)
+        })
+        .await?
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+        out.extend(biased);
         Ok(out)
     }
 }

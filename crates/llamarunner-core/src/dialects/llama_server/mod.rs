@@ -81,12 +81,14 @@ const LLAMA_SERVER_FIELDS: &[&str] = &[
     "n_indent",
     "t_max_predict_ms",
     "n_cmpl",
+    "logit_bias",
     "return_progress",
 ];
 
 /// Whether a `POST /completion` body is in llama-server's format rather than the Ollama
 /// runner's: it has none of the runner's own fields (`options`, `messages`) and either a prompt
-/// of token ids (the runner's is text) or one of llama-server's top-level fields (`n_predict`,
+/// that is not text (token ids, several prompts, `{"prompt_string"}`: the runner's is text) or
+/// one of llama-server's top-level fields (`n_predict`,
 /// `stream`, `temperature`...). A body with neither (`{"prompt"}`) keeps the runner's format.
 /// Keys are compared as the runner reads them, without case.
 pub(crate) fn is_llama_server_body(body: &[u8]) -> bool {
@@ -101,7 +103,7 @@ pub(crate) fn is_llama_server_body(body: &[u8]) -> bool {
     if field("options").is_some() || field("messages").is_some() {
         return false;
     }
-    matches!(field("prompt"), Some(Value::Array(_)))
+    matches!(field("prompt"), Some(Value::Array(_) | Value::Object(_)))
         || LLAMA_SERVER_FIELDS.iter().any(|f| field(f).is_some())
 }
 
@@ -371,19 +373,33 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                  their own, or leave stream out to have every answer at once",
             ));
         }
-        // Several prompts: generated side by side, answered in one array in their order.
-        let answers = prompts.into_iter().enumerate().map(|(index, p)| {
+        // Several prompts: each read and tokenized first (a bad one fails the request before
+        // any is queued), then queued one after another (each once it has a slot, as `n`
+        // choices are), generated side by side and answered in one array in their order. An
+        // error drops the generations started, which frees their slots.
+        let mut sources = Vec::with_capacity(prompts.len());
+        for p in prompts {
             let meta = meta_of(&p);
-            let (state, info, params) = (state.clone(), info.clone(), params.clone());
-            async move {
-                let source = p.source(&info).await?;
-                let all = collect(start_generation(&state, source, params).await?).await?;
-                let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
-                meta.add_tokens(&mut body, &all.logprobs);
-                body["index"] = json!(index);
-                Ok::<_, ApiError>(body)
-            }
-        });
+            sources.push((meta, p.source(&info).await?));
+        }
+        let mut generations = Vec::with_capacity(sources.len());
+        for (meta, source) in sources {
+            generations.push((
+                meta,
+                start_generation(&state, source, params.clone()).await?,
+            ));
+        }
+        let answers =
+            generations
+                .into_iter()
+                .enumerate()
+                .map(|(index, (meta, generation))| async move {
+                    let all = collect(generation).await?;
+                    let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
+                    meta.add_tokens(&mut body, &all.logprobs);
+                    body["index"] = json!(index);
+                    Ok::<_, ApiError>(body)
+                });
         let answers = futures_util::future::try_join_all(answers).await?;
         return Ok(Json(answers).into_response());
     }

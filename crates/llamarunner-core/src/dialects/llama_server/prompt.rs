@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::http::error::ApiError;
 use crate::protocol::{ModelInfo, Token};
 use crate::requests::common::PromptSource;
-use crate::requests::validate::tokenize_text;
+use crate::requests::validate::{blocking, max_text_bytes};
 
 /// Most prompts one request may give (each takes a slot, as `n` choices do).
 pub(super) const MAX_PROMPTS: usize = crate::dialects::openai::MAX_CHOICES as usize;
@@ -109,21 +109,44 @@ impl OnePrompt {
     }
 
     /// What the engine is given: a text as it is; a sequence as token ids, its texts tokenized
-    /// (the first one with the model's special tokens, as a text prompt gets them).
+    /// in one task on the blocking pool (a text that opens the sequence with the model's
+    /// special tokens, as a text prompt gets them; its texts together at most the bytes a
+    /// text prompt may have).
     pub(super) async fn source(self, info: &Arc<ModelInfo>) -> Result<PromptSource, ApiError> {
         let pieces = match self {
             OnePrompt::Text(text) => return Ok(PromptSource::from(text)),
             OnePrompt::Mixed(pieces) => pieces,
         };
-        let mut tokens = Vec::new();
-        for (i, piece) in pieces.into_iter().enumerate() {
-            match piece {
-                Piece::Id(id) => tokens.push(id),
-                Piece::Text(text) => {
-                    tokens.extend(tokenize_text(info, text, i == 0, "prompt").await?)
+        let text_bytes: usize = pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.len(),
+                Piece::Id(_) => 0,
+            })
+            .sum();
+        let max = max_text_bytes(info);
+        if text_bytes > max || pieces.len() > max {
+            return Err(ApiError::ContextLength(format!(
+                "the input length exceeds the context length: the prompt has {} pieces and \
+                 {text_bytes} bytes of text, at most {max} of each are read for a slot of {} \
+                 tokens",
+                pieces.len(),
+                info.slot_ctx
+            )));
+        }
+        let model = info.text.clone();
+        let tokens = blocking(move || {
+            let mut tokens = Vec::new();
+            for (i, piece) in pieces.into_iter().enumerate() {
+                match piece {
+                    Piece::Id(id) => tokens.push(id),
+                    Piece::Text(text) => tokens.extend(model.tokenize_with(&text, i == 0)?),
                 }
             }
-        }
+            Ok::<_, crate::protocol::BackendError>(tokens)
+        })
+        .await?
+        .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
         Ok(PromptSource::Tokens(tokens))
     }
 }

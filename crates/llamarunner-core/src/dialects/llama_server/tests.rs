@@ -12,6 +12,8 @@ fn the_body_s_fields_choose_the_format() {
         (r#"{"Prompt": "hi", "N_Predict": 8}"#, true),
         // A prompt of token ids alone: the runner's prompt is text.
         (r#"{"prompt": [1, 2]}"#, true),
+        (r#"{"prompt": {"prompt_string": "hi"}}"#, true),
+        (r#"{"prompt": "hi", "logit_bias": [[1, false]]}"#, true),
         (r#"{"prompt": "hi", "max_tokens": 4}"#, true),
         (r#"{"prompt": "hi", "dry_multiplier": 0.5}"#, true),
         (r#"{"prompt": "hi", "n_cmpl": 2}"#, true),
