@@ -104,6 +104,7 @@ class ServerConfig:
     idle_timeout: float = _D["idle_timeout"]
     shutdown_timeout: float = _D["shutdown_timeout"]
     max_tokens: int = _D["max_tokens"]
+    seed: int = _D["seed"]
     timeout: float = _D["timeout"]
     slot_save_path: str | None = _D["slot_save_path"]
 
