@@ -212,6 +212,9 @@ impl ChatTemplate {
         let name = name.into();
         let source = source.into();
         let mut env = Environment::new();
+        // The same errors in every build (minijinja's debug mode, on in debug builds, words
+        // some of them otherwise); an undefined variable is named by `render_with` itself.
+        env.set_debug(false);
         // Hugging Face renders chat templates with trim_blocks and lstrip_blocks on.
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -296,12 +299,27 @@ impl ChatTemplate {
         ] {
             vars.insert(name.to_string(), value);
         }
+        let given: Vec<String> = vars.keys().cloned().collect();
         let ctx = Value::from(vars);
         let text = template.render(ctx).map_err(|e| {
             let mut reason = e.to_string();
             if e.kind() == ErrorKind::InvalidOperation {
                 if let Some(detail) = e.detail() {
                     reason = detail.to_string();
+                }
+            }
+            if reason.contains("undefined") {
+                // Name what the template reads that neither the server nor it defines
+                // (Firefunction v2's `functions`), as Python's Jinja does.
+                let mut missing: Vec<String> = template
+                    .undeclared_variables(false)
+                    .into_iter()
+                    .filter(|v| !given.contains(v) && !self.env.globals().any(|(g, _)| g == v))
+                    .collect();
+                missing.sort();
+                if !missing.is_empty() {
+                    let names: Vec<String> = missing.iter().map(|v| format!("`{v}`")).collect();
+                    reason = format!("{reason} ({} is undefined)", names.join(", "));
                 }
             }
             TemplateError::Render(format!(
