@@ -214,8 +214,13 @@ def llama_server_answer_problem(reply: Reply, want_stream: bool, what: str) -> s
     if want_stream:
         return f"stream:true answered {reply.content_type}, not SSE"
     obj = json.loads(data)
-    if obj.get("stop") is not True or not isinstance(obj.get("content"), str):
-        return f"not a {what} answer: {show(data)}"
+    # Several prompts: one answer each, in their order.
+    answers = obj if isinstance(obj, list) else [obj]
+    if isinstance(obj, list) and [a.get("index") for a in obj] != list(range(len(obj))):
+        return f"several answers out of order: {show(data)}"
+    for a in answers:
+        if a.get("stop") is not True or not isinstance(a.get("content"), str):
+            return f"not a {what} answer: {show(data)}"
     return None
 
 
@@ -437,6 +442,17 @@ def either(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 
 SMALL_N = st.integers(0, 4)
+# One prompt as llama-server's /completion takes it: a text, token ids (texts among them),
+# or {"prompt_string": ...} (with multimodal_data, which is refused).
+LLAMA_SERVER_PROMPT = st.one_of(
+    PROMPTS,
+    st.lists(st.integers(-2, 40_000), min_size=1, max_size=6),
+    st.lists(st.one_of(st.integers(-2, 300), PROMPTS), min_size=1, max_size=6),
+    st.fixed_dictionaries(
+        {"prompt_string": PROMPTS},
+        optional={"multimodal_data": st.lists(st.text(max_size=8), max_size=2)},
+    ),
+)
 BOOLS = either(st.booleans())
 STOP = st.one_of(
     st.text(max_size=3),
@@ -994,7 +1010,11 @@ ROUTES = {
                     if k not in ("num_predict", "lora", "speculative")
                 },
                 "prompt": either(
-                    st.one_of(PROMPTS, st.lists(st.integers(-2, 40_000), min_size=1, max_size=6))
+                    st.one_of(
+                        LLAMA_SERVER_PROMPT,
+                        # Several prompts, answered together.
+                        st.lists(LLAMA_SERVER_PROMPT, min_size=1, max_size=10),
+                    )
                 ),
                 "n_predict": either(SMALL_N),
                 "stream": BOOLS,
@@ -1004,6 +1024,24 @@ ROUTES = {
                 "return_tokens": BOOLS,
                 "cache_prompt": BOOLS,
                 "return_progress": BOOLS,
+                "timings_per_token": BOOLS,
+                "n_cmpl": either(st.integers(-1, 3)),
+                "logit_bias": either(
+                    st.one_of(
+                        st.lists(
+                            st.tuples(
+                                st.one_of(st.integers(-2, 40_000), STRINGS),
+                                st.one_of(st.just(False), st.floats(-200, 200), HOSTILE),
+                            ).map(list),
+                            max_size=4,
+                        ),
+                        st.dictionaries(
+                            st.one_of(STRINGS, st.integers(-2, 40_000).map(str)),
+                            st.one_of(st.just(False), st.floats(-200, 200)),
+                            max_size=4,
+                        ),
+                    )
+                ),
             },
             label="/completion (llama-server's format)",
         ),
