@@ -65,11 +65,13 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--offline": (None, False),
     "--seed": ("--seed", True),
     "-s": ("--seed", True),
-    # Tuning that has no counterpart: llama.cpp's micro-batch and the server-wide temperature
-    # the tests pass (--temp 0.8: requests set their own).
+    "--temp": ("--temp", True),
+    "--top-k": ("--top-k", True),
+    "--top-p": ("--top-p", True),
+    "--min-p": ("--min-p", True),
+    # Tuning that has no counterpart: llama.cpp's micro-batch.
     "--ubatch-size": (None, True),
     "-ub": (None, True),
-    "--temp": (None, True),
 }
 
 # Handled below: the model, the cache size and slots, and flags whose values change.

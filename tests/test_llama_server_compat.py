@@ -212,6 +212,34 @@ def test_the_server_s_seed_seeds_the_requests_that_give_none(tmp_path: Path) -> 
         assert len(own) > 1, own
 
 
+def test_the_server_s_sampling_flags_fill_what_requests_leave_out(tmp_path: Path) -> None:
+    """``--temp`` and the rest (llama-server's): a request in any API that leaves the field
+    out samples with the server's value; one that sends it keeps its own."""
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2, temp=0.0, top_k=5) as srv:
+        props = httpx.get(f"{srv.url}/props").json()["default_generation_settings"]["params"]
+        assert (props["temperature"], props["top_k"]) == (0.0, 5)
+        chat = {"messages": CHAT, "max_tokens": 12}
+        greedy = post(srv, "/v1/chat/completions", {**chat, "temperature": 0}).json()
+        for _ in range(2):
+            left_out = post(srv, "/v1/chat/completions", chat).json()
+            assert left_out["choices"][0]["message"] == greedy["choices"][0]["message"]
+        ollama = {"model": "tiny", "prompt": "Once upon a", "stream": False}
+        want = post(srv, "/api/generate", {**ollama, "options": {"temperature": 0}}).json()
+        got = post(srv, "/api/generate", {**ollama, "options": {"num_predict": 12}}).json()
+        assert got["response"].startswith(want["response"][:12]), (got, want)
+        # Sent: the request's own (hot sampling differs across seeds).
+        texts = {
+            post(
+                srv,
+                "/completion",
+                {"prompt": "Once", "n_predict": 8, "temperature": 2.0, "top_k": 0, "seed": s},
+            ).json()["content"]
+            for s in range(5)
+        }
+        assert len(texts) > 1, texts
+
+
 def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:
     counted = post(tiny_server, "/v1/chat/completions/input_tokens", {"messages": CHAT})
     assert counted.status_code == 200, counted.text

@@ -105,6 +105,10 @@ class ServerConfig:
     shutdown_timeout: float = _D["shutdown_timeout"]
     max_tokens: int = _D["max_tokens"]
     seed: int = _D["seed"]
+    temp: float | None = _D["temp"]
+    top_k: int | None = _D["top_k"]
+    top_p: float | None = _D["top_p"]
+    min_p: float | None = _D["min_p"]
     timeout: float = _D["timeout"]
     slot_save_path: str | None = _D["slot_save_path"]
 

@@ -331,6 +331,35 @@ SERVER_SETTINGS = _table(
         "request (default {default})",
     ),
     Setting(
+        "temp",
+        float,
+        None,
+        "the temperature of requests that give none, in every API (llama-server's --temp); "
+        "unset: each API's own default",
+        optional=True,
+    ),
+    Setting(
+        "top_k",
+        int,
+        None,
+        "the top-k of requests that give none (llama-server's --top-k); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "top_p",
+        float,
+        None,
+        "the top-p of requests that give none (llama-server's --top-p); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "min_p",
+        float,
+        None,
+        "the min-p of requests that give none (llama-server's --min-p); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
         "timeout",
         float,
         0.0,

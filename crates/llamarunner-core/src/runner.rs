@@ -95,7 +95,8 @@ impl Runner {
             .with_lora(crate::protocol::lora::LoraTable::new(&config.lora))
             .with_reasoning(config.reasoning_format, config.reasoning)
             .with_verbose_answers(config.verbose)
-            .with_default_seed(config.seed);
+            .with_default_seed(config.seed)
+            .with_sampling_defaults(config.sampling_defaults());
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

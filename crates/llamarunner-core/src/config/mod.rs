@@ -179,6 +179,15 @@ pub struct RunnerConfig {
     /// The seed of requests that give none (llama-server's `--seed`); -1: a random seed per
     /// request.
     pub seed: i64,
+    /// The temperature of requests that give none (llama-server's `--temp`); None: each
+    /// dialect's default.
+    pub temp: Option<f32>,
+    /// The top-k of requests that give none (`--top-k`); None: each dialect's default.
+    pub top_k: Option<i32>,
+    /// The top-p of requests that give none (`--top-p`); None: each dialect's default.
+    pub top_p: Option<f32>,
+    /// The min-p of requests that give none (`--min-p`); None: each dialect's default.
+    pub min_p: Option<f32>,
     /// Wall-time limit of one request, in seconds; 0 = none.
     pub timeout: f64,
     /// Directory of slot files (`POST /slots/{id}?action=save|restore`), made if missing;
@@ -235,6 +244,10 @@ impl Default for RunnerConfig {
             shutdown_timeout: 10.0,
             max_tokens: 0,
             seed: -1,
+            temp: None,
+            top_k: None,
+            top_p: None,
+            min_p: None,
             timeout: 0.0,
             slot_save_path: None,
         }
@@ -272,6 +285,16 @@ pub enum ConfigError {
     /// A duration is negative, not a number, or too large.
     #[error("{name} must be {rule} (got {value})")]
     BadSeconds {
+        /// The setting's name, as on the command line.
+        name: &'static str,
+        /// What it must be.
+        rule: &'static str,
+        /// What it was, as given.
+        value: String,
+    },
+    /// A sampling default outside what a request may ask for.
+    #[error("{name} must be {rule} (got {value})")]
+    BadSampling {
         /// The setting's name, as on the command line.
         name: &'static str,
         /// What it must be.
@@ -445,8 +468,54 @@ impl RunnerConfig {
         if self.alias.as_ref().is_some_and(|a| a.trim().is_empty()) {
             return Err(ConfigError::EmptyAlias);
         }
+        let unit = |v: f32| (0.0..=1.0).contains(&v);
+        for (name, value, ok, rule) in [
+            (
+                "temp",
+                self.temp,
+                self.temp.is_none_or(|t| t.is_finite() && t >= 0.0),
+                "a number >= 0",
+            ),
+            (
+                "top-p",
+                self.top_p,
+                self.top_p.is_none_or(unit),
+                "between 0 and 1",
+            ),
+            (
+                "min-p",
+                self.min_p,
+                self.min_p.is_none_or(unit),
+                "between 0 and 1",
+            ),
+        ] {
+            if !ok {
+                return Err(ConfigError::BadSampling {
+                    name,
+                    rule,
+                    value: format!("{}", value.unwrap_or_default()),
+                });
+            }
+        }
+        if self.top_k.is_some_and(|k| k < 0) {
+            return Err(ConfigError::BadSampling {
+                name: "top-k",
+                rule: "0 (off) or more",
+                value: format!("{}", self.top_k.unwrap_or_default()),
+            });
+        }
         self.validate_http()?;
         self.api_keys().map(|_| ())
+    }
+
+    /// The sampling defaults of requests that leave fields out (`--temp`, `--top-k`...).
+    pub fn sampling_defaults(&self) -> crate::protocol::params::SamplingDefaults {
+        crate::protocol::params::SamplingDefaults {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
     }
 
     /// The HTTP limits and timeouts (all `Runner::start_with` needs checked).

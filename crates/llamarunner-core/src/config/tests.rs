@@ -53,6 +53,29 @@ fn out_of_range_values_are_named() {
         .unwrap_err()
         .to_string()
         .starts_with("seed must be"));
+    let sampling = |temp, top_k, top_p, min_p| {
+        RunnerConfig {
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            ..with_model()
+        }
+        .validate()
+        .map_err(|e| e.to_string())
+    };
+    assert!(sampling(Some(0.0), Some(0), Some(1.0), Some(0.0)).is_ok());
+    assert!(sampling(None, None, None, None).is_ok());
+    for (bad, name) in [
+        (sampling(Some(-0.1), None, None, None), "temp"),
+        (sampling(Some(f32::NAN), None, None, None), "temp"),
+        (sampling(None, Some(-1), None, None), "top-k"),
+        (sampling(None, None, Some(1.5), None), "top-p"),
+        (sampling(None, None, None, Some(-0.5)), "min-p"),
+    ] {
+        let err = bad.unwrap_err();
+        assert!(err.starts_with(&format!("{name} must be")), "{err}");
+    }
 }
 
 #[test]

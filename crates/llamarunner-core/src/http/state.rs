@@ -57,6 +57,8 @@ pub struct AppState {
     pub verbose_answers: bool,
     /// The seed of requests that give none (`--seed`); -1: random per request.
     pub default_seed: i64,
+    /// The sampling of requests that leave fields out (`--temp`, `--top-k`...).
+    pub sampling_defaults: crate::protocol::params::SamplingDefaults,
 }
 
 impl AppState {
@@ -76,7 +78,17 @@ impl AppState {
             responses: Arc::default(),
             verbose_answers: false,
             default_seed: -1,
+            sampling_defaults: Default::default(),
         }
+    }
+
+    /// The same state filling what requests leave out of their sampling with `defaults`.
+    pub fn with_sampling_defaults(
+        mut self,
+        defaults: crate::protocol::params::SamplingDefaults,
+    ) -> Self {
+        self.sampling_defaults = defaults;
+        self
     }
 
     /// The same state seeding requests that give no seed with `seed` (-1: random).

@@ -56,11 +56,12 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "n_ctx": info.slot_ctx,
         "n_ctx_total": info.slot_ctx.saturating_mul(total as usize),
         // As llama-server's: the context per slot and the sampling a request gets for the
-        // fields it leaves out (llama-server's format's defaults; the seed `--seed`'s, -1: a
-        // random seed per request).
+        // fields it leaves out (llama-server's format's defaults, with `--temp`, `--top-k`,
+        // `--top-p`, `--min-p` and `--seed` where the server sets them; seed -1: a random seed
+        // per request).
         "default_generation_settings": {
             "n_ctx": info.slot_ctx,
-            "params": default_params(state.default_seed),
+            "params": default_params(&state),
         },
         "chat_template": info.template.source,
         "chat_template_name": info.template.name,
@@ -93,9 +94,11 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
 }
 
 /// The sampling defaults of a llama-server-format request, under llama-server's names.
-fn default_params(seed: i64) -> serde_json::Value {
-    crate::dialects::llama_server::settings_json(&SamplingParams {
-        seed,
+fn default_params(state: &AppState) -> serde_json::Value {
+    let mut params = SamplingParams {
+        seed: state.default_seed,
         ..crate::dialects::llama_server::default_params()
-    })
+    };
+    state.sampling_defaults.fill(&mut params, |_| false);
+    crate::dialects::llama_server::settings_json(&params)
 }

@@ -8,6 +8,41 @@
 /// slot for good.
 pub const UNCAPPED_SLOT_CONTEXTS: usize = 10;
 
+/// The server's sampling defaults (llama-server's `--temp`, `--top-k`, `--top-p`, `--min-p`):
+/// what a request that leaves a field out gets, in every dialect, before the dialect's own
+/// default. None: the dialect's default.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_k: Option<i32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+}
+
+impl SamplingDefaults {
+    /// Whether no default is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
+    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p).
+    pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
+        if let (Some(v), false) = (self.temperature, given("temperature")) {
+            p.temperature = v;
+        }
+        if let (Some(v), false) = (self.top_k, given("top_k")) {
+            p.top_k = v;
+        }
+        if let (Some(v), false) = (self.top_p, given("top_p")) {
+            p.top_p = v;
+        }
+        if let (Some(v), false) = (self.min_p, given("min_p")) {
+            p.min_p = v;
+        }
+    }
+}
+
 /// Sampling and stopping parameters of one request, as the engine receives them: validated
 /// and clamped by `requests::validate` (the wire form is `requests::options::Options`).
 #[derive(Clone, Debug, PartialEq)]

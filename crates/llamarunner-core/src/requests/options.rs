@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use crate::protocol::params::{ExtraSamplers, SamplingParams};
+use crate::protocol::params::{ExtraSamplers, SamplingDefaults, SamplingParams};
 
 /// The `options` object of native and Ollama requests: Ollama's names and defaults. Unknown
 /// fields (Ollama's load-time options such as `num_ctx`) are ignored.
@@ -170,6 +170,38 @@ fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error>
     })
 }
 
+/// Fills what a request left out of its sampling with the server's defaults (`--temp`,
+/// `--top-k`, `--top-p`, `--min-p`): `body` is the request's JSON, the fields at its top level,
+/// or in its `options` for the Ollama formats (`in_options`). A field sent as null counts as
+/// left out. Nothing is read when the server sets no default.
+pub fn fill_server_defaults(
+    defaults: &SamplingDefaults,
+    p: &mut SamplingParams,
+    body: &[u8],
+    in_options: bool,
+) {
+    if defaults.is_empty() {
+        return;
+    }
+    let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice(body) else {
+        return;
+    };
+    let scope = if in_options {
+        fields
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("options"))
+            .and_then(|(_, v)| v.as_object())
+    } else {
+        Some(&fields)
+    };
+    defaults.fill(p, |name| {
+        scope.is_some_and(|m| {
+            m.iter()
+                .any(|(k, v)| k.eq_ignore_ascii_case(name) && !v.is_null())
+        })
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,5 +293,44 @@ mod tests {
             );
         }
         assert!(serde_json::from_str::<Options>(r#"{"dry_sequence_breakers":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn the_server_s_defaults_fill_only_what_a_request_left_out() {
+        let defaults = SamplingDefaults {
+            temperature: Some(0.0),
+            top_k: Some(7),
+            top_p: None,
+            min_p: Some(0.2),
+        };
+        let base = SamplingParams::default();
+        let fill = |body: &str, in_options: bool| {
+            let mut p = base.clone();
+            fill_server_defaults(&defaults, &mut p, body.as_bytes(), in_options);
+            (p.temperature, p.top_k, p.top_p, p.min_p)
+        };
+        // Left out: the server's; sent: the request's (the caller parsed it); top_p has no
+        // server default.
+        assert_eq!(fill(r#"{"prompt": "x"}"#, false), (0.0, 7, base.top_p, 0.2));
+        assert_eq!(
+            fill(r#"{"temperature": 0.5, "TOP_K": 3}"#, false),
+            (base.temperature, base.top_k, base.top_p, 0.2)
+        );
+        assert_eq!(
+            fill(r#"{"temperature": null}"#, false),
+            (0.0, 7, base.top_p, 0.2)
+        );
+        // The Ollama formats' options.
+        assert_eq!(
+            fill(r#"{"temperature": 0.5, "options": {"top_k": 3}}"#, true),
+            (0.0, base.top_k, base.top_p, 0.2)
+        );
+        assert_eq!(
+            fill("not json", false),
+            (base.temperature, base.top_k, base.top_p, base.min_p)
+        );
+        let mut p = base.clone();
+        fill_server_defaults(&SamplingDefaults::default(), &mut p, b"{}", false);
+        assert_eq!(p, base);
     }
 }
