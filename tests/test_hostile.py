@@ -230,7 +230,7 @@ def stream_problem(path: str, request: Any, reply: Reply) -> str | None:
     want_stream = isinstance(request, dict) and request.get("stream") is True
     try:
         if path == "/completion" and "application/x-ndjson" not in reply.content_type:
-            # llama-server's format (dialects/llama_server.rs).
+            # llama-server's format (dialects/llama_server/).
             return llama_server_answer_problem(reply, want_stream, "completion")
         if path == "/completion":
             lines = json_lines(data)
