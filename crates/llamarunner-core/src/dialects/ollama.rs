@@ -285,20 +285,9 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
         return Ok(Json(meta.loaded()).into_response());
     }
     let chat = parse_messages(raw_messages)?;
-    image_prompt::check_images(&*model_info(&state)?, chat.images.len())?;
     let tools = ToolRequest::parse(req.tools.as_deref(), None, None)?;
-    let (text, output) = tool_calls::chat_request(
-        &state,
-        chat.messages,
-        tools,
-        &mut params,
-        req.think()?.into(),
-    )
-    .await?;
-    let prompt = Prompt {
-        text,
-        images: chat.images,
-    };
+    let (prompt, output) =
+        tool_calls::chat_prompt(&state, chat, tools, &mut params, req.think()?.into()).await?;
     respond_chat(
         state,
         prompt,

@@ -310,6 +310,26 @@ pub async fn prepare(
     })
 }
 
+/// A chat request's conversation as the engine's prompt: its images checked against the
+/// model, its messages rendered with its tools and template switches (`chat_request`), and
+/// the reader of its answer. What every chat dialect builds.
+pub async fn chat_prompt(
+    state: &AppState,
+    chat: crate::requests::common::Chat,
+    tools: Option<ToolRequest>,
+    params: &mut SamplingParams,
+    args: TemplateArgs,
+) -> Result<(crate::requests::image_prompt::Prompt, ChatOutput), ApiError> {
+    let info = crate::requests::common::model_info(state)?;
+    crate::requests::image_prompt::check_images(&info, chat.images.len())?;
+    let (text, output) = chat_request(state, chat.messages, tools, params, args).await?;
+    let prompt = crate::requests::image_prompt::Prompt {
+        text,
+        images: chat.images,
+    };
+    Ok((prompt, output))
+}
+
 /// The prompt of a chat request with its tools and template switches (`args`: its thinking
 /// switch and other template kwargs), and the reader of its output; the grammar and stop
 /// strings go into `params`.

@@ -31,7 +31,7 @@ use crate::protocol::params::SamplingParams;
 use crate::requests::common::{
     collect, count_prompt_tokens, model_info, parse_json, start_generation,
 };
-use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::image_prompt::Prompt;
 use crate::requests::keyed::Keyed;
 use crate::requests::tool_calls::{self, ChatOutput};
 
@@ -54,18 +54,8 @@ async fn prepare(
     params: &mut SamplingParams,
 ) -> Result<(Prompt, ChatOutput), ApiError> {
     let chat = conversation(req)?;
-    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let tools = tool_request(req.tools.as_deref(), req.tool_choice.as_ref())?;
-    let think = req.think()?;
-    let (text, output) =
-        tool_calls::chat_request(state, chat.messages, tools, params, think.into()).await?;
-    Ok((
-        Prompt {
-            text,
-            images: chat.images,
-        },
-        output,
-    ))
+    tool_calls::chat_prompt(state, chat, tools, params, req.think()?.into()).await
 }
 
 /// `POST /v1/messages`.

@@ -33,7 +33,7 @@ use crate::requests::common::{
     check_model, collect, count_prompt_tokens, model_info, start_generation, unix_seconds,
     PromptSource,
 };
-use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::image_prompt::Prompt;
 use crate::requests::infill;
 use crate::requests::tool_calls::{self, ChatOutput, ToolRequest};
 
@@ -76,7 +76,6 @@ async fn chat_prompt_of(
 ) -> Result<(Prompt, SamplingParams, ChatOutput), ApiError> {
     let chat = chat_of(req)?;
     check_continuation(req, &chat.messages)?;
-    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let mut params = req.params(true)?;
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     let tools = ToolRequest::parse(
@@ -84,18 +83,8 @@ async fn chat_prompt_of(
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    let (text, output) = tool_calls::chat_request(
-        state,
-        chat.messages,
-        tools,
-        &mut params,
-        req.template_args()?,
-    )
-    .await?;
-    let prompt = Prompt {
-        text,
-        images: chat.images,
-    };
+    let (prompt, output) =
+        tool_calls::chat_prompt(state, chat, tools, &mut params, req.template_args()?).await?;
     Ok((prompt, params, output))
 }
 

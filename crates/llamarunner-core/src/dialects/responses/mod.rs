@@ -34,7 +34,7 @@ use crate::protocol::params::SamplingParams;
 use crate::requests::common::{
     collect, count_prompt_tokens, model_info, parse_json, parse_messages, start_generation,
 };
-use crate::requests::image_prompt::{self, Prompt};
+use crate::requests::image_prompt::Prompt;
 use crate::requests::keyed::{Keyed, Piece};
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
 
@@ -80,20 +80,9 @@ async fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<Prepared, A
         return Err(ApiError::invalid("input is required"));
     }
     let chat = parse_messages(with_instructions(req, &history))?;
-    image_prompt::check_images(&*model_info(state)?, chat.images.len())?;
     let tools = tool_request(req)?;
-    let (text, output) = tool_calls::chat_request(
-        state,
-        chat.messages,
-        tools,
-        &mut params,
-        req.think()?.into(),
-    )
-    .await?;
-    let prompt = Prompt {
-        text,
-        images: chat.images,
-    };
+    let (prompt, output) =
+        tool_calls::chat_prompt(state, chat, tools, &mut params, req.think()?.into()).await?;
     Ok(Prepared {
         prompt,
         params,
