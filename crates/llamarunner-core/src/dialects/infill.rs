@@ -62,12 +62,9 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
     infill::fim_of(&info)?;
     let lora = state.lora.for_request(req.options.lora.as_ref())?;
     let mut params = req.options.into_params();
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, false);
     if let Some(n) = req.n_predict {
         params.num_predict = n;
     }

@@ -130,12 +130,9 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
         .lora
         .for_request(req.lora.as_ref().or(options.lora.as_ref()))?;
     let mut params = options.into_params();
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        true,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, true);
     params.lora = lora;
     params.shift = req.shift.unwrap_or(true);
     params.truncate = req.truncate.unwrap_or(true);

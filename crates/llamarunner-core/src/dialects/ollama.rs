@@ -174,12 +174,9 @@ fn prepare(
     let req: OllamaRequest = parse_json(body)?;
     req.check(state)?;
     let mut params = req.params()?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        body,
-        true,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, body, true);
     params.lora = state
         .lora
         .for_request(req.options.as_ref().and_then(|o| o.lora.as_ref()))?;

@@ -25,6 +25,32 @@ impl SamplingDefaults {
         *self == Self::default()
     }
 
+    /// Fills what a request left out of its sampling: `body` is the request's JSON, the
+    /// fields at its top level, or in its `options` for the Ollama formats (`in_options`). A
+    /// field sent as null counts as left out. The body is read only when a default is set.
+    pub fn fill_left_out(&self, p: &mut SamplingParams, body: &[u8], in_options: bool) {
+        if self.is_empty() {
+            return;
+        }
+        let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice(body) else {
+            return;
+        };
+        let scope = if in_options {
+            fields
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case("options"))
+                .and_then(|(_, v)| v.as_object())
+        } else {
+            Some(&fields)
+        };
+        self.fill(p, |name| {
+            scope.is_some_and(|m| {
+                m.iter()
+                    .any(|(k, v)| k.eq_ignore_ascii_case(name) && !v.is_null())
+            })
+        });
+    }
+
     /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
     /// under the wire names every dialect shares: temperature, top_k, top_p, min_p).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {

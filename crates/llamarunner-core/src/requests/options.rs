@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use crate::protocol::params::{ExtraSamplers, SamplingDefaults, SamplingParams};
+use crate::protocol::params::{ExtraSamplers, SamplingParams};
 
 /// The `options` object of native and Ollama requests: Ollama's names and defaults. Unknown
 /// fields (Ollama's load-time options such as `num_ctx`) are ignored.
@@ -170,38 +170,6 @@ fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error>
     })
 }
 
-/// Fills what a request left out of its sampling with the server's defaults (`--temp`,
-/// `--top-k`, `--top-p`, `--min-p`): `body` is the request's JSON, the fields at its top level,
-/// or in its `options` for the Ollama formats (`in_options`). A field sent as null counts as
-/// left out. Nothing is read when the server sets no default.
-pub fn fill_server_defaults(
-    defaults: &SamplingDefaults,
-    p: &mut SamplingParams,
-    body: &[u8],
-    in_options: bool,
-) {
-    if defaults.is_empty() {
-        return;
-    }
-    let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice(body) else {
-        return;
-    };
-    let scope = if in_options {
-        fields
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case("options"))
-            .and_then(|(_, v)| v.as_object())
-    } else {
-        Some(&fields)
-    };
-    defaults.fill(p, |name| {
-        scope.is_some_and(|m| {
-            m.iter()
-                .any(|(k, v)| k.eq_ignore_ascii_case(name) && !v.is_null())
-        })
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +265,7 @@ mod tests {
 
     #[test]
     fn the_server_s_defaults_fill_only_what_a_request_left_out() {
+        use crate::protocol::params::SamplingDefaults;
         let defaults = SamplingDefaults {
             temperature: Some(0.0),
             top_k: Some(7),
@@ -306,7 +275,7 @@ mod tests {
         let base = SamplingParams::default();
         let fill = |body: &str, in_options: bool| {
             let mut p = base.clone();
-            fill_server_defaults(&defaults, &mut p, body.as_bytes(), in_options);
+            defaults.fill_left_out(&mut p, body.as_bytes(), in_options);
             (p.temperature, p.top_k, p.top_p, p.min_p)
         };
         // Left out: the server's; sent: the request's (the caller parsed it); top_p has no
@@ -330,7 +299,7 @@ mod tests {
             (base.temperature, base.top_k, base.top_p, base.min_p)
         );
         let mut p = base.clone();
-        fill_server_defaults(&SamplingDefaults::default(), &mut p, b"{}", false);
+        SamplingDefaults::default().fill_left_out(&mut p, b"{}", false);
         assert_eq!(p, base);
     }
 }

@@ -65,12 +65,9 @@ pub async fn messages(
 ) -> Result<Response, AnthropicError> {
     let req = parse_request(&state, &body)?;
     let mut params = req.params()?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, false);
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     let (prompt, output) = prepare(&state, &req, &mut params).await?;
     let meta = Arc::new(Meta {

@@ -353,12 +353,9 @@ pub(crate) fn settings_json(p: &SamplingParams) -> Value {
 pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_json(body)?;
     let mut params = req.params(&state)?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, body, false);
     let prompts = prompt::read(req.prompt.as_ref())?;
     let info = model_info(&state)?;
     if let Some(bias) = &req.logit_bias {

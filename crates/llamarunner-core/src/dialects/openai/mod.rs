@@ -58,12 +58,9 @@ pub async fn chat_completions(
 ) -> Result<Response, OpenAiError> {
     let req = parse_request(&state, &body)?;
     let (prompt, mut params, output) = chat_prompt_of(&state, &req).await?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, false);
     respond(state, &req, prompt.into(), params, Some(output)).await
 }
 
@@ -108,12 +105,9 @@ pub async fn completions(
     let req = parse_request(&state, &body)?;
     let prompt = completion_prompt(&req)?;
     let mut params = req.params(false)?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, false);
     params.lora = state.lora.for_request(req.lora.as_ref())?;
     // With a suffix, the prompt is the code before the cursor (`requests/infill.rs`).
     let prompt = match req.suffix.clone().filter(|s| !s.is_empty()) {

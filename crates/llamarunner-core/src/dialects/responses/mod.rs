@@ -114,12 +114,9 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
         output,
         history,
     } = prepare(&state, &req).await?;
-    crate::requests::options::fill_server_defaults(
-        &state.sampling_defaults,
-        &mut params,
-        &body,
-        false,
-    );
+    state
+        .sampling_defaults
+        .fill_left_out(&mut params, &body, false);
     let meta = Arc::new(Meta::new(&state, &req, &params));
     let rx = start_generation(&state, prompt, params).await?;
     let keep = req.store != Some(false);
