@@ -68,11 +68,9 @@ fn one(value: &Value) -> Result<OnePrompt, ApiError> {
                         .into(),
                 ));
             }
+            // A text or a sequence (`one` refuses anything else in it).
             match fields.get("prompt_string") {
-                Some(Value::Array(items)) if items.iter().all(|v| !v.is_array()) => {
-                    one(&Value::Array(items.clone()))
-                }
-                Some(inner @ Value::String(_)) => one(inner),
+                Some(inner @ (Value::String(_) | Value::Array(_))) => one(inner),
                 _ => Err(bad()),
             }
         }
@@ -176,6 +174,13 @@ mod tests {
             read(Some(&json!({"prompt_string": "hi"}))).unwrap(),
             [text("hi")]
         );
+        assert_eq!(
+            read(Some(&json!({"prompt_string": [3, "a"]}))).unwrap(),
+            [OnePrompt::Mixed(vec![
+                Piece::Id(3),
+                Piece::Text("a".into())
+            ])]
+        );
         // Several: texts, ids, objects.
         let several = read(Some(&json!([[1, 2], "hi", {"prompt_string": "x"}]))).unwrap();
         assert_eq!(several.len(), 3);
@@ -194,6 +199,9 @@ mod tests {
             json!({"other": 1}),
             json!([[]]),
             json!(["a", ""]),
+            json!({"prompt_string": ["a", "b"]}),
+            json!({"prompt_string": [1, [2]]}),
+            json!({"prompt_string": {"prompt_string": "x"}}),
         ] {
             let err = read(Some(&bad)).unwrap_err();
             assert_eq!(err.kind(), "invalid_request", "{bad}");
