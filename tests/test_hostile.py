@@ -740,6 +740,8 @@ OPENAI_COMMON: dict[str, st.SearchStrategy[Any]] = {
     # llama-server's top-level schema, progress reports and template switches.
     "json_schema": either(st.one_of(SCHEMAS, HOSTILE)),
     "return_progress": BOOLS,
+    # llama-server's debug object (the answer in its format, the rendered prompt).
+    "verbose": BOOLS,
     "add_generation_prompt": BOOLS,
     "continue_final_message": BOOLS,
     "user": STRINGS,
@@ -934,6 +936,8 @@ RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "truncation": either(st.sampled_from(["auto", "disabled"])),
     "metadata": HOSTILE,
     "ignore_eos": BOOLS,
+    "return_progress": BOOLS,
+    "timings_per_token": BOOLS,
     **SAMPLER_FIELDS,
 }
 ANTHROPIC_VALID_MESSAGES = st.lists(
