@@ -35,12 +35,45 @@ fn main() {
         "no llama.cpp shared libraries under {}",
         out.display()
     );
+    copied_gpu_backends(&dest);
     if let Some(gomp) = compiler_file("libgomp.so.1") {
         copy(&gomp, &dest.join("libgomp.so.1"));
     }
     // DT_RPATH, not DT_RUNPATH: it also applies to the libraries' own dependencies (libllama
     // needs libggml, which needs libggml-base), which carry no run path of their own.
     println!("cargo:rustc-link-arg-cdylib=-Wl,--disable-new-dtags,-rpath,$ORIGIN/lib");
+}
+
+/// The GPU backend modules (`libggml-vulkan.so`, `libggml-cuda.so`: built apart by
+/// `scripts/build-gpu-backend.sh`) in `$LLAMARUNNER_GPU_BACKENDS`, copied beside the CPU
+/// variants: the wheel loads each at run time where its driver is found.
+fn copied_gpu_backends(dest: &Path) {
+    println!("cargo:rerun-if-env-changed=LLAMARUNNER_GPU_BACKENDS");
+    let Some(dir) = std::env::var_os("LLAMARUNNER_GPU_BACKENDS").filter(|d| !d.is_empty()) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    println!("cargo:rerun-if-changed={}", dir.display());
+    let entries = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("LLAMARUNNER_GPU_BACKENDS={}: {e}", dir.display()));
+    let mut found = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let module = name
+            .strip_prefix("libggml-")
+            .and_then(|n| n.strip_suffix(".so"))
+            .is_some_and(|n| !n.starts_with("cpu") && n != "base" && !n.contains('.'));
+        if module {
+            println!("cargo:rerun-if-changed={}", entry.path().display());
+            copy(&entry.path(), &dest.join(&name));
+            found += 1;
+        }
+    }
+    assert!(
+        found > 0,
+        "LLAMARUNNER_GPU_BACKENDS={} holds no libggml-<backend>.so",
+        dir.display()
+    );
 }
 
 /// Copies the shared libraries in `dir` under the names the dynamic loader asks for: of

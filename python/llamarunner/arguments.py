@@ -18,6 +18,10 @@ from .settings import GROUP_DESCRIPTIONS, ROUTER_SETTINGS, SERVER_SETTINGS, Sett
 ROUTER_FLAGS = tuple(ROUTER_SETTINGS)
 """The router's settings among `serve`'s parsed flags."""
 
+SERVE_ACTIONS = ("list_devices",)
+"""`serve`'s flags that do something else instead of serving (as ``--help`` does): not
+settings, and left out of `serve_settings`' split."""
+
 # The settings of `llamarunner serve` that `run` takes for a model it runs itself (copied into
 # its parser, help and all, by `cli`); in the order `run --host` names them when given.
 SERVER_FLAGS = (
@@ -27,6 +31,9 @@ SERVER_FLAGS = (
     "batch_size",
     "n_gpu_layers",
     "main_gpu",
+    "split_mode",
+    "fit",
+    "fit_target",
     "flash_attn",
     "kv_cache_type",
     "no_mmap",
@@ -43,6 +50,17 @@ def add_server_arguments(p: argparse.ArgumentParser, several_models: bool = Fals
     """Every setting of a server, as flags: `serve` takes them (and several models), and
     `cluster` for each of its replicas."""
     _add_settings(p, SERVER_SETTINGS.values(), several_models)
+
+
+def add_serve_actions(p: argparse.ArgumentParser) -> None:
+    """`SERVE_ACTIONS` as flags."""
+    p.add_argument(
+        "--list-devices",
+        action="store_true",
+        default=False,
+        help="print the compute devices llama.cpp's backends find here (GPUs with their free "
+        "memory, numbered as --main-gpu takes them) and exit",
+    )
 
 
 def add_models_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +118,8 @@ def serve_settings(
     """Split `serve`'s (or `cluster`'s, less its own flags ``exclude``) parsed flags into the
     MODELs, the router's flags (``ROUTER_FLAGS``) and the ``ServerConfig`` overrides, whose
     ``model`` is the first MODEL (or None)."""
-    overrides = {k: v for k, v in vars(args).items() if k != "command" and k not in exclude}
+    skipped = {"command", *SERVE_ACTIONS, *exclude}
+    overrides = {k: v for k, v in vars(args).items() if k not in skipped}
     models: list[str] = overrides.pop("model") or []
     router = {k: overrides.pop(k) for k in ROUTER_FLAGS}
     overrides["model"] = models[0] if models else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from ._progress import LoadProgress
 from .arguments import (
     SERVER_FLAGS,
     add_models_arguments,
+    add_serve_actions,
     add_server_arguments,
     many_models,
     router_setting,
@@ -49,6 +51,7 @@ def _serve_parser(sub: Any) -> None:
     )
     add_server_arguments(p, several_models=True)
     add_models_arguments(p)
+    add_serve_actions(p)
 
 
 def _cluster_parser(sub: Any) -> None:
@@ -182,6 +185,8 @@ def _stop_on_signals(handler: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.list_devices:
+        return list_devices()
     models, router, overrides = serve_settings(args)
     try:
         many = many_models(models, router, overrides)
@@ -233,6 +238,27 @@ def serve(args: argparse.Namespace) -> int:
         progress.clear()
         print("llamarunner: shutting down", file=sys.stderr, flush=True)
         server.stop()
+    return 0
+
+
+def list_devices() -> int:
+    """`serve --list-devices`: the devices, GPUs first in --main-gpu's numbering."""
+    try:
+        devices = json.loads(_core.list_devices())
+    except RuntimeError as e:
+        _fail(str(e))
+    gpus = [d for d in devices if d["kind"] in ("gpu", "integrated_gpu")]
+    others = [d for d in devices if d not in gpus]
+    mib = 1024 * 1024
+    print("GPUs:" if gpus else "GPUs: none found")
+    for i, d in enumerate(gpus):
+        print(
+            f"  {i}: {d['name']} ({d['description']}), {d['backend']}, "
+            f"{d['memory_free'] // mib} MiB free of {d['memory_total'] // mib} MiB"
+        )
+    print("Other devices:")
+    for d in others:
+        print(f"  {d['name']} ({d['description']}), {d['backend']}, {d['kind']}")
     return 0
 
 

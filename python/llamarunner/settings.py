@@ -149,8 +149,42 @@ SERVER_SETTINGS = _table(
         "batch_size", int, 512, "most tokens decoded per step, all sequences (default {default})"
     ),
     Setting("threads", int, 0, "CPU threads; 0 = all cores (default {default})"),
-    Setting("n_gpu_layers", int, -1, "layers offloaded to the GPU; -1 = all (default {default})"),
-    Setting("main_gpu", int, 0, "GPU for the model when not split (default {default})"),
+    Setting(
+        "n_gpu_layers",
+        int,
+        -1,
+        "layers offloaded to the GPU; -1 = as many as fit, all with --no-fit (default {default})",
+    ),
+    Setting(
+        "main_gpu",
+        int,
+        0,
+        "GPU (index from 0, as --list-devices numbers them) for the model with --split-mode "
+        "none (default {default})",
+    ),
+    Setting(
+        "split_mode",
+        str,
+        "layer",
+        "how the model is spread over several GPUs: none (one GPU), layer (whole layers in "
+        "proportion to free memory) or row (CUDA, SYCL) (default {default})",
+        choices=("none", "layer", "row"),
+    ),
+    Setting(
+        "fit",
+        bool,
+        True,
+        "fit before load (the default): with a GPU, offload as many layers as fit its free "
+        "memory with the weights, every slot's KV cache and the compute buffers, and refuse "
+        "an --n-gpu-layers that cannot fit",
+        off_help="load the layers --n-gpu-layers asks for without measuring what they need",
+    ),
+    Setting(
+        "fit_target",
+        int,
+        1024,
+        "MiB of each GPU's free memory the fit leaves unused (default {default})",
+    ),
     Setting(
         "flash_attn",
         str,
@@ -171,7 +205,8 @@ SERVER_SETTINGS = _table(
         "tensor_split",
         str,
         None,
-        "model fraction per GPU, e.g. 3,1 (accepted; not supported yet)",
+        "share of the model per GPU, e.g. 0,1 (one GPU with a share: the model goes there; "
+        "several: refused, the bindings do not reach llama.cpp's split by proportion)",
         optional=True,
     ),
     Setting(

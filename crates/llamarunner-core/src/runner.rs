@@ -37,9 +37,6 @@ impl Runner {
         if let Some(mmproj) = &config.mmproj {
             check_gguf_file(mmproj, "vision projector (--mmproj)")?;
         }
-        for warning in config.unsupported_settings() {
-            tracing::warn!("{warning}");
-        }
         let engine_config = config.clone();
         Self::start_with(&config, move |inbox| {
             crate::engine::run(&engine_config, inbox)

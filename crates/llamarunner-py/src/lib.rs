@@ -186,6 +186,16 @@ fn routing_constants() -> (usize, &'static str) {
     (routing_key::MAX_KEY_CHARS, routing_key::RESPONSE_ID_HEADER)
 }
 
+/// Every compute device llama.cpp's backends found, as a JSON array (name, description,
+/// backend, kind, memory_free, memory_total), after loading the backend libraries.
+#[pyfunction]
+fn list_devices(py: Python<'_>) -> PyResult<String> {
+    let devices = py
+        .detach(llamarunner_core::backend::llama::list_devices)
+        .map_err(PyRuntimeError::new_err)?;
+    serde_json::to_string(&devices).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
 /// The version of the native module.
 #[pyfunction]
 fn version() -> &'static str {
@@ -197,6 +207,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(start_router, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(list_devices, m)?)?;
     m.add_function(wrap_pyfunction!(default_config, m)?)?;
     m.add_function(wrap_pyfunction!(route, m)?)?;
     m.add_function(wrap_pyfunction!(routing_constants, m)?)?;

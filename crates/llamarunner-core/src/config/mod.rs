@@ -18,6 +18,30 @@ pub enum FlashAttn {
     Off,
 }
 
+/// How a model is spread over several GPUs (llama.cpp's `--split-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitMode {
+    /// One GPU (`--main-gpu`) holds every offloaded layer.
+    None,
+    /// Whole layers (and their KV cache) go to the GPUs in proportion to their free memory.
+    #[default]
+    Layer,
+    /// Layers split by rows across GPUs, where the backend supports it (CUDA, SYCL).
+    Row,
+}
+
+impl SplitMode {
+    /// Its name on the command line and in `/props`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Layer => "layer",
+            Self::Row => "row",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -87,10 +111,18 @@ pub struct RunnerConfig {
     pub batch_size: u32,
     /// CPU threads for decoding; 0 = every available core.
     pub threads: u32,
-    /// Layers to offload to the GPU; -1 = all.
+    /// Layers to offload to the GPU; -1 = as many as fit (all, with `fit` off).
     pub n_gpu_layers: i32,
-    /// GPU used for the model when it is not split.
+    /// GPU used for the model when it is not split (an index among the GPUs found).
     pub main_gpu: i32,
+    /// How the model is spread over several GPUs.
+    pub split_mode: SplitMode,
+    /// Fit before load: with a GPU present, choose the layers offloaded so that the weights,
+    /// the KV cache of every slot and the compute buffers fit each GPU's free memory less
+    /// `fit_target` (and refuse a `n_gpu_layers` that cannot fit).
+    pub fit: bool,
+    /// MiB of each GPU's free memory the fit leaves unused.
+    pub fit_target: u64,
     /// Flash attention policy.
     pub flash_attn: FlashAttn,
     /// KV cache element type: f16, q8_0 or q4_0.
@@ -99,7 +131,8 @@ pub struct RunnerConfig {
     pub no_mmap: bool,
     /// Lock the model in RAM.
     pub mlock: bool,
-    /// Fraction of the model per GPU, comma separated (not supported yet).
+    /// Share of the model per GPU, comma separated (`backend::llama::placement` says what of
+    /// it the bindings reach).
     pub tensor_split: Option<String>,
     /// LoRA adapters to load, each `PATH[:SCALE]` (`engine::LoraSpec`: the scale, 1 unless
     /// given, applies to requests that name none; `POST /lora-adapters` changes it).
@@ -210,6 +243,9 @@ impl Default for RunnerConfig {
             threads: 0,
             n_gpu_layers: -1,
             main_gpu: 0,
+            split_mode: SplitMode::Layer,
+            fit: true,
+            fit_target: 1024,
             flash_attn: FlashAttn::Auto,
             kv_cache_type: "f16".into(),
             no_mmap: false,
@@ -257,6 +293,14 @@ impl Default for RunnerConfig {
 /// A configuration that cannot work, with the reason.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
+    /// `--tensor-split` is not a list of shares.
+    #[error("tensor-split {value:?}: {reason}")]
+    TensorSplit {
+        /// What was given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A numeric setting is out of range.
     #[error("{name} must be {rule} (got {value})")]
     OutOfRange {
@@ -345,6 +389,13 @@ pub const MAX_CTX_CHECKPOINTS: i64 = 64;
 /// The largest `--cache-ram`, in MiB (16 TiB): more than any machine's memory, small enough
 /// that its bytes fit a u64.
 pub const MAX_CACHE_RAM_MIB: i64 = 16 << 20;
+
+/// Most devices llama.cpp places a model on (`llama_max_devices`): the bound of `--main-gpu`
+/// and of `--tensor-split`'s shares.
+pub const MAX_DEVICES: i64 = 16;
+
+/// Largest `--fit-target`: 1 TiB in MiB.
+pub const MAX_FIT_TARGET_MIB: u64 = 1 << 20;
 
 impl RunnerConfig {
     /// The KV cache type the engine runs: `kv_cache_type`, but f16 when flash attention is
@@ -450,10 +501,25 @@ impl RunnerConfig {
         if self.n_gpu_layers < -1 {
             return Err(ConfigError::OutOfRange {
                 name: "n-gpu-layers",
-                rule: "-1 (all) or a layer count",
+                rule: "-1 (as many as fit) or a layer count",
                 value: self.n_gpu_layers.into(),
             });
         }
+        if !(0..MAX_DEVICES).contains(&i64::from(self.main_gpu)) {
+            return Err(ConfigError::OutOfRange {
+                name: "main-gpu",
+                rule: "the index of a GPU, from 0",
+                value: self.main_gpu.into(),
+            });
+        }
+        if self.fit_target > MAX_FIT_TARGET_MIB {
+            return Err(ConfigError::OutOfRange {
+                name: "fit-target",
+                rule: "MiB up to 1 TiB",
+                value: i64::try_from(self.fit_target).unwrap_or(i64::MAX),
+            });
+        }
+        self.tensor_split_values()?;
         if !matches!(self.kv_cache_type.as_str(), "f16" | "q8_0" | "q4_0") {
             return Err(ConfigError::KvCacheType(self.kv_cache_type.clone()));
         }
@@ -651,15 +717,36 @@ impl RunnerConfig {
             .unwrap_or(1)
     }
 
-    /// Settings that are accepted but have no effect yet, each with a sentence saying so.
-    pub fn unsupported_settings(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        if self.tensor_split.is_some() {
-            out.push(
-                "--tensor-split is not supported yet (llama-cpp-2 has no setter); ignored".into(),
-            );
+    /// `--tensor-split` as numbers, one per GPU (None when not given): each finite and not
+    /// negative, at most `MAX_DEVICES` of them, not all zero.
+    pub fn tensor_split_values(&self) -> Result<Option<Vec<f32>>, ConfigError> {
+        let Some(text) = &self.tensor_split else {
+            return Ok(None);
+        };
+        let bad = |why: &str| ConfigError::TensorSplit {
+            value: text.clone(),
+            reason: why.to_string(),
+        };
+        let values = text
+            .split([',', '/'])
+            .map(|part| {
+                let part = part.trim();
+                let value: f32 = part
+                    .parse()
+                    .map_err(|_| bad(&format!("{part:?} is not a number")))?;
+                if !value.is_finite() || value < 0.0 {
+                    return Err(bad(&format!("{part} is not a finite share of 0 or more")));
+                }
+                Ok(value)
+            })
+            .collect::<Result<Vec<f32>, ConfigError>>()?;
+        if values.len() > usize::try_from(MAX_DEVICES).unwrap_or(usize::MAX) {
+            return Err(bad(&format!("at most {MAX_DEVICES} devices")));
         }
-        out
+        if values.iter().all(|v| *v == 0.0) {
+            return Err(bad("at least one share must be above 0"));
+        }
+        Ok(Some(values))
     }
 }
 

@@ -33,7 +33,13 @@ pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
     let stop = inbox.shutdown.clone();
     let served = llama::load(config, &health, stop, |mut backend, loaded| {
         let speculation = speculation(config, loaded.recurrent, |widths| {
-            step_cost_cache::cached(config, &llama::system_info(), widths, || {
+            // The devices are part of what a step costs: a GPU's step is not a CPU's.
+            let system = format!(
+                "{} | devices: {}",
+                llama::system_info(),
+                llama::device_names()
+            );
+            step_cost_cache::cached(config, &system, widths, || {
                 llama::step_times(&mut backend, widths)
             })
         });

@@ -3,8 +3,9 @@
 //! seconds on a CPU, and every engine start paid them before its first request (a model the
 //! router loads on demand most of all). The entry is keyed by everything that changes the
 //! figures: the model file (path, size, modification time), the settings that shape a step
-//! (threads, context, slots, batch, flash attention, the full sliding-window cache), llama.cpp's
-//! CPU features and this build's version. The file is `$LLAMARUNNER_CACHE_DIR/step-costs.json`
+//! (threads, context, slots, batch, flash attention, the full sliding-window cache), where the
+//! layers go (the GPU settings, and the devices found), llama.cpp's CPU features and this
+//! build's version. The file is `$LLAMARUNNER_CACHE_DIR/step-costs.json`
 //! (else `$XDG_CACHE_HOME/llamarunner/`, else `~/.cache/llamarunner/`); `LLAMARUNNER_CACHE_DIR`
 //! set empty turns it off. A file that cannot be read or written only means measuring again.
 
@@ -58,6 +59,13 @@ pub fn key(config: &RunnerConfig, system: &str, widths: usize) -> Option<String>
             "flash_attn": format!("{:?}", config.flash_attn),
             "swa_full": config.swa_full,
             "system": system,
+            // Where the layers run: a GPU step costs differently from a CPU one.
+            "n_gpu_layers": config.n_gpu_layers,
+            "main_gpu": config.main_gpu,
+            "split_mode": config.split_mode.as_str(),
+            "tensor_split": config.tensor_split,
+            "fit": config.fit,
+            "fit_target": config.fit_target,
             "version": env!("CARGO_PKG_VERSION"),
             "widths": widths,
         })
@@ -184,6 +192,16 @@ mod tests {
             ..c.clone()
         };
         assert_ne!(key(&more_threads, "AVX2 = 1", 3).unwrap(), k);
+        // Layers on a GPU, or other devices: another key.
+        let on_cpu = RunnerConfig {
+            n_gpu_layers: 0,
+            ..c.clone()
+        };
+        assert_ne!(key(&on_cpu, "AVX2 = 1", 3).unwrap(), k);
+        assert_ne!(
+            key(&c, "AVX2 = 1 | devices: Vulkan0 (llvmpipe)", 3).unwrap(),
+            k
+        );
         assert_eq!(lookup(&file, &k, 4), None);
         // A rewritten model file is another key.
         std::thread::sleep(std::time::Duration::from_millis(5));

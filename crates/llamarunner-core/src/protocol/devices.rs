@@ -61,6 +61,28 @@ pub struct Device {
     pub memory_total: u64,
 }
 
+/// What the fit before load chose (`backend/llama/placement.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Fit {
+    /// MiB of each GPU's free memory it left unused (`--fit-target`).
+    pub margin_mib: u64,
+    /// The layers it offloads (-1: all; an explicit `--n-gpu-layers` it checked).
+    pub n_gpu_layers: i32,
+    /// False when not even one layer fit, and the model runs on the CPU.
+    pub fits: bool,
+}
+
+impl Fit {
+    /// A fit's outcome.
+    pub fn new(margin_mib: u64, n_gpu_layers: i32, fits: bool) -> Self {
+        Self {
+            margin_mib,
+            n_gpu_layers,
+            fits,
+        }
+    }
+}
+
 /// The devices of a loaded model and what it placed on them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DeviceFacts {
@@ -72,6 +94,10 @@ pub struct DeviceFacts {
     pub layers_offloaded: u32,
     /// The model's layers as llama.cpp offloads them: its blocks and the output layer.
     pub layers_total: u32,
+    /// How layers are spread over several GPUs (`--split-mode`).
+    pub split_mode: String,
+    /// What the fit before load chose; None when it did not run (no GPU, or `--no-fit`).
+    pub fit: Option<Fit>,
     /// Bytes of the model's weights on GPUs: the weights' size in proportion to the layers
     /// offloaded (llama.cpp does not report it per device through the bindings). An estimate:
     /// it counts the token embedding, which llama.cpp keeps on the CPU, and not the KV cache.
@@ -90,6 +116,8 @@ impl DeviceFacts {
             }],
             layers_offloaded: 0,
             layers_total,
+            split_mode: "layer".into(),
+            fit: None,
             vram_bytes: 0,
         }
     }

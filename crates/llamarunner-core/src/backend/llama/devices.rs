@@ -4,7 +4,7 @@
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::{list_llama_ggml_backend_devices, LlamaBackendDeviceType};
 
-use crate::protocol::devices::{Device, DeviceFacts, DeviceKind};
+use crate::protocol::devices::{Device, DeviceFacts, DeviceKind, Fit};
 
 /// Every device of every loaded backend, with its memory now.
 pub(super) fn devices() -> Vec<Device> {
@@ -27,9 +27,15 @@ pub(super) fn devices() -> Vec<Device> {
         .collect()
 }
 
-/// What a model loaded with `n_gpu_layers` (-1: all) placed on these devices.
-pub(super) fn facts(model: &LlamaModel, n_gpu_layers: i32) -> DeviceFacts {
-    let devices = devices();
+/// What a model loaded with `n_gpu_layers` (-1: all) placed on `devices` (as listed before it
+/// loaded: their free memory then).
+pub(super) fn facts(
+    model: &LlamaModel,
+    devices: Vec<Device>,
+    n_gpu_layers: i32,
+    split_mode: &str,
+    fit: Option<Fit>,
+) -> DeviceFacts {
     let gpus: Vec<&Device> = devices.iter().filter(|d| d.kind.is_gpu()).collect();
     // llama.cpp offloads the blocks and then the output layer. The blocks are all of the
     // GGUF's (`{arch}.block_count`), multi-token-prediction ones included, which
@@ -52,5 +58,7 @@ pub(super) fn facts(model: &LlamaModel, n_gpu_layers: i32) -> DeviceFacts {
         devices,
         layers_offloaded,
         layers_total,
+        split_mode: split_mode.to_string(),
+        fit,
     }
 }

@@ -8,7 +8,6 @@ use std::sync::{Arc, OnceLock};
 
 use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
 use llama_cpp_2::llama_backend::LlamaBackend;
-use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::LogOptions;
 
@@ -32,13 +31,53 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
             llama_cpp_2::send_logs_to_tracing(LogOptions::default().with_logs_enabled(true));
             #[cfg(feature = "portable")]
             {
-                let cpu = crate::backend::llama::cpu_variants::load()?;
-                tracing::info!(cpu_backend = %cpu, "loaded the CPU backend that fits this processor");
+                let loaded = crate::backend::llama::dynamic_backends::load()?;
+                tracing::info!(cpu_backend = %loaded.cpu, "loaded the CPU backend that fits this processor");
+                for (library, outcome) in &loaded.gpu {
+                    match outcome {
+                        Ok(0) => tracing::info!(
+                            library = %library,
+                            "loaded a GPU backend that found no device (a CPU-type Vulkan device such as lavapipe is used only when GGML_VK_VISIBLE_DEVICES names it)"
+                        ),
+                        Ok(devices) => {
+                            tracing::info!(library = %library, devices, "loaded a GPU backend")
+                        }
+                        Err(why) => tracing::warn!(
+                            library = %library,
+                            reason = %why,
+                            "skipped a GPU backend that cannot load here"
+                        ),
+                    }
+                }
             }
             LlamaBackend::init().map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(Clone::clone)
+}
+
+/// Every device llama.cpp's backends found (loading the backend libraries first, in a portable
+/// build), with its memory now: `llamarunner serve --list-devices`.
+pub fn list_devices() -> Result<Vec<crate::protocol::devices::Device>, String> {
+    llama_backend()?;
+    Ok(super::devices::devices())
+}
+
+/// The devices found, each as "name (description)", comma separated.
+pub fn device_names() -> String {
+    super::devices::devices()
+        .iter()
+        .map(|d| format!("{} ({})", d.name, d.description))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Where the model's layers went (`placement.rs`), for its facts.
+pub(super) struct Placement {
+    devices: Vec<crate::protocol::devices::Device>,
+    n_gpu_layers: i32,
+    split_mode: &'static str,
+    fit: Option<crate::protocol::devices::Fit>,
 }
 
 /// What the engine needs to know of a loaded model beyond the `Backend` itself.
@@ -58,11 +97,42 @@ pub fn load<R>(
     serve: impl FnOnce(LlamaEngine<'_>, Loaded) -> R,
 ) -> Result<R, String> {
     let backend = llama_backend()?;
+    let parallel = config.parallel;
+    let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
+    let kv_type = kv_cache_type(config.effective_kv_cache_type());
+    if config.effective_kv_cache_type() != config.kv_cache_type {
+        tracing::warn!(
+            "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
+        );
+    }
+    let n_ctx = config
+        .ctx_size
+        .checked_mul(parallel)
+        .ok_or("ctx-size * parallel is too large")?;
+    let mut ctx_params = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_ctx))
+        .with_n_batch(config.batch_size)
+        .with_n_ubatch(config.batch_size)
+        .with_n_seq_max(parallel)
+        .with_swa_full(config.swa_full)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads)
+        .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+        .with_type_k(kv_type)
+        .with_type_v(kv_type);
+    // The devices and their free memory before the model takes any; where its layers go.
+    let devices = super::devices::devices();
+    let (placed, fit) = super::placement::place(config, &devices, &mut ctx_params)?;
+    if let Some(fit) = fit {
+        tracing::info!(
+            n_gpu_layers = fit.n_gpu_layers,
+            fit_target_mib = fit.margin_mib,
+            fits = fit.fits,
+            "fit the model to the GPUs' free memory"
+        );
+    }
     let progress_health = health.clone();
-    let n_gpu_layers = u32::try_from(config.n_gpu_layers).unwrap_or(u32::MAX);
-    let model_params = LlamaModelParams::default()
-        .with_n_gpu_layers(n_gpu_layers)
-        .with_main_gpu(config.main_gpu)
+    let model_params = placed
         .with_use_mmap(!config.no_mmap && config.lora.is_empty())
         .with_use_mlock(config.mlock)
         .with_progress_callback(move |p| {
@@ -70,6 +140,19 @@ pub fn load<R>(
             // Returning false aborts the load (the runner is being stopped).
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
+    let placement = Placement {
+        devices,
+        n_gpu_layers: model_params.n_gpu_layers(),
+        split_mode: model_params.split_mode().map_or(
+            config.split_mode.as_str(),
+            |mode| match mode {
+                llama_cpp_2::model::params::LlamaSplitMode::None => "none",
+                llama_cpp_2::model::params::LlamaSplitMode::Row => "row",
+                _ => "layer",
+            },
+        ),
+        fit,
+    };
     // Which CPU kernels this build of llama.cpp runs (AVX2, AVX512, VNNI, ...): the first
     // thing to check when comparing speed with another build.
     tracing::info!(features = %system_info(), "llama.cpp CPU backend");
@@ -98,29 +181,6 @@ pub fn load<R>(
     // batch and samplers stay on this thread).
     let model = std::sync::Arc::new(model);
 
-    let parallel = config.parallel;
-    let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
-    let kv_type = kv_cache_type(config.effective_kv_cache_type());
-    if config.effective_kv_cache_type() != config.kv_cache_type {
-        tracing::warn!(
-            "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
-        );
-    }
-    let n_ctx = config
-        .ctx_size
-        .checked_mul(parallel)
-        .ok_or("ctx-size * parallel is too large")?;
-    let ctx_params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(n_ctx))
-        .with_n_batch(config.batch_size)
-        .with_n_ubatch(config.batch_size)
-        .with_n_seq_max(parallel)
-        .with_swa_full(config.swa_full)
-        .with_n_threads(threads)
-        .with_n_threads_batch(threads)
-        .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
-        .with_type_k(kv_type)
-        .with_type_v(kv_type);
     let mut ctx = llama_result(|| model.new_context(backend, ctx_params))
         .map_err(|why| format!("llama.cpp could not create a context of {n_ctx} tokens: {why}"))?;
 
@@ -134,7 +194,7 @@ pub fn load<R>(
                 &model,
                 &ctx,
                 threads,
-                n_gpu_layers > 0,
+                placement.n_gpu_layers != 0,
                 |init| llama_result(init),
             )?;
             let raw_ctx = crate::backend::llama::lora::context_pointer(&model, &ctx)?;
@@ -177,7 +237,7 @@ pub fn load<R>(
     // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
     // n_ctx is padded): a batch is never larger than what the context really takes.
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
-    let mut info = model_info(&model, config, slot_ctx)?;
+    let mut info = model_info(&model, config, slot_ctx, placement)?;
     info.vision = vision.as_ref().map(|(projector, _)| {
         std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
             as std::sync::Arc<dyn crate::protocol::VisionModel>
@@ -307,6 +367,7 @@ pub(super) fn model_info(
     model: &std::sync::Arc<LlamaModel>,
     config: &RunnerConfig,
     slot_ctx: usize,
+    placement: Placement,
 ) -> Result<ModelInfo, String> {
     let file = std::fs::metadata(&config.model).ok();
     let metadata = (0..model.meta_count())
@@ -351,7 +412,13 @@ pub(super) fn model_info(
         vision: None,
         fim: fim_tokens(model),
         rerank: rerank_format(model),
-        devices: super::devices::facts(model, config.n_gpu_layers),
+        devices: super::devices::facts(
+            model,
+            placement.devices,
+            placement.n_gpu_layers,
+            placement.split_mode,
+            placement.fit,
+        ),
     })
 }
 

@@ -5,20 +5,21 @@
 //! `draft.rs`, `embeddings.rs`, and `devices.rs` (where the model's layers live); decoding is
 //! here, with the engine itself.
 
-#[cfg(feature = "portable")]
-mod cpu_variants;
 mod devices;
 mod draft;
+#[cfg(feature = "portable")]
+mod dynamic_backends;
 mod embeddings;
 mod kv_ops;
 mod load;
 mod logs;
 mod lora;
 mod mtmd;
+mod placement;
 mod sampler;
 mod text;
 
-pub use load::{load, step_times, system_info, Loaded};
+pub use load::{device_names, list_devices, load, step_times, system_info, Loaded};
 pub use sampler::ChainSampler;
 
 use llama_cpp_2::context::LlamaContext;

@@ -1,0 +1,204 @@
+//! Where a model's layers go, decided before it loads: the GPUs llama.cpp found, `--main-gpu`,
+//! `--split-mode` and `--tensor-split` checked against them, and the fit (llama.cpp's
+//! `common_fit_params`, which llama-server runs by default): with `n_gpu_layers` -1 it offloads
+//! as many layers as fit each GPU's free memory less `--fit-target` with the weights, the KV
+//! cache of every slot and the compute buffers; an explicit `n_gpu_layers` above that is a start
+//! error instead of an out-of-memory failure later. On a machine without a GPU nothing changes.
+
+use std::pin::Pin;
+
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::model::params::{FitError, LlamaModelParams, LlamaSplitMode};
+
+use crate::config::{RunnerConfig, SplitMode};
+use crate::protocol::devices::{Device, Fit};
+
+const MIB: u64 = 1024 * 1024;
+
+/// The model parameters that place the layers (the caller adds how the file is read) and what
+/// the fit chose, if it ran.
+pub(super) fn place(
+    config: &RunnerConfig,
+    devices: &[Device],
+    ctx_params: &mut LlamaContextParams,
+) -> Result<(LlamaModelParams, Option<Fit>), String> {
+    // ggml's device index of each GPU, in the order llama.cpp numbers them for --main-gpu.
+    let gpus: Vec<(usize, &Device)> = devices
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.kind.is_gpu())
+        .collect();
+    let names = || {
+        gpus.iter()
+            .map(|(_, d)| format!("{} ({})", d.name, d.description))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let shares = config.tensor_split_values().map_err(|e| e.to_string())?;
+    let main_gpu = usize::try_from(config.main_gpu).unwrap_or(usize::MAX);
+    if gpus.is_empty() {
+        if config.main_gpu != 0 {
+            return Err(format!("--main-gpu {}: no GPU was found", config.main_gpu));
+        }
+        if shares.is_some() {
+            return Err("--tensor-split: no GPU was found".into());
+        }
+        // As before GPUs were looked for: llama.cpp offloads nothing without one.
+        return Ok((
+            LlamaModelParams::default().with_n_gpu_layers(layers_param(config.n_gpu_layers)),
+            None,
+        ));
+    }
+    if main_gpu >= gpus.len() {
+        return Err(format!(
+            "--main-gpu {}: the GPUs are numbered from 0 and {} found: {}",
+            config.main_gpu,
+            gpus.len(),
+            names()
+        ));
+    }
+    let split_mode = match config.split_mode {
+        SplitMode::None => LlamaSplitMode::None,
+        SplitMode::Layer => LlamaSplitMode::Layer,
+        SplitMode::Row => LlamaSplitMode::Row,
+    };
+    let base = || -> Result<LlamaModelParams, String> {
+        let params = LlamaModelParams::default()
+            .with_main_gpu(config.main_gpu)
+            .with_split_mode(split_mode);
+        let Some(shares) = &shares else {
+            return Ok(params);
+        };
+        let chosen = tensor_split_device(shares, gpus.len()).map_err(|why| {
+            format!(
+                "--tensor-split {}: {why} (GPUs found: {})",
+                config.tensor_split.as_deref().unwrap_or_default(),
+                names()
+            )
+        })?;
+        // The one GPU with a share holds the model: a device list of that GPU alone.
+        params
+            .with_devices(&[gpus[chosen].0])
+            .map(|p| p.with_main_gpu(0).with_split_mode(LlamaSplitMode::None))
+            .map_err(|e| format!("--tensor-split: {e}"))
+    };
+    let params = base()?;
+    if !config.fit || config.split_mode == SplitMode::Row {
+        // llama.cpp's fit does not move weights of a row split.
+        return Ok((
+            params.with_n_gpu_layers(layers_param(config.n_gpu_layers)),
+            None,
+        ));
+    }
+    let margin = config.fit_target.saturating_mul(MIB);
+    let fitted = |mut params: LlamaModelParams, ctx_params: &mut LlamaContextParams| {
+        fit(config, &mut params, ctx_params, margin).map(|fits| (params, fits))
+    };
+    if config.n_gpu_layers == -1 {
+        let (params, fits) = fitted(params, ctx_params)?;
+        if !fits {
+            tracing::warn!(
+                fit_target_mib = config.fit_target,
+                gpus = %names(),
+                "the model does not fit the GPUs' free memory even with no layers there; \
+                 running it on the CPU"
+            );
+            let params = base()?.with_n_gpu_layers(0);
+            return Ok((params, Some(Fit::new(config.fit_target, 0, false))));
+        }
+        let layers = params.n_gpu_layers();
+        return Ok((params, Some(Fit::new(config.fit_target, layers, true))));
+    }
+    // An explicit count: measured on a copy of the parameters (the fit changes only what is
+    // left at its default), then honoured or refused.
+    let mut probe_ctx = ctx_params.clone();
+    let (probe, fits) = fitted(base()?, &mut probe_ctx)?;
+    let most = if fits { probe.n_gpu_layers() } else { 0 };
+    if most >= 0 && config.n_gpu_layers > most {
+        return Err(format!(
+            "--n-gpu-layers {} does not fit: at most {most} layers fit the free memory of {} \
+             with {} MiB left free (--fit-target); give fewer layers, a smaller --fit-target, \
+             or --no-fit to load without checking",
+            config.n_gpu_layers,
+            names(),
+            config.fit_target
+        ));
+    }
+    Ok((
+        params.with_n_gpu_layers(layers_param(config.n_gpu_layers)),
+        Some(Fit::new(config.fit_target, config.n_gpu_layers, true)),
+    ))
+}
+
+/// Runs llama.cpp's fit on `params` (which it changes): true when the layers it chose fit,
+/// false when even none do.
+fn fit(
+    config: &RunnerConfig,
+    params: &mut LlamaModelParams,
+    ctx_params: &mut LlamaContextParams,
+    margin: u64,
+) -> Result<bool, String> {
+    let path = std::ffi::CString::new(config.model.as_os_str().as_encoded_bytes())
+        .map_err(|_| "the model path contains a NUL byte".to_string())?;
+    let mut margins =
+        vec![usize::try_from(margin).unwrap_or(usize::MAX); llama_cpp_2::max_devices()];
+    let n_ctx = ctx_params.n_ctx().map_or(0, std::num::NonZeroU32::get);
+    match Pin::new(params).fit_params(
+        &path,
+        ctx_params,
+        &mut margins,
+        n_ctx,
+        llama_cpp_sys_2::GGML_LOG_LEVEL_INFO,
+    ) {
+        Ok(_) => Ok(true),
+        Err(FitError::Failure) => Ok(false),
+        Err(FitError::Error) => Err(format!(
+            "llama.cpp could not measure what {} needs on the GPUs (see the log above)",
+            super::file_name(&config.model)
+        )),
+    }
+}
+
+/// `n_gpu_layers` as the bindings take it: -1 (all) is the largest count.
+fn layers_param(n_gpu_layers: i32) -> u32 {
+    u32::try_from(n_gpu_layers).unwrap_or(u32::MAX)
+}
+
+/// The GPU a `--tensor-split` puts the model on, of `gpus`: the one share above 0. Several
+/// shares above 0 would split the model by proportion, which the bindings (llama-cpp-2
+/// 0.1.160 sets no `tensor_split`) do not reach.
+pub(super) fn tensor_split_device(shares: &[f32], gpus: usize) -> Result<usize, String> {
+    if shares.len() > gpus {
+        return Err(format!(
+            "{} shares for {gpus} GPU{}",
+            shares.len(),
+            if gpus == 1 { "" } else { "s" }
+        ));
+    }
+    let used: Vec<usize> = (0..shares.len()).filter(|&i| shares[i] > 0.0).collect();
+    match used.as_slice() {
+        [one] => Ok(*one),
+        [] => Err("no share above 0".into()),
+        _ => Err(
+            "a split by proportion across several GPUs is not reachable through the \
+                  llama-cpp-2 bindings this build uses; give one GPU a share (the model goes \
+                  there) or leave --tensor-split out (llama.cpp then splits the layers by the \
+                  GPUs' free memory)"
+                .into(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tensor_split_device;
+
+    #[test]
+    fn a_tensor_split_chooses_the_one_gpu_with_a_share() {
+        assert_eq!(tensor_split_device(&[1.0], 1), Ok(0));
+        assert_eq!(tensor_split_device(&[0.0, 3.0], 2), Ok(1));
+        assert!(tensor_split_device(&[1.0, 1.0], 1).is_err());
+        assert!(tensor_split_device(&[3.0, 1.0], 2).is_err());
+        assert!(tensor_split_device(&[0.0, 0.0], 2).is_err());
+    }
+}
