@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 import llamarunner
 
@@ -96,3 +99,25 @@ def test_a_backends_dir_without_a_usable_cpu_backend(tiny_model: Path, tmp_path:
         else:
             # Nothing is loaded at run time from a source build: the variable is ignored.
             serve.wait_ready()
+
+
+def test_a_gpu_backend_that_cannot_load_is_skipped_with_the_reason(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A GPU module whose libraries are missing (here: not a library at all, as a module built
+    for another CUDA is to the loader) costs one warning naming it and the loader's reason; the
+    server runs on the CPU."""
+    if not portable():
+        pytest.skip("a source build loads no backend modules")
+    backends = tmp_path / "lib"
+    shutil.copytree(LIB, backends)
+    (backends / "libggml-cuda.so").write_bytes(b"\x7fELF not a library")
+    env = {**os.environ, "LLAMARUNNER_BACKENDS_DIR": str(backends)}
+    env.pop("GGML_VK_VISIBLE_DEVICES", None)
+    with ServeProcess(str(tiny_model), "--port", "0", "--draft-max", "0", env=env) as serve:
+        serve.wait_ready()
+        line = serve.wait_for(r"skipped a GPU backend that cannot load here.*").group(0)
+        assert "library=libggml-cuda.so" in line, line
+        assert "reason=" in line and "libggml-cuda.so" in line.split("reason=")[1], line
+        # The run path: every other library still loads, and the server answers.
+        assert "cpu_backend=libggml-cpu" in serve.log
