@@ -20,6 +20,7 @@ except ImportError:
         raise
     pytest.skip("Ray Serve is not installed (pip install '.[ray]')", allow_module_level=True)
 
+from llamarunner.arguments import SERVE_ACTIONS
 from llamarunner.cli import build_parser
 from llamarunner.ray.affinity import (
     MAX_KEY_CHARS,
@@ -306,7 +307,13 @@ def test_cluster_takes_every_serve_flag() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     choices = sub.choices  # type: ignore[attr-defined]
-    serve_flags = {o for a in choices["serve"]._actions for o in a.option_strings}
+    # Every setting of serve's; not its flags that do something else (--list-devices).
+    serve_flags = {
+        o
+        for a in choices["serve"]._actions
+        if a.dest not in SERVE_ACTIONS
+        for o in a.option_strings
+    }
     cluster_flags = {o for a in choices["cluster"]._actions for o in a.option_strings}
     assert serve_flags <= cluster_flags  # the many-model flags too: each replica's router's
     assert {"--replicas", "--address", "--min-replicas", "--max-replicas"} <= cluster_flags
