@@ -84,7 +84,7 @@ def offloaded(model: Path, gpu: dict[str, Any]) -> Iterator[str]:
 
 def serve(model: Path, *flags: str, env: dict[str, str] | None = None) -> ServeProcess:
     """``llamarunner serve`` of ``model`` on the GPU's environment. Without drafting, whose
-    measurement at start (decode steps of 1 to 9 positions) makes a software Vulkan device
+    measurement at start (decode steps of 1 to 17 positions) makes a software Vulkan device
     compile a pipeline per width: minutes on lavapipe."""
     return ServeProcess(
         str(model),
