@@ -759,3 +759,30 @@ def test_serve_refuses_flags_that_do_not_go_with_its_models(flags: list[str], me
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
+
+
+def test_engines_load_one_after_another(models_dir: Path, tmp_path: Path) -> None:
+    """Two models asked for at once: the second engine starts once the first is ready, so that
+    each engine's fit before load sees the GPU memory the other already holds."""
+    srv = start(models_dir, tmp_path)
+    try:
+        results: list[int] = []
+
+        def one(name: str) -> None:
+            results.append(completion(srv.url, name).status_code)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in ("alpha", "bravo")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [200, 200]
+        # The router's lines (an engine's own "model loaded" line names no vram_bytes).
+        events = [
+            ("start" if "loading a model" in line else "ready", line)
+            for line in srv.log().splitlines()
+            if "loading a model" in line or ("model loaded" in line and "vram_bytes=" in line)
+        ]
+        assert [kind for kind, _ in events] == ["start", "ready", "start", "ready"], events
+    finally:
+        srv.stop()

@@ -219,6 +219,10 @@ pub struct Registry {
     load_timeout: Duration,
     /// One load decision (what to unload, what to start) at a time.
     loading: tokio::sync::Mutex<()>,
+    /// One engine loading at a time, from its start until it is ready or gone: each engine's
+    /// fit before load (`backend/llama/placement.rs`) then reads the GPUs' free memory with
+    /// every other model's already taken, so that two loads never count the same memory.
+    starting: Arc<tokio::sync::Mutex<()>>,
     started: AtomicU64,
 }
 
@@ -273,6 +277,7 @@ impl Registry {
             key: uuid::Uuid::new_v4().simple().to_string(),
             load_timeout,
             loading: tokio::sync::Mutex::new(()),
+            starting: Arc::new(tokio::sync::Mutex::new(())),
             started: AtomicU64::new(0),
         })
     }
@@ -451,6 +456,8 @@ impl Registry {
         } else {
             None
         };
+        // Behind the engine that is loading, if any (the request's load timeout runs).
+        let starting = self.starting.clone().lock_owned().await;
         let _one_at_a_time = self.loading.lock().await;
         if model.lock().status.occupies() {
             return Ok(());
@@ -494,7 +501,11 @@ impl Registry {
                 drop(inner);
                 let registry = self.clone();
                 let followed = model.clone();
-                tokio::spawn(async move { registry.follow(followed, generation, events).await });
+                tokio::spawn(async move {
+                    registry
+                        .follow(followed, generation, events, starting)
+                        .await
+                });
                 // An engine that neither becomes ready nor exits within the load timeout (a
                 // hung load) is stopped, so that it holds no place.
                 let registry = self.clone();
@@ -595,8 +606,11 @@ impl Registry {
         model: Arc<Model>,
         generation: u64,
         mut events: tokio::sync::mpsc::Receiver<super::engine_process::Event>,
+        starting: tokio::sync::OwnedMutexGuard<()>,
     ) {
         use super::engine_process::Event;
+        // Held until the engine is ready or gone (or this load is superseded: the return).
+        let mut starting = Some(starting);
         while let Some(event) = events.recv().await {
             let ended = {
                 let mut inner = model.lock();
@@ -611,6 +625,7 @@ impl Registry {
                         false
                     }
                     Event::Ready(port, vram_bytes) => {
+                        starting.take();
                         tracing::info!(model = %model.name, port, vram_bytes, "model loaded");
                         inner.status = Status::Loaded { port };
                         inner.vram_bytes = vram_bytes;
@@ -618,6 +633,7 @@ impl Registry {
                         false
                     }
                     Event::Exited(Exit { asked, error }) => {
+                        starting.take();
                         inner.process = None;
                         if asked {
                             inner.status = Status::Unloaded;

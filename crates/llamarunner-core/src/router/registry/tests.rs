@@ -153,3 +153,30 @@ async fn a_stale_decision_does_not_unload_a_model_that_took_a_lease_since() {
     assert!(r.unload_idle(&m, "test"));
     assert_eq!(m.status(), Status::Unloaded);
 }
+
+#[tokio::test]
+async fn engines_start_one_at_a_time() {
+    // `sleep` never becomes ready: alpha loads until its timeout, and bravo's engine does not
+    // start before alpha's is gone.
+    let r = registry_running(
+        &["alpha", "bravo"],
+        &["sleep", "60"],
+        Duration::from_secs(2),
+    );
+    let alpha = r.find(Some("alpha")).unwrap();
+    let bravo = r.find(Some("bravo")).unwrap();
+    r.load(&alpha).await.unwrap();
+    assert!(matches!(alpha.status(), Status::Loading { .. }));
+    let waited = tokio::time::timeout(Duration::from_millis(300), r.load(&bravo)).await;
+    assert!(waited.is_err(), "bravo started while alpha was loading");
+    assert_eq!(bravo.status(), Status::Unloaded);
+    // Once alpha is gone (its load timed out), bravo starts.
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), r.load(&bravo))
+        .await
+        .expect("bravo starts once alpha's load ended")
+        .unwrap();
+    assert!(started.elapsed() > Duration::from_millis(500));
+    assert!(matches!(bravo.status(), Status::Loading { .. }));
+    assert!(matches!(alpha.status(), Status::Failed { .. }));
+}
