@@ -81,3 +81,9 @@ def test_router_hop_bench_runs(tiny_model: Path) -> None:
     for line in rows[1:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[2]) > 0 and float(cells[3]) > 0, line
+
+
+def test_determinism_bench_runs(tiny_model: Path) -> None:
+    out = run_bench("determinism", tiny_model, "--tokens", "4", "--ctx", "256")
+    assert "| llamarunner (parallel 1, --cache-ram 0) | greedy |" in out, out
+    assert "/8 |" in out, out
