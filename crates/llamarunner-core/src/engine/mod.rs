@@ -33,12 +33,13 @@ pub fn run(config: &RunnerConfig, inbox: EngineInbox) {
     let stop = inbox.shutdown.clone();
     let served = llama::load(config, &health, stop, |mut backend, loaded| {
         let speculation = speculation(config, loaded.recurrent, |widths| {
-            // The devices are part of what a step costs: a GPU's step is not a CPU's.
-            let system = format!(
-                "{} | devices: {}",
-                llama::system_info(),
-                llama::device_names()
-            );
+            // Where the layers run is part of what a step costs: a GPU's step is not a CPU's,
+            // and the fit's choice depends on the GPUs' free memory at load.
+            let placement = health
+                .model_info()
+                .map(|info| info.devices.placement())
+                .unwrap_or_default();
+            let system = format!("{} | {placement}", llama::system_info());
             step_cost_cache::cached(config, &system, widths, || {
                 llama::step_times(&mut backend, widths)
             })

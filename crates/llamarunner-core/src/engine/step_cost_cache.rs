@@ -4,8 +4,8 @@
 //! router loads on demand most of all). The entry is keyed by everything that changes the
 //! figures: the model file (path, size, modification time), the settings that shape a step
 //! (threads, context, slots, batch, flash attention, the full sliding-window cache), where the
-//! layers go (the GPU settings, and the devices found), llama.cpp's CPU features and this
-//! build's version. The file is `$LLAMARUNNER_CACHE_DIR/step-costs.json`
+//! layers went (backend, layers offloaded, devices: `DeviceFacts::placement`, in `system`),
+//! llama.cpp's CPU features and this build's version. The file is `$LLAMARUNNER_CACHE_DIR/step-costs.json`
 //! (else `$XDG_CACHE_HOME/llamarunner/`, else `~/.cache/llamarunner/`); `LLAMARUNNER_CACHE_DIR`
 //! set empty turns it off. A file that cannot be read or written only means measuring again.
 
@@ -35,8 +35,9 @@ pub fn cache_file() -> Option<PathBuf> {
     Some(dir.join(FILE))
 }
 
-/// The key of a measurement of `widths` widths for this configuration on a CPU whose
-/// llama.cpp features are `system`; None when the model file's metadata cannot be read.
+/// The key of a measurement of `widths` widths for this configuration on a machine described
+/// by `system` (llama.cpp's CPU features and where the layers went); None when the model
+/// file's metadata cannot be read.
 pub fn key(config: &RunnerConfig, system: &str, widths: usize) -> Option<String> {
     let path = std::fs::canonicalize(&config.model).ok()?;
     let meta = std::fs::metadata(&path).ok()?;
@@ -59,13 +60,6 @@ pub fn key(config: &RunnerConfig, system: &str, widths: usize) -> Option<String>
             "flash_attn": format!("{:?}", config.flash_attn),
             "swa_full": config.swa_full,
             "system": system,
-            // Where the layers run: a GPU step costs differently from a CPU one.
-            "n_gpu_layers": config.n_gpu_layers,
-            "main_gpu": config.main_gpu,
-            "split_mode": config.split_mode.as_str(),
-            "tensor_split": config.tensor_split,
-            "fit": config.fit,
-            "fit_target": config.fit_target,
             "version": env!("CARGO_PKG_VERSION"),
             "widths": widths,
         })
@@ -192,16 +186,11 @@ mod tests {
             ..c.clone()
         };
         assert_ne!(key(&more_threads, "AVX2 = 1", 3).unwrap(), k);
-        // Layers on a GPU, or other devices: another key.
-        let on_cpu = RunnerConfig {
-            n_gpu_layers: 0,
-            ..c.clone()
-        };
-        assert_ne!(key(&on_cpu, "AVX2 = 1", 3).unwrap(), k);
-        assert_ne!(
-            key(&c, "AVX2 = 1 | devices: Vulkan0 (llvmpipe)", 3).unwrap(),
-            k
-        );
+        // Layers on a GPU, or fewer of them, or other devices: another key.
+        let on_gpu = "AVX2 = 1 | Vulkan 19/19 layers, split layer, on Vulkan0 (llvmpipe)";
+        let fewer = "AVX2 = 1 | Vulkan 7/19 layers, split layer, on Vulkan0 (llvmpipe)";
+        assert_ne!(key(&c, on_gpu, 3).unwrap(), k);
+        assert_ne!(key(&c, fewer, 3).unwrap(), key(&c, on_gpu, 3).unwrap());
         assert_eq!(lookup(&file, &k, 4), None);
         // A rewritten model file is another key.
         std::thread::sleep(std::time::Duration::from_millis(5));

@@ -131,6 +131,24 @@ impl DeviceFacts {
         u32::try_from(n_gpu_layers).map_or(layers_total, |n| n.min(layers_total))
     }
 
+    /// Where the layers run, as text that changes with what a decode step costs: the backend,
+    /// the layers offloaded, the split and each device's name (not its free memory).
+    pub fn placement(&self) -> String {
+        let devices: Vec<String> = self
+            .devices
+            .iter()
+            .map(|d| format!("{} ({})", d.name, d.description))
+            .collect();
+        format!(
+            "{} {}/{} layers, split {}, on {}",
+            self.backend,
+            self.layers_offloaded,
+            self.layers_total,
+            self.split_mode,
+            devices.join(", ")
+        )
+    }
+
     /// The GPU share of `model_bytes` with `offloaded` of `total` layers there.
     pub fn share(model_bytes: u64, offloaded: u32, total: u32) -> u64 {
         if total == 0 {

@@ -4,7 +4,9 @@
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::{list_llama_ggml_backend_devices, LlamaBackendDeviceType};
 
-use crate::protocol::devices::{Device, DeviceFacts, DeviceKind, Fit};
+use crate::protocol::devices::{Device, DeviceFacts, DeviceKind};
+
+use super::placement::Placement;
 
 /// Every device of every loaded backend, with its memory now.
 pub(super) fn devices() -> Vec<Device> {
@@ -27,15 +29,15 @@ pub(super) fn devices() -> Vec<Device> {
         .collect()
 }
 
-/// What a model loaded with `n_gpu_layers` (-1: all) placed on `devices` (as listed before it
-/// loaded: their free memory then).
-pub(super) fn facts(
-    model: &LlamaModel,
-    devices: Vec<Device>,
-    n_gpu_layers: i32,
-    split_mode: &str,
-    fit: Option<Fit>,
-) -> DeviceFacts {
+/// What a model loaded with `placement` put on its devices (as listed before it loaded: their
+/// free memory then).
+pub(super) fn facts(model: &LlamaModel, placement: Placement) -> DeviceFacts {
+    let Placement {
+        devices,
+        n_gpu_layers,
+        split_mode,
+        fit,
+    } = placement;
     let gpus: Vec<&Device> = devices.iter().filter(|d| d.kind.is_gpu()).collect();
     // llama.cpp offloads the blocks and then the output layer. The blocks are all of the
     // GGUF's (`{arch}.block_count`), multi-token-prediction ones included, which
@@ -58,7 +60,7 @@ pub(super) fn facts(
         devices,
         layers_offloaded,
         layers_total,
-        split_mode: split_mode.to_string(),
+        split_mode: split_mode.as_str().to_string(),
         fit,
     }
 }

@@ -63,23 +63,6 @@ pub fn list_devices() -> Result<Vec<crate::protocol::devices::Device>, String> {
     Ok(super::devices::devices())
 }
 
-/// The devices found, each as "name (description)", comma separated.
-pub fn device_names() -> String {
-    super::devices::devices()
-        .iter()
-        .map(|d| format!("{} ({})", d.name, d.description))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// Where the model's layers went (`placement.rs`), for its facts.
-pub(super) struct Placement {
-    devices: Vec<crate::protocol::devices::Device>,
-    n_gpu_layers: i32,
-    split_mode: &'static str,
-    fit: Option<crate::protocol::devices::Fit>,
-}
-
 /// What the engine needs to know of a loaded model beyond the `Backend` itself.
 #[derive(Clone, Copy, Debug)]
 pub struct Loaded {
@@ -121,9 +104,9 @@ pub fn load<R>(
         .with_type_k(kv_type)
         .with_type_v(kv_type);
     // The devices and their free memory before the model takes any; where its layers go.
-    let devices = super::devices::devices();
-    let (placed, fit) = super::placement::place(config, &devices, &mut ctx_params)?;
-    if let Some(fit) = fit {
+    let (placed, placement) =
+        super::placement::place(config, super::devices::devices(), &mut ctx_params)?;
+    if let Some(fit) = placement.fit {
         tracing::info!(
             n_gpu_layers = fit.n_gpu_layers,
             fit_target_mib = fit.margin_mib,
@@ -140,19 +123,6 @@ pub fn load<R>(
             // Returning false aborts the load (the runner is being stopped).
             !stop.load(std::sync::atomic::Ordering::Acquire)
         });
-    let placement = Placement {
-        devices,
-        n_gpu_layers: model_params.n_gpu_layers(),
-        split_mode: model_params.split_mode().map_or(
-            config.split_mode.as_str(),
-            |mode| match mode {
-                llama_cpp_2::model::params::LlamaSplitMode::None => "none",
-                llama_cpp_2::model::params::LlamaSplitMode::Row => "row",
-                _ => "layer",
-            },
-        ),
-        fit,
-    };
     // Which CPU kernels this build of llama.cpp runs (AVX2, AVX512, VNNI, ...): the first
     // thing to check when comparing speed with another build.
     tracing::info!(features = %system_info(), "llama.cpp CPU backend");
@@ -367,7 +337,7 @@ pub(super) fn model_info(
     model: &std::sync::Arc<LlamaModel>,
     config: &RunnerConfig,
     slot_ctx: usize,
-    placement: Placement,
+    placement: super::placement::Placement,
 ) -> Result<ModelInfo, String> {
     let file = std::fs::metadata(&config.model).ok();
     let metadata = (0..model.meta_count())
@@ -412,13 +382,7 @@ pub(super) fn model_info(
         vision: None,
         fim: fim_tokens(model),
         rerank: rerank_format(model),
-        devices: super::devices::facts(
-            model,
-            placement.devices,
-            placement.n_gpu_layers,
-            placement.split_mode,
-            placement.fit,
-        ),
+        devices: super::devices::facts(model, placement),
     })
 }
 

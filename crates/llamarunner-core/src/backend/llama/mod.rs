@@ -19,7 +19,7 @@ mod placement;
 mod sampler;
 mod text;
 
-pub use load::{device_names, list_devices, load, step_times, system_info, Loaded};
+pub use load::{list_devices, load, step_times, system_info, Loaded};
 pub use sampler::ChainSampler;
 
 use llama_cpp_2::context::LlamaContext;

@@ -15,9 +15,46 @@ use crate::protocol::devices::{Device, Fit};
 
 const MIB: u64 = 1024 * 1024;
 
-/// The model parameters that place the layers (the caller adds how the file is read) and what
-/// the fit chose, if it ran.
+/// Where a model's layers go, as decided before it loads: what its facts
+/// (`devices::facts`) report.
+pub(super) struct Placement {
+    /// The devices found, with their free memory before the model took any.
+    pub devices: Vec<Device>,
+    /// The layers the model is loaded with on GPUs (-1: all).
+    pub n_gpu_layers: i32,
+    /// The split mode the model is loaded with.
+    pub split_mode: SplitMode,
+    /// What the fit chose, if it ran.
+    pub fit: Option<Fit>,
+}
+
+/// The model parameters that place the layers on `devices` (the caller adds how the file is
+/// read), and the placement they make.
 pub(super) fn place(
+    config: &RunnerConfig,
+    devices: Vec<Device>,
+    ctx_params: &mut LlamaContextParams,
+) -> Result<(LlamaModelParams, Placement), String> {
+    let (params, fit) = params_and_fit(config, &devices, ctx_params)?;
+    let gpus = devices.iter().any(|d| d.kind.is_gpu());
+    let split_mode = match (gpus, config.tensor_split.is_some()) {
+        // llama.cpp's default, untouched without a GPU.
+        (false, _) => SplitMode::Layer,
+        // The one GPU a tensor split chose holds the model.
+        (true, true) => SplitMode::None,
+        (true, false) => config.split_mode,
+    };
+    let placement = Placement {
+        devices,
+        n_gpu_layers: params.n_gpu_layers(),
+        split_mode,
+        fit,
+    };
+    Ok((params, placement))
+}
+
+/// The model parameters that place the layers and what the fit chose, if it ran.
+fn params_and_fit(
     config: &RunnerConfig,
     devices: &[Device],
     ctx_params: &mut LlamaContextParams,
