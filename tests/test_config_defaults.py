@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from llamarunner import _core
-from llamarunner.arguments import SERVE_ACTIONS, serve_settings
+from llamarunner.arguments import SERVE_ACTIONS, SOURCE_FLAGS, serve_settings
 from llamarunner.cli import build_parser
 from llamarunner.config import ServerConfig
 from llamarunner.settings import ROUTER_SETTINGS, SERVER_SETTINGS
@@ -116,8 +116,10 @@ def test_the_variables_are_named_after_the_settings() -> None:
 
 
 def test_every_flag_of_serve_is_a_setting_with_its_help() -> None:
-    # --help and the flags that likewise do something else than serve (--list-devices).
-    actions = [a for a in serve_parser()._actions if a.dest not in ("help", *SERVE_ACTIONS)]
+    # --help and the flags that likewise do something else than serve (--list-devices), and
+    # those of where the model comes from (read by the resolver, not settings).
+    skipped = ("help", *SERVE_ACTIONS, *SOURCE_FLAGS)
+    actions = [a for a in serve_parser()._actions if a.dest not in skipped]
     table = {**SERVER_SETTINGS, **ROUTER_SETTINGS}
     assert {a.dest for a in actions} == set(table)
     for action in actions:

@@ -112,14 +112,17 @@ def write_tiny_model(
     extra_tokens: int = 0,
     heads: tuple[int, int] = (N_HEAD, N_HEAD_KV),
     fim: tuple[str, ...] = (),
+    split_max_tensors: int = 0,
 ) -> Path:
-    """Writes the tiny model; ``tensors`` replaces the tensors of `model_tensors` (to write a
-    model with merged LoRA weights, say); ``heads`` as there (quantized KV caches need a head
-    size that is a multiple of 32: ``heads=(2, 1)``). ``fim`` names fill-in-the-middle tokens
-    of `FIM_TOKENS` ("pre", "suf", "mid", "rep", "sep") for the first extra tokens to be: a
-    code model's vocabulary (``<x0>`` is the first named, and so on)."""
+    """Writes the tiny model (in files of ``split_max_tensors`` tensors each, named
+    ``STEM-00001-of-0000N.gguf``, when not 0); ``tensors`` replaces the tensors of
+    `model_tensors` (to write a model with merged LoRA weights, say); ``heads`` as there
+    (quantized KV caches need a head size that is a multiple of 32: ``heads=(2, 1)``).
+    ``fim`` names fill-in-the-middle tokens of `FIM_TOKENS` ("pre", "suf", "mid", "rep",
+    "sep") for the first extra tokens to be: a code model's vocabulary (``<x0>`` is the
+    first named, and so on)."""
     extra_tokens = max(extra_tokens, len(fim))
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     w.add_name("tiny-test-llama")
     add_llama_hparams(w, context_length=context_length, heads=heads)
     add_vocabulary(w, extra_tokens)

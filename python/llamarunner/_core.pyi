@@ -11,6 +11,11 @@ class NativeServer:
 
 def start(config_json: str) -> NativeServer: ...
 def version() -> str: ...
+def gguf_metadata(path: str) -> str:
+    """A GGUF file's metadata as a JSON object: every key (arrays of more than 64 as
+    ``{"array_of": TYPE, "length": N}``) and ``tensor_count``; ValueError for a file that is not
+    GGUF."""
+
 def list_devices() -> str:
     """Every compute device llama.cpp's backends found, as a JSON array of objects with
     name, description, backend, kind, memory_free and memory_total (bytes)."""

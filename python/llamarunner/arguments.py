@@ -18,6 +18,10 @@ from .settings import GROUP_DESCRIPTIONS, ROUTER_SETTINGS, SERVER_SETTINGS, Sett
 ROUTER_FLAGS = tuple(ROUTER_SETTINGS)
 """The router's settings among `serve`'s parsed flags."""
 
+SOURCE_FLAGS = ("hf_repo", "offline", "no_mmproj")
+"""The flags of where the model comes from (`add_source_arguments`): read by the resolver
+(`sources.resolve`) before the settings are made, and left out of `serve_settings`' split."""
+
 SERVE_ACTIONS = ("list_devices",)
 """`serve`'s flags that do something else instead of serving (as ``--help`` does): not
 settings, and left out of `serve_settings`' split."""
@@ -60,6 +64,38 @@ def add_serve_actions(p: argparse.ArgumentParser) -> None:
         default=False,
         help="print the compute devices llama.cpp's backends find here (GPUs with their free "
         "memory, numbered as --main-gpu takes them) and exit",
+    )
+
+
+def add_source_arguments(p: argparse.ArgumentParser, *, hf_repo: bool = True) -> None:
+    """`SOURCE_FLAGS`: ``-hf`` (``hf_repo``: for the commands that take one model),
+    ``--offline``, ``--no-mmproj``."""
+    g = p.add_argument_group(
+        "model sources",
+        "MODEL is a GGUF file, a Hugging Face repository "
+        "OWNER/REPO[:QUANT] (hf.co/OWNER/REPO:QUANT too; fetched into the Hugging Face "
+        "cache, HF_HOME or HF_HUB_CACHE, with HF_TOKEN; the quantization tag picks the "
+        "file, Q4_K_M then Q8_0 without one) or a model Ollama pulled, NAME[:TAG] (from "
+        "OLLAMA_MODELS, else ~/.ollama/models, served in place)",
+    )
+    if hf_repo:
+        g.add_argument(
+            "-hf",
+            "--hf-repo",
+            metavar="OWNER/REPO[:QUANT]",
+            help="the model from Hugging Face, as llama-server's -hf (instead of MODEL)",
+        )
+    g.add_argument(
+        "--offline",
+        action="store_true",
+        default=False,
+        help="download nothing: use the Hugging Face cache only (as HF_HUB_OFFLINE=1)",
+    )
+    g.add_argument(
+        "--no-mmproj",
+        action="store_true",
+        default=False,
+        help="leave out the projector (mmproj*.gguf) found with a Hugging Face or Ollama model",
     )
 
 
@@ -118,7 +154,7 @@ def serve_settings(
     """Split `serve`'s (or `cluster`'s, less its own flags ``exclude``) parsed flags into the
     MODELs, the router's flags (``ROUTER_FLAGS``) and the ``ServerConfig`` overrides, whose
     ``model`` is the first MODEL (or None)."""
-    skipped = {"command", *SERVE_ACTIONS, *exclude}
+    skipped = {"command", *SERVE_ACTIONS, *SOURCE_FLAGS, *exclude}
     overrides = {k: v for k, v in vars(args).items() if k not in skipped}
     models: list[str] = overrides.pop("model") or []
     router = {k: overrides.pop(k) for k in ROUTER_FLAGS}

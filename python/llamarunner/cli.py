@@ -19,13 +19,17 @@ from .arguments import (
     add_models_arguments,
     add_serve_actions,
     add_server_arguments,
+    add_source_arguments,
     many_models,
     router_setting,
     serve_settings,
 )
 from .config import NoModelError, ServerConfig, model_name
+from .library_cli import COMMANDS as LIBRARY_COMMANDS
+from .library_cli import add_library_parsers, resolve_source
 from .router import router_config_json, served_models
 from .server import ModelLoadError, Server
+from .sources import ModelSourceError, ResolvedModel
 from .terminal_chat import COMMANDS_HELP
 
 USAGE_ERROR = 2
@@ -50,6 +54,7 @@ def _serve_parser(sub: Any) -> None:
         argument_default=None,
     )
     add_server_arguments(p, several_models=True)
+    add_source_arguments(p)
     add_models_arguments(p)
     add_serve_actions(p)
 
@@ -157,6 +162,7 @@ def _run_parser(sub: Any) -> None:
     for action in scratch._actions:
         if action.dest in SERVER_FLAGS:
             g._add_action(action)
+    add_source_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _run_parser(sub)
     _cluster_parser(sub)
+    add_library_parsers(sub)
     return parser
 
 
@@ -192,13 +199,21 @@ def serve(args: argparse.Namespace) -> int:
         many = many_models(models, router, overrides)
     except ValueError as e:
         _fail(str(e))
+    if args.hf_repo is not None and models:
+        _fail("give the model as MODEL or as -hf OWNER/REPO[:QUANT], not both")
     if many:
         del overrides["model"]
-        return serve_models(models, router, overrides)
+        return serve_models(models, router, overrides, args)
+    resolved = None
     try:
         config = ServerConfig.resolve(overrides)
+        resolved = resolve_source(config.model or args.hf_repo, args)
+        if resolved is not None:
+            config = config.with_source(resolved)
         server = Server(config=config)
         server.start()
+    except ModelSourceError as e:
+        _fail(str(e), e.exit_code)
     except (NoModelError, ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
 
@@ -222,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
             progress.clear()
             server.stop()
             # The model file (or --chat-template) is bad: as bad as a wrong flag.
-            _fail(f"model failed to load: {e.health.error}")
+            _fail(f"model failed to load: {e.health.error}{load_hint(resolved)}")
         progress.show(1.0)
         progress.clear()
         print(
@@ -239,6 +254,17 @@ def serve(args: argparse.Namespace) -> int:
         print("llamarunner: shutting down", file=sys.stderr, flush=True)
         server.stop()
     return 0
+
+
+def load_hint(resolved: ResolvedModel | None) -> str:
+    """What to add to a load failure of a model from Ollama's store."""
+    if resolved is None or resolved.source != "ollama":
+        return ""
+    return (
+        f" (model {resolved.name} of Ollama's store, {resolved.path}: Ollama's own engine "
+        f"reads some models, such as those holding their vision tower in the same file, in a "
+        f"layout stock llama.cpp does not load)"
+    )
 
 
 def list_devices() -> int:
@@ -262,10 +288,14 @@ def list_devices() -> int:
     return 0
 
 
-def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str, Any]) -> int:
-    """`serve` with many models: the router, until SIGTERM or Ctrl-C."""
+def serve_models(
+    models: list[str], router: dict[str, Any], overrides: dict[str, Any], args: argparse.Namespace
+) -> int:
+    """`serve` with many models: the router, until SIGTERM or Ctrl-C. Each MODEL is resolved
+    (`sources`) first."""
     try:
-        files = served_models(models, router["models_dir"], router["models_preset"])
+        resolved = [resolve_source(m, args) or m for m in models]
+        files = served_models(resolved, router["models_dir"], router["models_preset"])
         config = ServerConfig.resolve(overrides)
         native = _core.start_router(
             router_config_json(
@@ -276,6 +306,8 @@ def serve_models(models: list[str], router: dict[str, Any], overrides: dict[str,
                 models_memory=router_setting(router, "models_memory"),
             )
         )
+    except ModelSourceError as e:
+        _fail(str(e), e.exit_code)
     except (ValueError, OSError) as e:
         _fail(str(e))
 
@@ -307,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .terminal_chat import run_chat
 
         return run_chat(args)
+    if args.command in LIBRARY_COMMANDS:
+        return LIBRARY_COMMANDS[args.command](args)
     if args.command == "cluster":
         try:
             from .ray.cluster import run_cluster

@@ -23,6 +23,8 @@ from .settings import (
     SERVER_SETTINGS,
     comma_list,
 )
+from .sources.progress import Progress
+from .sources.resolve import ResolvedModel, looks_like_path, resolve_model
 
 __all__ = [
     "API_KEY_ENV",
@@ -178,10 +180,37 @@ class ServerConfig:
         keys = self.api_keys()
         return keys[0] if keys else None
 
-    def with_model_resolved(self) -> ServerConfig:
-        """A copy whose ``model`` is a path: the given one, or the default model's."""
-        model = self.model if self.model else str(default_model_path())
-        return dataclasses.replace(self, model=model)
+    def with_model_resolved(
+        self,
+        *,
+        offline: bool = False,
+        mmproj: bool = True,
+        progress: Progress | None = None,
+    ) -> ServerConfig:
+        """A copy whose ``model`` is a file: the default model's when none is given, the path
+        given (as it is), or the one a name resolves to (``sources.resolve``: Hugging Face, Ollama's
+        store; downloaded unless ``offline``), with what that source brings
+        (`with_source`). Raises ModelSourceError."""
+        if not self.model:
+            return dataclasses.replace(self, model=str(default_model_path()))
+        if looks_like_path(self.model) or Path(self.model).expanduser().is_file():
+            return self  # a path: the engine reports a missing or bad file when it loads
+        resolved = resolve_model(self.model, offline=offline, mmproj=mmproj, progress=progress)
+        return self.with_source(resolved)
+
+    def with_source(self, resolved: ResolvedModel) -> ServerConfig:
+        """A copy serving ``resolved``: its file, its projector (unless ``mmproj`` is set),
+        its name (unless ``alias`` is set; a file keeps its file name), and its source's
+        default settings for those still at their defaults."""
+        changes: dict[str, Any] = {"model": str(resolved.path)}
+        if resolved.mmproj is not None and not self.mmproj:
+            changes["mmproj"] = str(resolved.mmproj)
+        if resolved.source != "file" and not self.alias:
+            changes["alias"] = resolved.name
+        for name, value in resolved.defaults.items():
+            if getattr(self, name) == SERVER_SETTINGS[name].default:
+                changes[name] = value
+        return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
         """The JSON the native module takes."""

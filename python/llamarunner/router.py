@@ -15,12 +15,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .config import ServerConfig, default_cache_ram_mib, total_memory_bytes
-from .settings import DEFAULT_KEEP_ALIVE, DEFAULT_MODELS_MAX, DEFAULT_MODELS_MEMORY
+from .settings import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MODELS_MAX,
+    DEFAULT_MODELS_MEMORY,
+    SERVER_SETTINGS,
+)
+from .sources.models_dir import ModelFile, discover, from_files
+from .sources.resolve import ResolvedModel, looks_like_path, resolve_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,57 +46,6 @@ def models_memory_mib(value: int) -> int:
     if value == -1:
         return int(total_memory_bytes() * DEFAULT_MODELS_MEMORY_SHARE) >> 20
     return value
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """One model a router serves."""
-
-    name: str
-    path: Path
-    mmproj: Path | None = None
-    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Its own settings (``ServerConfig`` fields) over the server's, from a presets file."""
-
-
-def _is_projector(path: Path) -> bool:
-    return path.name.lower().startswith("mmproj")
-
-
-def discover(models_dir: str | Path) -> list[ModelFile]:
-    """The models in ``models_dir``, sorted by name: ``NAME.gguf`` files, and folders holding
-    one model file (and optionally its ``mmproj*.gguf`` projector) served as the folder's
-    name. Raises ValueError when the directory cannot be read or a folder is ambiguous."""
-    root = Path(models_dir).expanduser()
-    if not root.is_dir():
-        raise ValueError(f"--models-dir {models_dir}: not a directory")
-    found: list[ModelFile] = []
-    for entry in sorted(root.iterdir()):
-        if entry.is_file() and entry.suffix.lower() == ".gguf" and not _is_projector(entry):
-            found.append(ModelFile(entry.stem, entry))
-        elif entry.is_dir():
-            ggufs = sorted(p for p in entry.iterdir() if p.suffix.lower() == ".gguf")
-            models = [p for p in ggufs if not _is_projector(p)]
-            projectors = [p for p in ggufs if _is_projector(p)]
-            if not models:
-                continue
-            if len(models) > 1 or len(projectors) > 1:
-                raise ValueError(
-                    f"--models-dir: {entry} holds {len(models)} model files and "
-                    f"{len(projectors)} projectors; a model's folder holds one of each at most"
-                )
-            found.append(ModelFile(entry.name, models[0], projectors[0] if projectors else None))
-    return found
-
-
-def from_files(paths: list[str]) -> list[ModelFile]:
-    """Models given as files, each served by its file name without ``.gguf``."""
-    out = []
-    for p in paths:
-        path = Path(p).expanduser()
-        name = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
-        out.append(ModelFile(name, path))
-    return out
 
 
 # Settings of the front alone: one address, one policy for every model.
@@ -194,14 +150,17 @@ def apply_presets(
 
 
 def served_models(
-    models: list[str],
+    models: Sequence[str | ResolvedModel],
     models_dir: str | Path | None = None,
     models_preset: str | Path | None = None,
+    *,
+    offline: bool = False,
 ) -> list[ModelFile]:
-    """Every model a router serves: the files in ``models``, then ``models_dir``'s, with the
-    settings (and extra models) of ``models_preset``. Raises ValueError as `discover` and
-    `read_presets` do."""
-    files = from_files(models)
+    """Every model a router serves: ``models`` (files, or names `sources.resolve` resolves,
+    fetching what it must unless ``offline``), then ``models_dir``'s, with the settings (and
+    extra models) of ``models_preset``. Raises ValueError as `discover` and `read_presets`
+    do, ModelSourceError as the resolver does."""
+    files = [_model_file(m, offline) for m in models]
     if models_dir is not None:
         files += discover(models_dir)
     if models_preset is not None:
@@ -209,12 +168,28 @@ def served_models(
     return files
 
 
+def _model_file(m: str | ResolvedModel, offline: bool) -> ModelFile:
+    if isinstance(m, ResolvedModel):
+        return model_file(m)
+    if looks_like_path(m) or Path(m).expanduser().is_file():
+        return from_files([m])[0]  # a bad file is reported when its engine loads it
+    return model_file(resolve_model(m, offline=offline))
+
+
+def model_file(resolved: ResolvedModel) -> ModelFile:
+    """A resolved model as a router serves it: a file by its file name without ``.gguf``,
+    a name by that name."""
+    if resolved.source == "file":
+        return from_files([str(resolved.path)])[0]
+    return ModelFile(resolved.name, resolved.path, resolved.mmproj, defaults=resolved.defaults)
+
+
 def _with_settings(m: ModelFile, settings: dict[str, Any]) -> ModelFile:
     rest = dict(settings)
     path = Path(rest.pop("model")).expanduser() if rest.get("model") else m.path
     mmproj = Path(rest.pop("mmproj")).expanduser() if rest.get("mmproj") else m.mmproj
     alias = rest.pop("alias", None) or m.name
-    return ModelFile(alias, path, mmproj, rest)
+    return ModelFile(alias, path, mmproj, rest, m.defaults)
 
 
 def keep_alive_seconds(value: str | float | int) -> float:
@@ -265,6 +240,9 @@ def router_config_json(
             mmproj=str(m.mmproj) if m.mmproj else base.mmproj,
             alias=m.name,
         )
+        for name, value in m.defaults.items():
+            if getattr(per_model, name) == SERVER_SETTINGS[name].default:
+                setattr(per_model, name, value)
         if per_model.cache_ram == -1:
             per_model.cache_ram = default_cache_ram_mib() // max(1, models_max)
         specs.append(

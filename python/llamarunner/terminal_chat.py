@@ -548,7 +548,9 @@ def _chat_here(args: argparse.Namespace) -> int:
     from ._health import Health, HealthFailed, ReadyWait, wait_ready
     from ._progress import LoadProgress
     from .config import model_name
+    from .library_cli import resolve_source
     from .server import ModelLoadError, Server
+    from .sources import ModelSourceError
 
     overrides = {k: getattr(args, k, None) for k in SERVER_FLAGS}
     overrides.update(model=args.model, host="127.0.0.1", port=0)
@@ -556,7 +558,11 @@ def _chat_here(args: argparse.Namespace) -> int:
         # The access log lines would write over the chat.
         os.environ.setdefault("LLAMARUNNER_LOG", "warn")
     try:
-        server = Server(config=ServerConfig.resolve(overrides))
+        config = ServerConfig.resolve(overrides)
+        resolved = resolve_source(args.hf_repo or args.model, args)
+        if resolved is not None:
+            config = config.with_source(resolved)
+        server = Server(config=config)
         server.start()
     except NoModelError:
         return _fail(
@@ -565,6 +571,8 @@ def _chat_here(args: argparse.Namespace) -> int:
             "pip install 'llamarunner[default-model]'",
             USAGE_ERROR,
         )
+    except ModelSourceError as e:
+        return _fail(str(e), e.exit_code)
     except (ModelLoadError, ValueError, OSError) as e:
         return _fail(str(e), USAGE_ERROR)
     try:

@@ -196,6 +196,17 @@ fn list_devices(py: Python<'_>) -> PyResult<String> {
     serde_json::to_string(&devices).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
+/// The metadata of a GGUF file, as a JSON object (every key; long arrays as their type and
+/// length; `tensor_count`), read without loading the model.
+#[pyfunction]
+fn gguf_metadata(py: Python<'_>, path: &str) -> PyResult<String> {
+    let path = std::path::PathBuf::from(path);
+    let meta = py
+        .detach(|| llamarunner_core::backend::llama::gguf_metadata(&path))
+        .map_err(PyValueError::new_err)?;
+    serde_json::to_string(&meta).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
 /// The version of the native module.
 #[pyfunction]
 fn version() -> &'static str {
@@ -208,6 +219,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_router, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(list_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(default_config, m)?)?;
     m.add_function(wrap_pyfunction!(route, m)?)?;
     m.add_function(wrap_pyfunction!(routing_constants, m)?)?;

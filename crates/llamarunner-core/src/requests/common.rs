@@ -62,12 +62,14 @@ pub fn model_info(state: &AppState) -> Result<Arc<ModelInfo>, ApiError> {
 }
 
 /// Whether a client's `model` names the served model: its name, the name with Ollama's
-/// `:latest` tag, or the GGUF file name. Absent or empty means "the model".
+/// `:latest` tag (or without it, for a model served as `name:latest`), or the GGUF file name.
+/// Absent or empty means "the model".
 pub fn model_matches(state: &AppState, requested: &str) -> bool {
     let name = state.model_name.as_ref();
     requested.is_empty()
         || requested == name
         || requested.strip_suffix(":latest") == Some(name)
+        || name.strip_suffix(":latest") == Some(requested)
         || state
             .engine
             .health

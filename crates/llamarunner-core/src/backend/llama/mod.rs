@@ -2,7 +2,8 @@
 //! engine thread, which owns the context, batch and samplers (not `Send` up to llama-cpp-2
 //! 0.1.154; the context is `Send` but not `Sync` in 0.1.160). One file per capability of the
 //! `Backend` traits: `load.rs` (model, context, facts), `text.rs`, `sampler.rs`, `kv_ops.rs`,
-//! `draft.rs`, `embeddings.rs`, and `devices.rs` (where the model's layers live); decoding is
+//! `draft.rs`, `embeddings.rs`, `devices.rs`, and `gguf_metadata.rs` (a file's metadata,
+//! without loading it) (where the model's layers live); decoding is
 //! here, with the engine itself.
 
 mod devices;
@@ -10,6 +11,7 @@ mod draft;
 #[cfg(feature = "portable")]
 mod dynamic_backends;
 mod embeddings;
+mod gguf_metadata;
 mod kv_ops;
 mod load;
 mod logs;
@@ -19,6 +21,7 @@ mod placement;
 mod sampler;
 mod text;
 
+pub use gguf_metadata::gguf_metadata;
 pub use load::{list_devices, load, step_times, system_info, Loaded};
 pub use sampler::ChainSampler;
 

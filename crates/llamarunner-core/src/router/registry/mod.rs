@@ -301,8 +301,8 @@ impl Registry {
         &self.key
     }
 
-    /// The model a request names: its name, else the name with Ollama's `:latest` tag, else
-    /// its file name, each tried on every model before the next (a model named `a:latest` or
+    /// The model a request names: its name, else the name with Ollama's `:latest` tag (or
+    /// without it: `a` names a model served as `a:latest`), else its file name, each tried on every model before the next (a model named `a:latest` or
     /// `a.gguf` is found by its own name, not taken for `a`). Names are compared exactly, as
     /// the engine does. With no name, the only model when there is one.
     pub fn find(&self, requested: Option<&str>) -> Result<Arc<Model>, ApiError> {
@@ -324,8 +324,11 @@ impl Registry {
                     .is_some_and(|f| f.to_string_lossy() == requested)
             })
         };
+        // A tagless name is Ollama's `name:latest` (a model of its store is served so).
+        let tagged = (!requested.contains(':')).then(|| format!("{requested}:latest"));
         by_name(requested)
             .or_else(|| requested.strip_suffix(":latest").and_then(by_name))
+            .or_else(|| tagged.as_deref().and_then(by_name))
             .or_else(by_file)
             .cloned()
             .ok_or_else(|| {

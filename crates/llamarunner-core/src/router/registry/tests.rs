@@ -70,6 +70,21 @@ fn a_model_is_found_by_name_tag_or_file_name() {
 }
 
 #[test]
+fn a_tagless_name_finds_the_model_served_with_the_latest_tag() {
+    // A model of Ollama's store is served as `name:tag`; Ollama's clients say `name` for
+    // `name:latest`, never for another tag.
+    let r = registry(&["tiny:latest", "seer:1b"]);
+    for asked in ["tiny", "tiny:latest"] {
+        assert_eq!(
+            r.find(Some(asked)).map(|m| m.name.clone()).ok().as_deref(),
+            Some("tiny:latest")
+        );
+    }
+    assert!(r.find(Some("seer")).is_err());
+    assert!(r.find(Some("tiny:1b")).is_err());
+}
+
+#[test]
 fn a_models_own_name_comes_before_another_models_tag_or_file_name() {
     // Files alpha.gguf, alpha.gguf.gguf (named "alpha.gguf") and alpha:latest.gguf (named
     // "alpha:latest"): each name finds its own model, whatever the order.

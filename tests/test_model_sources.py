@@ -1,0 +1,451 @@
+"""Models from where people keep them (`llamarunner.sources`): Hugging Face through a local
+stand-in of the hub (``HF_ENDPOINT``), Ollama's store generated as Ollama writes it, the one
+resolver, and the library commands (``pull``, ``list``, ``show``, ``rm``). Nothing here
+reaches a real hub."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llamarunner import Server
+from llamarunner.sources import ModelSourceError, ollama_store, resolve_model
+from llamarunner.sources import huggingface as hf
+from llamarunner.sources.huggingface import HfRef, RepoFile, parse_ref, plan_files
+
+from hf_standin import HubStandIn, Repo
+from tinymodel import write_tiny_model
+from tinyvision import write_tiny_projector
+
+REPO = "tester/tiny-GGUF"
+
+
+# --- choosing files (pure) ---------------------------------------------------------------
+
+
+def files(*names: str) -> list[RepoFile]:
+    return [RepoFile(n, 10) for n in names]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("owner/repo", HfRef("owner/repo")),
+        ("owner/repo:Q4_K_M", HfRef("owner/repo", "Q4_K_M")),
+        ("hf.co/owner/repo:q8_0", HfRef("owner/repo", "q8_0")),
+        ("huggingface.co/owner/repo", HfRef("owner/repo")),
+        ("https://huggingface.co/owner/repo", HfRef("owner/repo")),
+        ("llama3.2", None),
+        ("llama3.2:1b", None),
+        ("a/b/c", None),
+        ("../repo", None),
+        ("owner/..", None),
+        ("owner/model.gguf", None),
+        ("owner/repo:", None),
+        ("owner/repo:a/b", None),
+        ("/abs/path", None),
+    ],
+)
+def test_parse_ref(text: str, expected: HfRef | None) -> None:
+    assert parse_ref(text) == expected
+
+
+def test_tag_matched_case_insensitively_then_defaults() -> None:
+    repo = files("m-F16.gguf", "m-Q8_0.gguf", "m-Q4_K_M.gguf", "README.md")
+    assert plan_files(HfRef("o/r", "q8_0"), repo).model[0].path == "m-Q8_0.gguf"
+    assert plan_files(HfRef("o/r"), repo).model[0].path == "m-Q4_K_M.gguf"
+    no_q4 = files("m-F16.gguf", "m-Q8_0.gguf")
+    assert plan_files(HfRef("o/r"), no_q4).model[0].path == "m-Q8_0.gguf"
+    neither = files("b-F16.gguf", "a-IQ3_M.gguf")
+    assert plan_files(HfRef("o/r"), neither).model[0].path == "a-IQ3_M.gguf"
+
+
+def test_tag_is_not_a_pattern() -> None:
+    with pytest.raises(ModelSourceError) as e:
+        plan_files(HfRef("o/r", "Q4.K"), files("m-Q4_K_M.gguf", "m-Q4XK.gguf"))
+    assert e.value.kind == "no_file"
+
+
+def test_split_files_whole_and_projector_beside() -> None:
+    repo = files(
+        "big/m-Q4_K_M-00002-of-00003.gguf",
+        "big/m-Q4_K_M-00001-of-00003.gguf",
+        "big/m-Q4_K_M-00003-of-00003.gguf",
+        "big/mmproj-m-f16.gguf",
+        "mmproj-other-f16.gguf",
+        "m-Q8_0.gguf",
+    )
+    plan = plan_files(HfRef("o/r", "Q4_K_M"), repo)
+    assert [f.path for f in plan.model] == [
+        f"big/m-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)
+    ]
+    assert plan.mmproj is not None and plan.mmproj.path == "big/mmproj-m-f16.gguf"
+    assert plan_files(HfRef("o/r", "Q4_K_M"), repo, mmproj=False).mmproj is None
+    # Not the projector, the importance matrix or a drafting head as the model.
+    odd = files("imatrix.gguf", "mmproj-m-f16.gguf", "m-Q6_K.gguf")
+    assert plan_files(HfRef("o/r"), odd).model[0].path == "m-Q6_K.gguf"
+
+
+def test_missing_split_part_and_missing_tag_and_no_gguf() -> None:
+    with pytest.raises(ModelSourceError, match="split in 3 files but the repository holds 2"):
+        plan_files(
+            HfRef("o/r"), files("m-Q4_K_M-00001-of-00003.gguf", "m-Q4_K_M-00002-of-00003.gguf")
+        )
+    with pytest.raises(ModelSourceError, match="its tags: Q4_K_M, Q8_0"):
+        plan_files(HfRef("o/r", "Q2_K"), files("m-Q4_K_M.gguf", "m-Q8_0.gguf"))
+    with pytest.raises(ModelSourceError, match="holds no GGUF model file"):
+        plan_files(HfRef("o/r"), files("model.safetensors", "mmproj-f16.gguf"))
+
+
+# --- a hub stand-in ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    d = tmp_path_factory.mktemp("hub-weights")
+    model = write_tiny_model(d / "tiny.gguf").read_bytes()
+    other = write_tiny_model(d / "other.gguf", seed=1).read_bytes()
+    projector = write_tiny_projector(d / "mmproj.gguf").read_bytes()
+    write_tiny_model(d / "split.gguf", split_max_tensors=8)
+    parts = sorted(d.glob("split-0000*-of-*.gguf"))
+    assert len(parts) > 1
+    out = {"Q4_K_M": model, "Q8_0": other, "mmproj": projector}
+    for p in parts:
+        out[p.name.replace("split", "tiny-Q5_K_M")] = p.read_bytes()
+    return out
+
+
+@pytest.fixture
+def hub(
+    weights: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HubStandIn]:
+    with HubStandIn() as stand_in:
+        stand_in.repos[REPO] = Repo(
+            {
+                "tiny-Q4_K_M.gguf": weights["Q4_K_M"],
+                "tiny-Q8_0.gguf": weights["Q8_0"],
+                "mmproj-tiny-f16.gguf": weights["mmproj"],
+                "README.md": b"# tiny\n",
+                **{k: v for k, v in weights.items() if k.startswith("tiny-Q5_K_M")},
+            }
+        )
+        monkeypatch.setenv("HF_ENDPOINT", stand_in.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama-empty"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_HOME", raising=False)
+        yield stand_in
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llamarunner", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
+
+
+def gets(hub: HubStandIn) -> list[str]:
+    return [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+
+
+def test_pull_then_cached_then_offline(hub: HubStandIn, weights: dict[str, bytes]) -> None:
+    out = cli("pull", REPO)
+    assert out.returncode == 0, out.stderr
+    assert f"{REPO}: in the Hugging Face cache" in out.stdout
+    assert "downloading tiny-Q4_K_M.gguf" in out.stderr  # plain lines: not a terminal
+    downloaded = gets(hub)
+    assert any(p.endswith("/tiny-Q4_K_M.gguf") for p in downloaded)
+    assert any(p.endswith("/mmproj-tiny-f16.gguf") for p in downloaded)
+    assert not any("Q8_0" in p for p in downloaded)
+    resolved = resolve_model(REPO)
+    assert resolved.path.read_bytes() == weights["Q4_K_M"]
+    assert resolved.mmproj is not None and resolved.mmproj.read_bytes() == weights["mmproj"]
+    # The cache's layout is huggingface_hub's own: a snapshot link into a blob by SHA-256.
+    sha = hashlib.sha256(weights["Q4_K_M"]).hexdigest()
+    assert resolved.path.resolve().name == sha
+    # Again: nothing is downloaded, and offline works from the cache.
+    before = len(gets(hub))
+    assert cli("pull", REPO).returncode == 0
+    assert cli("pull", "--offline", REPO).returncode == 0
+    assert len(gets(hub)) == before
+
+
+def test_pull_json_progress_as_ollama_streams_it(hub: HubStandIn) -> None:
+    out = cli("pull", "--progress", "json", f"hf.co/{REPO}:Q8_0", "--no-mmproj")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[-1] == {"status": "success"}
+    pulling = [x for x in lines if x.get("status", "").startswith("pulling sha256:")]
+    assert pulling and pulling[-1]["completed"] == pulling[-1]["total"] > 0
+    assert not any("mmproj" in p for p in gets(hub))
+
+
+def test_split_model_fetched_whole_and_served(
+    hub: HubStandIn, start_server: Callable[..., Server]
+) -> None:
+    srv = start_server(f"{REPO}:Q5_K_M", mmproj=None)
+    parts = [p for p in gets(hub) if "Q5_K_M" in p]
+    assert len(parts) == len({k for k in hub.repos[REPO].files if "Q5_K_M" in k}) > 1
+    models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+    assert models[0]["id"] == f"{REPO}:Q5_K_M"
+    r = httpx.post(f"{srv.url}/completion", json={"prompt": "ab", "n_predict": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+
+
+def test_resume_after_a_cut_connection(hub: HubStandIn) -> None:
+    """A connection cut mid-file is taken up again with a range request from where the
+    written part ends (huggingface_hub writes in 10 MiB chunks: the file is larger), and the
+    file's SHA-256 is checked."""
+    chunk = 10 << 20
+    data = os.urandom(chunk + (2 << 20))
+    hub.repos["tester/big"] = Repo(
+        {"big-Q4_K_M.gguf": data}, cut_once={"big-Q4_K_M.gguf": chunk + 4096}
+    )
+    resolved = resolve_model("tester/big")
+    assert resolved.path.read_bytes() == data
+    first, again = hub.downloads("big-Q4_K_M.gguf")
+    assert {k.lower(): v for k, v in first.headers.items()}.get("range") is None
+    assert {k.lower(): v for k, v in again.headers.items()}.get("range") == f"bytes={chunk}-"
+
+
+def test_corrupted_download_is_removed_and_not_served(hub: HubStandIn, tmp_path: Path) -> None:
+    hub.repos[REPO].corrupt.add("tiny-Q4_K_M.gguf")
+    out = cli("serve", REPO, "--port", "0")
+    assert out.returncode == 1, out.stderr
+    assert "SHA-256" in out.stderr and "removed" in out.stderr
+    cache = tmp_path / "hf-cache" / "models--tester--tiny-GGUF"
+    assert not list(cache.glob("snapshots/*/tiny-Q4_K_M.gguf"))
+    sha = hashlib.sha256(hub.repos[REPO].files["tiny-Q4_K_M.gguf"]).hexdigest()
+    assert not (cache / "blobs" / sha).exists()
+
+
+def test_hub_errors_a_user_can_act_on(hub: HubStandIn, weights: dict[str, bytes]) -> None:
+    hub.repos["tester/private"] = Repo({"p-Q4_K_M.gguf": weights["Q4_K_M"]}, private_token="s3cret")
+    hub.repos["tester/gated"] = Repo({"g-Q4_K_M.gguf": weights["Q4_K_M"]}, gated=True)
+    hub.repos["tester/no-gguf"] = Repo({"model.safetensors": b"x"})
+
+    def kind(spec: str) -> tuple[str, str]:
+        with pytest.raises(ModelSourceError) as e:
+            resolve_model(spec)
+        return e.value.kind, str(e.value)
+
+    k, message = kind("tester/missing")
+    assert k == "not_found" and "404" in message
+    k, message = kind("tester/private")
+    assert k == "unauthorized" and "HF_TOKEN" in message and "401" in message
+    k, message = kind("tester/gated")
+    assert k == "unauthorized" and "HF_TOKEN" in message
+    k, message = kind(f"{REPO}:IQ1_S")
+    assert k == "no_file" and "Q4_K_M, Q5_K_M, Q8_0" in message
+    k, message = kind("tester/no-gguf")
+    assert k == "no_file"
+    os.environ["HF_TOKEN"] = "s3cret"
+    try:
+        assert resolve_model("tester/private").path.read_bytes() == weights["Q4_K_M"]
+    finally:
+        del os.environ["HF_TOKEN"]
+    # The CLI: exit 2 for a name that is not there, 1 for what is not the argument's fault.
+    out = cli("serve", "tester/missing", "--port", "0")
+    assert out.returncode == 2 and "no repository tester/missing" in out.stderr
+    out = cli("pull", "tester/gated")
+    assert out.returncode == 1 and "gated" in out.stderr
+
+
+def test_offline_and_unreachable_hub(hub: HubStandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model(REPO, offline=True)
+    assert e.value.kind == "not_found" and "offline" in str(e.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = cli("pull", REPO)
+    assert out.returncode == 2 and "not in the Hugging Face cache" in out.stderr
+    assert gets(hub) == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    resolve_model(REPO)
+    # The hub gone: the cached copy is used.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert hf.fetch(parse_ref(REPO) or HfRef(REPO)).path.is_file()
+
+
+def test_disk_too_small_checked_before_downloading(
+    hub: HubStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def tiny_disk(path: Any) -> Any:
+        return real(path)._replace(free=1000)
+
+    monkeypatch.setattr(hf.shutil, "disk_usage", tiny_disk)
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model(REPO)
+    assert e.value.kind == "disk_full"
+    assert gets(hub) == []
+
+
+def test_hf_flag_and_list_show_rm(hub: HubStandIn, tmp_path: Path) -> None:
+    out = cli("serve", "-hf", REPO, "llamarunner.gguf")
+    assert out.returncode == 2 and "not both" in out.stderr
+    assert cli("pull", f"{REPO}:Q8_0").returncode == 0
+    assert cli("pull", REPO).returncode == 0
+    listed = json.loads(cli("list", "--json").stdout)
+    names = {m["name"]: m for m in listed}
+    assert {f"{REPO}:Q4_K_M", f"{REPO}:Q8_0"} <= set(names)
+    q4 = names[f"{REPO}:Q4_K_M"]
+    assert q4["source"] == "huggingface" and q4["architecture"] == "llama"
+    assert q4["quantization"] == "F32" and q4["context_length"] == 65536 and q4["mmproj"]
+    shown = json.loads(cli("show", "--json", f"{REPO}:Q8_0").stdout)
+    assert shown["architecture"] == "llama" and shown["metadata"]["tensor_count"] > 0
+    assert "tiny-Q8_0.gguf" in shown["path"]
+    removed = cli("rm", f"{REPO}:Q8_0")
+    assert removed.returncode == 0 and "tiny-Q8_0.gguf" in removed.stdout
+    names = {m["name"] for m in json.loads(cli("list", "--json").stdout)}
+    assert f"{REPO}:Q8_0" not in names and f"{REPO}:Q4_K_M" in names
+    assert cli("rm", REPO).returncode == 0
+    assert not (tmp_path / "hf-cache" / "models--tester--tiny-GGUF").exists()
+    out = cli("rm", "tmp/model.gguf")
+    assert out.returncode == 1 and "not a model llamarunner downloaded" in out.stderr
+
+
+# --- Ollama's store ------------------------------------------------------------------------
+
+
+def write_blob(root: Path, data: bytes) -> dict[str, Any]:
+    digest = hashlib.sha256(data).hexdigest()
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "blobs" / f"sha256-{digest}").write_bytes(data)
+    return {"digest": f"sha256:{digest}", "size": len(data)}
+
+
+def write_manifest(root: Path, name: str, layers: dict[str, bytes]) -> Path:
+    """A manifest as Ollama writes it for ``name`` (``model:tag``, default namespace)."""
+    model, tag = name.split(":")
+    path = root / "manifests" / "registry.ollama.ai" / "library" / model / tag
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = write_blob(root, b'{"model_format":"gguf"}')
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **config},
+        "layers": [
+            {"mediaType": f"application/vnd.ollama.image.{kind}", **write_blob(root, data)}
+            for kind, data in layers.items()
+        ],
+    }
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture
+def store(weights: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "ollama"
+    params = {"temperature": 0.25, "top_k": 7, "stop": ["<|end|>"], "num_ctx": 4096}
+    write_manifest(
+        root,
+        "tiny:latest",
+        {
+            "model": weights["Q4_K_M"],
+            "params": json.dumps(params).encode(),
+            "system": b"You are tiny.",
+            "template": b"{{ .Prompt }}",
+            "license": b"MIT",
+        },
+    )
+    write_manifest(root, "seer:1b", {"model": weights["Q8_0"], "projector": weights["mmproj"]})
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # no hub
+    return root
+
+
+def test_ollama_model_served_in_place_through_the_ollama_client(
+    store: Path, weights: dict[str, bytes], start_server: Callable[..., Server]
+) -> None:
+    resolved = resolve_model("tiny")
+    assert resolved.source == "ollama" and resolved.name == "tiny:latest"
+    assert resolved.path.parent == store / "blobs"  # the blob itself, not a copy
+    assert resolved.defaults == {"temp": 0.25, "top_k": 7}
+    assert resolved.system == "You are tiny."
+    assert any("num_ctx" in n and "stop" in n for n in resolved.notes)
+    srv = start_server("tiny")
+    assert srv.config.temp == 0.25 and srv.config.top_k == 7 and srv.config.alias == "tiny:latest"
+    client = ollama.Client(host=srv.url)
+    names = [m.model for m in client.list().models]
+    assert names == ["tiny:latest"]
+    answer = client.generate(model="tiny", prompt="ab", options={"num_predict": 3})
+    assert answer.done and answer.eval_count == 3
+    # An explicit setting wins over the model's params.
+    srv2 = start_server("tiny:latest", temp=0.9)
+    assert srv2.config.temp == 0.9 and srv2.config.top_k == 7
+    seer = resolve_model("seer:1b")
+    assert seer.mmproj is not None and seer.mmproj.read_bytes() == weights["mmproj"]
+
+
+def test_ollama_store_errors(store: Path, weights: dict[str, bytes]) -> None:
+    write_manifest(store, "broken:latest", {"model": weights["Q8_0"]})
+    blob = store / "blobs" / f"sha256-{hashlib.sha256(weights['Q8_0']).hexdigest()}"
+    (store / "blobs" / "keep").write_bytes(blob.read_bytes())
+    manifest = store / "manifests/registry.ollama.ai/library/broken/latest"
+    data = json.loads(manifest.read_text())
+    data["layers"][0]["digest"] = "sha256:" + "0" * 64
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ModelSourceError, match=r"blob sha256-0+ is missing") as e:
+        resolve_model("broken")
+    assert e.value.kind == "bad_manifest"
+    manifest.write_text("{not json")
+    with pytest.raises(ModelSourceError, match="not JSON"):
+        resolve_model("broken")
+    data["layers"][0]["digest"] = "sha256:../../../../etc/passwd"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ModelSourceError, match="is not sha256:<hex>"):
+        resolve_model("broken")
+    for bad in ("../ollama/x", "a/../../b", "x:../../y", "a/b/c/d"):
+        with pytest.raises(ModelSourceError) as e:
+            resolve_model(bad)
+        assert e.value.kind in ("bad_name", "not_found")
+    out = cli("serve", "nothing-here", "--port", "0")
+    assert out.returncode == 2
+    assert "not in Ollama's store" in out.stderr and "no file" in out.stderr
+    out = cli("rm", "tiny")
+    assert out.returncode == 1 and "ollama rm" in out.stderr
+    assert (store / "manifests/registry.ollama.ai/library/tiny/latest").is_file()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab./:\\-_~%0\x00"), max_size=24))
+def test_hostile_names_never_leave_the_store(name: str) -> None:
+    """Whatever the name, it parses to nothing or to a manifest path inside the store, and
+    the resolver's answer is a ModelSourceError or a model, never another exception."""
+    root = Path("/nonexistent-store")
+    parsed = ollama_store.parse_name(name)
+    if parsed is not None:
+        path = parsed.manifest(root)
+        assert ".." not in path.relative_to(root).parts
+    with contextlib.suppress(ModelSourceError):
+        resolve_model(name, offline=True)
+
+
+def test_list_and_show_ollama_models(store: Path) -> None:
+    listed = {m["name"]: m for m in json.loads(cli("list", "--json").stdout)}
+    assert listed["tiny:latest"]["source"] == "ollama"
+    assert listed["seer:1b"]["mmproj"]
+    shown = cli("show", "tiny")
+    assert shown.returncode == 0, shown.stderr
+    assert "default temp" in shown.stdout and "You are tiny." in shown.stdout
