@@ -381,8 +381,7 @@ def test_ollama_model_served_in_place_through_the_ollama_client(
     resolved = resolve_model("tiny")
     assert resolved.source == "ollama" and resolved.name == "tiny:latest"
     assert resolved.path.parent == store / "blobs"  # the blob itself, not a copy
-    assert resolved.defaults == {"temp": 0.25, "top_k": 7}
-    assert resolved.system == "You are tiny."
+    assert resolved.defaults == {"temp": 0.25, "top_k": 7, "system_prompt": "You are tiny."}
     assert any("num_ctx" in n and "stop" in n for n in resolved.notes)
     srv = start_server("tiny")
     assert srv.config.temp == 0.25 and srv.config.top_k == 7 and srv.config.alias == "tiny:latest"
@@ -448,4 +447,103 @@ def test_list_and_show_ollama_models(store: Path) -> None:
     assert listed["seer:1b"]["mmproj"]
     shown = cli("show", "tiny")
     assert shown.returncode == 0, shown.stderr
-    assert "default temp" in shown.stdout and "You are tiny." in shown.stdout
+    assert "temp            0.25" in shown.stdout and "You are tiny." in shown.stdout
+
+
+def test_library_serves_the_caches_by_name_with_the_models_system_prompt(
+    hub: HubStandIn, weights: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resolve_model(f"{REPO}:Q8_0", mmproj=False)
+    store = tmp_path / "ollama"
+    write_manifest(store, "tiny:latest", {"model": weights["Q4_K_M"], "system": b"You are tiny."})
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    with Server(library=True, port=0, threads=2) as srv:
+        srv.wait_ready(timeout=60)
+        names = {m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]}
+        assert names == {f"{REPO}:Q8_0", "tiny:latest"}
+        tags = [m.model for m in ollama.Client(host=srv.url).list().models]
+        assert sorted(tags) == sorted(names)
+
+        def template(model: str, messages: list[dict[str, str]]) -> str:
+            r = httpx.post(
+                f"{srv.url}/apply-template",
+                json={"model": model, "messages": messages},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            return str(r.json()["prompt"])
+
+        hello = [{"role": "user", "content": "hello"}]
+        # Ollama's name without its tag finds NAME:latest; its system prompt is the default.
+        assert "You are tiny." in template("tiny", hello)
+        own = template("tiny", [{"role": "system", "content": "Be brief."}, *hello])
+        assert "Be brief." in own and "You are tiny." not in own
+        assert "You are tiny." not in template(f"{REPO}:Q8_0", hello)
+        answer = ollama.Client(host=srv.url).chat(
+            model="tiny", messages=hello, options={"num_predict": 2}
+        )
+        assert answer.done
+
+
+def test_system_prompt_flag(tiny_model: Path, start_server: Callable[..., Server]) -> None:
+    srv = start_server(tiny_model, system_prompt="Answer in French.")
+    r = httpx.post(
+        f"{srv.url}/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert "Answer in French." in r.json()["prompt"]
+    r = httpx.post(
+        f"{srv.url}/v1/chat/completions",
+        json={"messages": [{"role": "developer", "content": "Terse."}], "max_tokens": 1},
+    )
+    assert r.status_code == 200
+
+
+def test_api_pull_on_a_router_that_allows_it(
+    hub: HubStandIn, weights: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The official ollama client's pull, list and show on a router started with nothing but
+    --allow-pull: the pull streams Ollama's progress, the model is then listed and served."""
+    store = tmp_path / "ollama"
+    write_manifest(store, "tiny:latest", {"model": weights["Q4_K_M"]})
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    with Server(allow_pull=True, port=0, threads=2) as srv:
+        client = ollama.Client(host=srv.url)
+        assert client.list().models == []
+        progress = list(client.pull(f"{REPO}:Q8_0", stream=True))
+        assert progress[-1].status == "success"
+        assert any(p.total and p.completed == p.total for p in progress)
+        # From Ollama's store: nothing to download.
+        assert client.pull("tiny").status == "success"
+        names = sorted(m.model for m in client.list().models)
+        assert names == sorted([f"{REPO}:Q8_0", "tiny:latest"])
+        # Served: loaded on the first request; a second pull finds it there.
+        answer = client.generate(model=f"{REPO}:Q8_0", prompt="ab", options={"num_predict": 2})
+        assert answer.done and answer.eval_count == 2
+        assert client.show("tiny").details.family == "llama"
+        before = len(gets(hub))
+        assert client.pull(f"{REPO}:Q8_0").status == "success"
+        assert len(gets(hub)) == before
+        # Errors in Ollama's shape: a name nowhere, a repository with no such tag.
+        with pytest.raises(ollama.ResponseError) as e:
+            client.pull("tester/missing")
+        assert e.value.status_code == 404 and "no repository" in e.value.error
+        lines = [
+            json.loads(line)
+            for line in httpx.post(
+                f"{srv.url}/api/pull", json={"model": f"{REPO}:IQ1_S"}, timeout=60
+            ).text.splitlines()
+        ]
+        assert lines[-1]["type"] == "no_file" and "its tags" in lines[-1]["error"]
+        r = httpx.post(f"{srv.url}/api/pull", json={"model": ""}, timeout=10)
+        assert r.status_code == 400
+
+
+def test_api_pull_is_refused_without_allow_pull(
+    hub: HubStandIn, tiny_model: Path, tmp_path: Path
+) -> None:
+    with Server(models=[str(tiny_model)], port=0, threads=2) as srv:
+        r = httpx.post(f"{srv.url}/api/pull", json={"model": REPO, "stream": False}, timeout=10)
+        assert r.status_code == 404 and "--allow-pull" in r.json()["error"]
+        r = httpx.post(f"{srv.url}/api/pull", json={"model": "tiny", "stream": False}, timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "success"}
+    assert gets(hub) == []

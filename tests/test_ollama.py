@@ -130,7 +130,6 @@ def test_ignored_fields_change_nothing(client: ollama.Client, tiny_server: Serve
 
 def test_model_management_is_404(client: ollama.Client, tiny_server: Server) -> None:
     calls = [
-        lambda: client.pull("llama3"),
         lambda: client.push("tiny"),
         lambda: client.create(model="mine", from_=MODEL),
         lambda: client.copy(MODEL, "tiny2"),
@@ -140,12 +139,18 @@ def test_model_management_is_404(client: ollama.Client, tiny_server: Server) -> 
         with pytest.raises(ollama.ResponseError) as info:
             call()
         assert info.value.status_code == 404
-        assert "serves the model files it was started with" in info.value.error
-    for path in ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"):
+        assert "serves the models it was started with" in info.value.error
+    for path in ("/api/push", "/api/create", "/api/copy", "/api/delete"):
         method = "DELETE" if path == "/api/delete" else "POST"
         r = httpx.request(method, f"{tiny_server.url}{path}", json={"model": MODEL}, timeout=10)
         assert r.status_code == 404, path
-        assert "cannot pull, push, create, copy or delete models" in r.json()["error"], path
+        assert "cannot push, create, copy or delete models" in r.json()["error"], path
+    # A pull of the served model finds it there; of another, a 404 that says how to get it.
+    assert client.pull(MODEL).status == "success"
+    assert [p.status for p in client.pull(MODEL, stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as info:
+        client.pull("llama3")
+    assert info.value.status_code == 404 and "llamarunner pull" in info.value.error
 
 
 def test_embed_is_normalized(client: ollama.Client) -> None:

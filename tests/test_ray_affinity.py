@@ -20,7 +20,7 @@ except ImportError:
         raise
     pytest.skip("Ray Serve is not installed (pip install '.[ray]')", allow_module_level=True)
 
-from llamarunner.arguments import SERVE_ACTIONS
+from llamarunner.arguments import SERVE_ACTIONS, SOURCE_FLAGS
 from llamarunner.cli import build_parser
 from llamarunner.ray.affinity import (
     MAX_KEY_CHARS,
@@ -307,11 +307,13 @@ def test_cluster_takes_every_serve_flag() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     choices = sub.choices  # type: ignore[attr-defined]
-    # Every setting of serve's; not its flags that do something else (--list-devices).
+    # Every setting of serve's; not its flags that do something else (--list-devices), nor
+    # those of where a model comes from (-hf, --offline: each replica resolves a model name
+    # on its own node, from its own caches).
     serve_flags = {
         o
         for a in choices["serve"]._actions
-        if a.dest not in SERVE_ACTIONS
+        if a.dest not in (*SERVE_ACTIONS, *SOURCE_FLAGS)
         for o in a.option_strings
     }
     cluster_flags = {o for a in choices["cluster"]._actions for o in a.option_strings}

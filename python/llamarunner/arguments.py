@@ -169,9 +169,11 @@ def router_setting(router: dict[str, Any], name: str) -> Any:
 
 
 def many_models(models: list[str], router: dict[str, Any], overrides: dict[str, Any]) -> bool:
-    """Whether `serve_settings`' split asks for many models (--models-dir, --models-preset or
-    several MODELs); raises ValueError for a flag that does not go with the answer."""
+    """Whether `serve_settings`' split asks for many models (--models-dir, --library,
+    --allow-pull, --models-preset or several MODELs); raises ValueError for a flag that does
+    not go with the answer."""
     many = router["models_dir"] is not None or router["models_preset"] is not None
+    many = many or bool(router["library"]) or bool(router["allow_pull"])
     many = many or len(models) > 1
     if many and overrides.get("alias"):
         raise ValueError("--alias names one model; with many, each is served by its name")

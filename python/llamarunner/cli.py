@@ -295,7 +295,12 @@ def serve_models(
     (`sources`) first."""
     try:
         resolved = [resolve_source(m, args) or m for m in models]
-        files = served_models(resolved, router["models_dir"], router["models_preset"])
+        files = served_models(
+            resolved,
+            router["models_dir"],
+            router["models_preset"],
+            library=bool(router["library"]),
+        )
         config = ServerConfig.resolve(overrides)
         native = _core.start_router(
             router_config_json(
@@ -304,6 +309,7 @@ def serve_models(
                 models_max=router_setting(router, "models_max"),
                 keep_alive=router_setting(router, "keep_alive"),
                 models_memory=router_setting(router, "models_memory"),
+                allow_pull=bool(router["allow_pull"]),
             )
         )
     except ModelSourceError as e:

@@ -98,6 +98,7 @@ class ServerConfig:
     max_queue: int = _D["max_queue"]
     alias: str | None = _D["alias"]
     chat_template: str | None = _D["chat_template"]
+    system_prompt: str | None = _D["system_prompt"]
     reasoning_format: str = _D["reasoning_format"]
     reasoning: str = _D["reasoning"]
     api_key: list[str] = _D["api_key"]

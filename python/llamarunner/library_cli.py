@@ -193,7 +193,6 @@ def show(args: argparse.Namespace) -> int:
         "path": str(resolved.path),
         "mmproj": str(resolved.mmproj) if resolved.mmproj else None,
         "defaults": resolved.defaults,
-        "system": resolved.system,
         **summary,
     }
     if args.json:
@@ -211,9 +210,7 @@ def show(args: argparse.Namespace) -> int:
         + (f"{len(template)} characters (--template)" if template else "none")
     )
     for name, value in resolved.defaults.items():
-        print(f"{'default ' + name:15} {value}")
-    if resolved.system:
-        print(f"{'system prompt':15} {resolved.system!r}")
+        print(f"{name.replace('_', ' '):15} {value!r}")
     for note in resolved.notes:
         print(f"note: {note}")
     return 0

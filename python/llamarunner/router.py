@@ -26,6 +26,7 @@ from .settings import (
     DEFAULT_MODELS_MEMORY,
     SERVER_SETTINGS,
 )
+from .sources.library import list_models
 from .sources.models_dir import ModelFile, discover, from_files
 from .sources.resolve import ResolvedModel, looks_like_path, resolve_model
 
@@ -155,14 +156,25 @@ def served_models(
     models_preset: str | Path | None = None,
     *,
     offline: bool = False,
+    library: bool = False,
 ) -> list[ModelFile]:
     """Every model a router serves: ``models`` (files, or names `sources.resolve` resolves,
-    fetching what it must unless ``offline``), then ``models_dir``'s, with the settings (and
-    extra models) of ``models_preset``. Raises ValueError as `discover` and `read_presets`
-    do, ModelSourceError as the resolver does."""
+    fetching what it must unless ``offline``), then ``models_dir``'s, then with ``library``
+    the Hugging Face cache's and Ollama's store's (`sources.library`; a name taken already
+    stays with its model), with the settings (and extra models) of ``models_preset``.
+    Raises ValueError as `discover` and `read_presets` do, ModelSourceError as the resolver
+    does."""
     files = [_model_file(m, offline) for m in models]
     if models_dir is not None:
         files += discover(models_dir)
+    if library:
+        taken = {m.name for m in files}
+        for entry in list_models():
+            if entry.source != "models-dir" and entry.name not in taken:
+                taken.add(entry.name)
+                files.append(
+                    ModelFile(entry.name, entry.path, entry.mmproj, defaults=entry.defaults)
+                )
     if models_preset is not None:
         files = apply_presets(files, read_presets(models_preset), models_preset)
     return files
@@ -212,6 +224,27 @@ def keep_alive_seconds(value: str | float | int) -> float:
     raise ValueError(f"--keep-alive {value!r}: give seconds or a duration such as 5m, 1h, 30s")
 
 
+def model_spec(base: ServerConfig, m: ModelFile, models_max: int) -> dict[str, Any]:
+    """One model of a router, as the native router takes it: ``base``'s settings with the
+    model's own (a preset's), its file, projector and name, and its source's defaults for
+    the settings ``base`` leaves at theirs. A ``cache_ram`` of -1 (the default) is its share
+    of the default budget: up to ``models_max`` engines share it, as replicas on one node
+    do."""
+    per_model = dataclasses.replace(
+        base,
+        **m.settings,
+        model=str(m.path),
+        mmproj=str(m.mmproj) if m.mmproj else base.mmproj,
+        alias=m.name,
+    )
+    for name, value in m.defaults.items():
+        if getattr(per_model, name) == SERVER_SETTINGS[name].default:
+            setattr(per_model, name, value)
+    if per_model.cache_ram == -1:
+        per_model.cache_ram = default_cache_ram_mib() // max(1, models_max)
+    return {"name": m.name, "path": str(m.path), "config": json.loads(per_model.to_json())}
+
+
 def router_config_json(
     base: ServerConfig,
     models: list[ModelFile],
@@ -219,42 +252,30 @@ def router_config_json(
     models_max: int = DEFAULT_MODELS_MAX,
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
     models_memory: int = DEFAULT_MODELS_MEMORY,
+    allow_pull: bool = False,
 ) -> str:
-    """The native router's configuration: the front's HTTP settings from ``base``, and for
-    each model ``base``'s other settings with its file (and projector). A model whose
-    ``cache_ram`` is the default (-1) gets its share of the default budget: up to
-    ``models_max`` engines share it, as replicas on one node do."""
-    if not models:
+    """The native router's configuration: the front's HTTP settings from ``base``, and each
+    model's (`model_spec`). With ``allow_pull``, ``POST /api/pull`` fetches models with
+    ``python -m llamarunner._pull`` (given ``base`` and ``models_max`` to make the model's
+    configuration as here), and the router may start with no model."""
+    if not models and not allow_pull:
         raise ValueError("no models to serve: the models directory holds no .gguf file")
     front = dataclasses.asdict(base)
     front["model"] = ""
     for name in ("api_key_file", "slot_save_path", "draft_model"):
         if front[name]:
             front[name] = str(Path(front[name]).expanduser())
-    specs: list[dict[str, Any]] = []
-    for m in models:
-        per_model = dataclasses.replace(
-            base,
-            **m.settings,
-            model=str(m.path),
-            mmproj=str(m.mmproj) if m.mmproj else base.mmproj,
-            alias=m.name,
-        )
-        for name, value in m.defaults.items():
-            if getattr(per_model, name) == SERVER_SETTINGS[name].default:
-                setattr(per_model, name, value)
-        if per_model.cache_ram == -1:
-            per_model.cache_ram = default_cache_ram_mib() // max(1, models_max)
-        specs.append(
-            {"name": m.name, "path": str(m.path), "config": json.loads(per_model.to_json())}
-        )
-    return json.dumps(
-        {
-            "front": front,
-            "models": specs,
-            "models_max": models_max,
-            "models_memory": models_memory_mib(models_memory),
-            "keep_alive": keep_alive_seconds(keep_alive),
-            "engine_command": [sys.executable, "-m", "llamarunner._engine"],
+    config: dict[str, Any] = {
+        "front": front,
+        "models": [model_spec(base, m, models_max) for m in models],
+        "models_max": models_max,
+        "models_memory": models_memory_mib(models_memory),
+        "keep_alive": keep_alive_seconds(keep_alive),
+        "engine_command": [sys.executable, "-m", "llamarunner._engine"],
+    }
+    if allow_pull:
+        config["pull"] = {
+            "command": [sys.executable, "-m", "llamarunner._pull"],
+            "input": json.dumps({"base": dataclasses.asdict(base), "models_max": models_max}),
         }
-    )
+    return json.dumps(config)

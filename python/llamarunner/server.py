@@ -51,18 +51,23 @@ class Server:
         models_dir: str | Path | None = None,
         models: Sequence[str | Path] | None = None,
         models_preset: str | Path | None = None,
+        library: bool = False,
+        allow_pull: bool = False,
         models_max: int = DEFAULT_MODELS_MAX,
         keep_alive: str | float = DEFAULT_KEEP_ALIVE,
         models_memory: int = DEFAULT_MODELS_MEMORY,
         **settings: Any,
     ) -> None:
-        """One model (``model``, default the default model), or many behind one endpoint:
-        ``models_dir`` (every model in it by its name) and/or ``models`` (files, by file name),
-        with ``models_preset`` (a TOML file: per-model settings, more models; see
-        `llamarunner.router`), each loaded on its first request in a process of its own, at
-        most ``models_max`` at once and at most ``models_memory`` MiB by their estimates (-1:
-        80 % of the machine's memory; 0: no budget), unloaded after ``keep_alive`` idle
-        (seconds or "5m"; negative: never). The other settings apply to every model."""
+        """One model (``model``, default the default model, or a name `llamarunner.sources`
+        resolves), or many behind one endpoint: ``models_dir`` (every model in it by its
+        name), ``models`` (files by file name, or names), ``library`` (every model of the
+        Hugging Face cache and Ollama's store), ``allow_pull`` (``POST /api/pull`` fetches
+        more), with ``models_preset`` (a TOML file: per-model
+        settings, more models; see `llamarunner.router`), each loaded on its first request in
+        a process of its own, at most ``models_max`` at once and at most ``models_memory`` MiB
+        by their estimates (-1: 80 % of the machine's memory; 0: no budget), unloaded after
+        ``keep_alive`` idle (seconds or "5m"; negative: never). The other settings apply to
+        every model."""
         overrides = dict(settings)
         if model is not None:
             overrides["model"] = str(model)
@@ -71,14 +76,18 @@ class Server:
         else:
             config = dataclasses.replace(config, **overrides)
         self._router_json: str | None = None
-        if models_dir is not None or models or models_preset is not None:
-            files = served_models([str(m) for m in models or []], models_dir, models_preset)
+        many = models_dir is not None or bool(models) or models_preset is not None
+        if many or library or allow_pull:
+            files = served_models(
+                [str(m) for m in models or []], models_dir, models_preset, library=library
+            )
             self._router_json = router_config_json(
                 config,
                 files,
                 models_max=models_max,
                 keep_alive=keep_alive,
                 models_memory=models_memory,
+                allow_pull=allow_pull,
             )
             self.config = config
         else:

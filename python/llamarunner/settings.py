@@ -335,6 +335,15 @@ SERVER_SETTINGS = _table(
         optional=True,
     ),
     Setting(
+        "system_prompt",
+        str,
+        None,
+        "the system message of a conversation that has none (a model of Ollama's store "
+        "brings its own)",
+        metavar="TEXT",
+        optional=True,
+    ),
+    Setting(
         "reasoning_format",
         str,
         "auto",
@@ -519,6 +528,25 @@ ROUTER_SETTINGS = _table(
         "a model file and its mmproj*.gguf projector",
         group=MANY_MODELS,
         optional=True,
+        env=False,
+    ),
+    Setting(
+        "library",
+        bool,
+        False,
+        "serve every model of the Hugging Face cache and of Ollama's store too, by the names "
+        "`llamarunner list` shows (OWNER/REPO:QUANT, NAME:TAG), each loaded on demand",
+        group=MANY_MODELS,
+        env=False,
+    ),
+    Setting(
+        "allow_pull",
+        bool,
+        False,
+        "let POST /api/pull (Ollama's `pull`) fetch models not served yet: Hugging Face "
+        "OWNER/REPO[:QUANT] into its cache, or a model of Ollama's store; each is then served "
+        "by its name (the router may start with no model)",
+        group=MANY_MODELS,
         env=False,
     ),
     Setting(

@@ -124,6 +124,7 @@ fn table(with_metrics: bool) -> Vec<Route> {
         model_post("/api/embeddings", post(ollama::embeddings)),
         server("/api/tags", get(ollama::tags)),
         model_post("/api/show", post(ollama::show)),
+        server("/api/pull", post(ollama::pull)),
         server("/api/ps", get(ollama::ps)),
         server("/api/version", get(ollama::version)),
         server("/", get(ui::root)),

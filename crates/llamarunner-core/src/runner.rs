@@ -93,7 +93,8 @@ impl Runner {
             .with_reasoning(config.reasoning_format, config.reasoning)
             .with_verbose_answers(config.verbose)
             .with_default_seed(config.seed)
-            .with_sampling_defaults(config.sampling_defaults());
+            .with_sampling_defaults(config.sampling_defaults())
+            .with_system_prompt(config.system_prompt.as_deref());
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

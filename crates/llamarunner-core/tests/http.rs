@@ -359,13 +359,20 @@ async fn ollama_answers_ndjson_and_plain_errors() {
 #[tokio::test]
 async fn unknown_routes_are_404_in_their_dialect() {
     let (app, handle) = app(FakeConfig::default());
-    let (s, text) = post_to(&app, "/api/pull", r#"{"model":"llama3"}"#).await;
+    let (s, text) = post_to(&app, "/api/copy", r#"{"model":"llama3"}"#).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert!(
-        v["error"].as_str().unwrap().contains("cannot pull"),
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("cannot push, create, copy"),
         "{text}"
     );
+    // A pull of a model not served here says how to get it.
+    let (s, text) = post_to(&app, "/api/pull", r#"{"model":"llama3"}"#).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(text.contains("llamarunner pull NAME"), "{text}");
     let (s, text) = post_to(&app, "/v1/assistants", "{}").await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     let v: Value = serde_json::from_str(&text).unwrap();

@@ -40,6 +40,7 @@ def build_app(
     models: Sequence[str | Path] | None = None,
     models_dir: str | Path | None = None,
     models_preset: str | Path | None = None,
+    library: bool = False,
     models_max: int = DEFAULT_MODELS_MAX,
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
     models_memory: int = DEFAULT_MODELS_MEMORY,
@@ -48,7 +49,7 @@ def build_app(
     """A Ray Serve application serving ``model`` from ``replicas`` replicas behind one HTTP
     ingress that speaks the native, OpenAI and Ollama APIs.
 
-    Many models: ``models_dir``, ``models`` (files) and ``models_preset`` as for
+    Many models: ``models_dir``, ``models`` (files), ``library`` and ``models_preset`` as for
     `llamarunner.Server`; then every replica is a router of them all (each model loaded on
     its first request there, at most ``models_max`` at once, unloaded after ``keep_alive``
     idle), and the routing key leads with the request's ``model``, so a conversation goes to
@@ -76,7 +77,7 @@ def build_app(
         raise ValueError(f"routing must be one of {', '.join(ROUTERS)}, not {routing!r}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    many = models_dir is not None or bool(models) or models_preset is not None
+    many = models_dir is not None or bool(models) or models_preset is not None or library
     if many and model is not None:
         raise ValueError("give model, or models / models_dir / models_preset, not both")
     config = ServerConfig.resolve({"model": model, **server_config})
@@ -138,7 +139,7 @@ def build_app(
         # not in every replica (which reads the paths again: they must exist on every node).
         router_config_json(
             config,
-            served_models(files, models_dir, models_preset),
+            served_models(files, models_dir, models_preset, library=library),
             models_max=models_max,
             keep_alive=keep_alive,
             models_memory=models_memory,

@@ -48,6 +48,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     except ValueError as e:
         _say(f"error: {e}")
         return 2
+    if router_flags.get("allow_pull"):
+        _say(
+            "error: --allow-pull is for `serve`; fetch models on each node with `llamarunner pull`"
+        )
+        return 2
+    router_flags.pop("allow_pull", None)
     server_config = {k: v for k, v in settings.items() if v is not None}
     router = {k: v for k, v in router_flags.items() if v is not None}
     if many:

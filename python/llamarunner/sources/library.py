@@ -9,7 +9,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +58,15 @@ FILE_TYPES = {
 @dataclass(frozen=True)
 class LibraryModel:
     """A model the library holds: the name a model argument takes, its source
-    (``models-dir``, ``huggingface``, ``ollama``), its file(s) and projector."""
+    (``models-dir``, ``huggingface``, ``ollama``), its file(s), projector and its source's
+    default settings (Ollama's params and system prompt)."""
 
     name: str
     source: str
     path: Path
     size: int
     mmproj: Path | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _size(paths: list[Path]) -> int:
@@ -122,7 +124,11 @@ def list_models(models_dir: str | Path | None = None) -> list[LibraryModel]:
         except ModelSourceError:
             continue
         if model is not None:
-            out.append(LibraryModel(str(name), "ollama", model.path, model.size, model.mmproj))
+            out.append(
+                LibraryModel(
+                    str(name), "ollama", model.path, model.size, model.mmproj, model.defaults
+                )
+            )
     return out
 
 

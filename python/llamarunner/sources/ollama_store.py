@@ -89,15 +89,14 @@ def parse_name(text: str) -> OllamaName | None:
 
 @dataclass(frozen=True)
 class OllamaModel:
-    """A model of Ollama's store: its name, GGUF blob, projector blob, default settings
-    (from ``params``, as setting names) and system prompt."""
+    """A model of Ollama's store: its name, GGUF blob, projector blob and default settings
+    (setting names: ``params``' options, and ``system_prompt`` from the ``system`` layer)."""
 
     name: OllamaName
     path: Path
     size: int
     mmproj: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
-    system: str | None = None
     ignored_params: tuple[str, ...] = ()
     """``params`` options no server setting takes (``stop``, ``num_ctx``, ...)."""
 
@@ -189,10 +188,11 @@ def read_model(name: OllamaName, root: Path | None = None) -> OllamaModel | None
                 ignored.append(key)
                 continue
             defaults[setting] = int(value) if setting in ("top_k", "seed") else float(value)
-    system = None
     if "system" in by_type:
-        system = _small_text(_blob(root, where, by_type["system"])[0], where) or None
-    return OllamaModel(name, path, size, mmproj, defaults, system, tuple(sorted(ignored)))
+        system = _small_text(_blob(root, where, by_type["system"])[0], where)
+        if system:
+            defaults["system_prompt"] = system
+    return OllamaModel(name, path, size, mmproj, defaults, tuple(sorted(ignored)))
 
 
 def list_models(root: Path | None = None) -> Iterator[OllamaName]:

@@ -30,15 +30,14 @@ from .progress import NoProgress, Progress
 class ResolvedModel:
     """A model argument made files: the model (its first split part), the projector found
     with it, the name it is served by, where it came from (``file``, ``models-dir``,
-    ``huggingface``, ``ollama``), and the source's defaults: settings (from Ollama's
-    ``params``) and a system prompt."""
+    ``huggingface``, ``ollama``), and the source's default settings (Ollama's ``params``
+    and ``system`` prompt)."""
 
     path: Path
     name: str
     source: str
     mmproj: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
-    system: str | None = None
     notes: tuple[str, ...] = ()
     """What the user should know (options of the source no setting takes)."""
 
@@ -67,9 +66,7 @@ def _from_ollama(model: ollama_store.OllamaModel) -> ResolvedModel:
             f"Ollama's params of {model.name} not taken (no server setting): "
             + ", ".join(model.ignored_params),
         )
-    return ResolvedModel(
-        model.path, str(model.name), "ollama", model.mmproj, model.defaults, model.system, notes
-    )
+    return ResolvedModel(model.path, str(model.name), "ollama", model.mmproj, model.defaults, notes)
 
 
 def _from_hf(m: huggingface.HfModel) -> ResolvedModel:

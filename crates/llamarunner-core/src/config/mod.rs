@@ -187,6 +187,9 @@ pub struct RunnerConfig {
     /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral) or a Jinja file;
     /// default: the GGUF's own, else the family's built-in one.
     pub chat_template: Option<String>,
+    /// The system message of a conversation that has none (`--system-prompt`; a model of
+    /// Ollama's store brings its own).
+    pub system_prompt: Option<String>,
     /// `<think>` reasoning in chat answers: split out (auto) or left in the text (none).
     pub reasoning_format: ReasoningFormat,
     /// Whether chat templates think by default (`--reasoning on|off|auto`).
@@ -267,6 +270,7 @@ impl Default for RunnerConfig {
             no_metrics: false,
             max_queue: 256,
             alias: None,
+            system_prompt: None,
             chat_template: None,
             reasoning_format: ReasoningFormat::Auto,
             reasoning: Reasoning::Auto,

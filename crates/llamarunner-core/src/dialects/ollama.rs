@@ -27,7 +27,7 @@ use crate::protocol::params::SamplingParams;
 use crate::protocol::{Completion, Event, ModelInfo, TokenLogprob};
 use crate::requests::common::{
     chat_prompt, check_dimensions, check_model, collect, embed_all, l2_normalize, model_info,
-    parse_json, parse_messages, rfc3339, start_generation,
+    model_matches, parse_json, parse_messages, rfc3339, start_generation,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
@@ -639,6 +639,43 @@ fn metadata_value(text: &str) -> Value {
         "false" => json!(false),
         _ => json!(text),
     }
+}
+
+#[derive(Deserialize)]
+struct PullRequest {
+    model: Option<String>,
+    name: Option<String>,
+    stream: Option<bool>,
+    #[allow(dead_code)]
+    insecure: Option<bool>,
+}
+
+/// `POST /api/pull` on a server of one model: its own model is there already (`success`, as
+/// Ollama answers for a model it holds); another is a 404 that says how to get it. A router
+/// with `--allow-pull` pulls (`router/pull.rs`).
+pub async fn pull(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
+    let req: PullRequest = parse_json(&body)?;
+    let name = req.model.as_deref().or(req.name.as_deref());
+    match name {
+        None | Some("") => return Err(ApiError::invalid("model is required").into()),
+        Some(m) if !model_matches(&state, m) => {
+            return Err(ApiError::ModelNotFound(format!(
+                "model '{}' is not served here (this server serves '{}' only); fetch it with \
+                 `llamarunner pull NAME`, or serve many models with --allow-pull",
+                m.chars().take(200).collect::<String>(),
+                state.model_name
+            ))
+            .into())
+        }
+        Some(_) => {}
+    }
+    let success = json!({"status": "success"});
+    if req.stream.unwrap_or(true) {
+        let mut line = success.to_string();
+        line.push('\n');
+        return Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], line).into_response());
+    }
+    Ok(Json(success).into_response())
 }
 
 /// `POST /api/show`: details, metadata and the chat template of the served model.

@@ -13,10 +13,10 @@ pub async fn not_found(
     if path.starts_with("/api/") {
         let why = if matches!(
             path,
-            "/api/pull" | "/api/push" | "/api/create" | "/api/copy" | "/api/delete"
+            "/api/push" | "/api/create" | "/api/copy" | "/api/delete"
         ) {
-            "; llamarunner serves the model files it was started with and cannot pull, \
-             push, create, copy or delete models"
+            "; llamarunner serves the models it was started with (and pulls, with \
+             --allow-pull) and cannot push, create, copy or delete models"
         } else {
             ""
         };

@@ -59,6 +59,8 @@ pub struct AppState {
     pub default_seed: i64,
     /// The sampling of requests that leave fields out (`--temp`, `--top-k`...).
     pub sampling_defaults: crate::protocol::params::SamplingDefaults,
+    /// The system message of a conversation that has none (`--system-prompt`).
+    pub system_prompt: Option<Arc<str>>,
 }
 
 impl AppState {
@@ -79,7 +81,14 @@ impl AppState {
             verbose_answers: false,
             default_seed: -1,
             sampling_defaults: Default::default(),
+            system_prompt: None,
         }
+    }
+
+    /// The same state giving conversations without a system message this one.
+    pub fn with_system_prompt(mut self, prompt: Option<&str>) -> Self {
+        self.system_prompt = prompt.filter(|p| !p.is_empty()).map(Arc::from);
+        self
     }
 
     /// The same state filling what requests leave out of their sampling with `defaults`.

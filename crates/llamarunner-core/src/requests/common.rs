@@ -250,7 +250,31 @@ pub async fn render_chat(
 ) -> Result<String, ApiError> {
     let info = model_info(state)?;
     let extras = args.extras(state, &info);
+    let messages = with_system_prompt(state, messages);
     render(info, messages, add_generation_prompt, extras).await
+}
+
+/// `messages` with the server's system prompt (`--system-prompt`) first when they have no
+/// system (or developer) message of their own.
+pub fn with_system_prompt(state: &AppState, mut messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+    let Some(prompt) = state.system_prompt.as_deref() else {
+        return messages;
+    };
+    if messages
+        .iter()
+        .any(|m| m.role == "system" || m.role == "developer")
+    {
+        return messages;
+    }
+    messages.insert(
+        0,
+        ChatMessage {
+            role: "system".into(),
+            content: prompt.to_string(),
+            extra: serde_json::Map::new(),
+        },
+    );
+    messages
 }
 
 async fn render(
@@ -293,7 +317,7 @@ pub async fn chat_prompt_with(
             params.stop.push(marker.clone());
         }
     }
-    let (messages, prefill) = split_prefill(messages)?;
+    let (messages, prefill) = split_prefill(with_system_prompt(state, messages))?;
     let mut prompt = render(info, messages, true, extras).await?;
     if let Some(text) = prefill {
         prompt.push_str(&text);

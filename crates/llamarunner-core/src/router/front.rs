@@ -1,5 +1,6 @@
 //! The router's own routes: the model listings of every dialect (`/v1/models`, `/api/tags`,
 //! `/api/ps`, llama-server's `GET /models`), `POST /models/load` and `/models/unload`,
+//! `POST /api/pull` (`pull.rs`),
 //! `/health`, `/metrics` (every loaded engine's, merged); every other request goes to the engine of the model it names (the body's
 //! `model`, or `?model=` on a GET), loaded first if it is not.
 
@@ -41,6 +42,7 @@ pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -
         .route("/v1/models/{*model}", get(openai_model))
         .route("/api/tags", get(tags))
         .route("/api/ps", get(ps))
+        .route("/api/pull", post(super::pull::handler))
         .route("/api/version", get(ollama::version))
         .route("/", get(ui::root))
         .route("/dashboard", get(ui::dashboard))

@@ -7,6 +7,7 @@
 //! - `engine_process.rs`: starting and following one engine process;
 //! - `engine_client.rs`: the HTTP client to an engine (requests, its `/health`, `/metrics`);
 //! - `proxy.rs`: a request forwarded under its lease, and its streamed answer back;
+//! - `pull.rs`: `POST /api/pull`, and the models it fetches (`--allow-pull`);
 //! - `front.rs`: the front's routes (listings, `/models/load|unload`, `/health`) and the
 //!   forwarding of everything else.
 //!
@@ -20,6 +21,7 @@ pub mod estimate;
 mod front;
 mod metrics;
 pub mod proxy;
+pub mod pull;
 pub mod registry;
 
 use std::sync::Arc;
@@ -64,6 +66,23 @@ pub struct RouterConfig {
     /// How an engine process is started (the program and its arguments); its configuration
     /// goes in the `LLAMARUNNER_ENGINE_CONFIG` environment variable.
     pub engine_command: Vec<String>,
+    /// How models are pulled (`--allow-pull`); None: `POST /api/pull` fetches nothing.
+    #[serde(default)]
+    pub pull: Option<pull::PullConfig>,
+}
+
+/// Checks one model of a router (given at start, or pulled since).
+pub fn validate_spec(m: &ModelSpec) -> Result<(), ConfigError> {
+    let invalid = |message: String| ConfigError::Router(message);
+    if m.name.trim().is_empty() || m.name.len() > 256 {
+        return Err(invalid(format!(
+            "model name {:?}: 1 to 256 characters",
+            m.name
+        )));
+    }
+    let config: RunnerConfig = serde_json::from_value(m.config.clone())
+        .map_err(|e| invalid(format!("model '{}': {e}", m.name)))?;
+    config.validate_http()
 }
 
 /// Longest wait for a model to load when `--timeout` is 0.
@@ -78,28 +97,25 @@ impl RouterConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| ConfigError::Router(message);
-        if self.models.is_empty() {
+        if self.models.is_empty() && self.pull.is_none() {
             return Err(invalid(
                 "no models to serve (the models directory holds no .gguf file)".into(),
             ));
         }
         let mut seen = std::collections::HashSet::new();
         for m in &self.models {
-            if m.name.trim().is_empty() || m.name.len() > 256 {
-                return Err(invalid(format!(
-                    "model name {:?}: 1 to 256 characters",
-                    m.name
-                )));
-            }
+            validate_spec(m)?;
             if !seen.insert(m.name.as_str()) {
                 return Err(invalid(format!(
                     "two models are named '{}': give one an alias",
                     m.name
                 )));
             }
-            let config: RunnerConfig = serde_json::from_value(m.config.clone())
-                .map_err(|e| invalid(format!("model '{}': {e}", m.name)))?;
-            config.validate_http()?;
+        }
+        if let Some(p) = &self.pull {
+            if p.command.is_empty() {
+                return Err(invalid("no pull command".into()));
+            }
         }
         if self.models_max == 0 || self.models_max > 1024 {
             return Err(invalid(format!(
@@ -149,6 +165,9 @@ impl ModelRouter {
             config.engine_command.clone(),
             load_timeout,
         );
+        if let Some(p) = &config.pull {
+            registry.allow_pull(p.clone());
+        }
         let app = front::router(registry.clone(), policy, !front.no_metrics);
         let limits = ConnLimits::new(front);
         let for_thread = registry.clone();

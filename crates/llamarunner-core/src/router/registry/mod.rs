@@ -206,7 +206,12 @@ impl Drop for Lease {
 
 /// The router's models.
 pub struct Registry {
-    models: Vec<Arc<Model>>,
+    /// In listing order; a pulled model (`router/pull.rs`) joins at the end.
+    models: std::sync::RwLock<Vec<Arc<Model>>>,
+    /// Each model's keep-alive to start with (`--keep-alive`).
+    keep_alive: Option<Duration>,
+    /// How models are pulled (`--allow-pull`); unset: they are not.
+    pull: std::sync::OnceLock<super::pull::PullConfig>,
     max: usize,
     /// The most memory the loaded models' estimates may add up to (`--models-memory`); 0:
     /// no budget.
@@ -229,10 +234,30 @@ pub struct Registry {
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
-            .field("models", &self.models)
+            .field("models", &self.models())
             .field("max", &self.max)
             .finish()
     }
+}
+
+fn model_of(spec: &ModelSpec, keep_alive: Option<Duration>) -> Arc<Model> {
+    Arc::new(Model {
+        name: spec.name.clone(),
+        spec: spec.clone(),
+        inner: Mutex::new(Inner {
+            status: Status::Unloaded,
+            process: None,
+            generation: 0,
+            in_flight: 0,
+            last_used: Instant::now(),
+            keep_alive,
+            estimate: None,
+            vram_bytes: 0,
+        }),
+        changed: watch::channel(0).0,
+        starts: AtomicU64::new(0),
+        failures: AtomicU64::new(0),
+    })
 }
 
 impl Registry {
@@ -249,28 +274,12 @@ impl Registry {
     ) -> Arc<Self> {
         let models = specs
             .iter()
-            .map(|spec| {
-                Arc::new(Model {
-                    name: spec.name.clone(),
-                    spec: spec.clone(),
-                    inner: Mutex::new(Inner {
-                        status: Status::Unloaded,
-                        process: None,
-                        generation: 0,
-                        in_flight: 0,
-                        last_used: Instant::now(),
-                        keep_alive,
-                        estimate: None,
-                        vram_bytes: 0,
-                    }),
-                    changed: watch::channel(0).0,
-                    starts: AtomicU64::new(0),
-                    failures: AtomicU64::new(0),
-                })
-            })
+            .map(|spec| model_of(spec, keep_alive))
             .collect();
         Arc::new(Self {
-            models,
+            models: std::sync::RwLock::new(models),
+            keep_alive,
+            pull: std::sync::OnceLock::new(),
             max: max.max(1),
             memory_budget,
             command,
@@ -282,14 +291,39 @@ impl Registry {
         })
     }
 
-    /// Every model, in the order given.
-    pub fn models(&self) -> &[Arc<Model>] {
-        &self.models
+    /// Every model, in the order given (then those pulled since).
+    pub fn models(&self) -> Vec<Arc<Model>> {
+        self.models
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Adds the model of `spec` (one `router/pull.rs` fetched), unless one of its name is
+    /// served already; returns the model of that name.
+    pub fn add(&self, spec: &ModelSpec) -> Arc<Model> {
+        let mut models = self.models.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = models.iter().find(|m| m.name == spec.name) {
+            return m.clone();
+        }
+        let model = model_of(spec, self.keep_alive);
+        models.push(model.clone());
+        model
+    }
+
+    /// Lets `POST /api/pull` fetch models with `config` (`--allow-pull`).
+    pub fn allow_pull(&self, config: super::pull::PullConfig) {
+        let _ = self.pull.set(config);
+    }
+
+    /// How models are pulled; None when they are not.
+    pub fn pull_config(&self) -> Option<&super::pull::PullConfig> {
+        self.pull.get()
     }
 
     /// The names, for error messages.
     pub fn names(&self) -> String {
-        self.models
+        self.models()
             .iter()
             .map(|m| m.name.as_str())
             .collect::<Vec<_>>()
@@ -307,8 +341,9 @@ impl Registry {
     /// the engine does. With no name, the only model when there is one.
     pub fn find(&self, requested: Option<&str>) -> Result<Arc<Model>, ApiError> {
         let requested = requested.filter(|r| !r.is_empty());
+        let models = self.models();
         let Some(requested) = requested else {
-            return match self.models.as_slice() {
+            return match models.as_slice() {
                 [only] => Ok(only.clone()),
                 _ => Err(ApiError::invalid(format!(
                     "this server serves several models: name one in `model` ({})",
@@ -316,9 +351,9 @@ impl Registry {
                 ))),
             };
         };
-        let by_name = |name: &str| self.models.iter().find(|m| m.name == name);
+        let by_name = |name: &str| models.iter().find(|m| m.name == name);
         let by_file = || {
-            self.models.iter().find(|m| {
+            models.iter().find(|m| {
                 std::path::Path::new(&m.spec.path)
                     .file_name()
                     .is_some_and(|f| f.to_string_lossy() == requested)
@@ -466,7 +501,7 @@ impl Registry {
             return Ok(());
         }
         let occupied = self
-            .models
+            .models()
             .iter()
             .filter(|m| m.lock().status.occupies())
             .count();
@@ -530,7 +565,7 @@ impl Registry {
 
     /// The loaded model, other than `except`, that has been idle longest.
     fn least_recently_used_idle(&self, except: &Arc<Model>) -> Option<Arc<Model>> {
-        self.models
+        self.models()
             .iter()
             .filter(|m| !Arc::ptr_eq(m, except))
             .filter_map(|m| {
@@ -559,7 +594,7 @@ impl Registry {
         }
         loop {
             let used: u64 = self
-                .models
+                .models()
                 .iter()
                 .filter(|m| !Arc::ptr_eq(m, model))
                 .map(|m| {
@@ -717,7 +752,7 @@ impl Registry {
     /// Unloads every model whose idle time passed its keep-alive.
     pub fn expire_idle(&self) {
         let now = Instant::now();
-        for m in &self.models {
+        for m in &self.models() {
             let expired = {
                 let inner = m.lock();
                 matches!(inner.status, Status::Loaded { .. })
@@ -739,7 +774,7 @@ impl Registry {
 
     /// Unloads every model (the server is stopping).
     pub fn unload_all(&self) {
-        for m in &self.models {
+        for m in &self.models() {
             self.unload(m, "the server is stopping");
         }
     }

@@ -1,0 +1,208 @@
+//! `POST /api/pull` (Ollama's): a model the router serves answers `success` at once; on a
+//! router started with `--allow-pull`, any other name is fetched by the pull command (`python
+//! -m llamarunner._pull NAME`: the model resolver, `llamarunner.sources`), whose progress
+//! lines, in Ollama's format, stream to the client; the model it fetched then joins the
+//! registry and loads on its first request. One pull runs at a time; a client that leaves
+//! stops its pull.
+
+use std::process::Stdio;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
+
+use super::registry::Registry;
+use super::ModelSpec;
+use crate::http::error::{ApiError, OllamaError};
+
+/// The longest line a pull command may write (its progress lines are ~150 bytes; the last
+/// holds the model's configuration).
+const MAX_LINE: usize = 1 << 20;
+
+/// How a router pulls models (`--allow-pull`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PullConfig {
+    /// The program and its arguments; the model's name is added last.
+    pub command: Vec<String>,
+    /// What the command reads on its standard input: the settings a pulled model is served
+    /// with (the router's own, as JSON).
+    pub input: String,
+}
+
+/// One pull at a time: two pulls would race for the disk the first one checked.
+static PULLING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+
+fn ndjson(v: &Value) -> Bytes {
+    let mut s = v.to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+/// The name a pull body gives (`model`, or `name` as Ollama's older clients say).
+fn requested_name(body: &Bytes) -> Result<(String, bool), ApiError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
+    let name = v
+        .get("model")
+        .or_else(|| v.get("name"))
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty() && n.len() <= 256 && !n.chars().any(char::is_control))
+        .ok_or_else(|| ApiError::invalid("give the model to pull as {\"model\": NAME}"))?;
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(true);
+    Ok((name.to_string(), stream))
+}
+
+/// `POST /api/pull`.
+pub async fn handler(State(registry): State<Arc<Registry>>, body: Bytes) -> Response {
+    let (name, stream) = match requested_name(&body) {
+        Ok(x) => x,
+        Err(e) => return OllamaError(e).into_response(),
+    };
+    if registry.find(Some(&name)).is_ok() {
+        return finished(stream, vec![json!({"status": "success"})]);
+    }
+    let Some(config) = registry.pull_config().cloned() else {
+        return OllamaError(ApiError::ModelNotFound(format!(
+            "model '{name}' is not served here and this server does not pull models: fetch it \
+             with `llamarunner pull {name}` and serve it, or start the server with --allow-pull"
+        )))
+        .into_response();
+    };
+    let (tx, rx) = mpsc::channel::<Value>(64);
+    tokio::spawn(run(registry, config, name, tx));
+    if stream {
+        let lines = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|v| (Ok::<_, std::convert::Infallible>(ndjson(&v)), rx))
+        });
+        return (
+            [(header::CONTENT_TYPE, "application/x-ndjson")],
+            Body::from_stream(lines),
+        )
+            .into_response();
+    }
+    let mut rx = rx;
+    let mut lines = Vec::new();
+    while let Some(v) = rx.recv().await {
+        lines.push(v);
+    }
+    finished(false, lines)
+}
+
+/// The answer of a pull that has ended: its lines streamed, or its last line alone (an error
+/// line with the status Ollama gives it).
+fn finished(stream: bool, lines: Vec<Value>) -> Response {
+    if stream {
+        let body: Vec<u8> = lines.iter().flat_map(|v| ndjson(v).to_vec()).collect();
+        return ([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response();
+    }
+    let last = lines
+        .last()
+        .cloned()
+        .unwrap_or_else(|| json!({"error": "the pull said nothing"}));
+    let status = if last.get("error").is_some() {
+        match last.get("type").and_then(Value::as_str) {
+            Some("not_found" | "no_file" | "offline" | "bad_name") => StatusCode::NOT_FOUND,
+            Some("unauthorized") => StatusCode::UNAUTHORIZED,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(last)).into_response()
+}
+
+/// Runs the pull command for `name`, sending its lines to `tx` (the spec line as `success`,
+/// once the model is in the registry). Stops the command when the client has left.
+async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc::Sender<Value>) {
+    let Ok(_turn) = PULLING.acquire().await else {
+        return;
+    };
+    if registry.find(Some(&name)).is_ok() {
+        let _ = tx.send(json!({"status": "success"})).await;
+        return;
+    }
+    let fail = |error: String| json!({"error": error, "type": "pull_failed"});
+    let Some((program, args)) = config.command.split_first() else {
+        let _ = tx.send(fail("no pull command".into())).await;
+        return;
+    };
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .arg(&name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = tx
+                .send(fail(format!("the pull command did not start: {e}")))
+                .await;
+            return;
+        }
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(config.input.as_bytes()).await;
+    }
+    let Some(stdout) = child.stdout.take() else {
+        return;
+    };
+    let mut lines = BufReader::new(stdout).take(64 << 20).lines();
+    let mut ended = false;
+    loop {
+        let line = tokio::select! {
+            line = lines.next_line() => line,
+            () = tx.closed() => return, // the client left: dropping the child kills it
+        };
+        let Ok(Some(line)) = line else { break };
+        if line.len() > MAX_LINE {
+            break;
+        }
+        let Ok(mut v) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if let Some(spec) = v.get_mut("spec").map(Value::take) {
+            let added = serde_json::from_value::<ModelSpec>(spec)
+                .map_err(|e| e.to_string())
+                .and_then(|spec| {
+                    super::validate_spec(&spec)
+                        .map(|()| spec)
+                        .map_err(|e| e.to_string())
+                });
+            v = match added {
+                Ok(spec) => {
+                    registry.add(&spec);
+                    tracing::info!(model = %spec.name, path = %spec.path, "pulled");
+                    json!({"status": "success"})
+                }
+                Err(e) => fail(format!("the pulled model cannot be served: {e}")),
+            };
+            ended = true;
+        } else if v.get("error").is_some() {
+            ended = true;
+        }
+        if tx.send(v).await.is_err() {
+            return;
+        }
+        if ended {
+            break;
+        }
+    }
+    let status = child.wait().await;
+    if !ended {
+        let why = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+        let _ = tx.send(fail(format!("the pull stopped ({why})"))).await;
+    }
+}
