@@ -448,6 +448,9 @@ def test_list_and_show_ollama_models(store: Path) -> None:
     shown = cli("show", "tiny")
     assert shown.returncode == 0, shown.stderr
     assert "temp            0.25" in shown.stdout and "You are tiny." in shown.stdout
+    # Where the weights would go here (lavapipe's device in CI's wheel run, else the CPU).
+    fit = next(line for line in shown.stdout.splitlines() if line.startswith("fit here"))
+    assert "on the CPU: no GPU found" in fit or "layers on" in fit
 
 
 def test_library_serves_the_caches_by_name_with_the_models_system_prompt(
@@ -536,6 +539,15 @@ def test_api_pull_on_a_router_that_allows_it(
         assert lines[-1]["type"] == "no_file" and "its tags" in lines[-1]["error"]
         r = httpx.post(f"{srv.url}/api/pull", json={"model": ""}, timeout=10)
         assert r.status_code == 400
+        # A request naming a model not served yet pulls it first.
+        answer = client.generate(model=REPO, prompt="ab", options={"num_predict": 2})
+        assert answer.done and REPO in [m.model for m in client.list().models]
+        r = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={"model": "tester/missing", "prompt": "a", "max_tokens": 1},
+            timeout=60,
+        )
+        assert r.status_code == 404 and "no repository" in r.json()["error"]["message"]
 
 
 def test_api_pull_is_refused_without_allow_pull(
@@ -547,3 +559,14 @@ def test_api_pull_is_refused_without_allow_pull(
         r = httpx.post(f"{srv.url}/api/pull", json={"model": "tiny", "stream": False}, timeout=10)
         assert r.status_code == 200 and r.json() == {"status": "success"}
     assert gets(hub) == []
+
+
+def test_a_preset_names_a_model_the_resolver_finds(hub: HubStandIn, tmp_path: Path) -> None:
+    from llamarunner.router import served_models
+
+    preset = tmp_path / "presets.toml"
+    preset.write_text(f'[small]\nmodel = "{REPO}:Q8_0"\nctx-size = 256\n')
+    (small,) = served_models([], models_preset=preset)
+    assert small.name == "small" and small.settings == {"ctx_size": 256}
+    assert small.path.name == "tiny-Q8_0.gguf" and "hf-cache" in str(small.path)
+    assert small.mmproj is not None and small.mmproj.name == "mmproj-tiny-f16.gguf"

@@ -23,7 +23,7 @@ from .settings import (
     SERVER_SETTINGS,
     comma_list,
 )
-from .sources.progress import Progress
+from .sources.progress import Progress, TerminalProgress
 from .sources.resolve import ResolvedModel, looks_like_path, resolve_model
 
 __all__ = [
@@ -190,13 +190,19 @@ class ServerConfig:
     ) -> ServerConfig:
         """A copy whose ``model`` is a file: the default model's when none is given, the path
         given (as it is), or the one a name resolves to (``sources.resolve``: Hugging Face, Ollama's
-        store; downloaded unless ``offline``), with what that source brings
+        store; downloaded unless ``offline``, with its progress on stderr unless
+        ``progress`` says otherwise), with what that source brings
         (`with_source`). Raises ModelSourceError."""
         if not self.model:
             return dataclasses.replace(self, model=str(default_model_path()))
         if looks_like_path(self.model) or Path(self.model).expanduser().is_file():
             return self  # a path: the engine reports a missing or bad file when it loads
-        resolved = resolve_model(self.model, offline=offline, mmproj=mmproj, progress=progress)
+        resolved = resolve_model(
+            self.model,
+            offline=offline,
+            mmproj=mmproj,
+            progress=progress if progress is not None else TerminalProgress(),
+        )
         return self.with_source(resolved)
 
     def with_source(self, resolved: ResolvedModel) -> ServerConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from .arguments import add_source_arguments
@@ -213,7 +214,35 @@ def show(args: argparse.Namespace) -> int:
         print(f"{name.replace('_', ' '):15} {value!r}")
     for note in resolved.notes:
         print(f"note: {note}")
+    print(f"{'fit here':15} {fit_estimate(resolved.path, resolved.mmproj)}")
     return 0
+
+
+def fit_estimate(model: Path, mmproj: Path | None) -> str:
+    """Where the model's weights would go on this machine: the GPUs' free memory (less
+    --fit-target's default margin) against the files' size. An estimate: the fit made at load
+    (`--fit`) also counts the KV cache and compute buffers."""
+    from . import _core
+    from .settings import SERVER_SETTINGS
+
+    size = sum(p.stat().st_size for p in (model, mmproj) if p is not None)
+    try:
+        devices = json.loads(_core.list_devices())
+    except RuntimeError as e:
+        return f"unknown ({e})"
+    gpus = [d for d in devices if d["kind"] in ("gpu", "integrated_gpu")]
+    if not gpus:
+        return f"on the CPU: no GPU found ({size / 2**20:.0f} MiB of weights in RAM)"
+    margin = int(SERVER_SETTINGS["fit_target"].default) << 20
+    free = sum(max(0, int(d["memory_free"]) - margin) for d in gpus)
+    names = ", ".join(str(d["name"]) for d in gpus)
+    if free >= size:
+        return f"all layers on {names} ({size / 2**20:.0f} MiB of {free / 2**20:.0f} MiB free)"
+    share = free / size if size else 0.0
+    return (
+        f"about {share:.0%} of the layers on {names} ({free / 2**20:.0f} MiB free for "
+        f"{size / 2**20:.0f} MiB of weights), the rest on the CPU"
+    )
 
 
 def rm(args: argparse.Namespace) -> int:

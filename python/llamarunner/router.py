@@ -6,8 +6,9 @@ model file and, for images, its projector (``mmproj*.gguf``). Each model is serv
 name; the router starts each model's engine (``python -m llamarunner._engine``) on demand.
 A presets file (``--models-preset``, TOML) gives models their own settings, one table per
 model: ``[coder]`` with ``ctx-size = 8192``, ``parallel = 2``, ``model = "path.gguf"`` (a
-model not in the directory), ``alias = "code"`` (the name it is served by) and any other
-``serve`` flag but the front's HTTP ones.
+model not in the directory; or a name the resolver takes, ``owner/repo:Q4_K_M``),
+``alias = "code"`` (the name it is served by) and any other ``serve`` flag but the front's
+HTTP ones.
 """
 
 from __future__ import annotations
@@ -197,11 +198,19 @@ def model_file(resolved: ResolvedModel) -> ModelFile:
 
 
 def _with_settings(m: ModelFile, settings: dict[str, Any]) -> ModelFile:
+    """``m`` with a preset's settings; a preset's ``model`` may be a file or a name the
+    resolver takes (``owner/repo:QUANT``, ``name:tag``), which brings its projector and
+    defaults."""
     rest = dict(settings)
-    path = Path(rest.pop("model")).expanduser() if rest.get("model") else m.path
-    mmproj = Path(rest.pop("mmproj")).expanduser() if rest.get("mmproj") else m.mmproj
+    path, mmproj, defaults = m.path, m.mmproj, m.defaults
+    given = rest.pop("model", None)
+    if given:
+        source = _model_file(str(given), offline=False)
+        path, mmproj, defaults = source.path, source.mmproj or mmproj, source.defaults
+    if rest.get("mmproj"):
+        mmproj = Path(rest.pop("mmproj")).expanduser()
     alias = rest.pop("alias", None) or m.name
-    return ModelFile(alias, path, mmproj, rest, m.defaults)
+    return ModelFile(alias, path, mmproj, rest, defaults)
 
 
 def keep_alive_seconds(value: str | float | int) -> float:

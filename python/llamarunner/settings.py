@@ -543,9 +543,10 @@ ROUTER_SETTINGS = _table(
         "allow_pull",
         bool,
         False,
-        "let POST /api/pull (Ollama's `pull`) fetch models not served yet: Hugging Face "
-        "OWNER/REPO[:QUANT] into its cache, or a model of Ollama's store; each is then served "
-        "by its name (the router may start with no model)",
+        "let POST /api/pull (Ollama's `pull`), and any request naming a model not served "
+        "yet, fetch it: Hugging Face OWNER/REPO[:QUANT] into its cache, or a model of "
+        "Ollama's store; each is then served by its name (the router may start with no "
+        "model). Any client that reaches the server can make it download",
         group=MANY_MODELS,
         env=False,
     ),

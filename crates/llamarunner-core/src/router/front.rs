@@ -267,6 +267,19 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     }
     let model = match registry.find(name.as_deref()) {
         Ok(m) => m,
+        // `--allow-pull`: a model not served yet is pulled first (a request that would load
+        // it: not a read, not Ollama's unload).
+        Err(ApiError::ModelNotFound(_))
+            if posted && !unload_only && registry.pull_config().is_some() =>
+        {
+            let Some(name) = name.as_deref() else {
+                return dialect.respond(ApiError::invalid("name a model"));
+            };
+            match super::pull::fetch(&registry, name).await {
+                Ok(m) => m,
+                Err(e) => return dialect.respond(e),
+            }
+        }
         Err(e) => return dialect.respond(e),
     };
     if unload_only && keep_alive == Some(Some(Duration::ZERO)) {

@@ -2,8 +2,9 @@
 //! router started with `--allow-pull`, any other name is fetched by the pull command (`python
 //! -m llamarunner._pull NAME`: the model resolver, `llamarunner.sources`), whose progress
 //! lines, in Ollama's format, stream to the client; the model it fetched then joins the
-//! registry and loads on its first request. One pull runs at a time; a client that leaves
-//! stops its pull.
+//! registry and loads on its first request. A request of another route that names a model
+//! not served yet pulls it first, the same way (`fetch`). One pull runs at a time; a client
+//! that leaves stops its pull.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -119,6 +120,35 @@ fn finished(stream: bool, lines: Vec<Value>) -> Response {
         StatusCode::OK
     };
     (status, Json(last)).into_response()
+}
+
+/// Pulls `name` without streaming (a request that names a model not served yet, on a router
+/// with `--allow-pull`): the model once it is in the registry, or the pull's error.
+pub async fn fetch(
+    registry: &Arc<Registry>,
+    name: &str,
+) -> Result<Arc<super::registry::Model>, ApiError> {
+    let Some(config) = registry.pull_config().cloned() else {
+        return registry.find(Some(name));
+    };
+    let (tx, mut rx) = mpsc::channel::<Value>(64);
+    tokio::spawn(run(registry.clone(), config, name.to_string(), tx));
+    let mut last = None;
+    while let Some(v) = rx.recv().await {
+        last = Some(v);
+    }
+    match last {
+        Some(v) if v.get("error").is_some() => {
+            let error = v["error"].as_str().unwrap_or("the pull failed").to_string();
+            Err(match v.get("type").and_then(Value::as_str) {
+                Some("not_found" | "no_file" | "offline" | "bad_name") => {
+                    ApiError::ModelNotFound(error)
+                }
+                _ => ApiError::LoadFailed(error),
+            })
+        }
+        _ => registry.find(Some(name)),
+    }
 }
 
 /// Runs the pull command for `name`, sending its lines to `tx` (the spec line as `success`,
