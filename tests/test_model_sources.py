@@ -73,6 +73,13 @@ def test_tag_matched_case_insensitively_then_defaults() -> None:
     assert plan_files(HfRef("o/r"), neither).model[0].path == "a-IQ3_M.gguf"
 
 
+def test_tag_whole_and_latest_is_the_default() -> None:
+    repo = files("m-BF16.gguf", "m-F16.gguf", "m-Q4_K_M.gguf")
+    assert plan_files(HfRef("o/r", "F16"), repo).model[0].path == "m-F16.gguf"
+    assert parse_ref("o/r:latest") == HfRef("o/r")
+    assert plan_files(parse_ref("o/r:latest") or HfRef(""), repo).model[0].path == "m-Q4_K_M.gguf"
+
+
 def test_tag_is_not_a_pattern() -> None:
     with pytest.raises(ModelSourceError) as e:
         plan_files(HfRef("o/r", "Q4.K"), files("m-Q4_K_M.gguf", "m-Q4XK.gguf"))
@@ -427,6 +434,58 @@ def test_ollama_store_errors(store: Path, weights: dict[str, bytes]) -> None:
     assert (store / "manifests/registry.ollama.ai/library/tiny/latest").is_file()
 
 
+def test_odd_stores_are_errors_not_crashes(
+    store: Path, weights: dict[str, bytes], tmp_path: Path
+) -> None:
+    # A params layer with numbers no setting holds: ignored, not a crash.
+    write_manifest(
+        store,
+        "wild:latest",
+        {"model": weights["Q8_0"], "params": b'{"seed": 1e999, "temperature": NaN, "top_k": 3}'},
+    )
+    wild = resolve_model("wild")
+    assert wild.defaults == {"top_k": 3}
+    # A manifest that is not UTF-8.
+    manifest = store / "manifests/registry.ollama.ai/library/wild/latest"
+    manifest.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ModelSourceError, match="not UTF-8"):
+        resolve_model("wild")
+    # A blob that is a link out of the store: refused, nothing read there.
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    write_manifest(store, "leaky:latest", {"model": weights["Q8_0"], "system": b"x"})
+    system_blob = store / "blobs" / f"sha256-{hashlib.sha256(b'x').hexdigest()}"
+    system_blob.unlink()
+    system_blob.symlink_to(outside)
+    with pytest.raises(ModelSourceError, match="leads out of the store"):
+        resolve_model("leaky")
+    # --no-mmproj leaves out the projector of a model of the store too.
+    assert resolve_model("seer:1b", mmproj=False).mmproj is None
+    # list skips what it cannot read, and shows the rest.
+    listed = {m["name"] for m in json.loads(cli("list", "--json").stdout)}
+    assert {"tiny:latest", "seer:1b"} <= listed and "wild:latest" not in listed
+
+
+def test_rm_touches_only_the_repositorys_own_blobs(hub: HubStandIn, tmp_path: Path) -> None:
+    hub.repos["tester/mixed"] = Repo(
+        {"m-Q4_K_M.gguf": b"GGUF-not-really", "config.json": b"{}", "v-Q8_0.gguf": b"GGUF-v"}
+    )
+    resolve_model("tester/mixed:Q4_K_M", mmproj=False)
+    resolve_model("tester/mixed:Q8_0", mmproj=False)
+    folder = tmp_path / "hf-cache" / "models--tester--mixed"
+    (snapshot,) = (folder / "snapshots").iterdir()
+    # A snapshot entry planted to point out of the cache: rm removes the link, not the target.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (snapshot / "v-Q8_0.gguf").unlink()
+    (snapshot / "v-Q8_0.gguf").symlink_to(victim)
+    assert cli("rm", "tester/mixed:Q8_0").returncode == 0
+    assert victim.read_text() == "keep me"
+    assert cli("rm", "tester/mixed:Q4_K_M").returncode == 0
+    assert not (snapshot / "m-Q4_K_M.gguf").exists()
+    assert not list((folder / "snapshots").rglob("*.gguf"))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from("ab./:\\-_~%0\x00"), max_size=24))
 def test_hostile_names_never_leave_the_store(name: str) -> None:
@@ -539,6 +598,19 @@ def test_api_pull_on_a_router_that_allows_it(
         assert lines[-1]["type"] == "no_file" and "its tags" in lines[-1]["error"]
         r = httpx.post(f"{srv.url}/api/pull", json={"model": ""}, timeout=10)
         assert r.status_code == 400
+        # Never a file of the server's disk, whatever a client names.
+        for path in (str(tmp_path / "ollama" / "blobs"), "/etc/passwd", "../x.gguf"):
+            r = httpx.post(f"{srv.url}/api/pull", json={"model": path, "stream": False})
+            assert r.status_code == 404 and "not a path" in r.json()["error"], r.text
+        # Pulled as hf.co/...: served under its own name, and found by the name asked.
+        assert client.pull(f"hf.co/{REPO}:Q8_0").status == "success"
+        assert len([m for m in client.list().models if m.model == f"{REPO}:Q8_0"]) == 1
+        answer = client.generate(model=f"hf.co/{REPO}:Q8_0", prompt="a", options={"num_predict": 1})
+        assert answer.done
+        # Ollama's show of a model not served is a 404 (it pulls nothing).
+        with pytest.raises(ollama.ResponseError) as e:
+            client.show(REPO)
+        assert e.value.status_code == 404
         # A request naming a model not served yet pulls it first.
         answer = client.generate(model=REPO, prompt="ab", options={"num_predict": 2})
         assert answer.done and REPO in [m.model for m in client.list().models]
@@ -570,3 +642,13 @@ def test_a_preset_names_a_model_the_resolver_finds(hub: HubStandIn, tmp_path: Pa
     assert small.name == "small" and small.settings == {"ctx_size": 256}
     assert small.path.name == "tiny-Q8_0.gguf" and "hf-cache" in str(small.path)
     assert small.mmproj is not None and small.mmproj.name == "mmproj-tiny-f16.gguf"
+
+
+def test_a_blob_llama_cpp_cannot_load_is_a_clear_error(store: Path, tmp_path: Path) -> None:
+    """Ollama's engine writes some models in a layout stock llama.cpp does not read: serving
+    one fails with the model's name and why, never a crash."""
+    write_manifest(store, "odd:latest", {"model": b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64})
+    out = cli("serve", "odd", "--port", "0")
+    assert out.returncode == 2, out.stderr
+    assert "model failed to load" in out.stderr
+    assert "odd:latest of Ollama's store" in out.stderr

@@ -25,11 +25,15 @@ def main(argv: list[str]) -> int:
         given = json.loads(sys.stdin.read())
         base = ServerConfig(**given["base"])
         models_max = int(given["models_max"])
+        offline, mmproj = bool(given.get("offline")), bool(given.get("mmproj", True))
     except (ValueError, KeyError, TypeError) as e:
         out.write(json.dumps({"error": f"bad pull settings: {e}", "type": "pull_failed"}) + "\n")
         return 2
     try:
-        resolved = resolve_model(argv[0], progress=JsonProgress(out))
+        # A client names what to pull: never a file of this machine.
+        resolved = resolve_model(
+            argv[0], offline=offline, mmproj=mmproj, files=False, progress=JsonProgress(out)
+        )
     except ModelSourceError as e:
         out.write(json.dumps({"error": str(e), "type": e.kind}) + "\n")
         return e.exit_code

@@ -300,6 +300,8 @@ def serve_models(
             router["models_dir"],
             router["models_preset"],
             library=bool(router["library"]),
+            offline=args.offline,
+            mmproj=not args.no_mmproj,
         )
         config = ServerConfig.resolve(overrides)
         native = _core.start_router(
@@ -310,6 +312,8 @@ def serve_models(
                 keep_alive=router_setting(router, "keep_alive"),
                 models_memory=router_setting(router, "models_memory"),
                 allow_pull=bool(router["allow_pull"]),
+                offline=args.offline,
+                mmproj=not args.no_mmproj,
             )
         )
     except ModelSourceError as e:

@@ -122,7 +122,11 @@ def read_presets(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def apply_presets(
-    models: list[ModelFile], presets: dict[str, dict[str, Any]], path: str | Path
+    models: list[ModelFile],
+    presets: dict[str, dict[str, Any]],
+    path: str | Path,
+    *,
+    offline: bool = False,
 ) -> list[ModelFile]:
     """``models`` with their presets' settings, and the presets' models that name a file
     (``model = ...``) not among them. A preset's ``alias`` is the name its model is served
@@ -139,10 +143,10 @@ def apply_presets(
                 f"gives no model = PATH"
             )
     for m in models:
-        out.append(_with_settings(m, presets.get(m.name, {})))
+        out.append(_with_settings(m, presets.get(m.name, {}), offline))
     for name, settings in presets.items():
         if name not in by_name:
-            out.append(_with_settings(ModelFile(name, Path(settings["model"])), settings))
+            out.append(_with_settings(ModelFile(name, Path(settings["model"])), settings, offline))
     seen: set[str] = set()
     for m in out:
         if m.name in seen:
@@ -158,11 +162,13 @@ def served_models(
     *,
     offline: bool = False,
     library: bool = False,
+    mmproj: bool = True,
 ) -> list[ModelFile]:
     """Every model a router serves: ``models`` (files, or names `sources.resolve` resolves,
     fetching what it must unless ``offline``), then ``models_dir``'s, then with ``library``
     the Hugging Face cache's and Ollama's store's (`sources.library`; a name taken already
-    stays with its model), with the settings (and extra models) of ``models_preset``.
+    stays with its model; their projectors unless not ``mmproj``), with the settings (and
+    extra models) of ``models_preset``.
     Raises ValueError as `discover` and `read_presets` do, ModelSourceError as the resolver
     does."""
     files = [_model_file(m, offline) for m in models]
@@ -173,11 +179,10 @@ def served_models(
         for entry in list_models():
             if entry.source != "models-dir" and entry.name not in taken:
                 taken.add(entry.name)
-                files.append(
-                    ModelFile(entry.name, entry.path, entry.mmproj, defaults=entry.defaults)
-                )
+                projector = entry.mmproj if mmproj else None
+                files.append(ModelFile(entry.name, entry.path, projector, defaults=entry.defaults))
     if models_preset is not None:
-        files = apply_presets(files, read_presets(models_preset), models_preset)
+        files = apply_presets(files, read_presets(models_preset), models_preset, offline=offline)
     return files
 
 
@@ -197,7 +202,7 @@ def model_file(resolved: ResolvedModel) -> ModelFile:
     return ModelFile(resolved.name, resolved.path, resolved.mmproj, defaults=resolved.defaults)
 
 
-def _with_settings(m: ModelFile, settings: dict[str, Any]) -> ModelFile:
+def _with_settings(m: ModelFile, settings: dict[str, Any], offline: bool) -> ModelFile:
     """``m`` with a preset's settings; a preset's ``model`` may be a file or a name the
     resolver takes (``owner/repo:QUANT``, ``name:tag``), which brings its projector and
     defaults."""
@@ -205,7 +210,7 @@ def _with_settings(m: ModelFile, settings: dict[str, Any]) -> ModelFile:
     path, mmproj, defaults = m.path, m.mmproj, m.defaults
     given = rest.pop("model", None)
     if given:
-        source = _model_file(str(given), offline=False)
+        source = _model_file(str(given), offline=offline)
         path, mmproj, defaults = source.path, source.mmproj or mmproj, source.defaults
     if rest.get("mmproj"):
         mmproj = Path(rest.pop("mmproj")).expanduser()
@@ -262,11 +267,14 @@ def router_config_json(
     keep_alive: str | float = DEFAULT_KEEP_ALIVE,
     models_memory: int = DEFAULT_MODELS_MEMORY,
     allow_pull: bool = False,
+    offline: bool = False,
+    mmproj: bool = True,
 ) -> str:
     """The native router's configuration: the front's HTTP settings from ``base``, and each
     model's (`model_spec`). With ``allow_pull``, ``POST /api/pull`` fetches models with
     ``python -m llamarunner._pull`` (given ``base`` and ``models_max`` to make the model's
-    configuration as here), and the router may start with no model."""
+    configuration as here, ``offline`` and ``mmproj`` as the resolver takes them), and the
+    router may start with no model."""
     if not models and not allow_pull:
         raise ValueError("no models to serve: the models directory holds no .gguf file")
     front = dataclasses.asdict(base)
@@ -285,6 +293,13 @@ def router_config_json(
     if allow_pull:
         config["pull"] = {
             "command": [sys.executable, "-m", "llamarunner._pull"],
-            "input": json.dumps({"base": dataclasses.asdict(base), "models_max": models_max}),
+            "input": json.dumps(
+                {
+                    "base": dataclasses.asdict(base),
+                    "models_max": models_max,
+                    "offline": offline,
+                    "mmproj": mmproj,
+                }
+            ),
         }
     return json.dumps(config)

@@ -17,6 +17,7 @@ from ray import serve
 
 from ..arguments import many_models, serve_settings
 from ..config import NoModelError, ServerConfig
+from ..sources import ModelSourceError
 from .app import build_app
 
 APP_NAME = "llamarunner"
@@ -91,6 +92,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, NoModelError) as e:
         _say(f"error: {e}")
         return 2
+    except ModelSourceError as e:
+        _say(f"error: {e}")
+        return e.exit_code
 
     started_ray = args.address is None
     if started_ray and not many:
@@ -101,6 +105,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         except NoModelError as e:
             _say(f"error: {e}")
             return 2
+        except ModelSourceError as e:
+            _say(f"error: {e}")
+            return e.exit_code
         if not Path(model).expanduser().is_file():
             _say(f"error: no such model file: {model}")
             return 2

@@ -75,7 +75,8 @@ def parse_ref(text: str, *, prefixed_only: bool = False) -> HfRef | None:
         return None
     if sep and not _TAG.match(tag):
         return None
-    return HfRef(repo, tag if sep else None)
+    # Ollama's clients say `:latest` for "the default": the default file here.
+    return HfRef(repo, tag if sep and tag.lower() != "latest" else None)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def _first_model(files: Sequence[RepoFile], tag: str | None) -> RepoFile | None:
         if info is not None and (info.count <= 1 or info.index == 1):
             firsts.append(f)
     for t in [tag] if tag else list(DEFAULT_TAGS):
-        pattern = re.compile(re.escape(t) + r"[.-]", re.IGNORECASE)
+        # The tag whole: `F16` is not found in `BF16`.
+        pattern = re.compile(r"(?<![A-Za-z0-9])" + re.escape(t) + r"[.-]", re.IGNORECASE)
         for f in firsts:
             if pattern.search(f.path):
                 return f
@@ -197,10 +199,10 @@ def _best_projector(files: Sequence[RepoFile], model: str) -> RepoFile | None:
 
 def plan_files(ref: HfRef, files: Sequence[RepoFile], *, mmproj: bool = True) -> Plan:
     """The files to fetch for ``ref`` from a repository holding ``files`` (sorted by path):
-    the first model file whose name holds the tag (case-insensitive, followed by ``.`` or
-    ``-``), or without a tag Q4_K_M, then Q8_0, then the first model file; all its split
-    parts; and, unless ``mmproj`` is False, the projector beside it. Raises
-    ModelSourceError (``no_file``) when there is none."""
+    the first model file whose name holds the tag (case-insensitive, whole: not after a letter
+    or digit, and followed by ``.`` or ``-``), or without a tag Q4_K_M, then Q8_0, then the
+    first model file; all its split parts; and, unless ``mmproj`` is False, the projector
+    beside it. Raises ModelSourceError (``no_file``) when there is none."""
     ordered = sorted(files, key=lambda f: f.path)
     first = _first_model(ordered, ref.tag)
     if first is None:
@@ -280,8 +282,8 @@ def cached_files(ref: HfRef, s: HubSettings) -> tuple[str, list[RepoFile]] | Non
     their sizes); None when the repository is not cached."""
     folder = s.cache_dir / ref.cache_folder
     try:
-        commit = (folder / "refs" / "main").read_text().strip()
-    except OSError:
+        commit = (folder / "refs" / "main").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
         return None
     snapshot = folder / "snapshots" / commit
     if not re.fullmatch(r"[0-9a-f]{40}", commit) or not snapshot.is_dir():
@@ -341,12 +343,21 @@ def _cached_path(ref: HfRef, s: HubSettings, commit: str, f: RepoFile) -> Path |
     return p if p.is_file() else None
 
 
+def _has_blob(folder: Path, f: RepoFile) -> bool:
+    """Whether the cache holds ``f``'s content already (under another commit: linked, not
+    downloaded)."""
+    return bool(f.sha256) and (folder / "blobs" / str(f.sha256)).is_file()
+
+
 def _check_disk(ref: HfRef, s: HubSettings, missing: Sequence[RepoFile]) -> None:
     need = sum(f.size or 0 for f in missing)
     if need == 0:
         return
-    s.cache_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(s.cache_dir).free
+    try:
+        s.cache_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(s.cache_dir).free
+    except OSError as e:
+        raise ModelSourceError(f"the Hugging Face cache {s.cache_dir}: {e}", "io") from None
     if free < need:
         raise ModelSourceError(
             f"{ref} needs {need / 1e9:.2f} GB but {s.cache_dir} has {free / 1e9:.2f} GB free",
@@ -393,6 +404,7 @@ def _download(ref: HfRef, s: HubSettings, f: RepoFile, progress: Progress) -> Pa
     hub = _hub()
     errors = hub.errors
     folder = s.cache_dir / ref.cache_folder
+    had_blob = _has_blob(folder, f)
     # Our own progress (from the partial file's size) instead of tqdm's bars.
     hub.utils.disable_progress_bars()
     with _watch(folder, f, progress):
@@ -416,9 +428,12 @@ def _download(ref: HfRef, s: HubSettings, f: RepoFile, progress: Progress) -> Pa
                 f"downloading {ref.repo}/{f.path}: {type(e).__name__}: {e}", "network"
             ) from None
     progress.finish()
-    if f.sha256:
+    if f.sha256 and not had_blob:
         blob = path.resolve()
-        got = sha256_of(blob)
+        try:
+            got = sha256_of(blob)
+        except OSError as e:
+            raise ModelSourceError(f"{ref.repo}/{f.path}: {e}", "io") from None
         if got != f.sha256:
             for p in (path, blob):
                 with suppress(OSError):
@@ -471,7 +486,8 @@ def fetch(
         plan = plan_files(ref, files, mmproj=mmproj)
         paths = {f.path: _cached_path(ref, s, commit, f) for f in plan.files}
         missing = [f for f in plan.files if paths[f.path] is None]
-        _check_disk(ref, s, missing)
+        folder = s.cache_dir / ref.cache_folder
+        _check_disk(ref, s, [f for f in missing if not _has_blob(folder, f)])
         for f in missing:
             paths[f.path] = _download(ref, s, f, progress)
     model = paths[plan.model[0].path]

@@ -99,14 +99,10 @@ def _hf_models(s: huggingface.HubSettings) -> Iterator[LibraryModel]:
             except ModelSourceError:
                 continue
             if plan.model[0].path != f.path:
-                # The tag names another file first: list it by its file name.
-                name = f"{ref.repo}/{f.path}"
-                paths = [snapshot / f.path]
-                mmproj = None
-            else:
-                name = f"{ref.repo}:{info.tag}" if info.tag else ref.repo
-                paths = [snapshot / p.path for p in plan.model]
-                mmproj = snapshot / plan.mmproj.path if plan.mmproj else None
+                continue  # its tag names another file first: no name reaches it
+            name = f"{ref.repo}:{info.tag}" if info.tag else ref.repo
+            paths = [snapshot / p.path for p in plan.model]
+            mmproj = snapshot / plan.mmproj.path if plan.mmproj else None
             yield LibraryModel(name, "huggingface", paths[0], _size(paths), mmproj)
 
 
@@ -156,7 +152,8 @@ def gguf_summary(path: Path) -> dict[str, Any]:
 
 def remove(spec: str) -> list[Path]:
     """Removes the Hugging Face model ``spec`` (``owner/repo[:QUANT]``) from the cache: its
-    files, and the repository's folder when nothing else of it is left. Returns the files
+    files (a blob only when it is in the repository's ``blobs/`` and no other snapshot points
+    to it), and the repository's folder when no file of it is left. Returns the files
     removed. Raises ModelSourceError (``not_ours`` for anything not in that cache)."""
     ref = huggingface.parse_ref(spec)
     if ref is None:
@@ -184,6 +181,7 @@ def remove(spec: str) -> list[Path]:
     drop = list(plan.model)
     if plan.mmproj is not None and not any(huggingface.is_model_file(p) for p in others):
         drop.append(plan.mmproj)
+    blobs = (folder / "blobs").resolve()
     removed = []
     for f in drop:
         link = snapshot / f.path
@@ -193,11 +191,14 @@ def remove(spec: str) -> list[Path]:
         except OSError:
             continue
         removed.append(link)
-        # A blob another snapshot still points to stays.
+        # Only a blob of this repository's cache, and only one no other snapshot points to.
+        if blob.parent != blobs:
+            continue
         if not any(p.resolve() == blob for p in (folder / "snapshots").rglob("*")):
             with suppress(OSError):
                 blob.unlink()
-    left = [p for p in (folder / "snapshots").rglob("*") if p.is_file()]
-    if not any(huggingface.is_model_file(p.name) for p in left):
+    left = [p for p in (folder / "snapshots").rglob("*") if p.is_file() or p.is_symlink()]
+    partial = list((folder / "blobs").glob("*.incomplete"))
+    if not left and not partial:
         shutil.rmtree(folder, ignore_errors=True)
     return removed

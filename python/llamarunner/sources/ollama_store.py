@@ -12,6 +12,7 @@ the store is read, whatever the name or the manifest says.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -112,8 +113,13 @@ def _blob(root: Path, where: str, layer: Any) -> tuple[Path, int]:
         )
     path = root / "blobs" / f"sha256-{m.group(1)}"
     try:
+        # A blob is a file of the store's blobs/, never a link out of it.
+        if path.resolve().parent != (root / "blobs").resolve():
+            raise ModelSourceError(
+                f"{where}: its blob {path.name} leads out of the store", "bad_manifest"
+            )
         size = path.stat().st_size
-    except OSError:
+    except (OSError, RuntimeError):
         raise ModelSourceError(
             f"{where}: its blob {path.name} is missing from {root / 'blobs'} (pull it again "
             f"with ollama)",
@@ -150,12 +156,16 @@ def read_model(name: OllamaName, root: Path | None = None) -> OllamaModel | None
             raise ModelSourceError(f"{where}: the manifest is outside the store", "bad_manifest")
         if not manifest.is_file():
             return None
-        text = manifest.read_text()
-    except OSError:
+        if manifest.stat().st_size > MAX_SMALL_LAYER:
+            raise ModelSourceError(f"{where}: the manifest is too large", "bad_manifest")
+        text = manifest.read_bytes().decode("utf-8")
+    except (OSError, RuntimeError):  # unreadable, a link loop
         return None
+    except UnicodeDecodeError:
+        raise ModelSourceError(f"{where}: the manifest is not UTF-8", "bad_manifest") from None
     try:
         data = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ModelSourceError(f"{where}: the manifest is not JSON: {e}", "bad_manifest") from None
     layers = data.get("layers") if isinstance(data, dict) else None
     if not isinstance(layers, list):
@@ -175,7 +185,7 @@ def read_model(name: OllamaName, root: Path | None = None) -> OllamaModel | None
         params_path = _blob(root, where, by_type["params"])[0]
         try:
             params = json.loads(_small_text(params_path, where))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ModelSourceError(
                 f"{where}: its params are not JSON: {e}", "bad_manifest"
             ) from None
@@ -184,6 +194,7 @@ def read_model(name: OllamaName, root: Path | None = None) -> OllamaModel | None
         for key, value in params.items():
             setting = PARAMS_TO_SETTINGS.get(key)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and abs(value) < 2**63
             if setting is None or not ok:
                 ignored.append(key)
                 continue
@@ -199,9 +210,11 @@ def list_models(root: Path | None = None) -> Iterator[OllamaName]:
     """Every manifest's name in the store, sorted."""
     root = root or store_root()
     base = root / "manifests"
-    if not base.is_dir():
+    try:
+        manifests = sorted(base.glob("*/*/*/*")) if base.is_dir() else []
+    except (OSError, RuntimeError):
         return
-    for manifest in sorted(base.glob("*/*/*/*")):
+    for manifest in manifests:
         if not manifest.is_file():
             continue
         host, namespace, model, tag = manifest.relative_to(base).parts

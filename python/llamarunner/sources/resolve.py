@@ -16,6 +16,7 @@ place rather than fetched again under a name that means the same thing on both.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,11 +82,30 @@ def resolve_model(
     mmproj: bool = True,
     download: bool = True,
     huggingface_only: bool = False,
+    files: bool = True,
     progress: Progress | None = None,
 ) -> ResolvedModel:
     """``spec`` as files, looked up in the module's order. ``huggingface_only``: ``spec`` is a
-    Hugging Face reference (``-hf``). Raises ModelSourceError (``not_found`` listing where it
+    Hugging Face reference (``-hf``); ``files=False``: not a file either (what a client may
+    ask a server to pull: never a path on the server's disk). ``mmproj=False`` leaves out
+    the projector a source brings. Raises ModelSourceError (``not_found`` listing where it
     looked, or the source's own error)."""
+    found = _resolve(spec, models_dir, offline, mmproj, download, huggingface_only, files, progress)
+    if not mmproj and found.mmproj is not None and found.source != "file":
+        found = dataclasses.replace(found, mmproj=None)
+    return found
+
+
+def _resolve(
+    spec: str,
+    models_dir: str | Path | None,
+    offline: bool,
+    mmproj: bool,
+    download: bool,
+    huggingface_only: bool,
+    files: bool,
+    progress: Progress | None,
+) -> ResolvedModel:
     progress = progress or NoProgress()
     text = spec.strip()
     if not text:
@@ -103,16 +123,24 @@ def resolve_model(
             )
         )
     looked: list[str] = []
-    try:
-        path = Path(text).expanduser()
-        is_file = path.is_file()
-    except (ValueError, RuntimeError, OSError):  # a NUL byte, ~nobody
-        raise ModelSourceError(f"{spec!r} is not a usable file name", "bad_name") from None
-    if is_file:
-        return ResolvedModel(path, path.name, "file")
-    if looks_like_path(text):
-        raise ModelSourceError(f"no such model file: {path}", "not_found")
-    looked.append(f"no file {path}")
+    if not files:
+        if looks_like_path(text):
+            raise ModelSourceError(
+                f"{spec!r}: give a Hugging Face OWNER/REPO[:QUANT] or an Ollama NAME[:TAG], "
+                f"not a path",
+                "bad_name",
+            )
+    else:
+        try:
+            path = Path(text).expanduser()
+            is_file = path.is_file()
+        except (ValueError, RuntimeError, OSError):  # a NUL byte, ~nobody
+            raise ModelSourceError(f"{spec!r} is not a usable file name", "bad_name") from None
+        if is_file:
+            return ResolvedModel(path, path.name, "file")
+        if looks_like_path(text):
+            raise ModelSourceError(f"no such model file: {path}", "not_found")
+        looked.append(f"no file {path}")
     if models_dir is not None:
         found = _from_models_dir(text, models_dir)
         if found is not None:

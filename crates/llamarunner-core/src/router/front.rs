@@ -244,6 +244,7 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         }
         return not_found(parts.method, parts.uri).await;
     }
+    let mut posted_json: Option<Value> = None;
     if posted && !body.is_empty() {
         let v: Value = match serde_json::from_slice(&body) {
             Ok(v) => v,
@@ -262,15 +263,19 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
                 Err(e) => return dialect.respond(ApiError::invalid(e)),
             }
         }
+        posted_json = Some(v);
     } else if let Ok(Query(q)) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri) {
         name = q.get("model").cloned();
     }
     let model = match registry.find(name.as_deref()) {
         Ok(m) => m,
-        // `--allow-pull`: a model not served yet is pulled first (a request that would load
-        // it: not a read, not Ollama's unload).
+        // `--allow-pull`: a model not served yet is pulled first (a request that would run
+        // it: not a read, not Ollama's unload, not `/api/show`, which Ollama answers 404).
         Err(ApiError::ModelNotFound(_))
-            if posted && !unload_only && registry.pull_config().is_some() =>
+            if posted
+                && !unload_only
+                && parts.uri.path() != "/api/show"
+                && registry.pull_config().is_some() =>
         {
             let Some(name) = name.as_deref() else {
                 return dialect.respond(ApiError::invalid("name a model"));
@@ -281,6 +286,20 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
             }
         }
         Err(e) => return dialect.respond(e),
+    };
+    // A model found by another name (the name a pull was asked by) is named as its engine
+    // serves it.
+    let body = match posted_json {
+        Some(mut v) if name.as_deref().is_some_and(|n| registry.is_alias(n)) => {
+            let key = if v.get("model").is_some() {
+                "model"
+            } else {
+                "name"
+            };
+            v[key] = Value::String(model.name.clone());
+            Bytes::from(v.to_string())
+        }
+        _ => body,
     };
     if unload_only && keep_alive == Some(Some(Duration::ZERO)) {
         // Ollama's `ollama stop`: unloads without loading first.

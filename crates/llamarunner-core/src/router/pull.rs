@@ -24,8 +24,8 @@ use super::ModelSpec;
 use crate::http::error::{ApiError, OllamaError};
 
 /// The longest line a pull command may write (its progress lines are ~150 bytes; the last
-/// holds the model's configuration).
-const MAX_LINE: usize = 1 << 20;
+/// holds the model's configuration, with a system prompt of up to 1 MiB escaped).
+const MAX_LINE: usize = 16 << 20;
 
 /// How a router pulls models (`--allow-pull`).
 #[derive(Clone, Debug, Deserialize)]
@@ -213,8 +213,9 @@ async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc
                 });
             v = match added {
                 Ok(spec) => {
-                    registry.add(&spec);
-                    tracing::info!(model = %spec.name, path = %spec.path, "pulled");
+                    let model = registry.add(&spec);
+                    registry.alias(&name, &model);
+                    tracing::info!(model = %model.name, asked = %name, path = %spec.path, "pulled");
                     json!({"status": "success"})
                 }
                 Err(e) => fail(format!("the pulled model cannot be served: {e}")),
@@ -229,6 +230,11 @@ async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc
         if ended {
             break;
         }
+    }
+    if !ended {
+        // Stopped reading (an unreadable or overlong line): the child must not block on a
+        // full pipe.
+        let _ = child.start_kill();
     }
     let status = child.wait().await;
     if !ended {

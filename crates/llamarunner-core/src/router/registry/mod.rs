@@ -212,6 +212,9 @@ pub struct Registry {
     keep_alive: Option<Duration>,
     /// How models are pulled (`--allow-pull`); unset: they are not.
     pull: std::sync::OnceLock<super::pull::PullConfig>,
+    /// Other names of models: the name a pull was asked for (`hf.co/o/r:Q4_K_M`) when the
+    /// model is served under another (`o/r:Q4_K_M`), or was already.
+    aliases: std::sync::RwLock<std::collections::HashMap<String, String>>,
     max: usize,
     /// The most memory the loaded models' estimates may add up to (`--models-memory`); 0:
     /// no budget.
@@ -280,6 +283,7 @@ impl Registry {
             models: std::sync::RwLock::new(models),
             keep_alive,
             pull: std::sync::OnceLock::new(),
+            aliases: std::sync::RwLock::default(),
             max: max.max(1),
             memory_budget,
             command,
@@ -299,16 +303,37 @@ impl Registry {
             .clone()
     }
 
-    /// Adds the model of `spec` (one `router/pull.rs` fetched), unless one of its name is
-    /// served already; returns the model of that name.
+    /// Adds the model of `spec` (one `router/pull.rs` fetched), unless one of its name or
+    /// file is served already; returns the model served.
     pub fn add(&self, spec: &ModelSpec) -> Arc<Model> {
         let mut models = self.models.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = models.iter().find(|m| m.name == spec.name) {
+        if let Some(m) = models
+            .iter()
+            .find(|m| m.name == spec.name || m.spec.path == spec.path)
+        {
             return m.clone();
         }
         let model = model_of(spec, self.keep_alive);
         models.push(model.clone());
         model
+    }
+
+    /// Makes `name` find `model` too (unless `name` is a model's own name).
+    pub fn alias(&self, name: &str, model: &Arc<Model>) {
+        if name != model.name {
+            self.aliases
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(name.to_string(), model.name.clone());
+        }
+    }
+
+    /// Whether `name` is another name of a model (`alias`), not a model's own.
+    pub fn is_alias(&self, name: &str) -> bool {
+        self.aliases
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(name)
     }
 
     /// Lets `POST /api/pull` fetch models with `config` (`--allow-pull`).
@@ -361,9 +386,14 @@ impl Registry {
         };
         // A tagless name is Ollama's `name:latest` (a model of its store is served so).
         let tagged = (!requested.contains(':')).then(|| format!("{requested}:latest"));
+        let aliased = || {
+            let aliases = self.aliases.read().unwrap_or_else(|p| p.into_inner());
+            aliases.get(requested).and_then(|n| by_name(n))
+        };
         by_name(requested)
             .or_else(|| requested.strip_suffix(":latest").and_then(by_name))
             .or_else(|| tagged.as_deref().and_then(by_name))
+            .or_else(aliased)
             .or_else(by_file)
             .cloned()
             .ok_or_else(|| {

@@ -85,6 +85,33 @@ fn a_tagless_name_finds_the_model_served_with_the_latest_tag() {
 }
 
 #[test]
+fn a_pulled_model_joins_once_and_answers_to_the_name_it_was_asked_by() {
+    let r = registry(&["alpha"]);
+    let spec = |name: &str, path: &str| ModelSpec {
+        name: name.into(),
+        path: path.into(),
+        config: json!({}),
+    };
+    let pulled = r.add(&spec("o/r:Q4_K_M", "/cache/o/r/m-Q4_K_M.gguf"));
+    assert_eq!(pulled.name, "o/r:Q4_K_M");
+    assert_eq!(r.models().len(), 2);
+    // The same name, or the same file under another name: the model served already.
+    assert!(std::sync::Arc::ptr_eq(
+        &r.add(&spec("o/r:Q4_K_M", "/x.gguf")),
+        &pulled
+    ));
+    let again = r.add(&spec("o/r", "/cache/o/r/m-Q4_K_M.gguf"));
+    assert!(std::sync::Arc::ptr_eq(&again, &pulled));
+    assert_eq!(r.models().len(), 2);
+    // The name a pull was asked by finds it; a model's own name stays its own.
+    r.alias("hf.co/o/r:Q4_K_M", &pulled);
+    r.alias("alpha", &pulled);
+    let found = |n: &str| r.find(Some(n)).map(|m| m.name.clone()).ok();
+    assert_eq!(found("hf.co/o/r:Q4_K_M").as_deref(), Some("o/r:Q4_K_M"));
+    assert_eq!(found("alpha").as_deref(), Some("alpha"));
+}
+
+#[test]
 fn a_models_own_name_comes_before_another_models_tag_or_file_name() {
     // Files alpha.gguf, alpha.gguf.gguf (named "alpha.gguf") and alpha:latest.gguf (named
     // "alpha:latest"): each name finds its own model, whatever the order.
