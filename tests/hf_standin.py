@@ -1,14 +1,15 @@
 """A local stand-in of the Hugging Face hub's endpoints that ``huggingface_hub`` calls, reached
 through ``HF_ENDPOINT``: model info with the file list (sizes, LFS SHA-256s), ``resolve``
 with the commit and ETag headers, range requests for resumed downloads; repositories that are
-private (401 without the right token) or gated (403), files cut mid-body once or served
-corrupted. Every request is recorded for the tests to inspect."""
+private (401 without the right token) or gated (403), files cut mid-body once, served
+corrupted or slowly. Every request is recorded for the tests to inspect."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,6 +28,8 @@ class Repo:
     """Files whose first GET ends after this many bytes (the connection closed)."""
     corrupt: set[str] = field(default_factory=set)
     """Files served with a flipped byte (their SHA-256 in the listing is the true one's)."""
+    slow: dict[str, float] = field(default_factory=dict)
+    """Files served at this many seconds per 64 KiB."""
 
 
 @dataclass
@@ -188,6 +191,13 @@ class HubStandIn:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(served[start:])
+                delay = repo.slow.get(fname)
+                if delay is None:
+                    self.wfile.write(served[start:])
+                    return
+                for at in range(start, len(served), 1 << 16):
+                    self.wfile.write(served[at : at + (1 << 16)])
+                    self.wfile.flush()
+                    time.sleep(delay)
 
         return Handler

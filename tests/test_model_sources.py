@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -620,6 +621,34 @@ def test_api_pull_on_a_router_that_allows_it(
             timeout=60,
         )
         assert r.status_code == 404 and "no repository" in r.json()["error"]["message"]
+
+
+def test_a_pull_running_is_listed_with_its_progress(hub: HubStandIn) -> None:
+    import threading
+
+    # huggingface_hub writes 10 MiB at a time: a 12 MiB file at 64 KiB per 20 ms (~4 s)
+    # shows its first 10 MiB for the last ~0.6 s.
+    data = os.urandom(12 << 20)
+    hub.repos["tester/big"] = Repo({"big-Q4_K_M.gguf": data}, slow={"big-Q4_K_M.gguf": 0.02})
+    with Server(allow_pull=True, port=0, threads=2) as srv:
+        done: list[Any] = []
+        t = threading.Thread(
+            target=lambda: done.append(ollama.Client(host=srv.url).pull("tester/big"))
+        )
+        t.start()
+        seen: list[dict[str, Any]] = []
+        while t.is_alive():
+            listed = httpx.get(f"{srv.url}/models", timeout=10).json()["data"]
+            seen += [m["status"] for m in listed if m["id"] == "tester/big"]
+            time.sleep(0.05)
+        t.join()
+        assert done[0].status == "success"
+        pulling = [st for st in seen if st["value"] == "pulling"]
+        assert pulling, seen
+        assert all(st["total"] == len(data) for st in pulling if "total" in st), pulling
+        assert any(0 < st.get("progress", 0) <= 1 for st in pulling), pulling
+        after = httpx.get(f"{srv.url}/models", timeout=10).json()["data"]
+        assert [(m["id"], m["status"]["value"]) for m in after] == [("tester/big", "unloaded")]
 
 
 def test_api_pull_is_refused_without_allow_pull(

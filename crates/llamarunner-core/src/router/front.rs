@@ -69,13 +69,27 @@ async fn health(State(registry): Shared) -> Response {
     Json(json!({"status": "ready", "role": "router", "models": models})).into_response()
 }
 
-/// `GET /models` (llama-server's router): every model with its status, memory and expiry.
+/// `GET /models` (llama-server's router): every model with its status, memory and expiry,
+/// then the pulls running (`--allow-pull`) with their progress.
 async fn models(State(registry): Shared) -> Response {
-    let data: Vec<Value> = registry
+    let mut data: Vec<Value> = registry
         .models()
         .iter()
         .map(|m| registry.describe(m))
         .collect();
+    for (name, line) in registry.pulls() {
+        let mut status = json!({"value": "pulling", "detail": line["status"]});
+        if let (Some(done), Some(total)) = (line["completed"].as_u64(), line["total"].as_u64()) {
+            status["completed"] = json!(done);
+            status["total"] = json!(total);
+            if total > 0 {
+                status["progress"] = json!(done as f64 / total as f64);
+            }
+        }
+        data.push(
+            json!({"id": name, "object": "model", "owned_by": "llamarunner", "status": status}),
+        );
+    }
     Json(json!({"object": "list", "data": data})).into_response()
 }
 

@@ -4,7 +4,7 @@
 //! lines, in Ollama's format, stream to the client; the model it fetched then joins the
 //! registry and loads on its first request. A request of another route that names a model
 //! not served yet pulls it first, the same way (`fetch`). One pull runs at a time; a client
-//! that leaves stops its pull.
+//! that leaves stops its pull. `GET /models` lists each pull running with its progress.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -194,7 +194,11 @@ async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc
     loop {
         let line = tokio::select! {
             line = lines.next_line() => line,
-            () = tx.closed() => return, // the client left: dropping the child kills it
+            () = tx.closed() => {
+                // The client left: dropping the child kills it.
+                registry.pull_progress(&name, None);
+                return;
+            }
         };
         let Ok(Some(line)) = line else { break };
         if line.len() > MAX_LINE {
@@ -224,7 +228,9 @@ async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc
         } else if v.get("error").is_some() {
             ended = true;
         }
+        registry.pull_progress(&name, (!ended).then_some(&v));
         if tx.send(v).await.is_err() {
+            registry.pull_progress(&name, None);
             return;
         }
         if ended {
@@ -236,6 +242,7 @@ async fn run(registry: Arc<Registry>, config: PullConfig, name: String, tx: mpsc
         // full pipe.
         let _ = child.start_kill();
     }
+    registry.pull_progress(&name, None);
     let status = child.wait().await;
     if !ended {
         let why = status.map_or_else(|e| e.to_string(), |s| s.to_string());

@@ -215,6 +215,8 @@ pub struct Registry {
     /// Other names of models: the name a pull was asked for (`hf.co/o/r:Q4_K_M`) when the
     /// model is served under another (`o/r:Q4_K_M`), or was already.
     aliases: std::sync::RwLock<std::collections::HashMap<String, String>>,
+    /// The pulls running (`router/pull.rs`), by the name asked: their last progress line.
+    pulling: Mutex<std::collections::BTreeMap<String, Value>>,
     max: usize,
     /// The most memory the loaded models' estimates may add up to (`--models-memory`); 0:
     /// no budget.
@@ -284,6 +286,7 @@ impl Registry {
             keep_alive,
             pull: std::sync::OnceLock::new(),
             aliases: std::sync::RwLock::default(),
+            pulling: Mutex::default(),
             max: max.max(1),
             memory_budget,
             command,
@@ -326,6 +329,28 @@ impl Registry {
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(name.to_string(), model.name.clone());
         }
+    }
+
+    /// Notes a pull's progress line (`{"status", "completed", "total"}`); None: it ended.
+    pub fn pull_progress(&self, name: &str, line: Option<&Value>) {
+        let mut pulling = self.pulling.lock().unwrap_or_else(|p| p.into_inner());
+        match line {
+            Some(v) => {
+                pulling.insert(name.to_string(), v.clone());
+            }
+            None => {
+                pulling.remove(name);
+            }
+        }
+    }
+
+    /// The pulls running, for `GET /models`: each name with its last progress line.
+    pub fn pulls(&self) -> Vec<(String, Value)> {
+        let pulling = self.pulling.lock().unwrap_or_else(|p| p.into_inner());
+        pulling
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Whether `name` is another name of a model (`alias`), not a model's own.
