@@ -608,6 +608,17 @@ def test_api_pull_on_a_router_that_allows_it(
         assert len([m for m in client.list().models if m.model == f"{REPO}:Q8_0"]) == 1
         answer = client.generate(model=f"hf.co/{REPO}:Q8_0", prompt="a", options={"num_predict": 1})
         assert answer.done
+        # Ollama's delete: from our cache only; a model of Ollama's store stays.
+        assert client.delete(f"{REPO}:Q8_0").status == "success"
+        assert f"{REPO}:Q8_0" not in [m.model for m in client.list().models]
+        assert not list((tmp_path / "hf-cache").rglob("tiny-Q8_0.gguf"))
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete("tiny")
+        assert e.value.status_code == 400 and "ollama rm" in e.value.error
+        assert "tiny:latest" in [m.model for m in client.list().models]
+        with pytest.raises(ollama.ResponseError) as e:
+            client.delete("never-pulled")
+        assert e.value.status_code == 404
         # Ollama's show of a model not served is a 404 (it pulls nothing).
         with pytest.raises(ollama.ResponseError) as e:
             client.show(REPO)

@@ -3,7 +3,8 @@ router started with ``--allow-pull``): resolves NAME (`sources`: fetching it fro
 Face when it is not on this machine) with Ollama's progress lines on stdout, then prints
 ``{"status": "success", "spec": ...}``, the model's configuration as the router takes it
 (`router.model_spec`, from the router's settings read on stdin), or ``{"error": ...,
-"type": ...}``."""
+"type": ...}``. ``--delete NAME`` (``DELETE /api/delete``) removes a model from the Hugging
+Face cache (`sources.library.remove`: never Ollama's store or a file)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,30 @@ import sys
 from .config import ServerConfig
 from .router import model_file, model_spec
 from .sources import ModelSourceError, resolve_model
+from .sources.library import remove
 from .sources.progress import JsonProgress
+
+
+def delete(name: str) -> int:
+    """``--delete NAME``: removes the model from the Hugging Face cache (`library.remove`)."""
+    try:
+        remove(name)
+    except ModelSourceError as e:
+        sys.stdout.write(json.dumps({"error": str(e), "type": e.kind}) + "\n")
+        return e.exit_code
+    sys.stdout.write(json.dumps({"status": "success"}) + "\n")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     out = sys.stdout
+    if len(argv) == 2 and argv[0] == "--delete":
+        return delete(argv[1])
     if len(argv) != 1:
-        print("usage: python -m llamarunner._pull NAME < settings.json", file=sys.stderr)
+        print(
+            "usage: python -m llamarunner._pull NAME < settings.json, or --delete NAME",
+            file=sys.stderr,
+        )
         return 2
     try:
         given = json.loads(sys.stdin.read())

@@ -1,6 +1,6 @@
 //! The router's own routes: the model listings of every dialect (`/v1/models`, `/api/tags`,
 //! `/api/ps`, llama-server's `GET /models`), `POST /models/load` and `/models/unload`,
-//! `POST /api/pull` (`pull.rs`),
+//! `POST /api/pull` and `DELETE /api/delete` (`pull.rs`),
 //! `/health`, `/metrics` (every loaded engine's, merged); every other request goes to the engine of the model it names (the body's
 //! `model`, or `?model=` on a GET), loaded first if it is not.
 
@@ -12,7 +12,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::Method;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -43,6 +43,10 @@ pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -
         .route("/api/tags", get(tags))
         .route("/api/ps", get(ps))
         .route("/api/pull", post(super::pull::handler))
+        .route(
+            "/api/delete",
+            delete(super::pull::delete).post(super::pull::delete),
+        )
         .route("/api/version", get(ollama::version))
         .route("/", get(ui::root))
         .route("/dashboard", get(ui::dashboard))

@@ -5,6 +5,8 @@
 //! registry and loads on its first request. A request of another route that names a model
 //! not served yet pulls it first, the same way (`fetch`). One pull runs at a time; a client
 //! that leaves stops its pull. `GET /models` lists each pull running with its progress.
+//! `DELETE /api/delete` (same routers) removes a model the pull command fetched into the
+//! Hugging Face cache, and stops serving it; never a model of Ollama's store or a file.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -120,6 +122,64 @@ fn finished(stream: bool, lines: Vec<Value>) -> Response {
         StatusCode::OK
     };
     (status, Json(last)).into_response()
+}
+
+/// `DELETE /api/delete` (Ollama's; `POST` too) on a router with `--allow-pull`: the model
+/// is unloaded (refused while a request runs on it), its files removed from the Hugging Face
+/// cache by the pull command (`--delete`), and it is no longer served.
+pub async fn delete(State(registry): State<Arc<Registry>>, body: Bytes) -> Response {
+    let (name, _) = match requested_name(&body) {
+        Ok(x) => x,
+        Err(e) => return OllamaError(e).into_response(),
+    };
+    let Some(config) = registry.pull_config().cloned() else {
+        return OllamaError(ApiError::NotFound(
+            "this server does not delete models (start it with --allow-pull)".into(),
+        ))
+        .into_response();
+    };
+    let model = match registry.find(Some(&name)) {
+        Ok(m) => m,
+        Err(e) => return OllamaError(e).into_response(),
+    };
+    if !registry.remove(&model) {
+        return OllamaError(ApiError::Overloaded(format!(
+            "model '{}' is running requests; delete it once they end",
+            model.name
+        )))
+        .into_response();
+    }
+    let Some((program, args)) = config.command.split_first() else {
+        return OllamaError(ApiError::Internal("no pull command".into())).into_response();
+    };
+    let output = tokio::process::Command::new(program)
+        .args(args)
+        .arg("--delete")
+        .arg(&model.name)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .output()
+        .await;
+    let last: Value = match &output {
+        Ok(o) => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .next_back()
+            .unwrap_or_else(|| json!({"error": "the delete said nothing"})),
+        Err(e) => json!({"error": format!("the delete command did not start: {e}")}),
+    };
+    if let Some(error) = last.get("error").and_then(Value::as_str) {
+        // Not ours to delete (Ollama's store, a file): it stays served.
+        registry.add(&model.spec_of());
+        let e = match last.get("type").and_then(Value::as_str) {
+            Some("not_ours" | "not_found") => ApiError::invalid(error.to_string()),
+            _ => ApiError::Internal(error.to_string()),
+        };
+        return OllamaError(e).into_response();
+    }
+    tracing::info!(model = %model.name, "deleted");
+    StatusCode::OK.into_response()
 }
 
 /// Pulls `name` without streaming (a request that names a model not served yet, on a router

@@ -146,6 +146,11 @@ impl Model {
     }
 
     /// The GGUF file's size and modification time (zero and the epoch when it cannot be read).
+    /// How it is served (to serve it again).
+    pub fn spec_of(&self) -> ModelSpec {
+        self.spec.clone()
+    }
+
     fn file_facts(&self) -> (u64, SystemTime) {
         std::fs::metadata(&self.spec.path)
             .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)))
@@ -212,8 +217,8 @@ pub struct Registry {
     keep_alive: Option<Duration>,
     /// How models are pulled (`--allow-pull`); unset: they are not.
     pull: std::sync::OnceLock<super::pull::PullConfig>,
-    /// Other names of models: the name a pull was asked for (`hf.co/o/r:Q4_K_M`) when the
-    /// model is served under another (`o/r:Q4_K_M`), or was already.
+    /// Other names of models: the name a pull was asked for (Hugging Face's with its `hf.co`
+    /// prefix, say) when the model is served under another, or was already.
     aliases: std::sync::RwLock<std::collections::HashMap<String, String>>,
     /// The pulls running (`router/pull.rs`), by the name asked: their last progress line.
     pulling: Mutex<std::collections::BTreeMap<String, Value>>,
@@ -825,6 +830,27 @@ impl Registry {
                 });
             }
         }
+    }
+
+    /// Takes `model` out of the registry (its files are being deleted: `/api/delete`),
+    /// unloading it first; false, and nothing done, while a request holds it.
+    pub fn remove(&self, model: &Arc<Model>) -> bool {
+        if model.lock().in_flight > 0 {
+            return false;
+        }
+        self.unload_when(model, "deleted", |inner| inner.in_flight == 0);
+        if model.lock().in_flight > 0 {
+            return false;
+        }
+        self.models
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|m| !Arc::ptr_eq(m, model));
+        self.aliases
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, name| *name != model.name);
+        true
     }
 
     /// Unloads every model (the server is stopping).

@@ -112,6 +112,18 @@ fn a_pulled_model_joins_once_and_answers_to_the_name_it_was_asked_by() {
 }
 
 #[test]
+fn a_removed_model_and_its_other_names_are_gone() {
+    let r = registry(&["alpha", "bravo"]);
+    let alpha = r.find(Some("alpha")).unwrap();
+    r.alias("hf.co/alpha", &alpha);
+    assert!(r.remove(&alpha));
+    assert_eq!(r.names(), "bravo");
+    assert!(r.find(Some("alpha")).is_err());
+    assert!(r.find(Some("hf.co/alpha")).is_err());
+    assert!(!r.is_alias("hf.co/alpha"));
+}
+
+#[test]
 fn a_models_own_name_comes_before_another_models_tag_or_file_name() {
     // Files alpha.gguf, alpha.gguf.gguf (named "alpha.gguf") and alpha:latest.gguf (named
     // "alpha:latest"): each name finds its own model, whatever the order.
