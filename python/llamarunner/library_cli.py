@@ -25,7 +25,8 @@ def add_library_parsers(sub: Any) -> None:
         description=(
             "Fetch a model into the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else "
             "~/.cache/huggingface/hub; shared with llama.cpp's -hf and other tools) with its "
-            "projector, resuming an interrupted download and checking each file's SHA-256. "
+            "projector, taking a cut connection up where it stopped and checking each file's "
+            "SHA-256. "
             "MODEL is OWNER/REPO[:QUANT] (or hf.co/OWNER/REPO:QUANT): the file whose name "
             "holds QUANT, else Q4_K_M, else Q8_0, else the first GGUF; split files whole. A "
             "model already on this machine (a file, the cache, Ollama's store) is not fetched "

@@ -4,9 +4,10 @@ its cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/h
 one llama.cpp, transformers and every other tool share, so nothing is downloaded twice.
 
 ``HF_ENDPOINT``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are read when a model is fetched (not when
-this module is imported). A download is resumed where an earlier one stopped, checked against
-the SHA-256 the hub gives for the file (a file that does not match is removed), and refused
-before it starts when the disk cannot hold it.
+this module is imported). A connection cut during a download is taken up with a range request
+where the written part ends (huggingface_hub 2.x starts a file stopped by the process's end
+again), the file is checked against the SHA-256 the hub gives (one that does not match is
+removed), and a download the disk cannot hold is refused before it starts.
 """
 
 from __future__ import annotations
@@ -399,8 +400,8 @@ def _watch(folder: Path, f: RepoFile, progress: Progress) -> Iterator[None]:
 
 
 def _download(ref: HfRef, s: HubSettings, f: RepoFile, progress: Progress) -> Path:
-    """Downloads ``f`` of ``main`` into the cache (``huggingface_hub`` resumes a partial
-    download and points ``refs/main`` at the commit); checks its SHA-256."""
+    """Downloads ``f`` of ``main`` into the cache (``huggingface_hub`` takes a cut connection
+    up with a range request and points ``refs/main`` at the commit); checks its SHA-256."""
     hub = _hub()
     errors = hub.errors
     folder = s.cache_dir / ref.cache_folder
