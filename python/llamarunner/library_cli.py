@@ -12,7 +12,13 @@ from typing import Any
 from .arguments import add_source_arguments
 from .sources import ModelSourceError, ResolvedModel, resolve_model
 from .sources.library import LibraryModel, gguf_summary, list_models, remove
-from .sources.progress import JsonProgress, NoProgress, Progress, TerminalProgress
+from .sources.progress import (
+    JsonProgress,
+    NoProgress,
+    Progress,
+    TerminalProgress,
+    human_size,
+)
 from .sources.resolve import looks_like_path
 
 FAILED = 1
@@ -164,7 +170,7 @@ def list_command(args: argparse.Namespace) -> int:
             (
                 r["name"],
                 r["source"],
-                f"{r['size'] / 1e9:.2f} GB" if r["size"] >= 1e8 else f"{r['size'] / 1e6:.1f} MB",
+                human_size(r["size"]),
                 r["architecture"] or "?",
                 r["quantization"] or "?",
                 str(r["context_length"] or "?"),

@@ -69,7 +69,7 @@ class LibraryModel:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def _size(paths: list[Path]) -> int:
+def _total_size(paths: list[Path]) -> int:
     total = 0
     for p in paths:
         with suppress(OSError):
@@ -103,7 +103,7 @@ def _hf_models(s: huggingface.HubSettings) -> Iterator[LibraryModel]:
             name = f"{ref.repo}:{info.tag}" if info.tag else ref.repo
             paths = [snapshot / p.path for p in plan.model]
             mmproj = snapshot / plan.mmproj.path if plan.mmproj else None
-            yield LibraryModel(name, "huggingface", paths[0], _size(paths), mmproj)
+            yield LibraryModel(name, "huggingface", paths[0], _total_size(paths), mmproj)
 
 
 def list_models(models_dir: str | Path | None = None) -> list[LibraryModel]:
@@ -111,7 +111,7 @@ def list_models(models_dir: str | Path | None = None) -> list[LibraryModel]:
     out: list[LibraryModel] = []
     if models_dir is not None:
         for m in discover(models_dir):
-            out.append(LibraryModel(m.name, "models-dir", m.path, _size([m.path]), m.mmproj))
+            out.append(LibraryModel(m.name, "models-dir", m.path, _total_size([m.path]), m.mmproj))
     out.extend(_hf_models(huggingface.HubSettings.from_env(offline=True)))
     root = ollama_store.store_root()
     for name in ollama_store.list_models(root):

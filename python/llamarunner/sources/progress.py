@@ -27,7 +27,8 @@ class Progress(Protocol):
     def finish(self) -> None: ...
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
+    """``253.1 MB``: bytes as people read them (powers of 1000)."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -60,17 +61,17 @@ class TerminalProgress:
         self.name, self.total, self.done = name, total, 0
         self.started = self.last_line = time.monotonic()
         if not self.tty:
-            size = f" ({_size(total)})" if total else ""
+            size = f" ({human_size(total)})" if total else ""
             self.status(f"downloading {name}{size}")
 
     def _line(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-6)
-        rate = f"{_size(self.done / elapsed)}/s"
+        rate = f"{human_size(self.done / elapsed)}/s"
         if self.total:
             columns = shutil.get_terminal_size((80, 24)).columns
             bar = progress_bar(self.done / self.total, max(10, min(30, columns - 60)))
-            return f"{self.name} {bar} {_size(self.done)} of {_size(self.total)}, {rate}"
-        return f"{self.name} {_size(self.done)}, {rate}"
+            return f"{self.name} {bar} {human_size(self.done)} of {human_size(self.total)}, {rate}"
+        return f"{self.name} {human_size(self.done)}, {rate}"
 
     def update(self, done: int) -> None:
         self.done = done

@@ -411,8 +411,8 @@ async fn respond(
         .into_response())
 }
 
-/// One NDJSON line of a streamed answer.
-fn ndjson_line(v: Value) -> Result<Bytes, Infallible> {
+/// One NDJSON line of a streamed answer (also the router's `/api/pull` lines).
+pub(crate) fn ndjson_line(v: Value) -> Result<Bytes, Infallible> {
     let mut s = super::stream_json::to_line(&v);
     s.push('\n');
     Ok(Bytes::from(s))
@@ -671,8 +671,7 @@ pub async fn pull(State(state): State<AppState>, body: Bytes) -> Result<Response
     }
     let success = json!({"status": "success"});
     if req.stream.unwrap_or(true) {
-        let mut line = success.to_string();
-        line.push('\n');
+        let Ok(line) = ndjson_line(success);
         return Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], line).into_response());
     }
     Ok(Json(success).into_response())

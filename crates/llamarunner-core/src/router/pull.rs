@@ -43,10 +43,11 @@ pub struct PullConfig {
 /// One pull at a time: two pulls would race for the disk the first one checked.
 static PULLING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
+/// One line of the pull's stream, as Ollama's other streams write theirs (U+2028 and the
+/// like escaped: a client name echoed in an error cannot split the line).
 fn ndjson(v: &Value) -> Bytes {
-    let mut s = v.to_string();
-    s.push('\n');
-    Bytes::from(s)
+    let Ok(line) = crate::dialects::ollama::ndjson_line(v.clone());
+    line
 }
 
 /// The name a pull body gives (`model`, or `name` as Ollama's older clients say).
