@@ -692,3 +692,49 @@ def test_a_blob_llama_cpp_cannot_load_is_a_clear_error(store: Path, tmp_path: Pa
     assert out.returncode == 2, out.stderr
     assert "model failed to load" in out.stderr
     assert "odd:latest of Ollama's store" in out.stderr
+
+
+def test_hostile_pull_bodies_are_refused_before_any_pull(hub: HubStandIn) -> None:
+    with Server(allow_pull=True, port=0, threads=2) as srv:
+        for body in (
+            {"model": 5},
+            {"model": ["a"]},
+            {"model": {"nested": {"deeper": "x"}}},
+            {"model": "x" * 300},
+            {"model": "a\nb"},
+            {"model": "a\x00b"},
+            {},
+        ):
+            r = httpx.post(f"{srv.url}/api/pull", json=body, timeout=10)
+            assert r.status_code == 400, (body, r.text)
+            r = httpx.request("DELETE", f"{srv.url}/api/delete", json=body, timeout=10)
+            assert r.status_code == 400, (body, r.text)
+        r = httpx.post(f"{srv.url}/api/pull", content=b"{not json", timeout=10)
+        assert r.status_code == 400
+        # A name with a line separator comes back escaped: the stream's lines stay whole.
+        r = httpx.post(f"{srv.url}/api/pull", json={"model": "a\u2028b"}, timeout=60)
+        lines = r.text.splitlines()
+        assert len(r.content.split(b"\n")) == 2 and "\u2028" not in r.text, r.text
+        assert json.loads(lines[-1])["error"]
+    assert gets(hub) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cut=st.integers(min_value=0, max_value=4096), flips=st.lists(st.integers(0, 4095), max_size=8)
+)
+def test_gguf_metadata_of_broken_files_is_an_error_not_a_crash(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cut: int, flips: list[int]
+) -> None:
+    """ggml's reader gets truncated and corrupted headers (the tiny model's first 4 KiB):
+    an answer or a ValueError, never an abort."""
+    from llamarunner import _core
+
+    data = bytearray(tiny_model.read_bytes()[:cut])
+    for at in flips:
+        if at < len(data):
+            data[at] ^= 0xFF
+    path = tmp_path_factory.mktemp("gguf") / "broken.gguf"
+    path.write_bytes(bytes(data))
+    with contextlib.suppress(ValueError):
+        json.loads(_core.gguf_metadata(str(path)))
