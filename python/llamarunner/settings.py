@@ -151,6 +151,13 @@ SERVER_SETTINGS = _table(
     ),
     Setting("threads", int, 0, "CPU threads; 0 = all cores (default {default})"),
     Setting(
+        "sampling_threads",
+        int,
+        0,
+        "threads a step's sequences are sampled on, in parallel; 0 = all cores, at most "
+        "--parallel (default {default})",
+    ),
+    Setting(
         "n_gpu_layers",
         int,
         -1,
@@ -202,6 +209,13 @@ SERVER_SETTINGS = _table(
     ),
     Setting("no_mmap", bool, False, "read the model instead of mapping it"),
     Setting("mlock", bool, False, "lock the model in RAM"),
+    Setting(
+        "null_decode",
+        bool,
+        False,
+        "benchmarks only: decodes compute nothing and give synthetic logits of the model's "
+        "vocabulary, to measure the server's own work per token (sampling, text, streaming)",
+    ),
     Setting(
         "tensor_split",
         str,

@@ -92,10 +92,43 @@ pub trait Text {
     fn bos(&self) -> Option<Token>;
 }
 
+/// One sequence's share of a step's sampling (`Sampling::sample_many`): its sampler, the batch
+/// position of its next token's logits and the drafted tokens that follow it there (each
+/// decoded with its logits), and the tokens picked.
+pub struct Pick<'a, S> {
+    /// The sequence's sampler.
+    pub sampler: &'a mut S,
+    /// Batch position of the logits its next token is sampled from.
+    pub at: usize,
+    /// Drafted tokens at positions `at + 1..`, checked while the sampler agrees with them.
+    pub draft: &'a [Token],
+    /// The request's span, in which the sampler may log.
+    pub span: &'a tracing::Span,
+    /// What was sampled: at `at`, then at each next position while the previous token equals
+    /// the draft's; a `None` (the grammar allows nothing more) is last.
+    pub tokens: Vec<Option<Token>>,
+}
+
+impl<S> Pick<'_, S> {
+    /// Samples with `sample` (a sampler and a batch position to a token) as `tokens` says.
+    pub fn run(&mut self, mut sample: impl FnMut(&mut S, usize) -> Option<Token>) {
+        self.tokens.clear();
+        for j in 0..=self.draft.len() {
+            let sampler = &mut *self.sampler;
+            let token = self.span.in_scope(|| sample(sampler, self.at + j));
+            self.tokens.push(token);
+            match (token, self.draft.get(j)) {
+                (Some(t), Some(&d)) if t == d => {}
+                _ => break,
+            }
+        }
+    }
+}
+
 /// Per-request samplers over the last decode's logits.
 pub trait Sampling {
-    /// Per-request sampler state.
-    type Sampler;
+    /// Per-request sampler state (moved to a pool's thread to sample in parallel).
+    type Sampler: Send;
 
     /// Builds a sampler for a request; `history` seeds the repetition penalties.
     fn new_sampler(
@@ -107,6 +140,14 @@ pub trait Sampling {
     /// `None` when the request's grammar allows nothing more (complete, or at a dead end):
     /// the sequence ends there.
     fn sample(&mut self, sampler: &mut Self::Sampler, index: usize) -> Option<Token>;
+    /// Samples every sequence of a step (`Pick`), with the tokens `sample` would give if called
+    /// for each in turn: each sampler reads only its own rows of logits. A backend with a
+    /// sampling pool runs the picks in parallel.
+    fn sample_many(&mut self, picks: &mut [Pick<'_, Self::Sampler>]) {
+        for pick in picks {
+            pick.run(|sampler, index| self.sample(sampler, index));
+        }
+    }
     /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
     /// sampled `token`'s and the `top` most likely ones.
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;

@@ -111,6 +111,12 @@ pub struct RunnerConfig {
     pub batch_size: u32,
     /// CPU threads for decoding; 0 = every available core.
     pub threads: u32,
+    /// Threads a step's sequences are sampled on, in parallel; 0 = every available core, but
+    /// no more than `parallel` (1: on the engine thread, one after another).
+    pub sampling_threads: u32,
+    /// For benchmarks: decodes compute nothing and give synthetic logits of the model's
+    /// vocabulary, so that the server's own work per token is measured alone.
+    pub null_decode: bool,
     /// Layers to offload to the GPU; -1 = as many as fit (all, with `fit` off).
     pub n_gpu_layers: i32,
     /// GPU used for the model when it is not split (an index among the GPUs found).
@@ -244,6 +250,8 @@ impl Default for RunnerConfig {
             ctx_size: 4096,
             batch_size: 512,
             threads: 0,
+            sampling_threads: 0,
+            null_decode: false,
             n_gpu_layers: -1,
             main_gpu: 0,
             split_mode: SplitMode::Layer,
@@ -709,6 +717,19 @@ impl RunnerConfig {
                 format!("--{}: {inner}", path.replace('_', "-"))
             }
         })
+    }
+
+    /// Sampling threads, resolving 0 to the available cores, but no more than `parallel`
+    /// (more threads than sequences would wait).
+    pub fn effective_sampling_threads(&self) -> u32 {
+        let cores = std::thread::available_parallelism()
+            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+        let asked = if self.sampling_threads > 0 {
+            self.sampling_threads
+        } else {
+            cores
+        };
+        asked.min(self.parallel).max(1)
     }
 
     /// Decoding threads, resolving 0 to the number of available cores.

@@ -194,6 +194,7 @@ impl<B: Backend> Scheduler<B> {
             images,
             image_queued: 0,
             logits_at: None,
+            presampled: std::collections::VecDeque::new(),
             n_generated: 0,
             keep,
             truncated,

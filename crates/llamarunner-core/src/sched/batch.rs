@@ -217,6 +217,7 @@ impl<B: Backend> Scheduler<B> {
             let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
             self.step_cost.observe(self.batch.len(), us);
         }
+        self.presample();
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
             let Some(seq) = slot.seq.as_mut() else {
@@ -241,6 +242,10 @@ impl<B: Backend> Scheduler<B> {
             if let Some(reason) = self.sample_drafted(index, at, now) {
                 self.finish(index, reason);
             } else {
+                if let Some(seq) = self.slots[index].seq.as_mut() {
+                    // Picks past the first rejected draft or the end (none, by construction).
+                    seq.presampled.clear();
+                }
                 self.flush_outbox(index);
             }
         }

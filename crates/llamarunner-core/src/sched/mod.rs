@@ -85,6 +85,9 @@ struct Sequence<S> {
     image_queued: usize,
     /// Batch index whose logits this sequence samples from after this step.
     logits_at: Option<usize>,
+    /// Tokens sampled this step with every other sequence's (`presample`), taken in order by
+    /// `sample_one` at its next positions; what is left when the step is done goes.
+    presampled: std::collections::VecDeque<Option<Token>>,
     n_prompt: usize,
     n_cached: usize,
     n_generated: usize,

@@ -1,14 +1,65 @@
 //! Sampling a sequence's next token, and what it decides: stop (end of generation, a stop
-//! string, the grammar's end), length, or a context shift when the slot is full.
+//! string, the grammar's end), length, or a context shift when the slot is full. Every
+//! sequence of a step is sampled at once first (`presample`, parallel in the backend); what
+//! the tokens decide is then worked out sequence by sequence, in slot order.
 
 use std::time::Instant;
 
 use super::{Phase, Scheduler};
-use crate::backend::Backend;
+use crate::backend::{Backend, Pick};
 use crate::kv;
-use crate::protocol::DoneReason;
+use crate::protocol::{DoneReason, Token};
 
 impl<B: Backend> Scheduler<B> {
+    /// Samples, in one call to the backend (in parallel where it has a sampling pool), every
+    /// sequence whose logits the step's batch decoded: its next token, then each drafted
+    /// position while the sampler agrees with the draft, exactly as `sample_drafted` would one
+    /// sequence after the other. Only positions that `sample_drafted` would certainly reach
+    /// are sampled ahead: a draft is checked no further than the slot's last cell, past which
+    /// a context shift could end the check (positions left are sampled there, in turn). A
+    /// sequence that ends within its picks drops the rest with its sampler. Called once the
+    /// batch is decoded, before its sequences are handled (`step`).
+    pub(super) fn presample(&mut self) {
+        let ctx = self.backend.slot_ctx();
+        let mut owners = Vec::new();
+        let mut picks = Vec::new();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            let Some(at) = seq.logits_at else {
+                continue;
+            };
+            if seq.params.num_predict == 0 {
+                continue;
+            }
+            // The slot's length once this step's tokens are in: the check of draft position
+            // `j + 1` is certain only while `j` sampled tokens leave the slot short of full
+            // (drafts are placed within the slot, `adaptive.rs`, so that holds for the whole
+            // draft; the bound keeps it so should placement change).
+            let base = slot.cached.len() + seq.queued;
+            let checked = seq.spec.draft.len().min(ctx.saturating_sub(base));
+            owners.push(index);
+            picks.push(Pick {
+                sampler: &mut seq.sampler,
+                at,
+                draft: &seq.spec.draft[..checked],
+                span: &seq.span,
+                tokens: Vec::new(),
+            });
+        }
+        if picks.is_empty() {
+            return;
+        }
+        self.backend.sample_many(&mut picks);
+        let tokens: Vec<Vec<Option<Token>>> = picks.into_iter().map(|pick| pick.tokens).collect();
+        for (index, tokens) in owners.into_iter().zip(tokens) {
+            if let Some(seq) = self.slots[index].seq.as_mut() {
+                seq.presampled = tokens.into();
+            }
+        }
+    }
+
     /// Samples the next token of the sequence in slot `index` (its logits were decoded at
     /// `now`); returns why it ends, if it does.
     pub(super) fn sample_one(
@@ -23,9 +74,14 @@ impl<B: Backend> Scheduler<B> {
         if seq.params.num_predict == 0 {
             return Some(DoneReason::Length);
         }
-        // In the request's span: the backend may log about it (a grammar that ends it).
+        // Sampled with the step's other sequences (`presample`), else here, in the request's
+        // span: the backend may log about it (a grammar that ends it).
         let backend = &mut self.backend;
-        let Some(token) = seq.span.in_scope(|| backend.sample(&mut seq.sampler, at)) else {
+        let picked = match seq.presampled.pop_front() {
+            Some(picked) => picked,
+            None => seq.span.in_scope(|| backend.sample(&mut seq.sampler, at)),
+        };
+        let Some(token) = picked else {
             // The grammar allows nothing more: the output is complete.
             return Some(DoneReason::Stop);
         };

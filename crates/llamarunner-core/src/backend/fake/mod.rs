@@ -422,6 +422,14 @@ impl Sampling for FakeBackend {
         Some(token as Token)
     }
 
+    /// The step's picks in reverse order: the scheduler must not depend on the order a
+    /// backend samples its sequences in (a pool samples them all at once).
+    fn sample_many(&mut self, picks: &mut [crate::backend::Pick<'_, FakeSampler>]) {
+        for pick in picks.iter_mut().rev() {
+            pick.run(|sampler, index| self.sample(sampler, index));
+        }
+    }
+
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
         assert!(
             self.outputs.contains_key(&index),

@@ -248,8 +248,20 @@ pub fn load<R>(
     )
     .with_lora(lora)
     .with_vision(vision)
-    .with_draft(draft);
-    tracing::info!(slots = parallel, slot_ctx, batch, threads, "ready");
+    .with_draft(draft)
+    .with_sampling_threads(config.effective_sampling_threads() as usize)
+    .with_null_decode(config.null_decode);
+    if config.null_decode {
+        tracing::warn!("--null-decode: the model computes nothing; its outputs are synthetic");
+    }
+    tracing::info!(
+        slots = parallel,
+        slot_ctx,
+        batch,
+        threads,
+        sampling_threads = config.effective_sampling_threads(),
+        "ready"
+    );
     let recurrent = model.is_recurrent() || model.is_hybrid();
     Ok(serve(engine, Loaded { recurrent }))
 }

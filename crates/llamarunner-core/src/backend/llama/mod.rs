@@ -2,9 +2,9 @@
 //! engine thread, which owns the context, batch and samplers (not `Send` up to llama-cpp-2
 //! 0.1.154; the context is `Send` but not `Sync` in 0.1.160). One file per capability of the
 //! `Backend` traits: `load.rs` (model, context, facts), `text.rs`, `sampler.rs`, `kv_ops.rs`,
-//! `draft.rs`, `embeddings.rs`, `devices.rs`, and `gguf_metadata.rs` (a file's metadata,
-//! without loading it) (where the model's layers live); decoding is
-//! here, with the engine itself.
+//! `draft.rs`, `embeddings.rs`, `devices.rs` (where the model's layers live), `gguf_metadata.rs`
+//! (a file's metadata, without loading it) and `null_decode.rs` (decodes that compute nothing,
+//! for benchmarks); decoding is here, with the engine itself.
 
 mod devices;
 mod draft;
@@ -17,6 +17,7 @@ mod load;
 mod logs;
 mod lora;
 mod mtmd;
+mod null_decode;
 mod placement;
 mod sampler;
 mod text;
@@ -92,6 +93,10 @@ pub struct LlamaEngine<'m> {
     )>,
     /// The draft model's context (`--draft-model`).
     draft: Option<DraftEngine<'m>>,
+    /// The threads a step's sequences are sampled on (`--sampling-threads`); none with one.
+    sampling_pool: Option<rayon::ThreadPool>,
+    /// `--null-decode` (benchmarks): decodes compute nothing and give synthetic logits.
+    null: Option<null_decode::NullLogits>,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -140,12 +145,17 @@ impl<'m> LlamaEngine<'m> {
             raw_logits: None,
             vision: None,
             draft: None,
+            sampling_pool: None,
+            null: None,
         }
     }
 
     /// The logits of batch position `index` of the last decode: the crate's, or those an
     /// image decode kept.
     fn logits_ith(&self, index: i32) -> &[f32] {
+        if let Some(null) = &self.null {
+            return null.logits(usize::try_from(index).unwrap_or(usize::MAX));
+        }
         if let (Some(at), Some((_, raw_ctx))) = (self.raw_logits, self.vision.as_ref()) {
             if at == index {
                 let n = usize::try_from(self.model.n_vocab()).unwrap_or(0);
@@ -172,6 +182,38 @@ impl<'m> LlamaEngine<'m> {
         )>,
     ) -> Self {
         self.vision = vision;
+        self
+    }
+
+    /// The same engine sampling a step's sequences on `threads` threads (one: on the engine
+    /// thread, in turn).
+    fn with_sampling_threads(mut self, threads: usize) -> Self {
+        self.sampling_pool = (threads > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("sampling-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        tracing::warn!(error = %e, "no sampling pool; sampling on the engine thread")
+                    })
+                    .ok()
+            })
+            .flatten();
+        self
+    }
+
+    /// The same engine computing nothing in its decodes, which give synthetic logits
+    /// (`--null-decode`, for benchmarks of the server's own work).
+    fn with_null_decode(mut self, on: bool) -> Self {
+        self.null = on.then(|| {
+            let vocab = self.model.vocab();
+            let eog: Vec<i32> = (0..self.model.n_vocab())
+                .filter(|&t| vocab.is_eog(LlamaToken(t)))
+                .collect();
+            let n_vocab = usize::try_from(self.model.n_vocab()).unwrap_or(0);
+            null_decode::NullLogits::new(n_vocab, &eog)
+        });
         self
     }
 
@@ -203,6 +245,10 @@ impl Decoder for LlamaEngine<'_> {
 
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
         self.raw_logits = None;
+        if let Some(null) = self.null.as_mut() {
+            null.decode(batch);
+            return Ok(());
+        }
         self.batch.clear();
         for t in batch {
             let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;

@@ -1,5 +1,7 @@
 //! Samplers: the request's llama.cpp chain (with the shortlist of `backend/shortlist.rs`)
-//! and its grammar's guide, and log-probabilities.
+//! and its grammar's guide, and log-probabilities. A step's sequences are sampled in parallel
+//! on the engine's sampling pool (`--sampling-threads`): each reads only its own rows of
+//! logits, so the tokens are those of sampling them one after another.
 
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::data::LlamaTokenData;
@@ -7,7 +9,9 @@ use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 
-use crate::backend::{Sampling, Text};
+use rayon::prelude::*;
+
+use crate::backend::{Pick, Sampling, Text};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{BackendError, Token, TokenLogprob, TopLogprob};
 
@@ -23,6 +27,13 @@ pub struct ChainSampler {
     /// The tokens the chain is handed instead of the whole vocabulary, when its first cut is
     /// a top-k or greedy (`backend/shortlist.rs`).
     shortlist: Option<crate::backend::shortlist::Shortlist>,
+}
+
+thread_local! {
+    /// The candidates' buffer of this thread's samples: one per thread, not per sequence (a
+    /// 262,144-token vocabulary is 3 MiB of candidates; 64 sequences' buffers would fall out of
+    /// the caches each step, where one per thread stays in them).
+    static SCRATCH: std::cell::RefCell<Vec<LlamaTokenData>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Sampling for LlamaEngine<'_> {
@@ -187,44 +198,26 @@ impl Sampling for LlamaEngine<'_> {
     }
 
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
-        let index = i32::try_from(index).unwrap_or(i32::MAX);
-        let Some(guide) = sampler.guide.as_mut() else {
-            if let Some(list) = sampler.shortlist.as_mut() {
-                // What llama_sampler_sample does, on the shortlist instead of every token.
-                let logits = self.logits_ith(index);
-                let listed = list
-                    .candidates(logits)
-                    .into_iter()
-                    .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
-                let token = apply_chain(&mut sampler.chain, listed)?.id();
-                sampler.chain.accept(token);
-                list.accept(token.0);
-                return Some(token.0);
-            }
-            // `sample` also accepts the token into the chain (penalty history); no second accept.
-            return Some(sampler.chain.sample(&self.ctx, index).0);
-        };
-        // The chain picks from all logits; only when the guide refuses that pick does it pick
-        // again among the tokens the grammar allows (the distribution is the masked one's:
-        // a refused pick is redrawn). The chain and the guide are each told the choice once.
-        let logits = self.logits_ith(index);
-        let chain = &mut sampler.chain;
-        let pick = |mask: Option<&llguidance::toktrie::SimpleVob>| {
-            let allowed = (0u32..).zip(logits.iter().copied());
-            let picked = match mask {
-                None => apply_chain(chain, allowed),
-                Some(m) => apply_chain(chain, allowed.filter(|&(t, _)| m.is_allowed(t))),
-            };
-            // A pick the chain banned (`ignore_eos` bans end-of-generation tokens) is none.
-            picked
-                .filter(|d| d.logit().is_finite())
-                .and_then(|d| u32::try_from(d.id().0).ok())
-        };
-        let token = guide.choose(pick)?;
-        let token = LlamaToken(i32::try_from(token).ok()?);
-        sampler.chain.accept(token);
-        guide.accept(token.0 as u32, &piece_bytes(self.model, token, true));
-        Some(token.0)
+        let logits = self.logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
+        let model = self.model;
+        pick(sampler, logits, &|t| piece_bytes(model, t, true))
+    }
+
+    fn sample_many(&mut self, picks: &mut [Pick<'_, ChainSampler>]) {
+        // The logits are read here, on the engine thread (llama.cpp waits for the decode on
+        // the first read); the pool's threads get plain rows and the (thread-safe) model.
+        let rows: Vec<Vec<&[f32]>> = picks
+            .iter()
+            .map(|one| {
+                (0..=one.draft.len())
+                    .map(|j| self.logits_ith(i32::try_from(one.at + j).unwrap_or(i32::MAX)))
+                    .collect()
+            })
+            .collect();
+        let model = self.model;
+        sample_rows(self.sampling_pool.as_ref(), picks, &rows, &|t| {
+            piece_bytes(model, t, true)
+        });
     }
 
     fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
@@ -264,26 +257,240 @@ impl Sampling for LlamaEngine<'_> {
     }
 }
 
+/// A token's bytes, for a grammar's guide (any thread may ask).
+type PieceBytes<'a> = &'a (dyn Fn(LlamaToken) -> Vec<u8> + Sync);
+
+/// Runs each pick on its rows of logits (`rows[i][j]`: pick `i`'s position `at + j`), on the
+/// pool when there is one and more than one pick, else in turn on this thread: the same
+/// tokens either way, each sampler reading only its own rows.
+fn sample_rows(
+    pool: Option<&rayon::ThreadPool>,
+    picks: &mut [Pick<'_, ChainSampler>],
+    rows: &[Vec<&[f32]>],
+    bytes: PieceBytes<'_>,
+) {
+    let one = |(p, rows): (&mut Pick<'_, ChainSampler>, &Vec<&[f32]>)| {
+        let at = p.at;
+        p.run(|sampler, index| {
+            let row = rows.get(index - at).copied().unwrap_or_default();
+            pick(sampler, row, bytes)
+        });
+    };
+    match pool {
+        Some(pool) if picks.len() > 1 => {
+            pool.install(|| picks.par_iter_mut().zip(rows).for_each(one));
+        }
+        _ => picks.iter_mut().zip(rows).for_each(one),
+    }
+}
+
+/// Samples (and accepts) a request's next token from one row of logits (`n_vocab` of them):
+/// what `Sampling::sample` does, on any thread (it reads nothing of the context). `None` when
+/// the grammar allows nothing more, or the chain selected nothing.
+fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Option<Token> {
+    let ChainSampler {
+        chain,
+        guide,
+        shortlist,
+    } = sampler;
+    let Some(guide) = guide.as_mut() else {
+        let token = match shortlist.as_mut() {
+            // What llama_sampler_sample does, on the shortlist instead of every token.
+            Some(list) => {
+                let listed = list
+                    .candidates(logits)
+                    .into_iter()
+                    .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
+                let token = apply_chain(chain, listed)?.id();
+                list.accept(token.0);
+                token
+            }
+            // llama_sampler_sample itself: every token's logit, in id order.
+            None => apply_chain(chain, (0u32..).zip(logits.iter().copied()))?.id(),
+        };
+        chain.accept(token);
+        return Some(token.0);
+    };
+    // The chain picks from all logits; only when the guide refuses that pick does it pick
+    // again among the tokens the grammar allows (the distribution is the masked one's:
+    // a refused pick is redrawn). The chain and the guide are each told the choice once.
+    let choose = |mask: Option<&llguidance::toktrie::SimpleVob>| {
+        let allowed = (0u32..).zip(logits.iter().copied());
+        let picked = match mask {
+            None => apply_chain(chain, allowed),
+            Some(m) => apply_chain(chain, allowed.filter(|&(t, _)| m.is_allowed(t))),
+        };
+        // A pick the chain banned (`ignore_eos` bans end-of-generation tokens) is none.
+        picked
+            .filter(|d| d.logit().is_finite())
+            .and_then(|d| u32::try_from(d.id().0).ok())
+    };
+    let token = guide.choose(choose)?;
+    let token = LlamaToken(i32::try_from(token).ok()?);
+    chain.accept(token);
+    guide.accept(token.0 as u32, &bytes(token));
+    Some(token.0)
+}
+
 /// Runs `chain` on the `candidates` (token, logit) as `llama_sampler_sample` runs it on every
 /// token's logit, without accepting the pick: the entry it selected, None when there were no
-/// candidates or it selected none.
+/// candidates or it selected none. The candidates are laid out in this thread's buffer.
 pub(super) fn apply_chain(
     chain: &mut LlamaSampler,
     candidates: impl Iterator<Item = (u32, f32)>,
 ) -> Option<LlamaTokenData> {
-    let data: Vec<LlamaTokenData> = candidates
-        .filter_map(|(t, logit)| {
+    SCRATCH.with(|scratch| {
+        let mut data = std::mem::take(&mut *scratch.borrow_mut());
+        data.clear();
+        data.extend(candidates.filter_map(|(t, logit)| {
             Some(LlamaTokenData::new(
                 LlamaToken(i32::try_from(t).ok()?),
                 logit,
                 0.0,
             ))
-        })
-        .collect();
-    if data.is_empty() {
-        return None;
+        }));
+        if data.is_empty() {
+            *scratch.borrow_mut() = data;
+            return None;
+        }
+        let mut array = LlamaTokenDataArray::new(data, false);
+        array.apply_sampler(chain);
+        let picked = array.selected.and_then(|i| array.data.get(i)).copied();
+        *scratch.borrow_mut() = array.data;
+        picked
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A request's chain as `new_sampler` builds it for a few common settings, without a
+    /// model: 0 OpenAI's defaults (top-k 40, temperature 1), 1 the whole vocabulary
+    /// (temperature 1), 2 Ollama's (penalties, top-k 40, top-p 0.9, temperature 0.8),
+    /// 3 greedy, 4 min-p and top-p without top-k.
+    fn chain(kind: u8, n_vocab: i32, seed: u32) -> ChainSampler {
+        use crate::backend::shortlist::Shortlist;
+        let (stages, shortlist) = match kind {
+            0 => (
+                vec![
+                    LlamaSampler::top_k(40),
+                    LlamaSampler::temp(1.0),
+                    LlamaSampler::dist(seed),
+                ],
+                Shortlist::new(40, &[], None),
+            ),
+            1 => (
+                vec![LlamaSampler::temp(1.0), LlamaSampler::dist(seed)],
+                None,
+            ),
+            2 => (
+                vec![
+                    LlamaSampler::penalties(n_vocab, 64, 1.1, 0.0, 0.0),
+                    LlamaSampler::top_k(40),
+                    LlamaSampler::top_p(0.9, 1),
+                    LlamaSampler::temp(0.8),
+                    LlamaSampler::dist(seed),
+                ],
+                Shortlist::new(40, &[], Some(64)),
+            ),
+            3 => (vec![LlamaSampler::greedy()], Shortlist::new(1, &[], None)),
+            _ => (
+                vec![
+                    LlamaSampler::min_p(0.02, 1),
+                    LlamaSampler::top_p(0.95, 1),
+                    LlamaSampler::temp(0.7),
+                    LlamaSampler::dist(seed),
+                ],
+                None,
+            ),
+        };
+        ChainSampler {
+            chain: LlamaSampler::chain_simple(stages),
+            guide: None,
+            shortlist,
+        }
     }
-    let mut array = LlamaTokenDataArray::new(data, false);
-    array.apply_sampler(chain);
-    array.selected.and_then(|i| array.data.get(i)).copied()
+
+    /// Logits with a few likely tokens and a long tail.
+    fn row(rng: &mut rand::rngs::StdRng, n_vocab: usize) -> Vec<f32> {
+        (0..n_vocab)
+            .map(|_| {
+                let u: f32 = rng.random_range(0.0..1.0);
+                8.0 * u * u * u + rng.random_range(-0.5..0.5)
+            })
+            .collect()
+    }
+
+    fn argmax(row: &[f32]) -> Token {
+        (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .and_then(|i| Token::try_from(i).ok())
+            .unwrap_or(0)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Over several steps, a pool samples every sequence as sampling them one after
+        /// another does: the same tokens, drafts accepted as far, the samplers' states (seeds,
+        /// penalty windows) moving alike.
+        #[test]
+        fn a_pool_samples_what_one_thread_does(
+            seed in any::<u64>(),
+            kinds in prop::collection::vec(0u8..5, 2..12),
+            threads in 2usize..5,
+            n_vocab in 200usize..3000,
+            steps in 1usize..5,
+        ) {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let vocab = i32::try_from(n_vocab).unwrap();
+            let make = || -> Vec<ChainSampler> {
+                kinds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &k)| chain(k, vocab, 7 + i as u32))
+                    .collect()
+            };
+            let (mut alone, mut pooled) = (make(), make());
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let span = tracing::Span::none();
+            let bytes = |_: LlamaToken| Vec::new();
+            for _ in 0..steps {
+                // Each sequence's rows (its next token and up to 3 drafted positions); a
+                // greedy sequence's draft follows its rows' best tokens for a while.
+                let rows: Vec<Vec<Vec<f32>>> = kinds
+                    .iter()
+                    .map(|_| (0..rng.random_range(1..=4)).map(|_| row(&mut rng, n_vocab)).collect())
+                    .collect();
+                let drafts: Vec<Vec<Token>> = rows
+                    .iter()
+                    .map(|r| {
+                        let agree = rng.random_range(0..r.len());
+                        (1..r.len())
+                            .map(|j| if j <= agree { argmax(&r[j - 1]) } else { rng.random_range(0..vocab) })
+                            .collect()
+                    })
+                    .collect();
+                let views: Vec<Vec<&[f32]>> =
+                    rows.iter().map(|r| r.iter().map(Vec::as_slice).collect()).collect();
+                let run = |samplers: &mut [ChainSampler], pool: Option<&rayon::ThreadPool>| {
+                    let mut picks: Vec<Pick<'_, ChainSampler>> = samplers
+                        .iter_mut()
+                        .zip(&drafts)
+                        .map(|(sampler, draft)| Pick { sampler, at: 0, draft, span: &span, tokens: Vec::new() })
+                        .collect();
+                    sample_rows(pool, &mut picks, &views, &bytes);
+                    picks.into_iter().map(|p| p.tokens).collect::<Vec<_>>()
+                };
+                let one = run(&mut alone, None);
+                let many = run(&mut pooled, Some(&pool));
+                prop_assert_eq!(&one, &many);
+                // Every pick sampled at least its next token.
+                prop_assert!(one.iter().all(|t| !t.is_empty() && t[0].is_some()));
+            }
+        }
+    }
 }

@@ -282,6 +282,40 @@ fn drafts_stop_at_the_slot_end_and_context_shifts_behave_as_without() {
 }
 
 #[test]
+fn a_grammar_sees_each_token_once_when_drafts_meet_the_slot_end() {
+    // The grammar allows one next byte at a time ("abcabc...", its newline and end never
+    // preferred by the fake over a printable byte), and every draft of the loop is
+    // accepted: sampled ahead past the slot's last cell (where a cache that cannot shift is
+    // decoded again), a position would be told to the grammar twice and the output would
+    // leave the loop.
+    let grammar = crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(
+        r#"root ::= ("abc")+ "\n""#.into(),
+    ));
+    let compiler = crate::constrain::Compiler::new(|| {
+        use crate::protocol::TextModel;
+        crate::backend::fake::FakeText.vocabulary()
+    });
+    let mut grammar = grammar;
+    compiler.compile_into(&mut grammar).expect("compiles");
+    let params = SamplingParams {
+        grammar: Some(grammar),
+        speculative: Some(true),
+        ..greedy(100)
+    };
+    let jobs = [job("abcabcabc", params)];
+    for can_shift in [true, false] {
+        let config = FakeConfig {
+            slot_ctx: 40,
+            can_shift,
+            ..looping(2)
+        };
+        let (runs, _) = same_as_without(config, 1, SPEC, &jobs);
+        assert!(runs[0].2.draft_accepted_count > 0, "{:?}", runs[0].2);
+        assert_eq!(runs[0].0, "abc".repeat(34)[..100], "can_shift {can_shift}");
+    }
+}
+
+#[test]
 fn a_rollback_past_a_sliding_window_decodes_the_slot_again() {
     // A window of 2 keeps 4 positions: rejecting more than 2 drafts loses cells the next
     // position needs, and the slot is decoded again instead of running on a broken cache.
