@@ -10,8 +10,9 @@ HTTP) decides the throughput. This runs ours with ``--null-decode``: the model i
 its context made, but every decode returns at once with synthetic logits of the model's real
 vocabulary (262,144 tokens for the default model), so only the server's own work is left.
 For each sampler preset, number of streams and ``--sampling-threads`` it keeps that many
-clients busy (closed loop, non-streaming ``/v1/completions`` of ``--tokens`` tokens with
-``ignore_eos``, so the clients' own work stays small) and prints, over a window once every
+clients busy (closed loop, non-streaming ``/v1/completions`` of ``--tokens`` tokens on
+average with ``ignore_eos``, so the clients' own work stays small; the lengths are spread so
+that the streams do not all end in the same step) and prints, over a window once every
 stream is busy, the tokens/s sustained (the server's own count, ``/metrics``), the server's CPU
 time per token (from /proc, every thread) and the speed-up over the first thread count. The
 server is pinned (``taskset``) to as many cores as it has sampling threads, so that a row says
@@ -72,6 +73,8 @@ class Result:
     cpu_seconds: float
     failed: int
     rss_mb: float
+    client_cores: float
+    """The clients' CPU use over the window, in cores (they share the machine)."""
 
     @property
     def tps(self) -> float:
@@ -116,10 +119,14 @@ async def drive(url: str, streams: int, body: dict[str, Any], seconds: float) ->
             while time.perf_counter() < end:
                 words = " ".join(WORDS[(i * 7 + n * 3 + k) % len(WORDS)] for k in range(8))
                 n += 1
+                # Lengths from half to one and a half times the mean, so that the streams
+                # do not end (and the clients send again) all in the same step.
+                spread = 0.5 + ((i * 37 + n * 11) % 101) / 100
+                request = {**body, "max_tokens": max(1, round(body["max_tokens"] * spread))}
                 try:
                     r = await client.post(
                         "/v1/completions",
-                        json={**body, "prompt": words, "seed": 1000 * i + n},
+                        json={**request, "prompt": words, "seed": 1000 * i + n},
                     )
                     r.raise_for_status()
                 except httpx.HTTPError:
@@ -169,8 +176,10 @@ def measure(args: argparse.Namespace, preset: str, streams: int, threads: int) -
             )
             loop.run_until_complete(asyncio.sleep(args.warmup))
             tokens0, cpu0, t0 = generated(server.url), cpu_seconds(pid), time.perf_counter()
+            client0 = cpu_seconds(os.getpid())
             loop.run_until_complete(asyncio.sleep(args.seconds))
             tokens1, cpu1, t1 = generated(server.url), cpu_seconds(pid), time.perf_counter()
+            client1 = cpu_seconds(os.getpid())
             rss = peak_rss_mb(pid)
             task.cancel()
             try:
@@ -180,7 +189,8 @@ def measure(args: argparse.Namespace, preset: str, streams: int, threads: int) -
         finally:
             loop.close()
     tokens = int(tokens1 - tokens0)
-    return Result(preset, streams, threads, tokens, t1 - t0, cpu1 - cpu0, failed, rss)
+    client = (client1 - client0) / (t1 - t0)
+    return Result(preset, streams, threads, tokens, t1 - t0, cpu1 - cpu0, failed, rss, client)
 
 
 def table(results: list[Result], machine: str) -> str:
@@ -189,15 +199,16 @@ def table(results: list[Result], machine: str) -> str:
         f"machine: {machine}",
         "",
         "| preset | streams | sampling threads (= cores) | tokens/s | server CPU µs/token | "
-        "speed-up | peak RSS MB | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "speed-up | server cores busy | clients' cores busy | peak RSS MB | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         first = base.setdefault((r.preset, r.streams), r.tps)
         speedup = r.tps / first if first else 0.0
         lines.append(
             f"| {r.preset} | {r.streams} | {r.threads} | {r.tps:,.0f} | "
-            f"{r.cpu_us_per_token:,.0f} | {speedup:.2f}x | {r.rss_mb:,.0f} | {r.failed} |"
+            f"{r.cpu_us_per_token:,.0f} | {speedup:.2f}x | {r.cpu_seconds / r.seconds:.2f} | "
+            f"{r.client_cores:.2f} | {r.rss_mb:,.0f} | {r.failed} |"
         )
     return "\n".join(lines)
 
