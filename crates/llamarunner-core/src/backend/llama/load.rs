@@ -258,8 +258,8 @@ pub fn load<R>(
         slots = parallel,
         slot_ctx,
         batch,
-        threads,
         sampling_threads = config.effective_sampling_threads(),
+        threads,
         "ready"
     );
     let recurrent = model.is_recurrent() || model.is_hybrid();

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU benchmark, on a machine with nvcc, CMake, ninja, 16 cores and Python 3.12 but no
+# Rust and no network (issue #42), run from the repository root with benches/gpu/carry made
+# by prepare.sh. Every step appends to $OUT (the device tool brings it back), so a run cut
+# short by its time limit still returns what it measured:
+#
+#   $OUT/run.log              each step with its time
+#   $OUT/devices.txt          llamarunner serve --list-devices
+#   $OUT/load-gemma.md        ours vs llama-server, the default model's shape (262k vocabulary)
+#   $OUT/ceiling.md           the server's own ceiling (--null-decode), 1 and 16 sampling threads
+#   $OUT/batched-bench.txt    llama-batched-bench at the same widths (the kernels' ceiling)
+#   $OUT/load-llama8b.md      ours vs llama-server, a llama 8B shape in Q4_K
+#
+# Settings (environment): GGML_CUDA=OFF for a dry run on a CPU machine; GPU_WORK (build and
+# models, default /tmp/gpu-work; a second run reuses the build); CLIENTS (default
+# single,parallel8,parallel32,parallel64); LLAMA_LAYERS (fewer layers for a dry run);
+# STEPS (default build,install,models,load,ceiling,batched,llama8b).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+carry="$repo/benches/gpu/carry"
+out=${OUT:-/tmp/gpu-out}
+work=${GPU_WORK:-/tmp/gpu-work}
+cuda=${GGML_CUDA:-ON}
+clients=${CLIENTS:-single,parallel8,parallel32,parallel64}
+steps=${STEPS:-build,install,models,load,ceiling,batched,llama8b}
+mkdir -p "$out" "$work"
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/run.log"; }
+want() { [[ ",$steps," == *",$1,"* ]]; }
+[ -f "$carry/llama.cpp.tar.xz" ] || {
+  echo "no $carry: run benches/gpu/prepare.sh first and carry it" >&2
+  exit 1
+}
+
+# The CUDA runtime and cuBLAS, from the toolkit or from the nvidia-* Python packages.
+if command -v nvcc >/dev/null; then
+  export LD_LIBRARY_PATH="$(dirname "$(command -v nvcc)")/../lib64:${LD_LIBRARY_PATH:-}"
+fi
+for d in $(python3 -c 'import glob, site; print(" ".join(glob.glob(p + "/nvidia/*/lib") for p in site.getsitepackages()))' 2>/dev/null | tr ' ' '\n'); do
+  export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"
+done
+log "machine: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo no nvidia-smi); nvcc $(nvcc --version 2>/dev/null | tail -1 || echo none)"
+
+build="$work/build"
+if want build; then
+  log "build: llama.cpp (CUDA $cuda) from the vendored source"
+  [ -d "$work/llama.cpp" ] || tar -C "$work" -xJf "$carry/llama.cpp.tar.xz"
+  cmake -S "$work/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" \
+    -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >"$out/cmake.log" 2>&1
+  targets=(llama-server llama-batched-bench ggml-cpu)
+  [ "$cuda" = ON ] && targets+=(ggml-cuda)
+  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1
+  log "build: done ($(ls "$build"/bin | tr '\n' ' '))"
+fi
+
+venv="$work/venv"
+py="$venv/bin/python"
+if want install; then
+  log "install: our wheel and its dependencies (no network)"
+  python3 -m venv --system-site-packages "$venv"
+  "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" llamarunner
+  if [ "$cuda" = ON ]; then
+    lib=$("$py" -c 'import llamarunner, os; print(os.path.join(os.path.dirname(llamarunner.__file__), "lib"))')
+    cp "$build/bin/libggml-cuda.so" "$lib/"
+  fi
+  "$py" -m llamarunner serve --list-devices | tee "$out/devices.txt"
+  log "install: done"
+fi
+
+gemma="$work/gemma-shape.gguf"
+llama8b="$work/llama8b-q4_k.gguf"
+if want models; then
+  log "models: random weights, the default model's shape and a llama 8B (Q4_K)"
+  [ -f "$work/header.bin" ] || xz -dc "$carry/header.bin.xz" >"$work/header.bin"
+  python3 "$repo/benches/gpu/make_model.py" like "$work/header.bin" "$gemma"
+  if want llama8b; then
+    python3 "$repo/benches/gpu/make_model.py" llama "$work/header.bin" "$llama8b" --type q4_k \
+      ${LLAMA_LAYERS:+--layers "$LLAMA_LAYERS"}
+  fi
+  log "models: done"
+fi
+
+cd "$repo"
+server="$build/bin/llama-server"
+threads=$(($(nproc) < 8 ? $(nproc) : 8))
+load() { # MODEL NAME
+  log "load: $2 at $clients clients, ours vs llama-server"
+  "$py" -m benches.load --model "$1" --dialect openai --llama-server "$server" \
+    --scenarios "$clients" --requests 2 --no-baseline --threads "$threads" \
+    --json "$out/load-$2.json" >"$out/load-$2.md" 2>"$out/load-$2.err" || log "load: $2 failed"
+  log "load: $2 done"
+}
+want load && load "$gemma" gemma
+
+if want ceiling; then
+  log "ceiling: --null-decode, 64 and 256 streams"
+  "$py" -m benches.sampling_ceiling --model "$gemma" --streams 64,256 --presets openai,ollama \
+    --threads "1,$(nproc)" --seconds 8 --out "$out/ceiling.md" 2>"$out/ceiling.err" ||
+    log "ceiling: failed"
+  log "ceiling: done"
+fi
+
+if want batched; then
+  log "batched-bench: the kernels' ceiling at the same widths"
+  ngl=$([ "$cuda" = ON ] && echo 99 || echo 0)
+  "$build/bin/llama-batched-bench" -m "$gemma" -c 32768 -b 2048 -ub 512 -npp 200 -ntg 64 \
+    -npl 1,8,32,64 -ngl "$ngl" -fa on >"$out/batched-bench.txt" 2>"$out/batched-bench.err" ||
+    log "batched-bench: failed"
+  log "batched-bench: done"
+fi
+
+want llama8b && load "$llama8b" llama8b
+log "all done"
