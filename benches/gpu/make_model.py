@@ -143,7 +143,10 @@ def fill(tensor: Tensor, rng: random.Random) -> bytes:
         if tensor.name.endswith("norm.weight"):
             return struct.pack(f"<{count}f", *([1.0] * count))
         return struct.pack(f"<{count}f", *(rng.uniform(-0.05, 0.05) for _ in range(count)))
-    data = bytearray(rng.randbytes(n))
+    # 4 MiB of random bytes, repeated (randbytes takes at most 2**31 bits at once; what the
+    # weights repeat does not change what a decode costs).
+    chunk = rng.randbytes(min(n, 4 << 20))
+    data = bytearray(chunk * (n // len(chunk)) + chunk[: n % len(chunk)])
     if name == "F16":
         # Each value's high byte: sign, exponent 0b01010 or 0b01011 (|x| around 0.03-0.06).
         data[1::2] = bytes((b & 0x83) | 0x28 for b in data[1::2])

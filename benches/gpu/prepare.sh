@@ -8,8 +8,8 @@
 #
 # It holds: this commit's portable wheel (CPU variants only: the CUDA module is built there,
 # from the same llama.cpp), the wheels our package needs for CPython 3.12 (httpx,
-# huggingface_hub and theirs), llama.cpp's source as llama-cpp-sys-2 vendors it (xz, without
-# its vocabulary files and docs), and the default model's header (make_model.py).
+# huggingface_hub and theirs), the peer's llama.cpp source (its ggml the vendored one; xz,
+# without vocabulary files, docs and tests), and the default model's header (make_model.py).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -34,13 +34,27 @@ python -m pip download -q --only-binary=:all: --python-version "$py" \
   --platform manylinux_2_28_x86_64 --platform any -d "$carry/wheelhouse" \
   "httpx>=0.27" "huggingface_hub>=0.26"
 
-# llama.cpp's source, as the Rust build compiled it.
-src=$(cd "$repo" && cargo metadata --format-version 1 --locked | python3 -c '
+# llama.cpp's source: the peer's (docs/upgrading-llama-cpp.md, step 5: a llama.cpp checkout
+# whose ggml/ is the one llama-cpp-sys-2 vendors; the vendored copy has no tools/ sources), so
+# that the CUDA module fits the wheel's libggml-base and llama-server runs the same kernels.
+src=${LLAMA_CPP_SOURCE:-/work/peer/src}
+vendored=$(cd "$repo" && cargo metadata --format-version 1 --locked | python3 -c '
 import json, os, sys
 meta = json.load(sys.stdin)
 print(os.path.dirname(next(p["manifest_path"] for p in meta["packages"] if p["name"] == "llama-cpp-sys-2")))')
-tar -C "$src" -cf - --exclude=llama.cpp/models --exclude=llama.cpp/docs \
-  --exclude=llama.cpp/media --exclude=llama.cpp/gguf-py --exclude='*.gguf' llama.cpp |
+[ -f "$src/tools/server/server.cpp" ] || {
+  echo "no llama.cpp checkout with tools/server at $src (set LLAMA_CPP_SOURCE)" >&2
+  exit 1
+}
+if ! diff -rq "$src/ggml" "$vendored/llama.cpp/ggml" >/dev/null; then
+  echo "$src/ggml is not the vendored ggml of $vendored" >&2
+  exit 1
+fi
+top=$(basename "$src")
+tar -C "$(dirname "$src")" -cf - --anchored --exclude="$top/models" --exclude="$top/docs" \
+  --exclude="$top/media" --exclude="$top/gguf-py" --exclude="$top/benches" \
+  --exclude="$top/tests" --exclude="$top/tools/server/tests" --no-anchored --exclude='*.gguf' \
+  --transform "s,^$top,llama.cpp," "$top" |
   xz -6 -T0 >"$carry/llama.cpp.tar.xz"
 
 # The default model's metadata and tensor list (its vocabulary), for models of its shape.

@@ -14,6 +14,7 @@
 # Settings (environment): GGML_CUDA=OFF for a dry run on a CPU machine; GPU_WORK (build and
 # models, default /tmp/gpu-work; a second run reuses the build); CLIENTS (default
 # single,parallel8,parallel32,parallel64); LLAMA_LAYERS (fewer layers for a dry run);
+# CEILING_STREAMS (default 64,256) and CEILING_SECONDS (default 8);
 # STEPS (default build,install,models,load,ceiling,batched,llama8b).
 set -euo pipefail
 
@@ -43,12 +44,19 @@ log "machine: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total,driver_
 
 build="$work/build"
 if want build; then
+  # One build for both: the CUDA module our wheel loads and llama-server, which loads the same
+  # modules (GGML_BACKEND_DL; its CPU backend at the AVX2 level: GGML_NATIVE cannot go with
+  # modules, and the CPU does little beside a GPU).
   log "build: llama.cpp (CUDA $cuda) from the vendored source"
   [ -d "$work/llama.cpp" ] || tar -C "$work" -xJf "$carry/llama.cpp.tar.xz"
-  cmake -S "$work/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" \
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake -S "$work/llama.cpp" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -DGGML_CUDA="$cuda" \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >"$out/cmake.log" 2>&1
   targets=(llama-server llama-batched-bench ggml-cpu)
   [ "$cuda" = ON ] && targets+=(ggml-cuda)
@@ -96,9 +104,10 @@ load() { # MODEL NAME
 want load && load "$gemma" gemma
 
 if want ceiling; then
-  log "ceiling: --null-decode, 64 and 256 streams"
-  "$py" -m benches.sampling_ceiling --model "$gemma" --streams 64,256 --presets openai,ollama \
-    --threads "1,$(nproc)" --seconds 8 --out "$out/ceiling.md" 2>"$out/ceiling.err" ||
+  log "ceiling: --null-decode, ${CEILING_STREAMS:-64,256} streams"
+  "$py" -m benches.sampling_ceiling --model "$gemma" --streams "${CEILING_STREAMS:-64,256}" \
+    --presets openai,ollama,full --threads "1,$(nproc)" --seconds "${CEILING_SECONDS:-8}" \
+    --out "$out/ceiling.md" 2>"$out/ceiling.err" ||
     log "ceiling: failed"
   log "ceiling: done"
 fi
