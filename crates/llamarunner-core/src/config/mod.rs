@@ -722,12 +722,10 @@ impl RunnerConfig {
     /// Sampling threads, resolving 0 to the available cores, but no more than `parallel`
     /// (more threads than sequences would wait).
     pub fn effective_sampling_threads(&self) -> u32 {
-        let cores = std::thread::available_parallelism()
-            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
         let asked = if self.sampling_threads > 0 {
             self.sampling_threads
         } else {
-            cores
+            available_cores()
         };
         asked.min(self.parallel).max(1)
     }
@@ -737,9 +735,7 @@ impl RunnerConfig {
         if self.threads > 0 {
             return self.threads;
         }
-        std::thread::available_parallelism()
-            .map(|n| u32::try_from(n.get()).unwrap_or(1))
-            .unwrap_or(1)
+        available_cores()
     }
 
     /// `--tensor-split` as numbers, one per GPU (None when not given): each finite and not
@@ -773,6 +769,13 @@ impl RunnerConfig {
         }
         Ok(Some(values))
     }
+}
+
+/// The cores this process may run on (1 when that cannot be told).
+fn available_cores() -> u32 {
+    std::thread::available_parallelism()
+        .map(|n| u32::try_from(n.get()).unwrap_or(1))
+        .unwrap_or(1)
 }
 
 #[cfg(test)]

@@ -237,6 +237,7 @@ pub fn load<R>(
         flash_attn: ctx_flash_attn(config.flash_attn),
         pooled_by_model: model_has_pooling_type(model),
     };
+    let sampling_threads = config.effective_sampling_threads();
     let engine = LlamaEngine::new(
         model,
         ctx,
@@ -249,7 +250,7 @@ pub fn load<R>(
     .with_lora(lora)
     .with_vision(vision)
     .with_draft(draft)
-    .with_sampling_threads(config.effective_sampling_threads() as usize)
+    .with_sampling_threads(sampling_threads as usize)
     .with_null_decode(config.null_decode);
     if config.null_decode {
         tracing::warn!("--null-decode: the model computes nothing; its outputs are synthetic");
@@ -258,7 +259,7 @@ pub fn load<R>(
         slots = parallel,
         slot_ctx,
         batch,
-        sampling_threads = config.effective_sampling_threads(),
+        sampling_threads,
         threads,
         "ready"
     );

@@ -207,10 +207,8 @@ impl<'m> LlamaEngine<'m> {
     /// (`--null-decode`, for benchmarks of the server's own work).
     fn with_null_decode(mut self, on: bool) -> Self {
         self.null = on.then(|| {
-            let vocab = self.model.vocab();
-            let eog: Vec<i32> = (0..self.model.n_vocab())
-                .filter(|&t| vocab.is_eog(LlamaToken(t)))
-                .collect();
+            // The end-of-generation tokens are those `ignore_eos` bans.
+            let eog: Vec<i32> = self.eog_bans.iter().map(|b| b.token().0).collect();
             let n_vocab = usize::try_from(self.model.n_vocab()).unwrap_or(0);
             null_decode::NullLogits::new(n_vocab, &eog)
         });
