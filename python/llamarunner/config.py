@@ -81,6 +81,7 @@ class ServerConfig:
     kv_cache_type: str = _D["kv_cache_type"]
     no_mmap: bool = _D["no_mmap"]
     mlock: bool = _D["mlock"]
+    deterministic: bool = _D["deterministic"]
     null_decode: bool = _D["null_decode"]
     tensor_split: str | None = _D["tensor_split"]
     lora: list[str] = _D["lora"]

@@ -210,6 +210,14 @@ SERVER_SETTINGS = _table(
     Setting("no_mmap", bool, False, "read the model instead of mapping it"),
     Setting("mlock", bool, False, "lock the model in RAM"),
     Setting(
+        "deterministic",
+        bool,
+        False,
+        "a request's output depends only on the request: not on what else shares its batch, "
+        "how its prompt was chunked or whether it was cached (CPU only, no flash attention; "
+        "costs speed, see docs/determinism.md)",
+    ),
+    Setting(
         "null_decode",
         bool,
         False,

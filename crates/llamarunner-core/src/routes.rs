@@ -199,8 +199,37 @@ pub fn router(state: AppState) -> Router {
         // Keep this after the last route: it applies to the routes registered before it.
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            deterministic_header,
+        ))
         .with_state(state);
     access::layer(middleware::apply(routes, policy), metrics)
+}
+
+/// The header every answer of a model route carries: whether the request ran
+/// deterministically (`--deterministic`: its output depends on the request alone).
+pub const DETERMINISTIC_HEADER: &str = "llamarunner-deterministic";
+
+/// Adds `DETERMINISTIC_HEADER` to the answers of model routes, once the model is loaded.
+async fn deterministic_header(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let model_route =
+        request.method() == axum::http::Method::POST && is_model_post(request.uri().path());
+    let mut response = next.run(request).await;
+    if let Some(info) = model_route
+        .then(|| state.engine.health.model_info())
+        .flatten()
+    {
+        response.headers_mut().insert(
+            DETERMINISTIC_HEADER,
+            axum::http::HeaderValue::from_static(if info.deterministic { "true" } else { "false" }),
+        );
+    }
+    response
 }
 
 #[cfg(test)]

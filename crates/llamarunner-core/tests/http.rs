@@ -532,3 +532,66 @@ async fn input_tokens_count_what_a_generation_would_decode() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
     handle.shutdown();
 }
+
+#[tokio::test]
+async fn deterministic_output_is_refused_where_the_server_cannot_give_it_and_said_where_not() {
+    let (app, handle) = app(FakeConfig::default());
+    // Every dialect's generation route, with the field set.
+    for (path, body) in [
+        ("/completion", r#"{"prompt":"x","deterministic":true}"#),
+        (
+            "/completion",
+            r#"{"prompt":"x","n_predict":2,"deterministic":true}"#,
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"fake","prompt":"x","deterministic":true}"#,
+        ),
+        (
+            "/api/chat",
+            r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"deterministic":true}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}],"deterministic":true}"#,
+        ),
+        ("/v1/completions", r#"{"prompt":"x","deterministic":true}"#),
+        (
+            "/v1/messages",
+            r#"{"model":"fake","max_tokens":4,"messages":[{"role":"user","content":"x"}],"deterministic":true}"#,
+        ),
+        ("/v1/responses", r#"{"input":"x","deterministic":true}"#),
+    ] {
+        let (status, text) = post_to(&app, path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {text}");
+        assert!(text.contains("--deterministic"), "{path}: {text}");
+        // Asking for none, or not asking, is served, and the answer says it was not.
+        let plain = body.replace(r#","deterministic":true"#, r#","deterministic":false"#);
+        let req = Request::post(path)
+            .header("content-type", "application/json")
+            .body(Body::from(plain.clone()))
+            .unwrap();
+        let resp = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{path} {plain}");
+        assert_eq!(
+            resp.headers()["llamarunner-deterministic"],
+            "false",
+            "{path}"
+        );
+        let _ = resp.into_body().collect().await;
+    }
+    let (_, text) = post_to(
+        &app,
+        "/completion",
+        r#"{"prompt":"x","deterministic":true}"#,
+    )
+    .await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["type"], "deterministic_unavailable", "{text}");
+    let req = Request::get("/props").body(Body::empty()).unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let props: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(props["deterministic"], false);
+    handle.shutdown();
+}

@@ -4,6 +4,9 @@
 //! build). Lives on the engine thread only.
 
 pub mod fake;
+// Used by the llama backend's deterministic mode; pure, so unit-tested in every build.
+#[cfg_attr(not(feature = "llama"), allow(dead_code))]
+pub mod invariant_batch;
 #[cfg(feature = "llama")]
 pub mod llama;
 // Used by the llama backend; pure, so unit-tested in every build.
@@ -60,6 +63,11 @@ pub trait Decoder {
     fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError>;
     /// Decodes one batch.
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError>;
+    /// Whether a row's logits are the same whatever else its batch holds and however its
+    /// prompt was chunked (`--deterministic`; `invariant_batch`).
+    fn batch_invariant(&self) -> bool {
+        false
+    }
     /// Encodes an image with the projector and decodes its positions `pos..pos + n_tokens`
     /// into sequence `seq`, in a decode call of its own (a llama.cpp batch holds tokens or
     /// embeddings, not both). With `logits` (a prompt that ends with the image), the last

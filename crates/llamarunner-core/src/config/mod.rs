@@ -117,6 +117,11 @@ pub struct RunnerConfig {
     /// For benchmarks: decodes compute nothing and give synthetic logits of the model's
     /// vocabulary, so that the server's own work per token is measured alone.
     pub null_decode: bool,
+    /// Deterministic mode (`--deterministic`): a request's output depends only on the request,
+    /// not on what else shares its batch, how its prompt was chunked or whether it came from a
+    /// cache. The model runs on the CPU with kernels whose rows compute the same for every
+    /// batch shape (`backend::invariant_batch` says which and how).
+    pub deterministic: bool,
     /// Layers to offload to the GPU; -1 = as many as fit (all, with `fit` off).
     pub n_gpu_layers: i32,
     /// GPU used for the model when it is not split (an index among the GPUs found).
@@ -252,6 +257,7 @@ impl Default for RunnerConfig {
             threads: 0,
             sampling_threads: 0,
             null_decode: false,
+            deterministic: false,
             n_gpu_layers: -1,
             main_gpu: 0,
             split_mode: SplitMode::Layer,
@@ -313,6 +319,9 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A setting `--deterministic` cannot run with.
+    #[error("--deterministic cannot run with {0}")]
+    Deterministic(&'static str),
     /// A numeric setting is out of range.
     #[error("{name} must be {rule} (got {value})")]
     OutOfRange {
@@ -413,10 +422,19 @@ impl RunnerConfig {
     /// The KV cache type the engine runs: `kv_cache_type`, but f16 when flash attention is
     /// off (llama.cpp needs it for a quantized cache).
     pub fn effective_kv_cache_type(&self) -> &str {
-        if self.flash_attn == FlashAttn::Off {
+        if self.effective_flash_attn() == FlashAttn::Off {
             "f16"
         } else {
             &self.kv_cache_type
+        }
+    }
+
+    /// The flash attention policy the engine runs: `flash_attn`, but off in deterministic mode.
+    pub fn effective_flash_attn(&self) -> FlashAttn {
+        if self.deterministic {
+            FlashAttn::Off
+        } else {
+            self.flash_attn
         }
     }
 
@@ -532,6 +550,7 @@ impl RunnerConfig {
             });
         }
         self.tensor_split_values()?;
+        self.validate_deterministic()?;
         if !matches!(self.kv_cache_type.as_str(), "f16" | "q8_0" | "q4_0") {
             return Err(ConfigError::KvCacheType(self.kv_cache_type.clone()));
         }
@@ -584,6 +603,33 @@ impl RunnerConfig {
         }
         self.validate_http()?;
         self.api_keys().map(|_| ())
+    }
+
+    /// What `--deterministic` cannot be combined with: the kernels it chooses are the CPU's,
+    /// without flash attention (its tiled and split paths depend on the batch's rows), and
+    /// each sequence's rows are padded to a multiple of four.
+    fn validate_deterministic(&self) -> Result<(), ConfigError> {
+        if !self.deterministic {
+            return Ok(());
+        }
+        let conflict = if self.flash_attn == FlashAttn::On {
+            Some("--flash-attn on (its kernels differ by batch shape; leave it auto or off)")
+        } else if self.n_gpu_layers > 0 {
+            Some("--n-gpu-layers above 0 (it covers the CPU backend only)")
+        } else if self.tensor_split.is_some() {
+            Some("--tensor-split (it covers the CPU backend only)")
+        } else if self.mmproj.is_some() {
+            Some("--mmproj (images are decoded by the projector's own batches)")
+        } else if self.batch_size < 4 {
+            Some("--batch-size below 4 (each sequence's rows are padded to a multiple of four)")
+        } else if self.null_decode {
+            Some("--null-decode")
+        } else if self.kv_cache_type != "f16" {
+            Some("a quantized --kv-cache-type (it needs flash attention)")
+        } else {
+            None
+        };
+        conflict.map_or(Ok(()), |c| Err(ConfigError::Deterministic(c)))
     }
 
     /// The sampling defaults of requests that leave fields out (`--temp`, `--top-k`...).

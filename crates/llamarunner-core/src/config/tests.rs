@@ -357,3 +357,80 @@ fn reasoning_defaults_thinking_by_template() {
     assert_eq!(Reasoning::On.default_thinking(&plain), Some(true));
     assert_eq!(Reasoning::Off.default_thinking(&reads), Some(false));
 }
+
+#[test]
+fn deterministic_mode_refuses_what_it_does_not_cover() {
+    let det = || RunnerConfig {
+        deterministic: true,
+        ..with_model()
+    };
+    assert_eq!(det().validate(), Ok(()));
+    assert_eq!(det().effective_flash_attn(), FlashAttn::Off);
+    for (cfg, named) in [
+        (
+            RunnerConfig {
+                flash_attn: FlashAttn::On,
+                ..det()
+            },
+            "--flash-attn on",
+        ),
+        (
+            RunnerConfig {
+                n_gpu_layers: 3,
+                ..det()
+            },
+            "--n-gpu-layers",
+        ),
+        (
+            RunnerConfig {
+                tensor_split: Some("1".into()),
+                ..det()
+            },
+            "--tensor-split",
+        ),
+        (
+            RunnerConfig {
+                mmproj: Some("p.gguf".into()),
+                ..det()
+            },
+            "--mmproj",
+        ),
+        (
+            RunnerConfig {
+                batch_size: 3,
+                ..det()
+            },
+            "--batch-size",
+        ),
+        (
+            RunnerConfig {
+                null_decode: true,
+                ..det()
+            },
+            "--null-decode",
+        ),
+        (
+            RunnerConfig {
+                kv_cache_type: "q8_0".into(),
+                ..det()
+            },
+            "--kv-cache-type",
+        ),
+    ] {
+        let err = cfg.validate().unwrap_err();
+        assert!(matches!(err, ConfigError::Deterministic(_)), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("--deterministic cannot run with"),
+            "{text}"
+        );
+        assert!(text.contains(named), "{text}");
+    }
+    // Without the mode, the same settings are accepted (the flash attention one included).
+    let cfg = RunnerConfig {
+        flash_attn: FlashAttn::On,
+        batch_size: 3,
+        ..with_model()
+    };
+    assert_eq!(cfg.validate(), Ok(()));
+}

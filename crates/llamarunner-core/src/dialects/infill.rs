@@ -45,6 +45,9 @@ struct InfillRequest {
     n_predict: Option<i64>,
     #[serde(default)]
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    #[serde(default)]
+    deterministic: Option<bool>,
     #[serde(default)]
     grammar: Option<String>,
     /// Sampling, under llama-server's names (which Ollama's options share).
@@ -70,6 +73,7 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
     }
     params.lora = lora;
     params.cache_prompt = req.cache_prompt.unwrap_or(true);
+    params.deterministic = req.deterministic.unwrap_or(false);
     // The cursor's context is laid out to fit; a cut of it would drop the FIM markers.
     params.truncate = false;
     params.grammar = req

@@ -65,6 +65,9 @@ struct CompletionRequest {
     /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
     #[serde(default)]
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    #[serde(default)]
+    deterministic: Option<bool>,
 }
 
 /// A text field that must be present and non-empty.
@@ -138,6 +141,7 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
     params.truncate = req.truncate.unwrap_or(true);
     params.speculative = req.speculative.or(params.speculative);
     params.cache_prompt = req.cache_prompt.unwrap_or(true);
+    params.deterministic = req.deterministic.unwrap_or(false);
     params.grammar = match req.grammar.filter(|g| !g.trim().is_empty()) {
         Some(g) => Some(crate::constrain::Grammar::new(
             crate::constrain::GrammarSource::Gbnf(g),

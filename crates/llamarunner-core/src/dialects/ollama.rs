@@ -60,6 +60,8 @@ struct OllamaRequest {
     think: Option<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    deterministic: Option<bool>,
 }
 
 impl OllamaRequest {
@@ -101,6 +103,7 @@ impl OllamaRequest {
             }
             _ => None,
         };
+        params.deterministic = self.deterministic.unwrap_or(false);
         Ok(params)
     }
 }

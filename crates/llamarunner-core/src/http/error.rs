@@ -42,6 +42,10 @@ pub enum ApiError {
     /// Images sent to a server without a vision projector (`--mmproj`).
     #[error("{0}")]
     ImagesNotSupported(String),
+    /// A request asks for deterministic output from a server that cannot give it
+    /// (`--deterministic` is chosen when the model loads).
+    #[error("{0}")]
+    DeterministicUnavailable(String),
     /// The model is still loading.
     #[error("the model is still loading; retry when /health says ready")]
     Loading,
@@ -132,6 +136,7 @@ impl ApiError {
             | ApiError::PromptTooLong { .. }
             | ApiError::InvalidImage(_)
             | ApiError::ImagesNotSupported(_)
+            | ApiError::DeterministicUnavailable(_)
             | ApiError::InvalidSlotFile(_) => StatusCode::BAD_REQUEST,
             ApiError::Loading | ApiError::Unavailable(_) | ApiError::Timeout(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -164,6 +169,7 @@ impl ApiError {
             }
             ApiError::InvalidImage(_) => "invalid_image",
             ApiError::ImagesNotSupported(_) => "images_not_supported",
+            ApiError::DeterministicUnavailable(_) => "deterministic_unavailable",
             ApiError::Loading => "model_loading",
             ApiError::LoadFailed(_) => "model_load_failed",
             ApiError::Overloaded(_) => "overloaded",

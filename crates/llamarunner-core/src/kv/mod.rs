@@ -144,6 +144,13 @@ pub fn shift_discard(ctx: usize, keep: usize, len: usize) -> usize {
     (target_free - free).max(0) as usize
 }
 
+/// Where the chunk holding position `index` starts when a prompt is decoded from its start in
+/// chunks of `capacity` positions (an idle server's prefill).
+pub fn chunk_start(index: usize, capacity: usize) -> usize {
+    let capacity = capacity.max(1);
+    index / capacity * capacity
+}
+
 /// The longest prefix of `tokens` of at most `len` tokens that does not end inside an image
 /// (`protocol::vision`): `len`, or the start of the image it would cut.
 pub fn image_boundary_before(tokens: &[Token], len: usize) -> usize {
@@ -270,6 +277,15 @@ mod tests {
         t.extend((0..n).map(|i| image_token(key, i)));
         t.extend((0..after).map(|i| 100 + i as Token));
         t
+    }
+
+    #[test]
+    fn a_chunk_starts_at_a_multiple_of_the_batch() {
+        assert_eq!(chunk_start(0, 512), 0);
+        assert_eq!(chunk_start(511, 512), 0);
+        assert_eq!(chunk_start(512, 512), 512);
+        assert_eq!(chunk_start(1300, 512), 1024);
+        assert_eq!(chunk_start(7, 0), 7);
     }
 
     #[test]

@@ -80,6 +80,9 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
             "size": info.file_size,
         },
         "slot_save": state.slot_save_path.is_some(),
+        // `--deterministic`: every request's output depends on the request alone (each
+        // answer says so in its `Llamarunner-Deterministic` header).
+        "deterministic": info.deterministic,
         // As llama-server: whether requests may carry images (`--mmproj`) or audio (never).
         "modalities": {"vision": info.vision.is_some(), "audio": false},
         "build_info": format!("llamarunner {version} (llama-cpp-2 {LLAMA_CPP_2_VERSION})"),

@@ -168,6 +168,9 @@ pub struct ModelInfo {
     pub rerank: Option<RerankFormat>,
     /// The devices it runs on and the layers it placed there.
     pub devices: super::devices::DeviceFacts,
+    /// Loaded in deterministic mode (`--deterministic`): a request's output depends only on
+    /// the request.
+    pub deterministic: bool,
 }
 
 /// How a reranker pairs a query with a document (llama-server's layout): the model's own

@@ -128,6 +128,9 @@ pub struct SamplingParams {
     /// Reuse a cached prefix of the prompt (a slot's, a fork's or the prompt cache's); false
     /// decodes the whole prompt (llama-server's `cache_prompt`).
     pub cache_prompt: bool,
+    /// The request asks for deterministic output (its `deterministic` field): refused unless
+    /// the server runs `--deterministic`, where every request is.
+    pub deterministic: bool,
     /// Report the prompt's decode as it goes (`Event::Progress`; llama-server's
     /// `return_progress`).
     pub return_progress: bool,
@@ -214,6 +217,7 @@ impl Default for SamplingParams {
             lora: None,
             speculative: None,
             cache_prompt: true,
+            deterministic: false,
             return_progress: false,
             samplers: ExtraSamplers::default(),
         }

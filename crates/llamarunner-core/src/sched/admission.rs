@@ -139,7 +139,18 @@ impl<B: Backend> Scheduler<B> {
         // At least one prompt token is decoded so there are logits to sample from; a prefix
         // that ends inside an image is cut back to the image's start (an image is decoded
         // whole).
-        let mut reuse = kv::image_boundary_before(&tokens, common.min(tokens.len() - 1));
+        let mut reusable = common.min(tokens.len() - 1);
+        if common >= tokens.len() - 1 && reproducible(params) && !self.backend.batch_invariant() {
+            // The whole prompt is cached and the request is seeded (the same text each time):
+            // the prompt's last chunk is decoded again as a fresh decode chunks it, so that
+            // its last row (the first sampled distribution) comes from a batch of the same
+            // shape (llama.cpp's kernels sum a row differently by its batch's row count).
+            reusable = reusable.min(kv::chunk_start(
+                tokens.len() - 1,
+                self.backend.batch_capacity(),
+            ));
+        }
+        let mut reuse = kv::image_boundary_before(&tokens, reusable);
         // What the slot holds past the reused prefix is about to go: to RAM first.
         self.offload(index, reuse);
         if !self.backend.kv_truncate(self.slots[index].id, reuse) {
@@ -315,4 +326,11 @@ impl<B: Backend> Scheduler<B> {
             }
         }
     }
+}
+
+/// Whether a request samples with a seed of its own (or the server's `--seed`): it asks for
+/// the same text each time it is sent. Greedy requests are not counted: their answers change
+/// only where two tokens' logits nearly tie (`--deterministic` covers them too).
+fn reproducible(params: &crate::protocol::params::SamplingParams) -> bool {
+    params.temperature > 0.0 && params.seed >= 0
 }

@@ -772,6 +772,7 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
         rerank: None,
         // One block and the output layer, on the CPU.
         devices: crate::protocol::devices::DeviceFacts::cpu_only(2),
+        deterministic: false,
     }
 }
 

@@ -56,6 +56,25 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
         .map_err(Clone::clone)
 }
 
+/// Chooses, once per process, the CPU kernels deterministic mode needs: ggml reads
+/// `GGML_CPU_TILED_MM` at its first matrix product and keeps it, so it is set (off) before any
+/// model here decodes. A deterministic load after a load without the mode is refused: that
+/// process's kernels are chosen already.
+fn choose_kernels(deterministic: bool) -> Result<(), String> {
+    static DETERMINISTIC: OnceLock<bool> = OnceLock::new();
+    let chosen = *DETERMINISTIC.get_or_init(|| {
+        if deterministic {
+            // Before llama.cpp runs anything (this is the first load of the process).
+            std::env::set_var("GGML_CPU_TILED_MM", "0");
+        }
+        deterministic
+    });
+    if deterministic && !chosen {
+        return Err("--deterministic needs a process of its own: this one already loaded a model with llama.cpp's batch-shaped kernels".into());
+    }
+    Ok(())
+}
+
 /// Every device llama.cpp's backends found (loading the backend libraries first, in a portable
 /// build), with its memory now: `llamarunner serve --list-devices`.
 pub fn list_devices() -> Result<Vec<crate::protocol::devices::Device>, String> {
@@ -79,6 +98,7 @@ pub fn load<R>(
     stop: Arc<AtomicBool>,
     serve: impl FnOnce(LlamaEngine<'_>, Loaded) -> R,
 ) -> Result<R, String> {
+    choose_kernels(config.deterministic)?;
     let backend = llama_backend()?;
     let parallel = config.parallel;
     let threads = i32::try_from(config.effective_threads()).unwrap_or(1);
@@ -88,8 +108,13 @@ pub fn load<R>(
             "a quantized KV cache needs flash attention; --flash-attn is off, so f16 is used"
         );
     }
-    let n_ctx = config
-        .ctx_size
+    // Deterministic mode keeps cells per slot for the pad rows after a sequence's last.
+    let pad_cells = if config.deterministic {
+        crate::backend::invariant_batch::PAD_CELLS
+    } else {
+        0
+    };
+    let n_ctx = (config.ctx_size + pad_cells as u32)
         .checked_mul(parallel)
         .ok_or("ctx-size * parallel is too large")?;
     let mut ctx_params = LlamaContextParams::default()
@@ -97,15 +122,30 @@ pub fn load<R>(
         .with_n_batch(config.batch_size)
         .with_n_ubatch(config.batch_size)
         .with_n_seq_max(parallel)
-        .with_swa_full(config.swa_full)
+        // Deterministic mode: every cell at its position's index (no window cells reused).
+        .with_swa_full(config.swa_full || config.deterministic)
         .with_n_threads(threads)
         .with_n_threads_batch(threads)
-        .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+        .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
+        // Deterministic mode: no large batch's products sent to a GPU.
+        .with_op_offload(!config.deterministic)
         .with_type_k(kv_type)
         .with_type_v(kv_type);
-    // The devices and their free memory before the model takes any; where its layers go.
+    // The devices and their free memory before the model takes any; where its layers go
+    // (nothing on a GPU in deterministic mode, which covers the CPU's kernels only).
+    let cpu_only;
+    let place_config = if config.deterministic {
+        cpu_only = RunnerConfig {
+            n_gpu_layers: 0,
+            fit: false,
+            ..config.clone()
+        };
+        &cpu_only
+    } else {
+        config
+    };
     let (placed, placement) =
-        super::placement::place(config, super::devices::devices(), &mut ctx_params)?;
+        super::placement::place(place_config, super::devices::devices(), &mut ctx_params)?;
     if let Some(fit) = placement.fit {
         tracing::info!(
             n_gpu_layers = fit.n_gpu_layers,
@@ -191,7 +231,7 @@ pub fn load<R>(
                 .with_swa_full(true)
                 .with_n_threads(threads)
                 .with_n_threads_batch(threads)
-                .with_flash_attention_policy(ctx_flash_attn(config.flash_attn))
+                .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
                 .with_type_k(kv_type)
                 .with_type_v(kv_type);
             let dctx =
@@ -203,7 +243,7 @@ pub fn load<R>(
         None => None,
     };
 
-    let slot_ctx = (ctx.n_ctx() / parallel) as usize;
+    let slot_ctx = ((ctx.n_ctx() / parallel) as usize).saturating_sub(pad_cells);
     // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
     // n_ctx is padded): a batch is never larger than what the context really takes.
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
@@ -234,7 +274,7 @@ pub fn load<R>(
     let model: &LlamaModel = &model;
     let embed_params = EmbedParams {
         threads,
-        flash_attn: ctx_flash_attn(config.flash_attn),
+        flash_attn: ctx_flash_attn(config.effective_flash_attn()),
         pooled_by_model: model_has_pooling_type(model),
     };
     let sampling_threads = config.effective_sampling_threads();
@@ -251,7 +291,13 @@ pub fn load<R>(
     .with_vision(vision)
     .with_draft(draft)
     .with_sampling_threads(sampling_threads as usize)
-    .with_null_decode(config.null_decode);
+    .with_null_decode(config.null_decode)
+    .with_deterministic(config.deterministic);
+    if config.deterministic {
+        tracing::info!(
+            "--deterministic: CPU only, no flash attention, no tiled K-quant products, every sequence decoded in rows of four (backend/invariant_batch.rs)"
+        );
+    }
     if config.null_decode {
         tracing::warn!("--null-decode: the model computes nothing; its outputs are synthetic");
     }
@@ -396,6 +442,7 @@ pub(super) fn model_info(
         fim: fim_tokens(model),
         rerank: rerank_format(model),
         devices: super::devices::facts(model, placement),
+        deterministic: config.deterministic,
     })
 }
 

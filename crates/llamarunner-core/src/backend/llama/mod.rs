@@ -12,6 +12,7 @@ mod draft;
 mod dynamic_backends;
 mod embeddings;
 mod gguf_metadata;
+mod invariant_decode;
 mod kv_ops;
 mod load;
 mod logs;
@@ -97,6 +98,9 @@ pub struct LlamaEngine<'m> {
     sampling_pool: Option<rayon::ThreadPool>,
     /// `--null-decode` (benchmarks): decodes compute nothing and give synthetic logits.
     null: Option<null_decode::NullLogits>,
+    /// `--deterministic`: batches decoded on the same kernel paths whatever their shape
+    /// (`invariant_decode.rs`), with the logits the scheduler asked for kept here.
+    invariant: Option<invariant_decode::KeptLogits>,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -147,6 +151,7 @@ impl<'m> LlamaEngine<'m> {
             draft: None,
             sampling_pool: None,
             null: None,
+            invariant: None,
         }
     }
 
@@ -155,6 +160,9 @@ impl<'m> LlamaEngine<'m> {
     fn logits_ith(&self, index: i32) -> &[f32] {
         if let Some(null) = &self.null {
             return null.logits(usize::try_from(index).unwrap_or(usize::MAX));
+        }
+        if let Some(kept) = &self.invariant {
+            return kept.row(usize::try_from(index).unwrap_or(usize::MAX));
         }
         if let (Some(at), Some((_, raw_ctx))) = (self.raw_logits, self.vision.as_ref()) {
             if at == index {
@@ -215,6 +223,18 @@ impl<'m> LlamaEngine<'m> {
         self
     }
 
+    /// The same engine decoding on the same kernel paths whatever a batch's shape
+    /// (`--deterministic`).
+    fn with_deterministic(mut self, on: bool) -> Self {
+        if on {
+            self.batch_capacity = crate::backend::invariant_batch::capacity(self.batch_capacity);
+        }
+        self.invariant = on.then(|| {
+            invariant_decode::KeptLogits::new(usize::try_from(self.model.n_vocab()).unwrap_or(0))
+        });
+        self
+    }
+
     /// The same engine drafting with this draft model context (`--draft-model`).
     fn with_draft(mut self, draft: Option<DraftEngine<'m>>) -> Self {
         self.draft = draft;
@@ -241,11 +261,18 @@ impl Decoder for LlamaEngine<'_> {
         self.lora.apply(&mut self.ctx, scales)
     }
 
+    fn batch_invariant(&self) -> bool {
+        self.invariant.is_some()
+    }
+
     fn decode(&mut self, batch: &[BatchToken]) -> Result<(), BackendError> {
         self.raw_logits = None;
         if let Some(null) = self.null.as_mut() {
             null.decode(batch);
             return Ok(());
+        }
+        if self.invariant.is_some() {
+            return self.decode_invariant(batch);
         }
         self.batch.clear();
         for t in batch {

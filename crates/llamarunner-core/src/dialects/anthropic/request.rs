@@ -39,6 +39,8 @@ pub(super) struct MessagesRequest {
     ignore_eos: Option<bool>,
     pub(super) lora: Option<Value>,
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    deterministic: Option<bool>,
     /// DRY, XTC, top-n-sigma, dynamic temperature (llama-server's fields).
     #[serde(flatten)]
     samplers: crate::requests::options::SamplerFields,
@@ -81,6 +83,7 @@ impl MessagesRequest {
                 .collect(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            deterministic: self.deterministic.unwrap_or(false),
             samplers: self.samplers.samplers(),
             ..defaults
         };

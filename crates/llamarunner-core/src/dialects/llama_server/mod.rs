@@ -148,6 +148,8 @@ struct CompletionRequest {
     grammar: Option<String>,
     json_schema: Option<Value>,
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    deterministic: Option<bool>,
     lora: Option<Value>,
     /// Biases by token id or by text (`LogitBias`).
     logit_bias: Option<Value>,
@@ -207,6 +209,7 @@ impl CompletionRequest {
             stop: self.stop.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            deterministic: self.deterministic.unwrap_or(false),
             return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),
             // The engine reports each sampled token (and n_probs alternatives) when asked:

@@ -72,6 +72,8 @@ pub(super) struct OpenAiRequest {
     speculative: Option<bool>,
     /// false: decode the whole prompt, reusing no cached prefix (llama-server's field).
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    deterministic: Option<bool>,
     /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
     return_progress: Option<bool>,
     /// llama-server's `verbose`: a whole answer carries `__verbose` (the answer in its native
@@ -153,6 +155,7 @@ impl OpenAiRequest {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             speculative: self.speculative,
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            deterministic: self.deterministic.unwrap_or(false),
             // Reports only a stream can carry.
             return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),

@@ -41,6 +41,8 @@ pub(super) struct ResponsesRequest {
     ignore_eos: Option<bool>,
     pub(super) lora: Option<Value>,
     cache_prompt: Option<bool>,
+    /// true: the output must depend on the request alone (`--deterministic`), else 400.
+    deterministic: Option<bool>,
     /// llama-server's `return_progress`: a streamed answer reports the prompt's decode.
     return_progress: Option<bool>,
     /// llama-server's `timings_per_token`: a streamed answer's text deltas carry the timings
@@ -99,6 +101,7 @@ impl ResponsesRequest {
             seed: self.seed.unwrap_or(-1),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            deterministic: self.deterministic.unwrap_or(false),
             // Reports only a stream can carry.
             return_progress: self.return_progress == Some(true) && self.stream == Some(true),
             samplers: self.samplers.samplers(),

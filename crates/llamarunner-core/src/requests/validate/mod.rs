@@ -259,6 +259,11 @@ pub fn check_for_model(
     limits: &Limits,
 ) -> Result<(), ApiError> {
     check_options(p).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    if p.deterministic && !info.deterministic {
+        return Err(ApiError::DeterministicUnavailable(
+            "deterministic: this server was not started with --deterministic (the mode is chosen when the model loads: CPU kernels whose rows compute the same in any batch), so its output may depend on other requests and on its caches".into(),
+        ));
+    }
     if limits.max_tokens > 0 {
         let cap = i64::from(limits.max_tokens);
         if p.num_predict < 0 || p.num_predict > cap {

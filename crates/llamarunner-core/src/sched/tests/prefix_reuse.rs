@@ -131,3 +131,31 @@ fn a_fork_that_would_lose_a_sliding_window_decodes_the_prompt_in_full() {
     assert_eq!(b.prompt_cached_count, 0);
     assert!(forks.lock().unwrap().is_empty());
 }
+
+#[test]
+fn a_seeded_request_sent_again_decodes_its_last_chunk_again() {
+    // Capacity 32: a 45-token prompt is decoded in chunks [0, 32) and [32, 45) when fresh.
+    let h = Harness::new(FakeConfig::default(), 1);
+    let prompt = "a seeded prompt that is longer than one chunk.";
+    let seeded = SamplingParams {
+        temperature: 1.0,
+        seed: 5,
+        num_predict: 4,
+        ..SamplingParams::default()
+    };
+    let (a, first) = collect(&mut h.submit(prompt, seeded.clone()));
+    assert_eq!(first.prompt_cached_count, 0);
+    let (b, second) = collect(&mut h.submit(prompt, seeded.clone()));
+    assert_eq!(a, b);
+    let n = second.prompt_eval_count;
+    assert!(n > 32, "{n} prompt tokens");
+    // The last chunk again, from where a fresh decode began it.
+    assert_eq!(
+        second.prompt_cached_count,
+        crate::kv::chunk_start(n - 1, 32)
+    );
+    // Unseeded sampling keeps all but one token.
+    let unseeded = SamplingParams { seed: -1, ..seeded };
+    let (_, third) = collect(&mut h.submit(prompt, unseeded));
+    assert_eq!(third.prompt_cached_count, n - 1);
+}
