@@ -314,6 +314,7 @@ def ours(
     dialect: str = "native",
     router: bool = False,
     python: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Iterator[Running]:
     """Ours as a subprocess, from this environment or from the Python at `python` (another
     build, named `BASE_NAME`)."""
@@ -342,6 +343,7 @@ def ours(
         "--threads",
         str(threads),
         *extra,
+        *flags,
     ]
     via = " /v1" if dialect == "openai" else ""
     if "--multiuser-cache" in extra:
@@ -666,7 +668,14 @@ def serving(
     """Starts one server of `kind` for a scenario of `parallel` clients; stops it on exit."""
     if kind in ("ours", "router"):
         with ours(
-            plan.model, parallel, ctx, plan.threads, extra, args.dialect, kind == "router"
+            plan.model,
+            parallel,
+            ctx,
+            plan.threads,
+            extra,
+            args.dialect,
+            kind == "router",
+            flags=tuple(args.ours_flags.split()),
         ) as srv:
             yield srv
     elif kind == "base":
@@ -782,8 +791,18 @@ def main(argv: list[str] | None = None) -> int:
         "commit before a change), as llamarunner@base; with --repeat, paired ratios of this "
         "build over that one",
     )
+    ap.add_argument(
+        "--ours-flags",
+        default="",
+        metavar="FLAGS",
+        help="extra `serve` flags for ours only (not for --base-python's build), e.g. "
+        "'--deterministic' with --base-python of this same Python: what a mode costs, paired "
+        "by round (the rows keep their names: the note above the tables says which is which)",
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
+    if args.ours_flags:
+        print(f"llamarunner runs with {args.ours_flags}; {BASE_NAME} without\n", flush=True)
     model = args.model
     if not model:
         from llamarunner import default_model_path
