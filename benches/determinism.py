@@ -1,12 +1,14 @@
-"""Does the same request give the same text once its prompt is cached? (issue #44)
+"""Does the same request give the same text however it is served? (issue #44)
 
-For each prompt, the same ``/completion`` request is sent twice to an otherwise idle server:
-first with ``cache_prompt: false`` (the whole prompt decoded afresh), then with
-``cache_prompt: true`` (the prompt found in the slot: only what the server chooses to decode
-again is decoded). The table counts the prompts whose two texts are equal, for seeded sampling
-(temperature 1, one seed) and greedy decoding, and the median number of prompt tokens the
-second request decoded (``timings.prompt_n``), for ours and, given ``--llama-server``,
-llama.cpp's server on the same model, threads and context in the same run.
+For each prompt, the same ``/completion`` request is sent to an otherwise idle server with
+``cache_prompt: false`` (the whole prompt decoded afresh), then with ``cache_prompt: true`` (the
+prompt found in the slot: only what the server chooses to decode again is decoded), then once
+more afresh while three other streams (unseeded, other prompts and lengths) run beside it. The
+table counts the prompts whose texts equal the first's, for seeded sampling (temperature 1, one
+seed) and greedy decoding, and gives the median number of prompt tokens the cached request
+decoded (``timings.prompt_n``): for ours, ours with ``--deterministic`` and, given
+``--llama-server``, llama.cpp's server, on the same model, threads, slots and context in the
+same run.
 
     python -m benches.determinism [--model GGUF] [--llama-server PATH] [--tokens 64]
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +40,18 @@ PROMPTS = [
     "time, is",
 ]
 
+NOISE = "Noise: a story about a lighthouse keeper who counted the waves every night and"
+
+# Slots: the request and the three streams beside it.
+PARALLEL = 4
+
 
 @dataclass
 class Row:
     server: str
     sampling: str
-    same: int
+    cached: int
+    beside: int
     prompts: int
     redecoded: float
 
@@ -53,31 +63,67 @@ def complete(server: Running, prompt: str, body: dict[str, Any]) -> dict[str, An
     return answer
 
 
+def beside_traffic(server: Running, prompt: str, body: dict[str, Any]) -> str:
+    """The request's text while three other streams run."""
+    stop = threading.Event()
+
+    def noise(n: int) -> None:
+        while not stop.is_set():
+            complete(
+                server,
+                NOISE * n,
+                {"temperature": 0.8, "n_predict": 4 + 6 * n, "cache_prompt": False},
+            )
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        others = [pool.submit(noise, n) for n in (1, 2, 3)]
+        try:
+            return str(complete(server, prompt, {**body, "cache_prompt": False})["content"])
+        finally:
+            stop.set()
+            for f in others:
+                f.result()
+
+
 def measure(server: Running, tokens: int) -> list[Row]:
     rows = []
     for sampling, body in (
         ("seeded, temperature 1", {"temperature": 1.0, "seed": 5}),
         ("greedy", {"temperature": 0.0}),
     ):
-        same = 0
+        same_cached = same_beside = 0
         redecoded = []
         for prompt in PROMPTS:
             request = {"n_predict": tokens, **body}
             fresh = complete(server, prompt, {**request, "cache_prompt": False})
             cached = complete(server, prompt, {**request, "cache_prompt": True})
-            same += fresh["content"] == cached["content"]
+            same_cached += fresh["content"] == cached["content"]
             redecoded.append(cached["timings"]["prompt_n"])
-        rows.append(Row(server.name, sampling, same, len(PROMPTS), statistics.median(redecoded)))
+            same_beside += fresh["content"] == beside_traffic(server, prompt, request)
+        rows.append(
+            Row(
+                server.name,
+                sampling,
+                same_cached,
+                same_beside,
+                len(PROMPTS),
+                statistics.median(redecoded),
+            )
+        )
     return rows
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| server | sampling | same text, fresh vs cached | prompt tokens decoded again (median) |",
-        "|---|---|---|---|",
+        "| server | sampling | same text, fresh vs cached | same text, alone vs beside 3 "
+        "streams | prompt tokens decoded again (median) |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r.server} | {r.sampling} | {r.same}/{r.prompts} | {r.redecoded:g} |")
+        lines.append(
+            f"| {r.server} | {r.sampling} | {r.cached}/{r.prompts} | {r.beside}/{r.prompts} "
+            f"| {r.redecoded:g} |"
+        )
     return "\n".join(lines)
 
 
@@ -95,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(default_model_path())
     rows: list[Row] = []
-    with ours(model, 1, args.ctx, args.threads, extra=("--cache-ram", "0")) as server:
-        rows += measure(server, args.tokens)
+    for flags in ((), ("--deterministic",)):
+        with ours(
+            model, PARALLEL, args.ctx, args.threads, extra=("--cache-ram", "0", *flags)
+        ) as server:
+            rows += measure(server, args.tokens)
     if args.llama_server:
-        with llama_server(args.llama_server, model, 1, args.ctx, args.threads) as server:
+        with llama_server(args.llama_server, model, PARALLEL, args.ctx, args.threads) as server:
             rows += measure(server, args.tokens)
     print(table(rows))
     return 0

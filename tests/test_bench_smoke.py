@@ -85,5 +85,6 @@ def test_router_hop_bench_runs(tiny_model: Path) -> None:
 
 def test_determinism_bench_runs(tiny_model: Path) -> None:
     out = run_bench("determinism", tiny_model, "--tokens", "4", "--ctx", "256")
-    assert "| llamarunner (parallel 1, --cache-ram 0) | greedy |" in out, out
+    assert "| llamarunner (parallel 4, --cache-ram 0) | greedy |" in out, out
+    assert "| llamarunner (parallel 4, --cache-ram 0 --deterministic) | greedy |" in out, out
     assert "/8 |" in out, out

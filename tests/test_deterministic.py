@@ -12,9 +12,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -97,12 +98,12 @@ def differing(expected: list[str], got: list[str]) -> list[int]:
 def deterministic_servers(default_model: Path) -> Iterator[tuple[str, str]]:
     """Two deterministic servers, each in a process of its own: one with ten slots, one with one
     slot, chunks of 8 and a host-memory cache."""
-    common = (str(default_model), "--port", "0", "--deterministic", "--threads", "2")
+    common = [str(default_model), "--port", "0", "--deterministic", "--threads", "2"]
+    common += ["--ctx-size", "512"]
+    narrow_flags = ("--parallel", "1", "--batch-size", "8", "--cache-ram", "64")
     with (
-        ServeProcess(*common, "--parallel", "10", "--ctx-size", "512", "--cache-ram", "0") as wide,
-        ServeProcess(
-            *common, "--parallel", "1", "--ctx-size", "512", "--batch-size", "8", "--cache-ram", "64"
-        ) as narrow,
+        ServeProcess(*common, "--parallel", "10", "--cache-ram", "0") as wide,
+        ServeProcess(*common, *narrow_flags) as narrow,
     ):
         yield wide.wait_ready(), narrow.wait_ready()
 
@@ -201,8 +202,10 @@ def test_what_the_mode_does_not_cover_is_a_start_error(
     tiny_model: Path, flags: tuple[str, str]
 ) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "llamarunner", "serve", str(tiny_model), "--port", "0"]
-        + ["--deterministic", *flags],
+        [
+            *(sys.executable, "-m", "llamarunner", "serve", str(tiny_model)),
+            *("--port", "0", "--deterministic", *flags),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
