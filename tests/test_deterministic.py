@@ -64,25 +64,27 @@ def texts(url: str, sampling: dict[str, Any], **body: Any) -> list[str]:
     return [complete(url, p, **sampling, **body)["content"] for p in PROMPTS]
 
 
-def in_batches(url: str, sampling: dict[str, Any], width: int) -> list[str]:
-    """The prompts sent `width` at a time, beside two streams of other traffic (unseeded, of
-    other lengths) for as long as they run."""
+def in_batches(url: str, width: int) -> dict[str, list[str]]:
+    """Each prompt sent greedy and seeded, `width` requests at a time, beside two streams of
+    other traffic (unseeded, of other lengths) for as long as they run: the texts by sampling."""
     stop = threading.Event()
 
     def noise(n: int) -> None:
         while not stop.is_set():
             complete(url, NOISE * n, temperature=0.8, n_predict=3 + 5 * n, cache_prompt=False)
 
+    jobs = [(name, p) for p in PROMPTS for name in SAMPLINGS]
+    out: dict[str, list[str]] = {name: [] for name in SAMPLINGS}
     with ThreadPoolExecutor(width + 2) as pool:
         others = [pool.submit(noise, n) for n in (1, 2)]
         try:
-            out: list[str] = []
-            for i in range(0, len(PROMPTS), width):
+            for i in range(0, len(jobs), width):
                 batch = [
-                    pool.submit(complete, url, p, cache_prompt=False, **sampling)
-                    for p in PROMPTS[i : i + width]
+                    (name, pool.submit(complete, url, p, cache_prompt=False, **SAMPLINGS[name]))
+                    for name, p in jobs[i : i + width]
                 ]
-                out += [f.result()["content"] for f in batch]
+                for name, f in batch:
+                    out[name].append(f.result()["content"])
             return out
         finally:
             stop.set()
@@ -109,34 +111,31 @@ def deterministic_servers(default_model: Path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_deterministic_mode_gives_one_text_however_the_request_is_served(
-    deterministic_servers: tuple[str, str], sampling: str
+    deterministic_servers: tuple[str, str],
 ) -> None:
     wide, narrow = deterministic_servers
-    body = SAMPLINGS[sampling]
     props = httpx.get(f"{wide}/props", timeout=30).json()
     assert props["deterministic"] is True
-    alone = texts(wide, body, cache_prompt=False)
-    assert len(set(alone)) == len(PROMPTS), alone  # eight different answers
-    # The prompt found in its slot: only its last token is decoded again.
-    cached = [complete(wide, p, **body) for p in PROMPTS]
-    assert all(c["timings"]["prompt_n"] <= 4 for c in cached), [c["timings"] for c in cached]
-    assert differing(alone, [c["content"] for c in cached]) == []
-    assert differing(alone, in_batches(wide, body, 4)) == []
-    assert differing(alone, in_batches(wide, body, 8)) == []
-    # One slot, chunks of 8: each prompt decoded in pieces, then pushed out to RAM by another
-    # prompt and restored from there.
-    chunked = texts(narrow, body, cache_prompt=False)
-    assert differing(alone, chunked) == []
-    restored = []
-    for p in PROMPTS:
-        complete(narrow, p, **body, cache_prompt=False)
+    alone: dict[str, list[str]] = {}
+    for name, body in SAMPLINGS.items():
+        alone[name] = texts(wide, body, cache_prompt=False)
+        assert len(set(alone[name])) == len(PROMPTS), alone  # eight different answers
+        # The prompt found in its slot: only its last token is decoded again.
+        cached = [complete(wide, p, **body) for p in PROMPTS]
+        assert all(c["timings"]["prompt_n"] <= 4 for c in cached), [c["timings"] for c in cached]
+        assert differing(alone[name], [c["content"] for c in cached]) == [], name
+        # One slot, chunks of 8: each prompt decoded in pieces, pushing the one before it out
+        # to RAM; then each restored from there (a short prompt pushes out the last one).
+        assert differing(alone[name], texts(narrow, body, cache_prompt=False)) == [], name
         complete(narrow, NOISE, n_predict=2, cache_prompt=False)
-        answer = complete(narrow, p, **body)
-        assert answer["timings"]["cache_n"] > 0, answer["timings"]
-        restored.append(answer["content"])
-    assert differing(alone, restored) == []
+        restored = [complete(narrow, p, **body) for p in PROMPTS]
+        assert all(r["timings"]["cache_n"] > 0 for r in restored), [r["timings"] for r in restored]
+        assert differing(alone[name], [r["content"] for r in restored]) == [], name
+    for width in (4, 8):
+        batched = in_batches(wide, width)
+        for name in SAMPLINGS:
+            assert differing(alone[name], batched[name]) == [], (name, width)
 
 
 @pytest.mark.real_model

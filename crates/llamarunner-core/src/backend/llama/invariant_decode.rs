@@ -1,6 +1,7 @@
 //! Deterministic mode's decodes (`--deterministic`): a batch decoded as
 //! `backend::invariant_batch::plan` says (pad rows, extra outputs, one call per row count), the
-//! logits the scheduler asked for kept from each call, the pads' cells removed.
+//! logits the scheduler asked for copied from each call before the last (the last call's are
+//! read where llama.cpp keeps them), the pads' cells removed.
 
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::DecodeError;
@@ -11,14 +12,24 @@ use crate::protocol::BackendError;
 
 use super::LlamaEngine;
 
+/// Where the logits of one index of the scheduler's batch are.
+#[derive(Clone, Copy)]
+enum Source {
+    /// Copied into `KeptLogits::values` from this offset (a call before the last).
+    Kept(usize),
+    /// Row `j` of the last call, still in llama.cpp's buffer.
+    LastCall(i32),
+}
+
 /// The logits of the last deterministic decode, by the scheduler's batch index: llama.cpp keeps
-/// only its last call's, and a batch may take several calls.
+/// only its last call's, and a batch may take several calls, so the rows asked of the calls
+/// before the last are copied here.
 #[derive(Default)]
 pub(super) struct KeptLogits {
-    /// `n_vocab` floats per kept row.
+    /// `n_vocab` floats per copied row.
     values: Vec<f32>,
-    /// For each index of the scheduler's batch, where its row starts in `values`.
-    at: Vec<Option<usize>>,
+    /// For each index of the scheduler's batch, where its row is.
+    at: Vec<Option<Source>>,
     n_vocab: usize,
 }
 
@@ -30,11 +41,13 @@ impl KeptLogits {
         }
     }
 
-    /// The kept logits of batch index `index` (empty if none were asked for it).
-    pub(super) fn row(&self, index: usize) -> &[f32] {
+    /// Where the logits of batch index `index` are: copied (`Ok`), or row `j` of the last
+    /// call (`Err(j)`, read from the context); an empty slice where none were asked for it.
+    pub(super) fn row(&self, index: usize) -> Result<&[f32], i32> {
         match self.at.get(index).copied().flatten() {
-            Some(start) => &self.values[start..start + self.n_vocab],
-            None => &[],
+            Some(Source::Kept(start)) => Ok(&self.values[start..start + self.n_vocab]),
+            Some(Source::LastCall(j)) => Err(j),
+            None => Ok(&[]),
         }
     }
 }
@@ -58,7 +71,8 @@ impl LlamaEngine<'_> {
         batch: &[BatchToken],
         kept: &mut KeptLogits,
     ) -> Result<(), BackendError> {
-        for call in plan(batch, self.batch_capacity) {
+        let calls = plan(batch, self.batch_capacity);
+        for (c, call) in calls.iter().enumerate() {
             self.batch.clear();
             for row in &call.rows {
                 let pos =
@@ -72,10 +86,16 @@ impl LlamaEngine<'_> {
                 other => BackendError::Decode(other.to_string()),
             });
             if decoded.is_ok() {
+                let last = c + 1 == calls.len();
                 for (j, row) in call.rows.iter().enumerate() {
                     if let (Some(i), Ok(j)) = (row.from, i32::try_from(j)) {
-                        kept.at[i] = Some(kept.values.len());
-                        kept.values.extend_from_slice(self.ctx.get_logits_ith(j));
+                        kept.at[i] = Some(if last {
+                            Source::LastCall(j)
+                        } else {
+                            let start = kept.values.len();
+                            kept.values.extend_from_slice(self.ctx.get_logits_ith(j));
+                            Source::Kept(start)
+                        });
                     }
                 }
             }

@@ -162,7 +162,10 @@ impl<'m> LlamaEngine<'m> {
             return null.logits(usize::try_from(index).unwrap_or(usize::MAX));
         }
         if let Some(kept) = &self.invariant {
-            return kept.row(usize::try_from(index).unwrap_or(usize::MAX));
+            match kept.row(usize::try_from(index).unwrap_or(usize::MAX)) {
+                Ok(row) => return row,
+                Err(j) => return self.ctx.get_logits_ith(j),
+            }
         }
         if let (Some(at), Some((_, raw_ctx))) = (self.raw_logits, self.vision.as_ref()) {
             if at == index {
