@@ -207,18 +207,34 @@ pub fn router(state: AppState) -> Router {
     access::layer(middleware::apply(routes, policy), metrics)
 }
 
-/// The header every answer of a model route carries: whether the request ran
+/// The header every answer of a generation route carries: whether the request ran
 /// deterministically (`--deterministic`: its output depends on the request alone).
 pub const DETERMINISTIC_HEADER: &str = "llamarunner-deterministic";
 
-/// Adds `DETERMINISTIC_HEADER` to the answers of model routes, once the model is loaded.
+/// The routes that generate text (every dialect's), which `--deterministic` covers; embeddings,
+/// reranking and the tokenizer's routes are not generation.
+pub const GENERATION_ROUTES: [&str; 11] = [
+    "/completion",
+    "/infill",
+    "/completions",
+    "/chat/completions",
+    "/responses",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/api/generate",
+    "/api/chat",
+];
+
+/// Adds `DETERMINISTIC_HEADER` to the answers of generation routes, once the model is loaded.
 async fn deterministic_header(
     axum::extract::State(state): axum::extract::State<AppState>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    let model_route =
-        request.method() == axum::http::Method::POST && is_model_post(request.uri().path());
+    let model_route = request.method() == axum::http::Method::POST
+        && GENERATION_ROUTES.contains(&request.uri().path());
     let mut response = next.run(request).await;
     if let Some(info) = model_route
         .then(|| state.engine.health.model_info())
@@ -235,6 +251,13 @@ async fn deterministic_header(
 #[cfg(test)]
 mod tests {
     use super::is_model_post;
+
+    #[test]
+    fn every_generation_route_is_a_model_route() {
+        for path in super::GENERATION_ROUTES {
+            assert!(is_model_post(path), "{path}");
+        }
+    }
 
     #[test]
     fn the_model_routes_are_those_the_router_forwards() {

@@ -135,6 +135,9 @@ pub fn plan(batch: &[BatchToken], capacity: usize) -> Vec<Call> {
             calls.push(call);
         }
     }
+    // The call with the most logits asked last: llama.cpp keeps only the last call's, and the
+    // engine copies the others'.
+    calls.sort_by_key(|c| c.rows.iter().filter(|r| r.from.is_some()).count());
     calls
 }
 
@@ -208,10 +211,11 @@ mod tests {
         let calls = plan(&batch, 512);
         assert_eq!(calls.len(), 2);
         let seqs = |c: &Call| c.rows.iter().map(|r| r.seq).collect::<Vec<_>>();
-        assert_eq!(seqs(&calls[0]), vec![0, 0, 0, 0, 2, 2, 2, 2]);
-        assert_eq!(seqs(&calls[1]), vec![1; 8]);
-        assert_eq!(calls[0].pads, vec![(0, 21), (2, 31)]);
-        assert_eq!(calls[1].pads, vec![(1, 6)]);
+        // The decode tokens' call, whose logits are asked, last.
+        assert_eq!(seqs(&calls[0]), vec![1; 8]);
+        assert_eq!(seqs(&calls[1]), vec![0, 0, 0, 0, 2, 2, 2, 2]);
+        assert_eq!(calls[0].pads, vec![(1, 6)]);
+        assert_eq!(calls[1].pads, vec![(0, 21), (2, 31)]);
     }
 
     #[test]

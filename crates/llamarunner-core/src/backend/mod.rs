@@ -166,6 +166,13 @@ pub trait KvOps {
     /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
     /// remove part of a sequence (the caller then clears all of it).
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
+    /// Whether `kv_truncate(seq, from)` would keep what is left usable (it removes part of a
+    /// sequence, and no sliding window loses cells it needs): asked before a cut that is a
+    /// choice, not a need.
+    fn kv_can_cut(&self, seq: i32, from: usize) -> bool {
+        let _ = (seq, from);
+        true
+    }
     /// Context shift: removes positions `keep..keep + discard` and moves the rest down by
     /// `discard`. False when the model's cache cannot shift (the caller then re-decodes).
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool;

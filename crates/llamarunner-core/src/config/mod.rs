@@ -429,6 +429,12 @@ impl RunnerConfig {
         }
     }
 
+    /// Whether sliding-window layers keep every cell: `swa_full`, and always in deterministic
+    /// mode (a window's cells reused would sum in another order).
+    pub fn effective_swa_full(&self) -> bool {
+        self.swa_full || self.deterministic
+    }
+
     /// The flash attention policy the engine runs: `flash_attn`, but off in deterministic mode.
     pub fn effective_flash_attn(&self) -> FlashAttn {
         if self.deterministic {

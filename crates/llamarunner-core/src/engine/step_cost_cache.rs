@@ -59,7 +59,7 @@ pub fn key(config: &RunnerConfig, system: &str, widths: usize) -> Option<String>
             "batch_size": config.batch_size,
             "flash_attn": format!("{:?}", config.effective_flash_attn()),
             "deterministic": config.deterministic,
-            "swa_full": config.swa_full,
+            "swa_full": config.effective_swa_full(),
             "system": system,
             "version": env!("CARGO_PKG_VERSION"),
             "widths": widths,

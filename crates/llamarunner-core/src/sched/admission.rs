@@ -140,15 +140,20 @@ impl<B: Backend> Scheduler<B> {
         // that ends inside an image is cut back to the image's start (an image is decoded
         // whole).
         let mut reusable = common.min(tokens.len() - 1);
-        if common >= tokens.len() - 1 && reproducible(params) && !self.backend.batch_invariant() {
+        let last_chunk = kv::chunk_start(tokens.len() - 1, self.backend.batch_capacity());
+        if common >= tokens.len() - 1
+            && reproducible(params)
+            && images.is_empty()
+            && !self.backend.batch_invariant()
+            && self.backend.kv_can_cut(self.slots[index].id, last_chunk)
+        {
             // The whole prompt is cached and the request is seeded (the same text each time):
             // the prompt's last chunk is decoded again as a fresh decode chunks it, so that
             // its last row (the first sampled distribution) comes from a batch of the same
-            // shape (llama.cpp's kernels sum a row differently by its batch's row count).
-            reusable = reusable.min(kv::chunk_start(
-                tokens.len() - 1,
-                self.backend.batch_capacity(),
-            ));
+            // shape (llama.cpp's kernels sum a row differently by its batch's row count). Not
+            // where the cut would cost more than that chunk: a sliding window that would lose
+            // cells (a rewind), a recurrent state (a full decode), an image (encoded again).
+            reusable = reusable.min(last_chunk);
         }
         let mut reuse = kv::image_boundary_before(&tokens, reusable);
         // What the slot holds past the reused prefix is about to go: to RAM first.

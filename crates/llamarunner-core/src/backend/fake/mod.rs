@@ -457,6 +457,15 @@ impl Sampling for FakeBackend {
 }
 
 impl KvOps for FakeBackend {
+    fn kv_can_cut(&self, seq: i32, from: usize) -> bool {
+        let len = self.kv.get(&seq).map_or(0, Vec::len);
+        let partial = from == 0 || from >= len || self.config.partial_remove;
+        let window = self.config.window.is_none_or(|w| {
+            from == 0 || self.window_lost.get(&seq).copied().unwrap_or(0) <= from.saturating_sub(w)
+        });
+        partial && window
+    }
+
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool {
         let kv = self.kv.entry(seq).or_default();
         assert!(

@@ -17,6 +17,10 @@ impl KvOps for LlamaEngine<'_> {
             && self.window_intact(seq, from as usize)
     }
 
+    fn kv_can_cut(&self, seq: i32, from: usize) -> bool {
+        !self.model.is_recurrent() && !self.model.is_hybrid() && self.window_intact(seq, from)
+    }
+
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
         if !self.can_shift {
             return false;

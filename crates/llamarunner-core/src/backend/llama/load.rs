@@ -123,7 +123,7 @@ pub fn load<R>(
         .with_n_ubatch(config.batch_size)
         .with_n_seq_max(parallel)
         // Deterministic mode: every cell at its position's index (no window cells reused).
-        .with_swa_full(config.swa_full || config.deterministic)
+        .with_swa_full(config.effective_swa_full())
         .with_n_threads(threads)
         .with_n_threads_batch(threads)
         .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
@@ -190,6 +190,12 @@ pub fn load<R>(
     // Shared with the HTTP side, which tokenizes with it (the model is Send + Sync; contexts,
     // batch and samplers stay on this thread).
     let model = std::sync::Arc::new(model);
+    if config.deterministic && (model.is_recurrent() || model.is_hybrid()) {
+        return Err(format!(
+            "--deterministic covers attention models only: {} keeps a recurrent state, which the mode's pad rows would advance and cannot take back",
+            file_name(&config.model)
+        ));
+    }
 
     let mut ctx = llama_result(|| model.new_context(backend, ctx_params))
         .map_err(|why| format!("llama.cpp could not create a context of {n_ctx} tokens: {why}"))?;
@@ -216,7 +222,7 @@ pub fn load<R>(
     // The draft model (`--draft-model`) and its context: one sequence per slot, each slot's
     // context as the model's.
     let draft_model = match &config.draft_model {
-        Some(path) => Some(load_draft_model(backend, &model, config, path)?),
+        Some(path) => Some(load_draft_model(backend, &model, place_config, path)?),
         None => None,
     };
     let draft = match &draft_model {
@@ -232,6 +238,7 @@ pub fn load<R>(
                 .with_n_threads(threads)
                 .with_n_threads_batch(threads)
                 .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
+                .with_op_offload(!config.deterministic)
                 .with_type_k(kv_type)
                 .with_type_v(kv_type);
             let dctx =
@@ -243,7 +250,16 @@ pub fn load<R>(
         None => None,
     };
 
-    let slot_ctx = ((ctx.n_ctx() / parallel) as usize).saturating_sub(pad_cells);
+    let cells = (ctx.n_ctx() / parallel) as usize;
+    // llama.cpp pads a slot's cells (to 256); in deterministic mode the slot is `--ctx-size`
+    // and the pads take cells past it.
+    let slot_ctx = if config.deterministic {
+        cells
+            .saturating_sub(pad_cells)
+            .min(config.ctx_size as usize)
+    } else {
+        cells
+    };
     // llama.cpp may change the sizes asked for (n_batch is clamped to the requested n_ctx,
     // n_ctx is padded): a batch is never larger than what the context really takes.
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
@@ -285,7 +301,7 @@ pub fn load<R>(
         batch,
         backend,
         embed_params,
-        config.swa_full,
+        config.effective_swa_full(),
     )
     .with_lora(lora)
     .with_vision(vision)

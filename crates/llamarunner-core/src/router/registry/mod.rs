@@ -140,7 +140,7 @@ impl Model {
             kv_cache_type: config.effective_kv_cache_type(),
             cache_ram_bytes: config.cache_ram_bytes() as u64,
             extra_files: extra,
-            swa_full: config.swa_full,
+            swa_full: config.effective_swa_full(),
         };
         estimate::estimate(&shape, size, &served)
     }

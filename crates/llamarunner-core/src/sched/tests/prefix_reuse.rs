@@ -159,3 +159,27 @@ fn a_seeded_request_sent_again_decodes_its_last_chunk_again() {
     let (_, third) = collect(&mut h.submit(prompt, unseeded));
     assert_eq!(third.prompt_cached_count, n - 1);
 }
+
+#[test]
+fn a_seeded_repeat_keeps_its_cache_where_the_cut_would_lose_a_sliding_window() {
+    // Window 4: after 45 prompt tokens and 4 generated ones, cutting back to the last chunk's
+    // start (32) would lose cells the window needs, so the repeat reuses all but one token.
+    let h = Harness::new(
+        FakeConfig {
+            window: Some(4),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let prompt = "a seeded prompt that is longer than one chunk.";
+    let seeded = SamplingParams {
+        temperature: 1.0,
+        seed: 5,
+        num_predict: 4,
+        ..SamplingParams::default()
+    };
+    let (a, _) = collect(&mut h.submit(prompt, seeded.clone()));
+    let (b, second) = collect(&mut h.submit(prompt, seeded));
+    assert_eq!(a, b);
+    assert_eq!(second.prompt_cached_count, second.prompt_eval_count - 1);
+}
