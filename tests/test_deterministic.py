@@ -23,6 +23,7 @@ import pytest
 from llamarunner import Server
 
 from helpers import ServeProcess
+from tinymodel import write_mamba_model
 
 StartServer = Callable[..., Server]
 
@@ -102,7 +103,7 @@ def deterministic_servers(default_model: Path) -> Iterator[tuple[str, str]]:
     slot, chunks of 8 and a host-memory cache."""
     common = [str(default_model), "--port", "0", "--deterministic", "--threads", "2"]
     common += ["--ctx-size", "512"]
-    narrow_flags = ("--parallel", "1", "--batch-size", "8", "--cache-ram", "64")
+    narrow_flags = ("--parallel", "1", "--batch-size", "8", "--cache-ram", "64", "--draft-max", "0")
     with (
         ServeProcess(*common, "--parallel", "10", "--cache-ram", "0") as wide,
         ServeProcess(*common, *narrow_flags) as narrow,
@@ -230,3 +231,14 @@ finally:
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "refused:" in r.stdout and "process of its own" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_a_recurrent_model_is_refused_at_load(tmp_path: Path) -> None:
+    model = write_mamba_model(tmp_path / "mamba.gguf")
+    with ServeProcess(str(model), "--port", "0", "--ctx-size", "256") as plain:
+        url = plain.wait_ready()
+        r = httpx.post(f"{url}/completion", json={"prompt": "hello", "n_predict": 2}, timeout=60)
+        assert r.status_code == 200, r.text  # the model serves without the mode
+    with ServeProcess(str(model), "--port", "0", "--ctx-size", "256", "--deterministic") as det:
+        assert det.wait(timeout=120) != 0
+        assert "--deterministic covers attention models only" in det.log, det.log

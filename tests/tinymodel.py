@@ -365,3 +365,47 @@ def rerank_score(tokens: list[int], tensors: dict[str, np.ndarray]) -> float:
     logits = tensors["cls.output.weight"].astype(np.float64) @ h
     p = np.exp(logits - logits.max())
     return float(p[0] / p.sum())
+
+
+def write_mamba_model(path: Path, *, seed: int = 0) -> Path:
+    """A tiny Mamba (a recurrent model: its state cannot drop the last positions) of the tiny
+    llama's vocabulary, f32, random weights."""
+    rng = np.random.default_rng(seed)
+    d_inner, d_state, d_conv, dt_rank = 2 * N_EMBD, 8, 4, 8
+    n_vocab = len(vocabulary()[0])
+
+    def rand(*shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = GGUFWriter(str(path), "mamba")
+    w.add_name("tiny-test-mamba")
+    w.add_context_length(4096)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)
+    add_vocabulary(w)
+    tensors = {
+        "token_embd.weight": rand(n_vocab, N_EMBD),
+        "output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+        "output.weight": rand(n_vocab, N_EMBD, scale=2.0),
+    }
+    for i in range(N_LAYER):
+        p = f"blk.{i}"
+        tensors[f"{p}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+        tensors[f"{p}.ssm_in.weight"] = rand(2 * d_inner, N_EMBD)
+        tensors[f"{p}.ssm_conv1d.weight"] = rand(d_inner, d_conv)
+        tensors[f"{p}.ssm_conv1d.bias"] = rand(d_inner)
+        tensors[f"{p}.ssm_x.weight"] = rand(dt_rank + 2 * d_state, d_inner)
+        tensors[f"{p}.ssm_dt.weight"] = rand(d_inner, dt_rank)
+        tensors[f"{p}.ssm_dt.bias"] = rand(d_inner)
+        tensors[f"{p}.ssm_a"] = -np.abs(rand(d_inner, d_state)) - 0.1
+        tensors[f"{p}.ssm_d"] = np.ones(d_inner, dtype=np.float32)
+        tensors[f"{p}.ssm_out.weight"] = rand(N_EMBD, d_inner)
+    return write_gguf(w, path, tensors)
