@@ -112,6 +112,8 @@ def deterministic_servers(default_model: Path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.real_model
+# 96 requests of 64 tokens at the mode's speed: about three minutes on 2 cores.
+@pytest.mark.timeout(1200)
 def test_deterministic_mode_gives_one_text_however_the_request_is_served(
     deterministic_servers: tuple[str, str],
 ) -> None:
