@@ -132,17 +132,24 @@ fn a_fork_that_would_lose_a_sliding_window_decodes_the_prompt_in_full() {
     assert!(forks.lock().unwrap().is_empty());
 }
 
+/// 45 tokens: longer than the fake's batch of 32.
+const LONG_PROMPT: &str = "a seeded prompt that is longer than one chunk.";
+
+/// Sampling at temperature 1 with seed 5, `n` tokens.
+fn seeded(n: i64) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        seed: 5,
+        num_predict: n,
+        ..SamplingParams::default()
+    }
+}
+
 #[test]
 fn a_seeded_request_sent_again_decodes_its_last_chunk_again() {
     // Capacity 32: a 45-token prompt is decoded in chunks [0, 32) and [32, 45) when fresh.
     let h = Harness::new(FakeConfig::default(), 1);
-    let prompt = "a seeded prompt that is longer than one chunk.";
-    let seeded = SamplingParams {
-        temperature: 1.0,
-        seed: 5,
-        num_predict: 4,
-        ..SamplingParams::default()
-    };
+    let (prompt, seeded) = (LONG_PROMPT, seeded(4));
     let (a, first) = collect(&mut h.submit(prompt, seeded.clone()));
     assert_eq!(first.prompt_cached_count, 0);
     let (b, second) = collect(&mut h.submit(prompt, seeded.clone()));
@@ -171,13 +178,7 @@ fn a_seeded_repeat_keeps_its_cache_where_the_cut_would_lose_a_sliding_window() {
         },
         1,
     );
-    let prompt = "a seeded prompt that is longer than one chunk.";
-    let seeded = SamplingParams {
-        temperature: 1.0,
-        seed: 5,
-        num_predict: 4,
-        ..SamplingParams::default()
-    };
+    let (prompt, seeded) = (LONG_PROMPT, seeded(4));
     let (a, _) = collect(&mut h.submit(prompt, seeded.clone()));
     let (b, second) = collect(&mut h.submit(prompt, seeded));
     assert_eq!(a, b);
