@@ -14,7 +14,9 @@ is no hub here, and both servers must serve the same model), and then
   `conformance.py` lists them.
 
 The mapping follows each flag's meaning, not its spelling: llama-server's `--ctx-size` is the
-whole cache, shared by `--parallel` slots; ours is per sequence, so it is divided.
+whole cache, shared by `--parallel` slots; ours is per sequence, so it is divided (at least
+256 per slot); with `--kv-unified` both share one cache of that size (ours holds ctx-size x
+parallel cells).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--slots": (None, False),
     "--jinja": (None, False),
     "--context-shift": (None, False),
-    "--kv-unified": (None, False),
+    "--kv-unified": ("--kv-unified", False),
     "--no-ui": (None, False),
     "--offline": (None, False),
     "--seed": ("--seed", True),
@@ -93,7 +95,7 @@ def _value_follows(args: Sequence[str], i: int) -> bool:
 
 
 # Our built-in templates (`--chat-template NAME`).
-BUILTIN_TEMPLATES = {"gemma", "chatml", "llama3", "phi3", "mistral"}
+BUILTIN_TEMPLATES = {"gemma", "chatml", "llama3", "phi3", "mistral", "command-r"}
 
 
 def chat_template(value: str) -> list[str]:
@@ -128,8 +130,7 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
         elif flag in ("--parallel", "-np"):
             parallel = max(1, int(value))
         elif flag in ("--n-predict", "-n"):
-            if int(value) > 0:
-                out += ["--max-tokens", value]
+            out += ["--n-predict", value]
         elif flag in ("-fa", "--flash-attn"):
             out += ["--flash-attn", {"1": "on", "0": "off"}.get(value, value)]
         elif flag in ("-ctk", "--cache-type-k"):
@@ -152,7 +153,10 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
             print(f"llama_server_shim: {flag} {value} dropped (no counterpart)", file=sys.stderr)
         i += 2 if takes else 1
     out += ["--parallel", str(parallel)]
-    if ctx:
+    if ctx and "--kv-unified" in out:
+        # One cache of the same size, shared: ours holds ctx-size x parallel cells.
+        out += ["--ctx-size", str(max(16, ctx // parallel))]
+    elif ctx:
         out += ["--ctx-size", str(max(256, ctx // parallel))]
     return [sys.executable, "-m", "llamarunner", "serve", model, *out]
 

@@ -279,6 +279,14 @@ SERVER_SETTINGS = _table(
         "again, or goes back to a --ctx-checkpoints checkpoint)",
     ),
     Setting(
+        "kv_unified",
+        bool,
+        False,
+        "one KV cache the slots share (llama-server's flag): ctx-size x parallel cells, of "
+        "which one sequence may take all; when the sequences together need more, some are "
+        "swapped out to RAM and resumed later (default: each slot owns ctx-size cells)",
+    ),
+    Setting(
         "ctx_checkpoints",
         int,
         8,
@@ -351,8 +359,9 @@ SERVER_SETTINGS = _table(
         "chat_template",
         str,
         None,
-        "chat template: a built-in one (gemma, chatml, llama3, phi3, mistral) or a Jinja "
-        "file; default: the model's own (tokenizer.chat_template), else its family's built-in one",
+        "chat template: a built-in one (gemma, chatml, llama3, phi3, mistral, command-r) or a "
+        "Jinja file; default: the model's own (tokenizer.chat_template), else its family's "
+        "built-in one",
         metavar="NAME|FILE",
         optional=True,
     ),
@@ -389,6 +398,14 @@ SERVER_SETTINGS = _table(
         int,
         0,
         "most tokens one request may generate; 0 = no server cap (default {default})",
+    ),
+    Setting(
+        "n_predict",
+        int,
+        None,
+        "the tokens a request that sets no limit generates, in every API (llama-server's "
+        "--n-predict); unset or -1: each API's own (until the end or the context is full)",
+        optional=True,
     ),
     Setting(
         "seed",

@@ -99,11 +99,17 @@ async fn every_dialect_places_its_images() {
     let (app, handle) = app();
     let url = format!("data:image/png;base64,{}", png([1, 2, 3]));
     let parts = |with_image: bool| {
-        let mut content = vec![json!({"type": "text", "text": "what is "})];
-        if with_image {
-            content.push(json!({"type": "image_url", "image_url": {"url": url}}));
-        }
-        content.push(json!({"type": "text", "text": "?"}));
+        // Text parts are joined by a line break, but not beside an image: without the image,
+        // the same text is one part.
+        let content = if with_image {
+            vec![
+                json!({"type": "text", "text": "what is "}),
+                json!({"type": "image_url", "image_url": {"url": url}}),
+                json!({"type": "text", "text": "?"}),
+            ]
+        } else {
+            vec![json!({"type": "text", "text": "what is ?"})]
+        };
         json!({"messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0})
     };
     let usage = |text: &str| -> u64 {

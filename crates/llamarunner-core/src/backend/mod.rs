@@ -54,8 +54,14 @@ impl<T: Decoder + Text + Sampling + KvOps + Drafting + Embeddings> Backend for T
 /// The model's context as a decoder: its shape, the batches it decodes (tokens, images) and
 /// the LoRA scales they run with.
 pub trait Decoder {
-    /// Cells of KV cache available to each slot.
+    /// Cells of KV cache available to each slot (with a shared cache, all of it).
     fn slot_ctx(&self) -> usize;
+    /// The cells of one KV cache all slots share (`--kv-unified`), which the scheduler must
+    /// keep the slots' cells within (`sched/shared_cache.rs`); None when each slot has cells
+    /// of its own.
+    fn shared_cells(&self) -> Option<usize> {
+        None
+    }
     /// Most tokens one `decode` call may carry.
     fn batch_capacity(&self) -> usize;
     /// Applies these LoRA adapter scales to the decodes that follow (one per `--lora` adapter,

@@ -70,6 +70,18 @@ const MISTRAL: &str = r#"{{- bos_token -}}
   {%- endif -%}
 {%- endfor -%}"#;
 
+/// Cohere Command R (llama.cpp's built-in `command-r`): each turn's text trimmed.
+const COMMAND_R: &str = r#"{%- for message in messages -%}
+  {%- if message['role'] == 'system' -%}{%- set role = '<|SYSTEM_TOKEN|>' -%}
+  {%- elif message['role'] == 'user' -%}{%- set role = '<|USER_TOKEN|>' -%}
+  {%- elif message['role'] == 'assistant' -%}{%- set role = '<|CHATBOT_TOKEN|>' -%}
+  {%- else -%}{%- set role = '' -%}{%- endif -%}
+  {%- if role -%}
+    {{- '<|START_OF_TURN_TOKEN|>' + role + (message['content'] | trim) + '<|END_OF_TURN_TOKEN|>' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}{%- endif -%}"#;
+
 /// End-of-turn markers of the common template families. A chat request stops at the ones its
 /// template writes: llama.cpp already ends generation at such a marker when the vocabulary has
 /// it as an end-of-generation token, but a model without that token (a fallback template on a
@@ -81,6 +93,7 @@ const TURN_ENDS: &[&str] = &[
     "<|end|>",
     "<|endoftext|>",
     "<｜end▁of▁sentence｜>",
+    "<|END_OF_TURN_TOKEN|>",
 ];
 
 /// The built-in templates, by the name `--chat-template` accepts.
@@ -90,6 +103,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("llama3", LLAMA3),
     ("phi3", PHI3),
     ("mistral", MISTRAL),
+    ("command-r", COMMAND_R),
 ];
 
 /// The source of a built-in template.
@@ -133,8 +147,9 @@ pub fn family_template(vocab: &Vocabulary) -> &'static str {
     }
 }
 
-/// One chat message as the templates see it. `content` is always text (the parts of an OpenAI
-/// content array are joined); other fields (`name`, `tool_calls`, ...) pass through.
+/// One chat message as the templates see it. `content` is always text (the text parts of an
+/// OpenAI content array joined by a line break, as llama-server and vLLM join them); other
+/// fields (`name`, `tool_calls`, ...) pass through.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// "system", "user", "assistant", "tool", ...
@@ -144,6 +159,11 @@ pub struct ChatMessage {
     /// Anything else the client sent with the message.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// The texts of a content array of text parts only, as sent (empty otherwise): an
+    /// assistant message the answer continues joins them with a blank line, as llama-server
+    /// does (`requests::common::split_prefill`). Templates never see it.
+    #[serde(skip)]
+    pub parts: Vec<String>,
 }
 
 /// Failures of template compilation or rendering.
@@ -200,6 +220,9 @@ pub struct ChatTemplate {
 }
 
 const TEMPLATE_NAME: &str = "chat";
+
+/// What tells Firefunction v2's template (llama.cpp detects it by the same text).
+const FIREFUNCTION_MARK: &str = " functools[";
 
 impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the texts of the model's special tokens.
@@ -285,6 +308,17 @@ impl ChatTemplate {
             .into_iter()
             .map(|(name, value)| (name.to_string(), Value::from(value)))
             .collect();
+        if self.source.contains(FIREFUNCTION_MARK) {
+            // Firefunction v2's template prints `functions` (the tools as indented JSON, empty
+            // without tools), which llama.cpp gives it (`common/chat.cpp`).
+            let functions = extras
+                .tools
+                .as_ref()
+                .filter(|t| t.as_array().is_none_or(|a| !a.is_empty()))
+                .and_then(|t| serde_json::to_string_pretty(t).ok())
+                .unwrap_or_default();
+            vars.insert("functions".into(), Value::from(functions));
+        }
         for (name, value) in &extras.kwargs {
             vars.insert(name.clone(), Value::from(Serde(value)));
         }
@@ -455,6 +489,22 @@ mod tests {
                 without_prompt: "[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Name a colour. [/INST]",
                 padded: "[INST]   x \n [/INST]",
             },
+            Row {
+                name: "command-r",
+                bos: "<BOS_TOKEN>",
+                eos: "<|END_OF_TURN_TOKEN|>",
+                with_prompt: "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>\
+                              <|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>\
+                              <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello!<|END_OF_TURN_TOKEN|>\
+                              <|START_OF_TURN_TOKEN|><|USER_TOKEN|>Name a colour.<|END_OF_TURN_TOKEN|>\
+                              <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+                without_prompt: "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>\
+                                 <|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>\
+                                 <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello!<|END_OF_TURN_TOKEN|>\
+                                 <|START_OF_TURN_TOKEN|><|USER_TOKEN|>Name a colour.<|END_OF_TURN_TOKEN|>",
+                padded: "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>x<|END_OF_TURN_TOKEN|>\
+                         <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+            },
         ];
         let mut names: Vec<&str> = rows.iter().map(|r| r.name).collect();
         let mut builtins: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
@@ -510,6 +560,20 @@ mod tests {
         assert_eq!(stop("llama3"), vec!["<|eot_id|>"]);
         assert_eq!(stop("phi3"), vec!["<|end|>"]);
         assert!(stop("mistral").is_empty());
+        assert_eq!(stop("command-r"), vec!["<|END_OF_TURN_TOKEN|>"]);
+    }
+
+    #[test]
+    fn command_r_skips_roles_it_has_no_token_for() {
+        // llama.cpp's built-in `command-r` writes system, user and assistant turns only.
+        let t = ChatTemplate::new("command-r", builtin("command-r").unwrap(), "", "").unwrap();
+        let text = t
+            .render(&[msg("user", "Hi"), msg("tool", "x")], false)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>"
+        );
     }
 
     #[test]
@@ -637,10 +701,38 @@ mod tests {
 
     #[test]
     fn an_undefined_variable_joined_to_text_is_a_clear_error() {
-        // Firefunction v2's template joins `functions`, which no server defines, to its system
-        // prompt: Python's Jinja refuses that too (llama.cpp's renderer prints nothing).
+        // A template that joins a variable nobody defines to text: Python's Jinja refuses that
+        // too (llama.cpp's renderer prints nothing).
         let t = ChatTemplate::new("t", "{{ 'a' + functions + 'b' }}", "", "").unwrap();
         let err = t.render(&[], true).unwrap_err().to_string();
         assert!(err.contains("`functions` is undefined"), "{err}");
+    }
+
+    #[test]
+    fn firefunction_s_template_gets_its_functions() {
+        // Firefunction v2's system prompt ends with `functions`: the tools as indented JSON,
+        // as llama.cpp gave it before its renderer rewrite (the current one prints nothing).
+        let t = ChatTemplate::new(
+            "t",
+            "{{ 'prefix with functools[...]\n' + functions + '|' + datetime }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let text = t.render(&[], true).unwrap();
+        assert!(text.starts_with("prefix with functools[...]\n|"), "{text}");
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let extras = RenderExtras {
+            tools: Some(tools.clone()),
+            ..RenderExtras::default()
+        };
+        let text = t.render_with(&[], true, &extras).unwrap();
+        let expected = format!("\n{}|", serde_json::to_string_pretty(&tools).unwrap());
+        assert!(text.contains(&expected), "{text}");
+        let empty = RenderExtras {
+            tools: Some(serde_json::json!([])),
+            ..RenderExtras::default()
+        };
+        assert!(t.render_with(&[], true, &empty).unwrap().contains("]\n|"));
     }
 }

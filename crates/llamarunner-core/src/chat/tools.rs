@@ -508,6 +508,7 @@ pub fn prepare_messages(
                     role: "system".into(),
                     content: text,
                     extra: Map::new(),
+                    ..ChatMessage::default()
                 },
             ),
         }
@@ -738,6 +739,7 @@ mod tests {
             role: role.into(),
             content: content.into(),
             extra: extra.as_object().cloned().unwrap_or_default(),
+            ..ChatMessage::default()
         }
     }
 

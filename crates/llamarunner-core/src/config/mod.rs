@@ -162,6 +162,11 @@ pub struct RunnerConfig {
     /// Sliding-window attention layers (Gemma, ...) keep every cell of the context instead of
     /// just their window: more memory, and any cached prefix stays reusable however far back.
     pub swa_full: bool,
+    /// One KV cache the slots share (llama-server's `--kv-unified`): `ctx_size * parallel`
+    /// cells, of which one sequence may take all; when the sequences together need more, the
+    /// scheduler swaps some out to RAM (`sched/shared_cache.rs`). Off: each slot owns
+    /// `ctx_size` cells.
+    pub kv_unified: bool,
     /// Checkpoints of the sliding-window cells kept per slot (`--ctx-checkpoints`): a
     /// sequence cut back, or a shared prefix forked, goes back to the last one before the cut
     /// instead of decoding the whole prompt again (`kv/checkpoints.rs`); 0 = none. Only
@@ -195,7 +200,7 @@ pub struct RunnerConfig {
     /// The name clients use for the model (`/v1/models`, the `model` field); default: the file
     /// name without `.gguf`.
     pub alias: Option<String>,
-    /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral) or a Jinja file;
+    /// Chat template: a built-in name (gemma, chatml, llama3, phi3, mistral, command-r) or a Jinja file;
     /// default: the GGUF's own, else the family's built-in one.
     pub chat_template: Option<String>,
     /// The system message of a conversation that has none (`--system-prompt`; a model of
@@ -223,6 +228,9 @@ pub struct RunnerConfig {
     pub shutdown_timeout: f64,
     /// Most tokens one request may generate; 0 = no server cap.
     pub max_tokens: u32,
+    /// The tokens a request that sets no limit generates (llama-server's `--n-predict`);
+    /// None or -1: each dialect's own (until the end, or the context is full).
+    pub n_predict: Option<i32>,
     /// The seed of requests that give none (llama-server's `--seed`); -1: a random seed per
     /// request.
     pub seed: i64,
@@ -273,6 +281,7 @@ impl Default for RunnerConfig {
             multiuser_cache: true,
             cache_ram: -1,
             swa_full: false,
+            kv_unified: false,
             ctx_checkpoints: 8,
             draft_max: 16,
             draft_min: 1,
@@ -297,6 +306,7 @@ impl Default for RunnerConfig {
             idle_timeout: 60.0,
             shutdown_timeout: 10.0,
             max_tokens: 0,
+            n_predict: None,
             seed: -1,
             temp: None,
             top_k: None,
@@ -342,7 +352,7 @@ pub enum ConfigError {
     #[error("no model given")]
     NoModel,
     /// `--chat-template` is neither a built-in name nor a readable file.
-    #[error("chat-template {0:?} is neither a built-in template (gemma, chatml, llama3, phi3, mistral) nor a file")]
+    #[error("chat-template {0:?} is neither a built-in template (gemma, chatml, llama3, phi3, mistral, command-r) nor a file")]
     ChatTemplate(String),
     /// `--alias` is empty.
     #[error("alias must not be empty")]
@@ -600,6 +610,13 @@ impl RunnerConfig {
                 });
             }
         }
+        if self.n_predict.is_some_and(|n| n < -1) {
+            return Err(ConfigError::BadSampling {
+                name: "n-predict",
+                rule: "-1 (no default) or more",
+                value: format!("{}", self.n_predict.unwrap_or_default()),
+            });
+        }
         if self.top_k.is_some_and(|k| k < 0) {
             return Err(ConfigError::BadSampling {
                 name: "top-k",
@@ -632,6 +649,8 @@ impl RunnerConfig {
             Some("--null-decode")
         } else if self.kv_cache_type != "f16" {
             Some("a quantized --kv-cache-type (it needs flash attention)")
+        } else if self.kv_unified {
+            Some("--kv-unified (a slot's cells must stay at its positions' indices)")
         } else {
             None
         };
@@ -645,6 +664,7 @@ impl RunnerConfig {
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
+            n_predict: self.n_predict.filter(|n| *n >= 0).map(i64::from),
         }
     }
 

@@ -274,6 +274,7 @@ fn message(role: &str, content: String) -> ChatMessage {
         role: role.into(),
         content,
         extra: serde_json::Map::new(),
+        ..ChatMessage::default()
     }
 }
 

@@ -399,6 +399,7 @@ impl From<EngineError> for ApiError {
             EngineErrorKind::SlotNotFound => ApiError::SlotNotFound(e.message),
             EngineErrorKind::SlotBusy => ApiError::SlotBusy(e.message),
             EngineErrorKind::InvalidSlotState => ApiError::InvalidSlotFile(e.message),
+            EngineErrorKind::CacheFull => ApiError::Unavailable(e.message),
         }
     }
 }

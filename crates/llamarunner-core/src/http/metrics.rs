@@ -395,7 +395,9 @@ impl Metrics {
         self.llamacpp.publish(i64::from(busy), waiting);
         self.slots_total.set(i64::from(total));
         if let Some(info) = health.model_info() {
-            let cells = info.slot_ctx as f64 * f64::from(total);
+            let cells = info
+                .shared_cells
+                .map_or(info.slot_ctx as f64 * f64::from(total), |c| c as f64);
             let usage = if cells > 0.0 {
                 (health.busy_cells() as f64 / cells).clamp(0.0, 1.0)
             } else {

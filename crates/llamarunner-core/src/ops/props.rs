@@ -54,7 +54,10 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
         "model_path": file,
         "total_slots": total,
         "n_ctx": info.slot_ctx,
-        "n_ctx_total": info.slot_ctx.saturating_mul(total as usize),
+        // A shared cache (`--kv-unified`) is all there is; else each slot has its own.
+        "n_ctx_total": info
+            .shared_cells
+            .unwrap_or_else(|| info.slot_ctx.saturating_mul(total as usize)),
         // As llama-server's: the context per slot and the sampling a request gets for the
         // fields it leaves out (llama-server's format's defaults, with `--temp`, `--top-k`,
         // `--top-p`, `--min-p` and `--seed` where the server sets them; seed -1: a random seed

@@ -95,6 +95,9 @@ pub enum EngineErrorKind {
     SlotBusy,
     /// llama.cpp refused a saved slot state (400).
     InvalidSlotState,
+    /// The KV cache the slots share (`--kv-unified`) had no room for the sequence, and it
+    /// could not be swapped out to wait for room (503).
+    CacheFull,
 }
 
 /// A failure reported to one request.

@@ -141,8 +141,11 @@ pub struct ModelInfo {
     pub n_layer: u32,
     /// Vocabulary size (token ids are `0..n_vocab`).
     pub n_vocab: u32,
-    /// KV cells per slot.
+    /// KV cells per slot (with a shared cache, the whole cache: one sequence may take all).
     pub slot_ctx: usize,
+    /// The cells of the KV cache the slots share (`--kv-unified`); None: each slot has
+    /// `slot_ctx` of its own.
+    pub shared_cells: Option<usize>,
     /// Quantization of the weights (`general.file_type`), e.g. "Q4_K_M".
     pub quantization: String,
     /// The GGUF's scalar metadata (tokenizer arrays left out), in file order.

@@ -17,7 +17,20 @@ pub struct SamplingDefaults {
     pub top_k: Option<i32>,
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
+    /// Tokens to generate (`--n-predict`), for a request that names no limit.
+    pub n_predict: Option<i64>,
 }
+
+/// The names a request's limit on generated tokens has in the dialects: OpenAI's (and
+/// Anthropic's) `max_tokens` and `max_completion_tokens`, llama-server's `n_predict`,
+/// Ollama's `num_predict`, the Responses API's `max_output_tokens`.
+const LIMIT_FIELDS: [&str; 5] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "n_predict",
+    "num_predict",
+    "max_output_tokens",
+];
 
 impl SamplingDefaults {
     /// Whether no default is set.
@@ -45,14 +58,18 @@ impl SamplingDefaults {
         };
         self.fill(p, |name| {
             scope.is_some_and(|m| {
-                m.iter()
-                    .any(|(k, v)| k.eq_ignore_ascii_case(name) && !v.is_null())
+                m.iter().any(|(k, v)| {
+                    k.eq_ignore_ascii_case(name)
+                        // A limit of -1 asks for the server's default, as llama-server reads it.
+                        && !(v.is_null() || LIMIT_FIELDS.contains(&name) && v.as_i64() == Some(-1))
+                })
             })
         });
     }
 
     /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
-    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p).
+    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p, and the
+    /// limit's names in `LIMIT_FIELDS`).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
         if let (Some(v), false) = (self.temperature, given("temperature")) {
             p.temperature = v;
@@ -65,6 +82,12 @@ impl SamplingDefaults {
         }
         if let (Some(v), false) = (self.min_p, given("min_p")) {
             p.min_p = v;
+        }
+        if let Some(v) = self
+            .n_predict
+            .filter(|_| !LIMIT_FIELDS.iter().any(|f| given(f)))
+        {
+            p.num_predict = v;
         }
     }
 }

@@ -149,10 +149,11 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
                     )))
                 }
             };
+            let mut parts = Vec::new();
             let mut content = match fields.remove("content") {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s,
-                Some(Value::Array(parts)) => text_of_parts(i, &parts, &mut images)?,
+                Some(Value::Array(list)) => text_of_parts(i, &list, &mut images, &mut parts)?,
                 Some(_) => {
                     return Err(ApiError::InvalidRequest(format!(
                         "messages[{i}].content must be a string or an array of parts"
@@ -192,6 +193,7 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
                 role,
                 content,
                 extra: fields,
+                parts,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -199,15 +201,28 @@ pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
 }
 
 /// The text of a content array; each image part becomes a marker there, its URL in `images`.
+/// Text parts are joined by a line break, but not beside an image's marker (llama-server's
+/// rule; vLLM joins by a line break too). A list of text parts only is also kept, part by
+/// part, in `texts`.
 fn text_of_parts(
     i: usize,
     parts: &[Value],
     images: &mut Vec<ImageSource>,
+    texts: &mut Vec<String>,
 ) -> Result<String, ApiError> {
     let mut text = String::new();
+    let mut after_marker = false;
     for part in parts {
         match part.get("type").and_then(Value::as_str) {
-            Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or("")),
+            Some("text") => {
+                let part = part.get("text").and_then(Value::as_str).unwrap_or("");
+                if !text.is_empty() && !after_marker {
+                    text.push('\n');
+                }
+                after_marker = false;
+                text.push_str(part);
+                texts.push(part.to_string());
+            }
             Some("image_url") => {
                 // `{"image_url": {"url": ...}}`, or the URL itself as some clients send it.
                 let url = match part.get("image_url") {
@@ -221,6 +236,7 @@ fn text_of_parts(
                     ))
                 })?;
                 text.push_str(crate::protocol::vision::DEFAULT_MARKER);
+                after_marker = true;
                 images.push(ImageSource::Url(url.to_string()));
             }
             Some("input_image" | "image") => {
@@ -235,6 +251,12 @@ fn text_of_parts(
                 )))
             }
         }
+    }
+    if parts
+        .iter()
+        .any(|p| p.get("type").and_then(Value::as_str) != Some("text"))
+    {
+        texts.clear();
     }
     Ok(text)
 }
@@ -272,6 +294,7 @@ pub fn with_system_prompt(state: &AppState, mut messages: Vec<ChatMessage>) -> V
             role: "system".into(),
             content: prompt.to_string(),
             extra: serde_json::Map::new(),
+            ..ChatMessage::default()
         },
     );
     messages
@@ -344,7 +367,14 @@ pub fn split_prefill(
     if !prefill {
         return Ok((messages, None));
     }
-    let last = messages.pop().map(|m| m.content);
+    // Text parts are continued joined by a blank line (llama-server's `render_content`).
+    let last = messages.pop().map(|m| {
+        if m.parts.is_empty() {
+            m.content
+        } else {
+            m.parts.join("\n\n")
+        }
+    });
     if messages.last().is_some_and(|m| m.role == "assistant") {
         return Err(ApiError::invalid(
             "Cannot have 2 or more assistant messages at the end of the list.",
@@ -704,6 +734,7 @@ mod tests {
             role: role.into(),
             content: content.into(),
             extra: extra.as_object().cloned().unwrap_or_default(),
+            ..ChatMessage::default()
         };
         let user = msg("user", "hi", serde_json::json!({}));
         let (rest, prefill) = split_prefill(vec![
@@ -732,6 +763,13 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(prefill.as_deref(), Some("So"));
+        // An answer given as text parts is continued with its parts a blank line apart.
+        let parts = parse_messages(vec![serde_json::json!({"role": "assistant", "content": [
+            {"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]})])
+        .unwrap()
+        .messages;
+        let (_, prefill) = split_prefill([vec![user.clone()], parts].concat()).unwrap();
+        assert_eq!(prefill.as_deref(), Some("Wh\n\nill"));
         // An answer to continue after another answer: refused, as llama-server does.
         let two = split_prefill(vec![
             user,
@@ -762,7 +800,8 @@ mod tests {
         ])
         .unwrap()
         .messages;
-        assert_eq!(m[0].content, "ab");
+        assert_eq!(m[0].content, "a\nb");
+        assert_eq!(m[0].parts, ["a", "b"]);
         assert_eq!(m[1].content, "");
         assert_eq!(m[1].extra["name"], "x");
         let m = parse_messages(vec![
@@ -782,6 +821,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(chat.messages[0].content, "a <__media__> b");
+        assert!(chat.messages[0].parts.is_empty());
         assert_eq!(chat.messages[1].content, "<__media__>c");
         assert!(!chat.messages[1].extra.contains_key("images"));
         assert_eq!(

@@ -271,6 +271,7 @@ mod tests {
             top_k: Some(7),
             top_p: None,
             min_p: Some(0.2),
+            n_predict: None,
         };
         let base = SamplingParams::default();
         let fill = |body: &str, in_options: bool| {
@@ -301,5 +302,49 @@ mod tests {
         let mut p = base.clone();
         SamplingDefaults::default().fill_left_out(&mut p, b"{}", false);
         assert_eq!(p, base);
+    }
+
+    #[test]
+    fn the_server_s_token_limit_fills_a_request_that_names_none() {
+        use crate::protocol::params::SamplingDefaults;
+        let defaults = SamplingDefaults {
+            n_predict: Some(64),
+            ..SamplingDefaults::default()
+        };
+        let limit = |body: &str, in_options: bool| {
+            let mut p = SamplingParams {
+                num_predict: 5,
+                ..SamplingParams::default()
+            };
+            defaults.fill_left_out(&mut p, body.as_bytes(), in_options);
+            p.num_predict
+        };
+        assert_eq!(limit(r#"{"prompt": "x"}"#, false), 64);
+        // Any dialect's name for the limit is the request's own (the caller parsed it).
+        for name in [
+            "max_tokens",
+            "max_completion_tokens",
+            "n_predict",
+            "max_output_tokens",
+        ] {
+            assert_eq!(limit(&format!(r#"{{"{name}": 80}}"#), false), 5, "{name}");
+            // -1 and null ask for the server's.
+            assert_eq!(limit(&format!(r#"{{"{name}": -1}}"#), false), 64, "{name}");
+            assert_eq!(
+                limit(&format!(r#"{{"{name}": null}}"#), false),
+                64,
+                "{name}"
+            );
+        }
+        assert_eq!(limit(r#"{"options": {"num_predict": 80}}"#, true), 5);
+        assert_eq!(limit(r#"{"num_predict": 80}"#, true), 64);
+        // -1 for a temperature is the request's (it is refused as out of range).
+        let mut p = SamplingParams::default();
+        SamplingDefaults {
+            temperature: Some(0.5),
+            ..SamplingDefaults::default()
+        }
+        .fill_left_out(&mut p, br#"{"temperature": -1}"#, false);
+        assert_eq!(p.temperature, SamplingParams::default().temperature);
     }
 }

@@ -88,6 +88,10 @@ impl<B: Backend> Scheduler<B> {
     }
 
     pub(super) fn admit(&mut self) {
+        // A sequence swapped out of a shared cache comes back before anyone new comes in.
+        if self.any_swapped() {
+            return;
+        }
         while self.free_slots() > 0 {
             let Some(request) = self.waiting.pop_front() else {
                 return;
@@ -224,6 +228,7 @@ impl<B: Backend> Scheduler<B> {
                 self.speculation.enabled_for(&request.params),
                 !self.backend.has_draft_model(),
             ),
+            swapped: None,
         });
         self.offer_progress(index);
         Ok(())

@@ -17,7 +17,9 @@ impl<B: Backend> Scheduler<B> {
             s.seq
                 .as_ref()
                 .filter(|q| {
-                    if q.phase == Phase::Decode {
+                    if q.swapped_out() {
+                        false
+                    } else if q.phase == Phase::Decode {
                         !q.paused()
                     } else {
                         !q.pending.is_empty()
@@ -45,9 +47,15 @@ impl<B: Backend> Scheduler<B> {
         // chunks, so that a waiting prompt is never starved by decode tokens.
         let prompt_waiting = self.slots.iter().any(|s| {
             s.seq.as_ref().is_some_and(|q| {
-                q.phase != Phase::Decode && !q.pending.is_empty() && q.lora == turn
+                q.phase != Phase::Decode
+                    && !q.pending.is_empty()
+                    && q.lora == turn
+                    && !q.swapped_out()
             })
         });
+        // Free cells of a cache the slots share (`shared_cache.rs` made room for the decode
+        // tokens); unbounded when each slot has its own.
+        let mut room = self.free_cells().unwrap_or(usize::MAX);
         let decode_places = if prompt_waiting {
             capacity - 1
         } else {
@@ -66,24 +74,29 @@ impl<B: Backend> Scheduler<B> {
             seq.logits_at = None;
             if seq.phase == Phase::Decode
                 && !seq.paused()
+                && !seq.swapped_out()
                 && placed < decode_places
                 && seq.lora == turn
+                && room > 0
             {
                 // Next step starts after the last sequence that got a place.
                 self.next_decode = (i + 1) % n;
                 seq.queued = 1;
                 placed += 1;
+                room -= 1;
             }
         }
         // Drafts of the sequences placed, within the places kept for decode tokens, unless
         // drafts have not paid lately at this many sequences (`payoff`).
         self.step_placed = placed;
         let budget = if self.drafts_pay(placed) {
-            decode_places.saturating_sub(placed)
+            decode_places.saturating_sub(placed).min(room)
         } else {
             0
         };
-        placed += self.place_drafts(budget, placed);
+        let drafted = self.place_drafts(budget, placed);
+        placed += drafted;
+        room = room.saturating_sub(drafted);
         let start = self.next_prompt;
         let mut prompt_placed = 0;
         for k in 0..n {
@@ -95,7 +108,12 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             };
             // Prompt chunks: the prompt, or a shifted slot's tokens being re-decoded.
-            if seq.phase == Phase::Decode || seq.pending.is_empty() || seq.lora != turn {
+            if seq.phase == Phase::Decode
+                || seq.pending.is_empty()
+                || seq.lora != turn
+                || seq.swapped_out()
+                || room == 0
+            {
                 continue;
             }
             let image = leading_image(&seq.pending);
@@ -104,11 +122,12 @@ impl<B: Backend> Scheduler<B> {
                 // (`decode_images`), and counts against the budget as a prompt chunk of its
                 // size would. It waits for a step with room for it unless it is the step's
                 // first prompt chunk, so it is never starved.
-                if placed + image > capacity && prompt_placed > 0 {
+                if placed + image > capacity && prompt_placed > 0 || image > room {
                     continue;
                 }
                 seq.image_queued = image;
                 placed += image;
+                room -= image;
                 prompt_placed += image;
                 self.next_prompt = (i + 1) % n;
                 continue;
@@ -119,8 +138,9 @@ impl<B: Backend> Scheduler<B> {
                 .iter()
                 .position(|&t| is_image_token(t))
                 .unwrap_or(seq.pending.len());
-            seq.queued = (capacity - placed).min(text);
+            seq.queued = (capacity - placed).min(text).min(room);
             placed += seq.queued;
+            room -= seq.queued;
             prompt_placed += seq.queued;
             self.next_prompt = (i + 1) % n;
         }
@@ -170,6 +190,7 @@ impl<B: Backend> Scheduler<B> {
         }
         let step_started = Instant::now();
         self.step_accepted = 0;
+        self.share_cells();
         self.build_batch();
         let images = self.decode_images();
         let mut outcome = StepOutcome {

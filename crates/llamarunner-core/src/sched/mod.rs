@@ -4,7 +4,8 @@
 //!
 //! Each step: drop requests whose client left (`admission.rs`), admit waiting requests into free
 //! slots (reusing the longest cached prefix, from a slot or a lower cache tier:
-//! `cache_tiers.rs`), build one batch (every generating sequence's next token first, then prompt
+//! `cache_tiers.rs`), keep the slots within a cache they share (`--kv-unified`:
+//! `shared_cache.rs`), build one batch (every generating sequence's next token first, then prompt
 //! chunks with the remaining budget, round robin), decode once (`batch.rs`), sample for every
 //! sequence whose pending tokens are all decoded (`sampling.rs`, drafts in `speculative.rs`),
 //! and stream the text out (`output.rs`). A step returns a `StepOutcome`.
@@ -18,6 +19,7 @@ mod lora;
 mod output;
 pub mod payoff;
 mod sampling;
+mod shared_cache;
 mod slot_files;
 pub mod speculative;
 pub mod text;
@@ -118,6 +120,8 @@ struct Sequence<S> {
     paused_since: Option<Instant>,
     /// Its drafts (speculative decoding).
     spec: SpecState,
+    /// Its cells, while it waits swapped out of a shared cache (`shared_cache.rs`).
+    swapped: Option<shared_cache::Swapped>,
 }
 
 impl<S> Sequence<S> {

@@ -782,6 +782,7 @@ mod lora;
 mod observer;
 mod prefix_reuse;
 mod prompt_cache;
+mod shared_cache;
 mod slot_files;
 mod speculative;
 mod step_outcome;

@@ -10,19 +10,18 @@
 //! every cached position was decoded under. A sequence decoded in a batch of another set, or
 //! reusing a prefix cached under another set, answers differently than it does alone.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::{BatchToken, Decoder, Drafting, Embeddings, Fork, KvOps, Sampling, Text};
 use crate::protocol::params::SamplingParams;
-use crate::protocol::vision::{
-    is_image_continuation, ImageChunk, ImageInput, PromptImage, VisionError, VisionModel,
-    DEFAULT_MARKER,
-};
+use crate::protocol::vision::is_image_continuation;
 use crate::protocol::{
     BackendError, LoraScales, ModelInfo, TextModel, Token, TokenLogprob, TopLogprob,
 };
+
+mod vision;
+pub use vision::FakeVision;
 
 /// End of sequence.
 pub const EOS: Token = 256;
@@ -34,6 +33,9 @@ pub const BOS: Token = 257;
 pub struct FakeConfig {
     /// Cells per slot.
     pub slot_ctx: usize,
+    /// One cache of this many cells that the slots share (`--kv-unified`): a decode or a
+    /// restored state that would hold more cells in all is a scheduler bug (it panics).
+    pub shared_cells: Option<usize>,
     /// Tokens per decode.
     pub batch_capacity: usize,
     /// Emit EOS once a sequence's history reaches this many tokens.
@@ -73,6 +75,7 @@ impl Default for FakeConfig {
     fn default() -> Self {
         Self {
             slot_ctx: 256,
+            shared_cells: None,
             batch_capacity: 32,
             eos_at: None,
             decode_delay: std::time::Duration::ZERO,
@@ -178,6 +181,18 @@ impl std::fmt::Debug for FakeSampler {
 }
 
 impl FakeBackend {
+    /// The slots' cells are within the shared cache, when there is one: llama.cpp would have
+    /// refused the decode (`NoKvSlot`), which the scheduler must never let happen.
+    fn assert_within_shared_cells(&self) {
+        if let Some(all) = self.config.shared_cells {
+            let held: usize = self.kv.values().map(Vec::len).sum();
+            assert!(
+                held <= all,
+                "the slots hold {held} cells of a shared cache of {all} (scheduler bug)"
+            );
+        }
+    }
+
     /// A fake with the given settings.
     pub fn new(config: FakeConfig) -> Self {
         Self {
@@ -216,6 +231,10 @@ const MARKED_ADAPTERS: usize = 8;
 impl Decoder for FakeBackend {
     fn slot_ctx(&self) -> usize {
         self.config.slot_ctx
+    }
+
+    fn shared_cells(&self) -> Option<usize> {
+        self.config.shared_cells
     }
 
     fn batch_capacity(&self) -> usize {
@@ -275,6 +294,7 @@ impl Decoder for FakeBackend {
                 self.outputs.insert(i, (t.seq, pos));
             }
         }
+        self.assert_within_shared_cells();
         if let Ok(mut log) = self.log.lock() {
             log.push(batch.to_vec());
         }
@@ -322,6 +342,7 @@ impl Decoder for FakeBackend {
             let last = image.n_tokens - 1;
             self.outputs.insert(last, (seq, pos + last));
         }
+        self.assert_within_shared_cells();
         if let Ok(mut log) = self.image_log.lock() {
             log.push((seq, pos, image.n_tokens));
         }
@@ -335,7 +356,9 @@ impl Decoder for FakeBackend {
     }
 
     fn describe(&self) -> Option<ModelInfo> {
-        Some(model_info(self.slot_ctx()))
+        let mut info = model_info(self.slot_ctx());
+        info.shared_cells = self.config.shared_cells;
+        Some(info)
     }
 }
 
@@ -618,6 +641,14 @@ impl KvOps for FakeBackend {
             )));
         }
         let n = kv.len();
+        if let Some(all) = self.config.shared_cells {
+            let others: usize = self.kv.values().map(Vec::len).sum();
+            if others + n > all {
+                return Err(BackendError::State(format!(
+                    "no room for {n} cells in the shared cache ({others} of {all} held)"
+                )));
+            }
+        }
         self.kv.insert(seq, kv);
         // A whole state holds the window cells that were there: those of its last positions.
         if let Some(w) = self.config.window {
@@ -766,6 +797,7 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
         n_layer: 1,
         n_vocab: 258,
         slot_ctx,
+        shared_cells: None,
         quantization: "F32".into(),
         metadata: Vec::new(),
         template: Arc::new(template),
@@ -785,78 +817,10 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
     }
 }
 
-/// The fake backend's projector: each image takes `positions` positions; its text is tokenized
-/// by `FakeText`.
-#[derive(Clone, Copy, Debug)]
-pub struct FakeVision {
-    /// Positions per image.
-    pub positions: usize,
-    /// Most positions one image may take (the batch size).
-    pub max_positions: usize,
-}
-
-/// The fake projector's chunk: nothing to encode (the fake's KV holds the synthetic ids).
-#[derive(Debug)]
-struct FakeChunk;
-
-impl ImageChunk for FakeChunk {
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-impl VisionModel for FakeVision {
-    fn marker(&self) -> &str {
-        DEFAULT_MARKER
-    }
-
-    fn tokenize(
-        &self,
-        text: &str,
-        images: &[ImageInput],
-    ) -> Result<(Vec<Token>, Vec<PromptImage>), VisionError> {
-        let parts: Vec<&str> = text.split(DEFAULT_MARKER).collect();
-        if parts.len() != images.len() + 1 {
-            return Err(VisionError::InvalidImage(format!(
-                "the prompt marks {} images but {} were given",
-                parts.len() - 1,
-                images.len()
-            )));
-        }
-        if self.positions > self.max_positions {
-            return Err(VisionError::InvalidImage(format!(
-                "an image takes {} positions, one decode holds {} (raise --batch-size)",
-                self.positions, self.max_positions
-            )));
-        }
-        let mut tokens = Vec::new();
-        let mut out: Vec<PromptImage> = Vec::new();
-        for (i, part) in parts.iter().enumerate() {
-            tokens.extend(
-                FakeText
-                    .tokenize_with(part, i == 0)
-                    .map_err(|e: BackendError| VisionError::InvalidPrompt(e.to_string()))?,
-            );
-            if let Some(image) = images.get(i) {
-                let image = PromptImage {
-                    key: image.key(),
-                    n_tokens: self.positions,
-                    chunk: Arc::new(FakeChunk),
-                };
-                tokens.extend(image.tokens());
-                if !out.iter().any(|o| o.key == image.key) {
-                    out.push(image);
-                }
-            }
-        }
-        Ok((tokens, out))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::vision::is_image_start;
+    use crate::protocol::vision::{is_image_start, ImageInput, VisionModel};
 
     #[test]
     fn the_fake_projector_places_images_at_their_markers() {

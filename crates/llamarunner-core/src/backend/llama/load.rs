@@ -122,6 +122,8 @@ pub fn load<R>(
         .with_n_batch(config.batch_size)
         .with_n_ubatch(config.batch_size)
         .with_n_seq_max(parallel)
+        // `--kv-unified`: one cache the slots share (the scheduler keeps them within it).
+        .with_kv_unified(config.kv_unified)
         // Deterministic mode: every cell at its position's index (no window cells reused).
         .with_swa_full(config.effective_swa_full())
         .with_n_threads(threads)
@@ -232,6 +234,8 @@ pub fn load<R>(
                 .with_n_batch(config.batch_size)
                 .with_n_ubatch(config.batch_size)
                 .with_n_seq_max(parallel)
+                // Shared like the model's, so a sequence may grow as far in both.
+                .with_kv_unified(config.kv_unified)
                 // Every cell kept, so that cutting back a rejected draft never loses cells a
                 // sliding window needs.
                 .with_swa_full(true)
@@ -251,9 +255,13 @@ pub fn load<R>(
     };
 
     let cells = (ctx.n_ctx() / parallel) as usize;
+    // With `--kv-unified` a sequence may take the whole cache, which the slots share.
+    let shared_cells = config.kv_unified.then_some(ctx.n_ctx() as usize);
     // llama.cpp pads a slot's cells (to 256); in deterministic mode the slot is `--ctx-size`
     // and the pads take cells past it.
-    let slot_ctx = if config.deterministic {
+    let slot_ctx = if let Some(all) = shared_cells {
+        all
+    } else if config.deterministic {
         cells
             .saturating_sub(pad_cells)
             .min(config.ctx_size as usize)
@@ -264,6 +272,7 @@ pub fn load<R>(
     // n_ctx is padded): a batch is never larger than what the context really takes.
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
     let mut info = model_info(&model, config, slot_ctx, placement)?;
+    info.shared_cells = shared_cells;
     info.vision = vision.as_ref().map(|(projector, _)| {
         std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
             as std::sync::Arc<dyn crate::protocol::VisionModel>
@@ -308,7 +317,14 @@ pub fn load<R>(
     .with_draft(draft)
     .with_sampling_threads(sampling_threads as usize)
     .with_null_decode(config.null_decode)
-    .with_deterministic(config.deterministic);
+    .with_deterministic(config.deterministic)
+    .with_shared_cells(shared_cells);
+    if let Some(cells) = shared_cells {
+        tracing::info!(
+            cells,
+            "--kv-unified: the slots share one KV cache; a sequence may take all of it"
+        );
+    }
     if config.deterministic {
         tracing::info!(
             "--deterministic: CPU only, no flash attention, no tiled K-quant products, every sequence decoded in rows of four (backend/invariant_batch.rs)"
@@ -444,6 +460,7 @@ pub(super) fn model_info(
         n_layer: model.n_layer(),
         n_vocab: u32::try_from(model.n_vocab()).unwrap_or(0),
         slot_ctx,
+        shared_cells: None,
         quantization,
         metadata,
         bos: tokenize(model, "", true)

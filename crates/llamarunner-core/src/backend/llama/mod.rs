@@ -57,6 +57,8 @@ pub struct LlamaEngine<'m> {
     ctx: LlamaContext<'m>,
     batch: LlamaBatch<'static>,
     slot_ctx: usize,
+    /// The cells of the cache the slots share (`--kv-unified`).
+    shared_cells: Option<usize>,
     batch_capacity: usize,
     /// Biases that forbid every end-of-generation token (for `ignore_eos`).
     eog_bans: Vec<LlamaLogitBias>,
@@ -135,6 +137,7 @@ impl<'m> LlamaEngine<'m> {
             ctx,
             batch: LlamaBatch::new(batch, 1),
             slot_ctx,
+            shared_cells: None,
             batch_capacity: batch,
             eog_bans,
             can_shift,
@@ -238,6 +241,12 @@ impl<'m> LlamaEngine<'m> {
         self
     }
 
+    /// The same engine over a KV cache of `cells` the slots share (`--kv-unified`).
+    fn with_shared_cells(mut self, cells: Option<usize>) -> Self {
+        self.shared_cells = cells;
+        self
+    }
+
     /// The same engine drafting with this draft model context (`--draft-model`).
     fn with_draft(mut self, draft: Option<DraftEngine<'m>>) -> Self {
         self.draft = draft;
@@ -254,6 +263,10 @@ impl<'m> LlamaEngine<'m> {
 impl Decoder for LlamaEngine<'_> {
     fn slot_ctx(&self) -> usize {
         self.slot_ctx
+    }
+
+    fn shared_cells(&self) -> Option<usize> {
+        self.shared_cells
     }
 
     fn batch_capacity(&self) -> usize {
