@@ -53,7 +53,7 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "-rea": ("--reasoning", True),
     "--verbose": ("--verbose", False),
     # Ours always batches continuously, serves embeddings, reranking, /metrics and /slots,
-    # renders templates with Jinja and shifts the context.
+    # renders templates with Jinja; the context shift is off unless `--context-shift` (as there).
     "--cont-batching": (None, False),
     "--embedding": (None, False),
     "--embeddings": (None, False),
@@ -61,7 +61,8 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--metrics": (None, False),
     "--slots": (None, False),
     "--jinja": (None, False),
-    "--context-shift": (None, False),
+    "--context-shift": ("--context-shift", False),
+    "--no-context-shift": ("--no-context-shift", False),
     "--kv-unified": ("--kv-unified", False),
     "--no-ui": (None, False),
     "--offline": (None, False),
@@ -153,6 +154,8 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
             print(f"llama_server_shim: {flag} {value} dropped (no counterpart)", file=sys.stderr)
         i += 2 if takes else 1
     out += ["--parallel", str(parallel)]
+    if "--context-shift" not in out:
+        out.append("--no-context-shift")  # llama-server's default
     if ctx and "--kv-unified" in out:
         # One cache of the same size, shared: ours holds ctx-size x parallel cells.
         out += ["--ctx-size", str(max(16, ctx // parallel))]

@@ -240,6 +240,30 @@ def test_the_server_s_sampling_flags_fill_what_requests_leave_out(tmp_path: Path
         assert len(texts) > 1, texts
 
 
+def test_the_server_s_token_limit_and_context_shift_fill_what_requests_leave_out(
+    tmp_path: Path,
+) -> None:
+    """``--n-predict`` and ``--no-context-shift`` (llama-server's): a request that names no
+    limit generates the server's number of tokens, one that names one keeps it; a sequence
+    that fills its slot ends there unless the request asks for the shift."""
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    with Server(
+        str(model), port=0, parallel=1, ctx_size=256, threads=2, n_predict=7, context_shift=False
+    ) as srv:
+        base = {"prompt": "Once", "temperature": 0, "ignore_eos": True}
+        assert post(srv, "/completion", base).json()["tokens_predicted"] == 7
+        assert post(srv, "/completion", {**base, "n_predict": -1}).json()["tokens_predicted"] == 7
+        chat = {"messages": CHAT, "temperature": 0, "ignore_eos": True}
+        assert post(srv, "/v1/chat/completions", chat).json()["usage"]["completion_tokens"] == 7
+        # A limit past the slot: it ends where the slot is full, with "length", unshifted...
+        full = post(srv, "/completion", {**base, "n_predict": 400}).json()
+        assert full["stop_type"] == "limit" and full["tokens_predicted"] < 256, full
+        # ... unless the request says shift (the native format's field).
+        shifted = post(srv, "/completion", {**base, "options": {"num_predict": 300}, "shift": True})
+        final = [json.loads(line) for line in shifted.text.splitlines() if line.strip()][-1]
+        assert final["eval_count"] == 300, final
+
+
 def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:
     counted = post(tiny_server, "/v1/chat/completions/input_tokens", {"messages": CHAT})
     assert counted.status_code == 200, counted.text

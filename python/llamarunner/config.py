@@ -115,6 +115,7 @@ class ServerConfig:
     shutdown_timeout: float = _D["shutdown_timeout"]
     max_tokens: int = _D["max_tokens"]
     n_predict: int | None = _D["n_predict"]
+    context_shift: bool = _D["context_shift"]
     seed: int = _D["seed"]
     temp: float | None = _D["temp"]
     top_k: int | None = _D["top_k"]

@@ -400,6 +400,15 @@ SERVER_SETTINGS = _table(
         "most tokens one request may generate; 0 = no server cap (default {default})",
     ),
     Setting(
+        "context_shift",
+        bool,
+        True,
+        "a sequence that fills its slot drops its oldest tokens and goes on (the default, as "
+        "Ollama), for requests that do not say (shift)",
+        off_help='a sequence that fills its slot ends there with "length", for requests '
+        "that do not say (llama-server's default)",
+    ),
+    Setting(
         "n_predict",
         int,
         None,

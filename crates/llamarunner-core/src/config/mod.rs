@@ -228,6 +228,10 @@ pub struct RunnerConfig {
     pub shutdown_timeout: f64,
     /// Most tokens one request may generate; 0 = no server cap.
     pub max_tokens: u32,
+    /// Whether a sequence that fills its slot drops its oldest tokens and goes on (a context
+    /// shift), for requests that do not say (`shift`); off (llama-server's default), it ends
+    /// with "length" there.
+    pub context_shift: bool,
     /// The tokens a request that sets no limit generates (llama-server's `--n-predict`);
     /// None or -1: each dialect's own (until the end, or the context is full).
     pub n_predict: Option<i32>,
@@ -307,6 +311,7 @@ impl Default for RunnerConfig {
             shutdown_timeout: 10.0,
             max_tokens: 0,
             n_predict: None,
+            context_shift: true,
             seed: -1,
             temp: None,
             top_k: None,
@@ -665,6 +670,7 @@ impl RunnerConfig {
             top_p: self.top_p,
             min_p: self.min_p,
             n_predict: self.n_predict.filter(|n| *n >= 0).map(i64::from),
+            shift: (!self.context_shift).then_some(false),
         }
     }
 

@@ -117,6 +117,14 @@ impl PromptCache {
         best.filter(|&(_, common)| common >= beyond + MIN_RESTORE_GAIN)
     }
 
+    /// The tokens entry `index` holds (0 for no such entry).
+    pub fn entry_len(&self, index: usize) -> usize {
+        self.store
+            .entries()
+            .get(index)
+            .map_or(0, |e| e.tokens.len())
+    }
+
     /// Takes entry `index` out (to restore it); counts `saves` prompt tokens not decoded.
     pub fn take(&mut self, index: usize, saves: usize) -> Entry {
         self.stats.restored += 1;

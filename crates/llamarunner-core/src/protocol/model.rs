@@ -146,6 +146,9 @@ pub struct ModelInfo {
     /// The cells of the KV cache the slots share (`--kv-unified`); None: each slot has
     /// `slot_ctx` of its own.
     pub shared_cells: Option<usize>,
+    /// Most tokens of one embedding input: a slot's cells (a slot's share with a shared
+    /// cache, so the embedding context is no larger than without one).
+    pub embed_ctx: usize,
     /// Quantization of the weights (`general.file_type`), e.g. "Q4_K_M".
     pub quantization: String,
     /// The GGUF's scalar metadata (tokenizer arrays left out), in file order.

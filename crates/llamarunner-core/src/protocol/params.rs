@@ -19,6 +19,9 @@ pub struct SamplingDefaults {
     pub min_p: Option<f32>,
     /// Tokens to generate (`--n-predict`), for a request that names no limit.
     pub n_predict: Option<i64>,
+    /// Context shift (`--no-context-shift`: false), for a request that does not say (`shift`,
+    /// at the body's top level in every format; `fill_left_out` only).
+    pub shift: Option<bool>,
 }
 
 /// The names a request's limit on generated tokens has in the dialects: OpenAI's (and
@@ -48,6 +51,11 @@ impl SamplingDefaults {
         let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice(body) else {
             return;
         };
+        if let Some(shift) = self.shift {
+            if fields.get("shift").is_none_or(serde_json::Value::is_null) {
+                p.shift = shift;
+            }
+        }
         let scope = if in_options {
             fields
                 .iter()
@@ -60,16 +68,17 @@ impl SamplingDefaults {
             scope.is_some_and(|m| {
                 m.iter().any(|(k, v)| {
                     k.eq_ignore_ascii_case(name)
-                        // A limit of -1 asks for the server's default, as llama-server reads it.
-                        && !(v.is_null() || LIMIT_FIELDS.contains(&name) && v.as_i64() == Some(-1))
+                        // llama-server's `n_predict: -1` asks for the server's default (an
+                        // Ollama `num_predict` of -1 means no limit: the request's own).
+                        && !(v.is_null() || name == "n_predict" && v.as_i64() == Some(-1))
                 })
             })
         });
     }
 
     /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
-    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p, and the
-    /// limit's names in `LIMIT_FIELDS`).
+    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p, shift,
+    /// and the limit's names in `LIMIT_FIELDS`).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
         if let (Some(v), false) = (self.temperature, given("temperature")) {
             p.temperature = v;

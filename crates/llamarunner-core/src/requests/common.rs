@@ -369,10 +369,11 @@ pub fn split_prefill(
     }
     // Text parts are continued joined by a blank line (llama-server's `render_content`).
     let last = messages.pop().map(|m| {
-        if m.parts.is_empty() {
-            m.content
-        } else {
+        // Only while the text is still the parts' (a rewrite of the content keeps it as is).
+        if !m.parts.is_empty() && m.parts.join("\n") == m.content {
             m.parts.join("\n\n")
+        } else {
+            m.content
         }
     });
     if messages.last().is_some_and(|m| m.role == "assistant") {

@@ -40,6 +40,6 @@ pub fn token_input(
                 })
         })
         .collect::<Result<Vec<Token>, ApiError>>()?;
-    let cut = kv::fit_input(&mut tokens, truncate, info.slot_ctx)?;
+    let cut = kv::fit_input(&mut tokens, truncate, info.embed_ctx)?;
     Ok((tokens, cut))
 }

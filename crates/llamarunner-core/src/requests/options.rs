@@ -272,6 +272,7 @@ mod tests {
             top_p: None,
             min_p: Some(0.2),
             n_predict: None,
+            shift: None,
         };
         let base = SamplingParams::default();
         let fill = |body: &str, in_options: bool| {
@@ -328,16 +329,33 @@ mod tests {
             "max_output_tokens",
         ] {
             assert_eq!(limit(&format!(r#"{{"{name}": 80}}"#), false), 5, "{name}");
-            // -1 and null ask for the server's.
-            assert_eq!(limit(&format!(r#"{{"{name}": -1}}"#), false), 64, "{name}");
+            // Null asks for the server's.
             assert_eq!(
                 limit(&format!(r#"{{"{name}": null}}"#), false),
                 64,
                 "{name}"
             );
         }
+        // llama-server's -1 asks for the server's too; Ollama's -1 is "no limit", its own.
+        assert_eq!(limit(r#"{"n_predict": -1}"#, false), 64);
+        assert_eq!(limit(r#"{"options": {"num_predict": -1}}"#, true), 5);
         assert_eq!(limit(r#"{"options": {"num_predict": 80}}"#, true), 5);
         assert_eq!(limit(r#"{"num_predict": 80}"#, true), 64);
+        // `--no-context-shift`: a request that does not say `shift` (at the top level, in
+        // every format) does not shift.
+        let no_shift = SamplingDefaults {
+            shift: Some(false),
+            ..SamplingDefaults::default()
+        };
+        let shift = |body: &str, in_options: bool| {
+            let mut p = SamplingParams::default();
+            no_shift.fill_left_out(&mut p, body.as_bytes(), in_options);
+            p.shift
+        };
+        assert!(!shift(r#"{"prompt": "x"}"#, false));
+        assert!(!shift(r#"{"options": {"shift": true}}"#, true));
+        assert!(shift(r#"{"shift": true, "options": {}}"#, true));
+        assert!(shift(r#"{"shift": true}"#, false));
         // -1 for a temperature is the request's (it is refused as out of range).
         let mut p = SamplingParams::default();
         SamplingDefaults {

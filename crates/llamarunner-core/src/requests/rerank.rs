@@ -77,7 +77,7 @@ pub async fn pairs(
                 "the input length exceeds the context length: the query and document {i} have \
                  {bytes} bytes of text, at most {max} are read for a slot of {} tokens (raise \
                  --ctx-size)",
-                info.slot_ctx
+                info.embed_ctx
             )));
         }
     }
@@ -97,7 +97,7 @@ pub async fn pairs(
                 "the query and document {i} have no tokens"
             )));
         }
-        let cut = kv::fit_input(&mut tokens, truncate, info.slot_ctx)?;
+        let cut = kv::fit_input(&mut tokens, truncate, info.embed_ctx)?;
         out.push((tokens, cut));
     }
     Ok(out)

@@ -299,8 +299,10 @@ impl<B: Backend> Scheduler<B> {
         }
         let (src, dst) = (self.slots[from].id, self.slots[choice.slot].id);
         let prefix = self.slots[from].cached[..choice.reuse].to_vec();
-        // The fork overwrites the slot: its sequence goes to RAM first.
+        // The fork overwrites the slot: its sequence goes to RAM first. A cache the slots
+        // share needs room for the source's whole state (it is cut after the copy).
         self.offload(choice.slot, 0);
+        self.free_idle(src_len, &[choice.slot, from]);
         match self.backend.kv_fork(src, dst, choice.reuse) {
             Fork::Copied => {
                 tracing::debug!(

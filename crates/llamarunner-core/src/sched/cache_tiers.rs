@@ -164,9 +164,21 @@ impl<B: Backend> Scheduler<B> {
         if !self.prompt_cache.enabled() {
             return common;
         }
-        let Some((entry, shared)) = self.prompt_cache.best(tokens, lora, common) else {
+        let Some((mut entry, mut shared)) = self.prompt_cache.best(tokens, lora, common) else {
             return common;
         };
+        // Room for it in a cache the slots share (a full one refuses the state); the entry
+        // stays cached when there is none. Freeing idle slots may store their sequences in
+        // this cache: the best entry is looked up again.
+        if self.free_cells().is_some() {
+            if !self.free_idle(self.prompt_cache.entry_len(entry), &[index]) {
+                return common;
+            }
+            match self.prompt_cache.best(tokens, lora, common) {
+                Some(again) => (entry, shared) = again,
+                None => return common,
+            }
+        }
         let entry = self.prompt_cache.take(entry, shared - common);
         self.offload(index, 0);
         let slot = &mut self.slots[index];

@@ -18,9 +18,14 @@
 //! The batch then places prompt tokens, drafts and images only within the free cells
 //! (`batch.rs`). With a cache per slot (the default) nothing here runs.
 
-use super::{Scheduler, Sequence};
+use super::{leading_image, Scheduler, Sequence};
 use crate::backend::Backend;
 use crate::protocol::{Ending, EngineError, EngineErrorKind, Token};
+
+/// Steps of growth for every sequence in the cache that must fit, besides a sequence's own
+/// cells, before it is swapped back in: with less, the newest sequence (the one coming back)
+/// would be swapped out again a step later.
+const SWAP_IN_STEPS: usize = 16;
 
 /// A sequence swapped out of the shared cache, waiting for room.
 pub(super) struct Swapped {
@@ -65,14 +70,15 @@ impl<B: Backend> Scheduler<B> {
             let resident: Vec<usize> = (0..self.slots.len())
                 .filter(|&i| self.slots[i].seq.as_ref().is_some_and(|q| !q.swapped_out()))
                 .collect();
-            if self.free_idle(self.step_need()) || resident.len() < 2 {
+            if self.free_idle(self.step_need(), &[]) || resident.len() < 2 {
                 // One sequence alone always fits: its slot is the whole cache.
                 return;
             }
+            // The newest that holds cells (one that holds none frees nothing).
             let victim = resident
                 .iter()
                 .copied()
-                .filter(|&i| !self.shift_pending(i))
+                .filter(|&i| !self.slots[i].cached.is_empty() && !self.shift_pending(i))
                 .max_by_key(|&i| self.slots[i].seq.as_ref().map(|q| q.admitted));
             let Some(victim) = victim else {
                 return;
@@ -82,33 +88,46 @@ impl<B: Backend> Scheduler<B> {
     }
 
     /// The cells this step needs at least: one per generating sequence that is not waiting
-    /// for its client, or one for a prompt when nothing generates (so that prompts that
-    /// filled the cache between them do not wait for each other for ever).
+    /// for its client; when nothing generates, what the prompt that needs least needs to go
+    /// on (one token, or its next image whole), so that prompts that filled the cache between
+    /// them do not wait for each other for ever.
     fn step_need(&self) -> usize {
         let mut generating = 0;
-        let mut prompts = false;
+        let mut prompt: Option<usize> = None;
         for seq in self.slots.iter().filter_map(|s| s.seq.as_ref()) {
             if seq.swapped_out() {
                 continue;
             }
             if seq.phase == super::Phase::Decode {
                 generating += usize::from(!seq.paused());
-            } else {
-                prompts |= !seq.pending.is_empty();
+            } else if !seq.pending.is_empty() {
+                let need = leading_image(&seq.pending).max(1);
+                prompt = Some(prompt.map_or(need, |p| p.min(need)));
             }
         }
-        generating.max(usize::from(prompts))
+        if generating > 0 {
+            generating
+        } else {
+            prompt.unwrap_or(0)
+        }
     }
 
-    /// Frees idle slots' cells, the least recently used first (to RAM first when the prompt
-    /// cache is on), until `need` cells are free; whether they are.
-    fn free_idle(&mut self, need: usize) -> bool {
+    /// Frees idle slots' cells but those of `keep`, the least recently used first (to RAM
+    /// first when the prompt cache is on), until `need` cells are free; whether they are.
+    /// Always true without a shared cache. Called before a step, and before a state is written
+    /// into a slot (a prompt-cache restore, a fork, a slot file: llama.cpp refuses one that
+    /// finds no room).
+    pub(super) fn free_idle(&mut self, need: usize, keep: &[usize]) -> bool {
         loop {
             if self.free_cells().is_none_or(|free| free >= need) {
                 return true;
             }
             let idle = (0..self.slots.len())
-                .filter(|&i| self.slots[i].seq.is_none() && !self.slots[i].cached.is_empty())
+                .filter(|&i| {
+                    self.slots[i].seq.is_none()
+                        && !self.slots[i].cached.is_empty()
+                        && !keep.contains(&i)
+                })
                 .min_by_key(|&i| self.slots[i].last_tick);
             let Some(i) = idle else {
                 return false;
@@ -216,8 +235,14 @@ impl<B: Backend> Scheduler<B> {
             else {
                 return;
             };
-            let need = swapped.tokens.len() + resident + 1;
-            if !self.free_idle(need) {
+            // Room for it and a step of everyone at least, and for some steps where the cache
+            // has them.
+            let all = self.backend.shared_cells().unwrap_or(0);
+            let least = swapped.tokens.len() + resident + 1;
+            let need = (swapped.tokens.len() + (resident + 1) * SWAP_IN_STEPS)
+                .min(all)
+                .max(least);
+            if !self.free_idle(need, &[]) {
                 return;
             }
             let Some(swapped) = self.slots[index]

@@ -65,6 +65,9 @@ impl<B: Backend> Scheduler<B> {
                         ),
                     ));
                 }
+                // Room for it in a cache the slots share.
+                self.free_idle(tokens.len(), &[index]);
+                let slot = &mut self.slots[index];
                 let restored = self.backend.set_seq_state(slot.id, &state);
                 // The scheduler's record must be exactly what the cache holds: anything else
                 // (an error, or a state whose cell count is not its token count) leaves the

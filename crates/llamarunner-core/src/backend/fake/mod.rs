@@ -798,6 +798,7 @@ pub fn model_info(slot_ctx: usize) -> ModelInfo {
         n_vocab: 258,
         slot_ctx,
         shared_cells: None,
+        embed_ctx: slot_ctx,
         quantization: "F32".into(),
         metadata: Vec::new(),
         template: Arc::new(template),

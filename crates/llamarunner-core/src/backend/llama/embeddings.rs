@@ -23,13 +23,13 @@ pub(super) struct EmbedParams {
 
 impl Embeddings for LlamaEngine<'_> {
     fn embed_capacity(&self) -> usize {
-        self.slot_ctx
+        self.embed_cells
     }
 
     fn embed_piece(&self) -> usize {
         if self.embed_params.pooled_by_model {
             // Its pooling needs the whole input in one batch.
-            self.slot_ctx
+            self.embed_cells
         } else {
             self.embed_chunk()
         }
@@ -54,12 +54,12 @@ impl<'m> LlamaEngine<'m> {
     /// to keep that buffer under `EMBED_LOGITS_BYTES`.
     fn embed_chunk(&self) -> usize {
         let per_token = usize::try_from(self.model.n_vocab()).unwrap_or(1).max(1) * 4;
-        (EMBED_LOGITS_BYTES / per_token).clamp(1, self.slot_ctx.max(1))
+        (EMBED_LOGITS_BYTES / per_token).clamp(1, self.embed_cells.max(1))
     }
 
     fn embedding_context(&mut self) -> Result<&mut LlamaContext<'m>, BackendError> {
         if self.embed_ctx.is_none() {
-            let n = u32::try_from(self.slot_ctx).unwrap_or(u32::MAX);
+            let n = u32::try_from(self.embed_cells).unwrap_or(u32::MAX);
             // A model that names its pooling (an embedding model, often non-causal) needs the
             // whole input in one micro-batch: n_ubatch = n_batch = n_ctx. A generative model
             // is mean-pooled here, piece by piece through its causal KV cache, from per-token

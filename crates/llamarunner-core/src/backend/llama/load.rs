@@ -273,6 +273,8 @@ pub fn load<R>(
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
     let mut info = model_info(&model, config, slot_ctx, placement)?;
     info.shared_cells = shared_cells;
+    // An embedding input's context is a slot's share, shared cache or not.
+    info.embed_ctx = cells;
     info.vision = vision.as_ref().map(|(projector, _)| {
         std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
             as std::sync::Arc<dyn crate::protocol::VisionModel>
@@ -318,7 +320,7 @@ pub fn load<R>(
     .with_sampling_threads(sampling_threads as usize)
     .with_null_decode(config.null_decode)
     .with_deterministic(config.deterministic)
-    .with_shared_cells(shared_cells);
+    .with_shared_cells(shared_cells, cells);
     if let Some(cells) = shared_cells {
         tracing::info!(
             cells,
@@ -461,6 +463,7 @@ pub(super) fn model_info(
         n_vocab: u32::try_from(model.n_vocab()).unwrap_or(0),
         slot_ctx,
         shared_cells: None,
+        embed_ctx: slot_ctx,
         quantization,
         metadata,
         bos: tokenize(model, "", true)

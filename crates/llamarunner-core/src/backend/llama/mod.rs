@@ -59,6 +59,8 @@ pub struct LlamaEngine<'m> {
     slot_ctx: usize,
     /// The cells of the cache the slots share (`--kv-unified`).
     shared_cells: Option<usize>,
+    /// Most tokens of one embedding input (a slot's cells, or its share of a shared cache).
+    embed_cells: usize,
     batch_capacity: usize,
     /// Biases that forbid every end-of-generation token (for `ignore_eos`).
     eog_bans: Vec<LlamaLogitBias>,
@@ -138,6 +140,7 @@ impl<'m> LlamaEngine<'m> {
             batch: LlamaBatch::new(batch, 1),
             slot_ctx,
             shared_cells: None,
+            embed_cells: slot_ctx,
             batch_capacity: batch,
             eog_bans,
             can_shift,
@@ -241,9 +244,11 @@ impl<'m> LlamaEngine<'m> {
         self
     }
 
-    /// The same engine over a KV cache of `cells` the slots share (`--kv-unified`).
-    fn with_shared_cells(mut self, cells: Option<usize>) -> Self {
+    /// The same engine over a KV cache of `cells` the slots share (`--kv-unified`); an
+    /// embedding input still gets a slot's share (`per_slot`) of cells.
+    fn with_shared_cells(mut self, cells: Option<usize>, per_slot: usize) -> Self {
         self.shared_cells = cells;
+        self.embed_cells = per_slot;
         self
     }
 

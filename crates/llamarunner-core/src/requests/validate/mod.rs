@@ -539,7 +539,7 @@ pub async fn embedding_input(
         return Err(ApiError::invalid("an input to embed must not be empty"));
     }
     let mut tokens = tokenize(info, text, "input").await?;
-    let cut = kv::fit_input(&mut tokens, truncate, info.slot_ctx)?;
+    let cut = kv::fit_input(&mut tokens, truncate, info.embed_ctx)?;
     Ok((tokens, cut))
 }
 

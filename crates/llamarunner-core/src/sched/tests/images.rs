@@ -322,3 +322,35 @@ fn a_failed_image_decode_ends_that_sequence_only_and_frees_its_slot() {
     let (text, _) = collect(&mut h.submit("after", greedy(3)));
     assert_eq!(text, expected("after", 3));
 }
+
+#[test]
+fn in_a_shared_cache_an_image_gets_the_idle_slots_cells_it_needs() {
+    // 24 cells for two slots. A finished conversation keeps 20 of them in its idle slot: an
+    // image of 6 positions fits only once they go (one free cell for a text token is not
+    // room for it). Multi-user (the server's default): the new conversation takes the other
+    // slot, so the idle one keeps its cells until they are needed.
+    let h = Harness::with_scheduler(
+        FakeConfig {
+            slot_ctx: 24,
+            shared_cells: Some(24),
+            ..FakeConfig::default()
+        },
+        2,
+        64,
+        |s| s.with_multiuser_cache(true),
+    );
+    let (_, done) = collect(&mut h.submit(&"a".repeat(16), greedy(4)));
+    assert_eq!(done.eval_count, 4);
+    let (tokens, images) = tokenize("<__media__> x", &[5]);
+    let mut rx = h.submit_tokens(tokens.clone(), images, greedy(3));
+    let mut text = String::new();
+    loop {
+        match recv_within(&mut rx, Duration::from_secs(5)) {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Done(_) => break,
+            Event::Started { .. } | Event::Progress(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(text, expected_after(&tokens, 3));
+}
