@@ -52,13 +52,13 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--reasoning": ("--reasoning", True),
     "-rea": ("--reasoning", True),
     "--verbose": ("--verbose", False),
-    # Ours always batches continuously, serves embeddings, reranking, /metrics and /slots,
-    # renders templates with Jinja; the context shift is off unless `--context-shift` (as there).
+    # Ours always batches continuously, serves embeddings, reranking and /slots, renders
+    # templates with Jinja; the context shift and /metrics are off unless asked for (as there).
     "--cont-batching": (None, False),
     "--embedding": (None, False),
     "--embeddings": (None, False),
     "--reranking": (None, False),
-    "--metrics": (None, False),
+    "--metrics": ("--metrics", False),
     "--slots": (None, False),
     "--jinja": (None, False),
     "--context-shift": ("--context-shift", False),
@@ -154,8 +154,13 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
             print(f"llama_server_shim: {flag} {value} dropped (no counterpart)", file=sys.stderr)
         i += 2 if takes else 1
     out += ["--parallel", str(parallel)]
+    # llama-server's defaults where ours differ: no context shift, no /metrics.
     if "--context-shift" not in out:
-        out.append("--no-context-shift")  # llama-server's default
+        out.append("--no-context-shift")
+    if "--metrics" in out:
+        out.remove("--metrics")
+    else:
+        out.append("--no-metrics")
     if ctx and "--kv-unified" in out:
         # One cache of the same size, shared: ours holds ctx-size x parallel cells.
         out += ["--ctx-size", str(max(16, ctx // parallel))]

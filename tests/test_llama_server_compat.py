@@ -259,7 +259,8 @@ def test_the_server_s_token_limit_and_context_shift_fill_what_requests_leave_out
         full = post(srv, "/completion", {**base, "n_predict": 400}).json()
         assert full["stop_type"] == "limit" and full["tokens_predicted"] < 256, full
         # ... unless the request says shift (the native format's field).
-        shifted = post(srv, "/completion", {**base, "options": {"num_predict": 300}, "shift": True})
+        native = {"num_predict": 300, "temperature": 0, "ignore_eos": True}
+        shifted = post(srv, "/completion", {"prompt": "Once", "options": native, "shift": True})
         final = [json.loads(line) for line in shifted.text.splitlines() if line.strip()][-1]
         assert final["eval_count"] == 300, final
 

@@ -438,11 +438,12 @@ def test_a_busy_slot_shows_its_request_id(srv: Server) -> None:
     )
 
 
-def test_no_metrics_answers_404(tiny_model: Path, start_server: Callable[..., Server]) -> None:
+def test_no_metrics_answers_501(tiny_model: Path, start_server: Callable[..., Server]) -> None:
+    # As llama-server answers when its metrics are off.
     srv = start_server(tiny_model, no_metrics=True)
     r = httpx.get(f"{srv.url}/metrics", timeout=10)
-    assert r.status_code == 404
-    assert r.json()["error"]["type"] == "not_found"
+    assert r.status_code == 501
+    assert r.json()["error"]["type"] == "not_supported"
     # Everything else still works, request ids included.
     r = httpx.post(
         f"{srv.url}/completion",

@@ -61,13 +61,10 @@ fn server(path: &'static str, methods: MethodRouter<AppState>) -> Route {
 }
 
 /// The route table: every path, its methods and handlers, and who answers it (`/metrics`
-/// only `with_metrics`: without, it is the fallback's 404). `router` serves it; the router of
-/// many models reads its model routes (`model_posts`, `model_reads`).
-fn table(with_metrics: bool) -> Vec<Route> {
-    let mut routes = Vec::new();
-    if with_metrics {
-        routes.push(server("/metrics", get(metrics::handler)));
-    }
+/// answers 501 when the metrics are off, as llama-server's). `router` serves it; the router
+/// of many models reads its model routes (`model_posts`, `model_reads`).
+fn table() -> Vec<Route> {
+    let mut routes = vec![server("/metrics", get(metrics::handler))];
     routes.extend([
         model_post("/completion", post(native::completion)),
         model_post("/embedding", post(native::embedding)),
@@ -136,7 +133,7 @@ fn table(with_metrics: bool) -> Vec<Route> {
 
 /// The model routes of the table: (those that take a POST, those that only read).
 static MODEL_ROUTES: LazyLock<(Vec<&'static str>, Vec<&'static str>)> = LazyLock::new(|| {
-    let model: Vec<Route> = table(false)
+    let model: Vec<Route> = table()
         .into_iter()
         .filter(|r| r.scope == Scope::Model)
         .collect();
@@ -192,7 +189,7 @@ pub fn router(state: AppState) -> Router {
     // The start time `/metrics` reports is taken now.
     crate::ops::metrics::process_start_unix();
     let mut routes = Router::new();
-    for route in table(metrics.is_some()) {
+    for route in table() {
         routes = routes.route(route.path, route.methods);
     }
     let routes = routes

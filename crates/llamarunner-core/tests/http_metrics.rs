@@ -456,11 +456,11 @@ async fn a_full_queue_counts_as_queue_full() {
 }
 
 #[tokio::test]
-async fn without_metrics_the_route_is_a_404() {
+async fn without_metrics_the_route_is_a_501_as_llama_server_s() {
     let (handle, _inbox) = EngineHandle::new(1);
     let app = router(AppState::new(handle, "fake"));
     let (status, id, _) = send(&app, "GET", "/metrics", &[], "").await;
-    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert!(id.is_some());
 }
 

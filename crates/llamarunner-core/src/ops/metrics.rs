@@ -11,7 +11,10 @@ use crate::http::AppState;
 /// `GET /metrics`: the Prometheus text format (version 0.0.4).
 pub async fn handler(State(state): State<AppState>) -> Result<Response, ApiError> {
     let Some(metrics) = state.metrics.as_ref() else {
-        return Err(ApiError::NotFound("metrics are off (--no-metrics)".into()));
+        // 501 `not_supported`, as llama-server answers when its metrics are off.
+        return Err(ApiError::NotSupported(
+            "metrics are off (--no-metrics)".into(),
+        ));
     };
     let text = metrics
         .render(&state.engine)
