@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -263,6 +265,17 @@ def test_the_server_s_token_limit_and_context_shift_fill_what_requests_leave_out
         shifted = post(srv, "/completion", {"prompt": "Once", "options": native, "shift": True})
         final = [json.loads(line) for line in shifted.text.splitlines() if line.strip()][-1]
         assert final["eval_count"] == 300, final
+
+
+@pytest.mark.parametrize("value", ["-2", "x"])
+def test_a_bad_n_predict_is_refused_at_start(tmp_path: Path, value: str) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    serve = [sys.executable, "-m", "llamarunner", "serve", str(model), "--port", "0"]
+    proc = subprocess.run(
+        [*serve, "--n-predict", value], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "n-predict" in proc.stderr, proc.stderr
 
 
 def test_input_tokens_are_the_generation_s_prompt_tokens(tiny_server: Server) -> None:

@@ -76,6 +76,20 @@ fn out_of_range_values_are_named() {
         let err = bad.unwrap_err();
         assert!(err.starts_with(&format!("{name} must be")), "{err}");
     }
+    // --n-predict: -1 (no default) or more.
+    let n_predict = |n| {
+        RunnerConfig {
+            n_predict: Some(n),
+            ..with_model()
+        }
+        .validate()
+        .map_err(|e| e.to_string())
+    };
+    assert!(n_predict(-1).is_ok() && n_predict(0).is_ok() && n_predict(i32::MAX).is_ok());
+    for bad in [-2, i32::MIN] {
+        let err = n_predict(bad).unwrap_err();
+        assert!(err.starts_with("n-predict must be"), "{err}");
+    }
 }
 
 #[test]
