@@ -4,6 +4,7 @@ of failing (``sched/shared_cache.rs``)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,10 @@ def test_sequences_that_overflow_the_cache_all_finish(
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda p: generate(srv.url, p, 300), prompts))
     assert answers == [300] * 4
+    # The swap-outs are counted.
+    metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    swaps = re.search(r"^llamarunner:kv_swapped_out_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert swaps is not None and float(swaps.group(1)) >= 1, metrics
     # Nothing is left behind: every slot free, and the cache within its cells.
     slots = httpx.get(f"{srv.url}/slots", timeout=30).json()
     assert not any(s["is_processing"] for s in slots), slots

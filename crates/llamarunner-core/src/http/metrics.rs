@@ -139,6 +139,7 @@ pub struct Metrics {
     request_success: IntCounterVec,
     requests_rejected: IntCounterVec,
     context_shifts: IntCounter,
+    kv_swaps: IntCounter,
     prompt_truncations: IntCounter,
     spec_draft_tokens: IntCounter,
     spec_accepted_tokens: IntCounter,
@@ -294,6 +295,11 @@ impl Metrics {
                 "context_shifts_total",
                 "Times a slot filled while generating and half of its unkept tokens were \
                  discarded.",
+            )?,
+            kv_swaps: counter(
+                "kv_swapped_out_total",
+                "Sequences swapped out of the KV cache the slots share (--kv-unified) to wait \
+                 in RAM for room.",
             )?,
             prompt_truncations: counter(
                 "prompt_truncations_total",
@@ -482,6 +488,10 @@ impl EngineObserver for Metrics {
         self.context_shifts.inc();
     }
 
+    fn swapped_out(&self) {
+        self.kv_swaps.inc();
+    }
+
     fn speculated(&self, drafted: usize, accepted: usize) {
         self.spec_draft_tokens.inc_by(drafted as u64);
         self.spec_accepted_tokens.inc_by(accepted as u64);
@@ -625,6 +635,7 @@ mod tests {
         m.next_token(Duration::from_millis(2));
         m.next_token(Duration::from_millis(3));
         m.context_shift();
+        m.swapped_out();
         m.speculated(5, 3);
         m.speculated(2, 0);
         m.embedded(7);
@@ -643,6 +654,7 @@ mod tests {
                 (r#"prompt_tokens_cached_total{model_name="m"}"#, 4.0),
                 (r#"generation_tokens_total{model_name="m"}"#, 3.0),
                 (r#"context_shifts_total{model_name="m"}"#, 1.0),
+                (r#"kv_swapped_out_total{model_name="m"}"#, 1.0),
                 (r#"prompt_truncations_total{model_name="m"}"#, 1.0),
                 (r#"spec_decode_num_draft_tokens_total{model_name="m"}"#, 7.0),
                 (

@@ -44,6 +44,10 @@ pub trait EngineObserver: Send + Sync + std::fmt::Debug {
     /// A slot filled while generating and half of its unkept tokens were discarded.
     fn context_shift(&self) {}
 
+    /// A sequence was swapped out of the KV cache the slots share (`--kv-unified`) to wait in
+    /// RAM for room (`sched/shared_cache.rs`).
+    fn swapped_out(&self) {}
+
     /// An embedding input of `tokens` tokens was embedded.
     fn embedded(&self, tokens: usize) {
         let _ = tokens;

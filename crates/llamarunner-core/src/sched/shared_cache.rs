@@ -189,6 +189,7 @@ impl<B: Backend> Scheduler<B> {
                     tokens,
                     order,
                 });
+                self.observer.swapped_out();
             }
             None => {
                 let seq = slot.seq.take();

@@ -23,10 +23,25 @@ fn one_sequence_may_take_the_whole_shared_cache() {
     assert_eq!(text, expected("hi", 60));
 }
 
+/// Counts the swap-outs the engine reports (`kv_swapped_out_total`).
+#[derive(Debug, Default)]
+struct Swaps(std::sync::atomic::AtomicUsize);
+
+impl EngineObserver for Swaps {
+    fn swapped_out(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[test]
 fn sequences_that_overflow_the_cache_wait_swapped_out_and_give_their_own_text() {
     // 4 x (3..6 prompt + 30) cells into 64: at most two generate at once.
-    let (h, go) = Harness::held(shared(64), 4);
+    let swaps = Arc::new(Swaps::default());
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let h = Harness::observed(shared(64), 4, 64, swaps.clone(), move |s| {
+        let _ = wait.recv();
+        s
+    });
     let prompts = ["a", "bb", "ccc", "dd"];
     let mut rxs: Vec<_> = prompts.iter().map(|p| h.submit(p, greedy(30))).collect();
     drop(go);
@@ -36,6 +51,7 @@ fn sequences_that_overflow_the_cache_wait_swapped_out_and_give_their_own_text() 
         assert_eq!(text, expected(p, 30), "{p}");
     }
     assert_eq!(h.settled().len(), 4);
+    assert!(swaps.0.load(std::sync::atomic::Ordering::Relaxed) >= 1);
 }
 
 #[test]
