@@ -396,13 +396,7 @@ fn random_cancellations_never_leak_a_slot() {
         },
         3,
     );
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move |n: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % n
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
     let mut live: Vec<Receiver<Event>> = Vec::new();
     let mut finished = 0;
     for round in 0..2000 {
@@ -442,6 +436,17 @@ fn random_cancellations_never_leak_a_slot() {
     while h.handle.health.slots().0 != 0 {
         assert!(Instant::now() < deadline, "a slot stayed busy");
         std::thread::yield_now();
+    }
+}
+
+/// A seeded xorshift generator: each call gives a number below `n`.
+fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut rng = seed;
+    move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
     }
 }
 

@@ -136,13 +136,7 @@ fn checkpoints_of_other_tokens_are_never_used() {
 fn generated_conversations_over_a_window_always_answer_as_a_fresh_decode() {
     for (seed, batch) in [(0x9e37_79b9_7f4a_7c15u64, 8), (0x2545_f491_4f6c_dd1d, 16)] {
         let h = windowed(batch, 3, true, 64 * 1024);
-        let mut rng = seed;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut next = xorshift(seed);
         let systems = [
             "You are a terse assistant for a shop. ",
             "Tools: search, read, write. ",

@@ -90,13 +90,7 @@ fn idle_slots_give_their_cells_to_a_new_sequence() {
 /// the cache), the cells never exceed the cache (the fake asserts it), no slot leaks.
 #[test]
 fn random_loads_on_a_shared_cache_keep_every_text_and_every_slot() {
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move |n: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % n
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
     let mut full = 0;
     let mut done_total = 0;
     for round in 0..12 {
