@@ -212,6 +212,7 @@ fn text_of_parts(
 ) -> Result<String, ApiError> {
     let mut text = String::new();
     let mut after_marker = false;
+    let mut images_in = false;
     for part in parts {
         match part.get("type").and_then(Value::as_str) {
             Some("text") => {
@@ -237,6 +238,7 @@ fn text_of_parts(
                 })?;
                 text.push_str(crate::protocol::vision::DEFAULT_MARKER);
                 after_marker = true;
+                images_in = true;
                 images.push(ImageSource::Url(url.to_string()));
             }
             Some("input_image" | "image") => {
@@ -252,10 +254,7 @@ fn text_of_parts(
             }
         }
     }
-    if parts
-        .iter()
-        .any(|p| p.get("type").and_then(Value::as_str) != Some("text"))
-    {
+    if images_in {
         texts.clear();
     }
     Ok(text)

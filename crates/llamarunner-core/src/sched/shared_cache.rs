@@ -166,7 +166,7 @@ impl<B: Backend> Scheduler<B> {
         } else {
             None
         };
-        let tokens = self.slots[index].cached.clone();
+        let tokens = std::mem::take(&mut self.slots[index].cached);
         self.clear_cells(index);
         self.clock += 1;
         let order = self.clock;
@@ -212,16 +212,17 @@ impl<B: Backend> Scheduler<B> {
     }
 
     /// Brings sequences swapped out back, the first out first, while there is room for each
-    /// and for one more cell for every sequence in the cache.
+    /// and for `SWAP_IN_STEPS` steps of every sequence in the cache (at least one, at most
+    /// what the cache holds).
     fn swap_in(&mut self) {
         loop {
             let next = (0..self.slots.len())
                 .filter_map(|i| {
-                    let order = self.slots[i].seq.as_ref()?.swapped.as_ref()?.order;
-                    Some((order, i))
+                    let swapped = self.slots[i].seq.as_ref()?.swapped.as_ref()?;
+                    Some((swapped.order, i, swapped.tokens.len()))
                 })
                 .min();
-            let Some((_, index)) = next else {
+            let Some((_, index, cells)) = next else {
                 return;
             };
             let resident = self
@@ -229,20 +230,11 @@ impl<B: Backend> Scheduler<B> {
                 .iter()
                 .filter(|s| s.seq.as_ref().is_some_and(|q| !q.swapped_out()))
                 .count();
-            let Some(swapped) = self.slots[index]
-                .seq
-                .as_ref()
-                .and_then(|q| q.swapped.as_ref())
-            else {
-                return;
-            };
             // Room for it and a step of everyone at least, and for some steps where the cache
             // has them.
             let all = self.backend.shared_cells().unwrap_or(0);
-            let least = swapped.tokens.len() + resident + 1;
-            let need = (swapped.tokens.len() + (resident + 1) * SWAP_IN_STEPS)
-                .min(all)
-                .max(least);
+            let least = cells + resident + 1;
+            let need = (cells + (resident + 1) * SWAP_IN_STEPS).min(all).max(least);
             if !self.free_idle(need, &[]) {
                 return;
             }

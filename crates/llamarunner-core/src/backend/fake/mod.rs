@@ -185,12 +185,17 @@ impl FakeBackend {
     /// refused the decode (`NoKvSlot`), which the scheduler must never let happen.
     fn assert_within_shared_cells(&self) {
         if let Some(all) = self.config.shared_cells {
-            let held: usize = self.kv.values().map(Vec::len).sum();
+            let held = self.held_cells();
             assert!(
                 held <= all,
                 "the slots hold {held} cells of a shared cache of {all} (scheduler bug)"
             );
         }
+    }
+
+    /// The cells every sequence holds, together.
+    fn held_cells(&self) -> usize {
+        self.kv.values().map(Vec::len).sum()
     }
 
     /// A fake with the given settings.
@@ -642,7 +647,7 @@ impl KvOps for FakeBackend {
         }
         let n = kv.len();
         if let Some(all) = self.config.shared_cells {
-            let others: usize = self.kv.values().map(Vec::len).sum();
+            let others = self.held_cells();
             if others + n > all {
                 return Err(BackendError::State(format!(
                     "no room for {n} cells in the shared cache ({others} of {all} held)"

@@ -273,8 +273,13 @@ pub fn load<R>(
     let batch = ctx.n_batch().min(ctx.n_ubatch()).max(1) as usize;
     let mut info = model_info(&model, config, slot_ctx, placement)?;
     info.shared_cells = shared_cells;
-    // An embedding input's context is a slot's share, shared cache or not.
-    info.embed_ctx = cells;
+    // An embedding input's context is a slot's: its share of a shared cache.
+    let embed_cells = if shared_cells.is_some() {
+        cells
+    } else {
+        slot_ctx
+    };
+    info.embed_ctx = embed_cells;
     info.vision = vision.as_ref().map(|(projector, _)| {
         std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
             as std::sync::Arc<dyn crate::protocol::VisionModel>
@@ -320,7 +325,7 @@ pub fn load<R>(
     .with_sampling_threads(sampling_threads as usize)
     .with_null_decode(config.null_decode)
     .with_deterministic(config.deterministic)
-    .with_shared_cells(shared_cells, cells);
+    .with_shared_cells(shared_cells, embed_cells);
     if let Some(cells) = shared_cells {
         tracing::info!(
             cells,
