@@ -230,6 +230,7 @@ impl<B: Backend> Scheduler<B> {
             ),
             swapped: None,
         });
+        self.turn_log.admitted.push(self.slots[index].id);
         self.offer_progress(index);
         Ok(())
     }

@@ -192,6 +192,15 @@ impl<B: Backend> Scheduler<B> {
         self.step_accepted = 0;
         self.share_cells();
         self.build_batch();
+        let plan = self.step_plan();
+        let mut outcome = self.decode_step(step_started);
+        outcome.sequences = self.step_results(plan);
+        outcome
+    }
+
+    /// Decodes the batch built (images first) and samples every sequence whose logits came
+    /// out.
+    fn decode_step(&mut self, step_started: Instant) -> StepOutcome {
         let images = self.decode_images();
         let mut outcome = StepOutcome {
             images,

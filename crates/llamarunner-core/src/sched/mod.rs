@@ -8,7 +8,8 @@
 //! `shared_cache.rs`), build one batch (every generating sequence's next token first, then prompt
 //! chunks with the remaining budget, round robin), decode once (`batch.rs`), sample for every
 //! sequence whose pending tokens are all decoded (`sampling.rs`, drafts in `speculative.rs`),
-//! and stream the text out (`output.rs`). A step returns a `StepOutcome`.
+//! and stream the text out (`output.rs`). A turn returns a `StepOutcome` (`outcome.rs`): its
+//! plan per sequence and what came of it.
 
 pub mod adaptive;
 mod admission;
@@ -16,6 +17,7 @@ mod batch;
 mod cache_tiers;
 mod draft;
 mod lora;
+mod outcome;
 mod output;
 pub mod payoff;
 mod sampling;
@@ -42,6 +44,8 @@ use adaptive::CostModel;
 use payoff::Payoff;
 use speculative::{SpecConfig, SpecState};
 use text::TextStream;
+
+pub use outcome::{SequenceStep, StepOutcome};
 
 /// Text a sequence may hold for a client that does not read (its event channel is full) before
 /// it stops generating until the client catches up.
@@ -222,6 +226,8 @@ pub struct Scheduler<B: Backend> {
     batch_lora: Option<LoraScales>,
     /// The LoRA scale set that had the last turn.
     last_lora: Option<LoraScales>,
+    /// What happened since the last turn's outcome (admissions, swap-outs, ends).
+    turn_log: outcome::TurnLog,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -270,6 +276,7 @@ impl<B: Backend> Scheduler<B> {
             batch: Vec::new(),
             batch_lora: None,
             last_lora: None,
+            turn_log: outcome::TurnLog::default(),
         }
     }
 
@@ -365,7 +372,9 @@ impl<B: Backend> Scheduler<B> {
     /// are admitted, one batch is decoded and sampled.
     pub fn turn(&mut self) -> StepOutcome {
         self.admit();
-        self.step()
+        let mut outcome = self.step();
+        self.take_turn_log(&mut outcome);
+        outcome
     }
 
     /// Ends every waiting and running request with `err` (the server stops).
@@ -380,25 +389,6 @@ impl<B: Backend> Scheduler<B> {
             }
         }
     }
-}
-
-/// What one step did: what tests assert on, and what tells the engine how to wait.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StepOutcome {
-    /// Tokens in the decoded batch (prompt chunks, next tokens and drafts); 0 when nothing
-    /// was decoded.
-    pub batch_tokens: usize,
-    /// Of those, positions whose logits were computed.
-    pub outputs: usize,
-    /// Drafted positions in the batch.
-    pub drafted: usize,
-    /// Images decoded before the batch.
-    pub images: bool,
-    /// The batch failed to decode (its sequences got the error).
-    pub failed: bool,
-    /// Nothing was decoded although sequences are running (all paused for their clients):
-    /// the next receive waits a moment instead of spinning.
-    pub stalled: bool,
 }
 
 /// Positions of the image at the head of `tokens` (0 when it starts with text).

@@ -93,6 +93,9 @@ impl<B: Backend> Scheduler<B> {
             stop_string: seq.text.stopped_by().map(str::to_string),
         }));
         self.slots[index].last_used = Some(std::time::SystemTime::now());
+        self.turn_log
+            .finished
+            .push((self.slots[index].id, reason, seq.n_generated));
         self.endings.push(Ending {
             sink: seq.events,
             events,

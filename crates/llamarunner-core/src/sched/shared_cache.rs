@@ -189,6 +189,7 @@ impl<B: Backend> Scheduler<B> {
                     tokens,
                     order,
                 });
+                self.turn_log.swapped_out.push(slot.id);
                 self.observer.swapped_out();
             }
             None => {

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::protocol::handle::QueueGauge;
-use crate::sched::StepOutcome;
+use crate::sched::{SequenceStep, StepOutcome};
 
 /// A scheduler of one slot on the fake backend, driven by the test.
 fn one_slot() -> Scheduler<FakeBackend> {
@@ -46,10 +46,29 @@ fn a_turn_says_what_its_step_decoded() {
     // BOS and the prompt's bytes, more than one batch: a full chunk without logits first.
     let first = sched.turn();
     assert_eq!((first.batch_tokens, first.outputs), (capacity, 0));
+    assert_eq!(first.admitted, vec![0]);
+    assert_eq!(
+        first.sequences,
+        vec![SequenceStep {
+            slot: 0,
+            prompt_tokens: capacity,
+            ..SequenceStep::default()
+        }]
+    );
     // The rest of the prompt, its last position with logits (the first token is sampled).
     let rest = prompt.len() + 1 - capacity;
     let second = sched.turn();
     assert_eq!((second.batch_tokens, second.outputs), (rest, 1));
+    assert!(second.admitted.is_empty());
+    assert_eq!(
+        second.sequences,
+        vec![SequenceStep {
+            slot: 0,
+            prompt_tokens: rest,
+            generated: 1,
+            ..SequenceStep::default()
+        }]
+    );
     // The sampled token decoded, the second sampled: num_predict 2 ends it.
     let third = sched.turn();
     assert_eq!(
@@ -57,6 +76,17 @@ fn a_turn_says_what_its_step_decoded() {
         (1, 1, 0)
     );
     assert!(!third.stalled && !third.failed && !third.images);
+    assert_eq!(
+        third.sequences,
+        vec![SequenceStep {
+            slot: 0,
+            decode_tokens: 1,
+            generated: 1,
+            finished: Some(DoneReason::Length),
+            ..SequenceStep::default()
+        }]
+    );
+    assert_eq!(third.finished, vec![(0, DoneReason::Length)]);
     assert!(sched.idle());
     // The scheduler sent the text as it came and handed the request's end to the engine: its
     // last events, in order, to deliver.
@@ -122,5 +152,99 @@ fn a_request_that_asks_hears_how_far_its_prompt_is() {
     assert_eq!(
         progress,
         vec![(total, 0, 0), (total, 0, capacity), (total, 0, total)]
+    );
+}
+
+#[test]
+fn the_plan_puts_generating_sequences_first_and_keeps_a_place_for_a_prompt() {
+    let capacity = FakeConfig::default().batch_capacity;
+    let mut sched = Scheduler::new(
+        FakeBackend::new(FakeConfig::default()),
+        2,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    let (tx, _rx) = crate::protocol::EventSink::channel();
+    sched.enqueue(request("short", "hi", greedy(50), tx));
+    // Its prompt (BOS and two bytes), then its first generated token decoded.
+    let first = sched.turn();
+    assert_eq!(first.sequences[0].prompt_tokens, 3);
+    assert_eq!(first.sequences[0].generated, 1);
+    // A long prompt arrives: the generating sequence's next token comes first, the prompt
+    // takes the rest of the batch.
+    let (tx, _rx2) = crate::protocol::EventSink::channel();
+    sched.enqueue(request("long", &"y".repeat(2 * capacity), greedy(1), tx));
+    let second = sched.turn();
+    assert_eq!(second.admitted, vec![1]);
+    assert_eq!(
+        second.sequences,
+        vec![
+            SequenceStep {
+                slot: 0,
+                decode_tokens: 1,
+                generated: 1,
+                ..SequenceStep::default()
+            },
+            SequenceStep {
+                slot: 1,
+                prompt_tokens: capacity - 1,
+                ..SequenceStep::default()
+            },
+        ]
+    );
+    assert_eq!(second.batch_tokens, capacity);
+    assert!(second.finished.is_empty());
+}
+
+#[test]
+fn the_outcomes_show_sequences_swapped_out_of_a_shared_cache_and_back() {
+    // 4 x (BOS, 1 byte, 30 generated) cells into 64: they cannot all generate at once.
+    let config = FakeConfig {
+        slot_ctx: 64,
+        shared_cells: Some(64),
+        batch_capacity: 8,
+        ..FakeConfig::default()
+    };
+    let mut sched = Scheduler::new(
+        FakeBackend::new(config),
+        4,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    let mut sinks = Vec::new();
+    for p in ["a", "b", "c", "d"] {
+        let (tx, rx) = crate::protocol::EventSink::channel();
+        sched.enqueue(request(p, p, greedy(30), tx));
+        sinks.push(rx);
+    }
+    let mut generated = [0usize; 4];
+    let mut swaps = 0;
+    let mut finished = Vec::new();
+    for _ in 0..500 {
+        if sched.idle() {
+            break;
+        }
+        let outcome = sched.turn();
+        for step in &outcome.sequences {
+            generated[usize::try_from(step.slot).expect("a slot id")] += step.generated;
+        }
+        // A sequence swapped out before the batch was built has no part in it.
+        for slot in &outcome.swapped_out {
+            assert!(
+                outcome.sequences.iter().all(|s| s.slot != *slot),
+                "{outcome:?}"
+            );
+        }
+        swaps += outcome.swapped_out.len();
+        finished.extend(outcome.finished);
+        sched.take_endings();
+    }
+    assert!(swaps >= 1, "no sequence was swapped out");
+    assert!(sched.idle());
+    assert_eq!(generated, [30; 4]);
+    finished.sort_unstable_by_key(|&(slot, _)| slot);
+    assert_eq!(
+        finished,
+        (0..4).map(|s| (s, DoneReason::Length)).collect::<Vec<_>>()
     );
 }
