@@ -8,7 +8,7 @@ use llamarunner_core::engine::Engine;
 use llamarunner_core::http::AppState;
 use llamarunner_core::protocol::EngineHandle;
 use llamarunner_core::routes::router;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tower::ServiceExt;
 
 mod common;
@@ -265,6 +265,75 @@ async fn openai_errors_have_openai_shape() {
     .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert!(text.contains("tools"), "{text}");
+    handle.shutdown();
+}
+
+#[tokio::test]
+async fn openai_errors_name_the_field_at_fault_as_param() {
+    let (app, handle) = app(FakeConfig::default());
+    let cases = [
+        ("/v1/completions", r#"{"prompt":"x","n":9}"#, json!("n")),
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","echo":true}"#,
+            json!("echo"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","top_p":2}"#,
+            json!("top_p"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","logprobs":50}"#,
+            json!("logprobs"),
+        ),
+        ("/v1/completions", r#"{"max_tokens":3}"#, json!("prompt")),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[]}"#,
+            json!("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}],"temperature":-1}"#,
+            json!("temperature"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"hiccup"}}"#,
+            json!("response_format.type"),
+        ),
+        // Not one field's fault: no param.
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","top_p":"high"}"#,
+            Value::Null,
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (s, text) = post_to(&app, path, body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], param, "{body}: {text}");
+        assert_eq!(
+            v["error"]["type"], "invalid_request_error",
+            "{body}: {text}"
+        );
+        if let Some(field) = param.as_str() {
+            let message = v["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.starts_with(field), "{body}: {text}");
+        }
+    }
+    // Ollama's answer is its message alone, the option named as the native API names it.
+    let (s, text) = post_to(
+        &app,
+        "/api/generate",
+        r#"{"model":"fake","prompt":"x","options":{"top_p":2}}"#,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("options.top_p must be"), "{text}");
     handle.shutdown();
 }
 

@@ -87,7 +87,7 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
         req.input_extra,
     );
     // The options' refusals come before the cost of tokenizing.
-    validate::check_options(&params).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    validate::check_options(&params).map_err(|e| e.under_options())?;
     let tokens = infill::tokens(&info, parts, params.num_predict).await?;
     let model = state.model_name.to_string();
     let generation = start_generation(&state, PromptSource::Tokens(tokens), params).await?;
@@ -163,11 +163,14 @@ fn request_with_defaults(mut body: Value) -> Result<InfillRequest, ApiError> {
     // Counted before the files become structs (an 8 MiB body holds millions of `{}`).
     if let Some(files) = fields.get("input_extra").and_then(Value::as_array) {
         if files.len() > infill::MAX_EXTRA_FILES {
-            return Err(ApiError::invalid(format!(
-                "input_extra: at most {} files, got {}",
-                infill::MAX_EXTRA_FILES,
-                files.len()
-            )));
+            return Err(ApiError::field(
+                "input_extra",
+                format!(
+                    ": at most {} files, got {}",
+                    infill::MAX_EXTRA_FILES,
+                    files.len()
+                ),
+            ));
         }
     }
     for (name, value) in LLAMA_SERVER_DEFAULTS {

@@ -177,10 +177,10 @@ pub async fn completion(State(state): State<AppState>, body: Bytes) -> Result<Re
             }
         }
         Input::Text(_) if think == Some(true) => {
-            return Err(ApiError::InvalidRequest(
-                "think: thinking is split out of a conversation (messages); a prompt is \
-                 completed as it is"
-                    .into(),
+            return Err(ApiError::field(
+                "think",
+                ": thinking is split out of a conversation (messages); a prompt is \
+                 completed as it is",
             ))
         }
         Input::Text(prompt) => image_prompt::native_prompt(&info, prompt, req.images)?,

@@ -69,13 +69,14 @@ impl OllamaRequest {
         required_model(state, self.model.as_deref())?;
         self.think()?;
         if self.template.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid(
-                "template overrides are not supported (Ollama's Go templates); start the server with --chat-template",
+            return Err(ApiError::field(
+                "template", " overrides are not supported (Ollama's Go templates); start the server with --chat-template",
             ));
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(ApiError::invalid(
-                "suffix (fill-in-the-middle) is not supported",
+            return Err(ApiError::field(
+                "suffix",
+                " (fill-in-the-middle) is not supported",
             ));
         }
         Ok(())
@@ -93,13 +94,14 @@ impl OllamaRequest {
             .map_err(ApiError::invalid)?;
         params.logprobs = match (self.logprobs, self.top_logprobs) {
             (_, Some(n)) if n > MAX_TOP_LOGPROBS => {
-                return Err(ApiError::invalid(format!(
-                    "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
-                )))
+                return Err(ApiError::field(
+                    "top_logprobs",
+                    format!(" must be between 0 and {MAX_TOP_LOGPROBS}"),
+                ))
             }
             (Some(true), n) => Some(n.unwrap_or(0) as usize),
             (_, Some(n)) if n > 0 => {
-                return Err(ApiError::invalid("top_logprobs needs logprobs: true"))
+                return Err(ApiError::field("top_logprobs", " needs logprobs: true"))
             }
             _ => None,
         };
@@ -195,8 +197,9 @@ fn prepare(
 pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, OllamaError> {
     let (req, mut params, meta) = prepare(&state, &body, false)?;
     if req.think()? == Some(true) {
-        return Err(ApiError::invalid(
-            "think: thinking is split out on /api/chat; /api/generate answers the text as is",
+        return Err(ApiError::field(
+            "think",
+            ": thinking is split out on /api/chat; /api/generate answers the text as is",
         )
         .into());
     }
@@ -442,13 +445,15 @@ fn embed_inputs(input: Option<Value>) -> Result<Vec<String>, ApiError> {
             .into_iter()
             .map(|v| match v {
                 Value::String(s) => Ok(s),
-                _ => Err(ApiError::invalid(
-                    "input must be a string or a list of strings",
+                _ => Err(ApiError::field(
+                    "input",
+                    " must be a string or a list of strings",
                 )),
             })
             .collect(),
-        Some(_) => Err(ApiError::invalid(
-            "input must be a string or a list of strings",
+        Some(_) => Err(ApiError::field(
+            "input",
+            " must be a string or a list of strings",
         )),
     }
 }
@@ -511,7 +516,7 @@ pub async fn embeddings(
 
 fn required_model(state: &AppState, model: Option<&str>) -> Result<String, ApiError> {
     match model {
-        None | Some("") => Err(ApiError::invalid("model is required")),
+        None | Some("") => Err(ApiError::field("model", " is required")),
         Some(m) => {
             check_model(state, Some(m))?;
             Ok(m.to_string())
@@ -661,7 +666,7 @@ pub async fn pull(State(state): State<AppState>, body: Bytes) -> Result<Response
     let req: PullRequest = parse_json(&body)?;
     let name = req.model.as_deref().or(req.name.as_deref());
     match name {
-        None | Some("") => return Err(ApiError::invalid("model is required").into()),
+        None | Some("") => return Err(ApiError::field("model", " is required").into()),
         Some(m) if !model_matches(&state, m) => {
             return Err(ApiError::ModelNotFound(format!(
                 "model '{}' is not served here (this server serves '{}' only); fetch it with \

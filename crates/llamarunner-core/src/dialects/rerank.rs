@@ -74,7 +74,7 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     rerank::format_of(&info)?;
     let query = req
         .query
-        .ok_or_else(|| ApiError::invalid("query is required: a string"))?;
+        .ok_or_else(|| ApiError::field("query", " is required: a string"))?;
     let tei = req.texts.is_some();
     let documents: Vec<String> = match (req.documents, req.texts) {
         (Some(_), Some(_)) => {
@@ -85,8 +85,9 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         (Some(docs), None) => docs.into_iter().map(Document::into_text).collect(),
         (None, Some(texts)) => texts,
         (None, None) => {
-            return Err(ApiError::invalid(
-                "documents is required: a non-empty array of strings",
+            return Err(ApiError::field(
+                "documents",
+                " is required: a non-empty array of strings",
             ))
         }
     };
@@ -94,9 +95,10 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         None => None,
         Some(n) if n >= 1 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         Some(n) => {
-            return Err(ApiError::invalid(format!(
-                "top_n must be a positive integer, got {n}"
-            )))
+            return Err(ApiError::field(
+                "top_n",
+                format!(" must be a positive integer, got {n}"),
+            ))
         }
     };
     // The texts are kept for the answer only when it echoes them.

@@ -14,9 +14,14 @@ pub enum ApiError {
     /// The body is not valid JSON or does not match the request's shape.
     #[error("invalid request body: {0}")]
     InvalidJson(String),
-    /// A field has a value the runner cannot use.
+    /// A value the runner cannot use, or a request it cannot serve, where no one field is to
+    /// blame.
     #[error("{0}")]
     InvalidRequest(String),
+    /// A field of the request has a value the runner cannot use: which field (as the dialect
+    /// names it) and what is wrong with it. OpenAI-shaped answers give the field as `param`.
+    #[error("{0}")]
+    InvalidField(FieldError),
     /// A LoRA field or `POST /lora-adapters` body names an adapter or scale that cannot be
     /// applied.
     #[error("{0}")]
@@ -107,6 +112,21 @@ pub enum ApiError {
     InsufficientMemory(String),
 }
 
+/// A request field with a value the runner cannot use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    /// The field, as the request's dialect names it (`top_p`, `response_format.type`).
+    pub field: String,
+    /// What is wrong, to follow the field's name (` must be >= 0`, `: Field required`).
+    pub problem: String,
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.field, self.problem)
+    }
+}
+
 /// Most characters of a client's value an error message quotes.
 const QUOTED_CHARS: usize = 60;
 
@@ -126,11 +146,29 @@ impl ApiError {
         ApiError::InvalidRequest(message.into())
     }
 
+    /// A 400 `invalid_request` that names the field at fault; the message is the field's name
+    /// followed by `problem`.
+    pub fn field(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        ApiError::InvalidField(FieldError {
+            field: field.into(),
+            problem: problem.into(),
+        })
+    }
+
+    /// The request field at fault, when the error names one.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidField(e) => Some(&e.field),
+            _ => None,
+        }
+    }
+
     /// HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidJson(_)
             | ApiError::InvalidRequest(_)
+            | ApiError::InvalidField(_)
             | ApiError::InvalidLora(_)
             | ApiError::ContextLength(_)
             | ApiError::PromptTooLong { .. }
@@ -162,7 +200,7 @@ impl ApiError {
     pub fn kind(&self) -> &'static str {
         match self {
             ApiError::InvalidJson(_) => "invalid_json",
-            ApiError::InvalidRequest(_) => "invalid_request",
+            ApiError::InvalidRequest(_) | ApiError::InvalidField(_) => "invalid_request",
             ApiError::InvalidLora(_) => "invalid_lora",
             ApiError::ContextLength(_) | ApiError::PromptTooLong { .. } => {
                 "context_length_exceeded"
@@ -228,7 +266,7 @@ impl ApiError {
     }
 
     /// The body in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, with our
-    /// stable kind as `code`. A prompt too long also has llama-server's type
+    /// stable kind as `code` and the field at fault, if the error names one, as `param`. A prompt too long also has llama-server's type
     /// (`exceed_context_size_error`) and sizes (`n_prompt_tokens`, `n_ctx`), which clients
     /// written for it read; `code` stays OpenAI's `context_length_exceeded`.
     pub fn openai_body(&self) -> serde_json::Value {
@@ -250,7 +288,7 @@ impl ApiError {
         json!({"error": {
             "message": self.to_string(),
             "type": self.openai_type(),
-            "param": null,
+            "param": self.param(),
             "code": self.kind(),
         }})
     }

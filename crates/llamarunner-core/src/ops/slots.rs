@@ -31,8 +31,8 @@ fn file_name_of(body: &[u8]) -> Result<String, ApiError> {
     let fields: serde_json::Map<String, serde_json::Value> = parse_json(body)?;
     match fields.get("filename") {
         Some(serde_json::Value::String(name)) => Ok(name.clone()),
-        None | Some(serde_json::Value::Null) => Err(ApiError::invalid("filename is required")),
-        Some(_) => Err(ApiError::invalid("filename must be a string")),
+        None | Some(serde_json::Value::Null) => Err(ApiError::field("filename", " is required")),
+        Some(_) => Err(ApiError::field("filename", " must be a string")),
     }
 }
 
@@ -59,7 +59,7 @@ fn parse_action(query: Option<&str>) -> Result<Action, ApiError> {
             "save" => Action::Save,
             "restore" => Action::Restore,
             "erase" => Action::Erase,
-            _ => return Err(ApiError::invalid("action must be save, restore or erase")),
+            _ => return Err(ApiError::field("action", " must be save, restore or erase")),
         });
     }
     found.ok_or_else(|| ApiError::invalid("the query must give action=save, restore or erase"))

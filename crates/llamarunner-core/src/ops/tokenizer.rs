@@ -99,7 +99,7 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let req: TokenizeRequest = parse_json(&body)?;
     let content = req
         .content
-        .ok_or_else(|| ApiError::invalid("content is required"))?;
+        .ok_or_else(|| ApiError::field("content", " is required"))?;
     let tokens =
         validate::tokenize_text(&info, content, req.add_special.unwrap_or(false), "content")
             .await?;
@@ -132,7 +132,7 @@ pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Result<Re
     let req: DetokenizeRequest = parse_json(&body)?;
     let ids = req
         .tokens
-        .ok_or_else(|| ApiError::invalid("tokens is required"))?;
+        .ok_or_else(|| ApiError::field("tokens", " is required"))?;
     let tokens: Vec<Token> = validate::check_token_ids(&ids, &info)?;
     let text = info.text.clone();
     let content = validate::blocking(move || {

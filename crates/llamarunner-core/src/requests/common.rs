@@ -127,9 +127,7 @@ pub struct Chat {
 /// (`image_prompt::ollama_place`).
 pub fn parse_messages(messages: Vec<Value>) -> Result<Chat, ApiError> {
     if messages.is_empty() {
-        return Err(ApiError::InvalidRequest(
-            "messages must not be empty".into(),
-        ));
+        return Err(ApiError::field("messages", " must not be empty"));
     }
     let mut images = Vec::new();
     let messages = messages
@@ -679,10 +677,10 @@ pub async fn embed_tokens(
 /// Embedding `dimensions` can only be the model's own (no truncation of vectors here).
 pub fn check_dimensions(info: &ModelInfo, dimensions: Option<u32>) -> Result<(), ApiError> {
     match dimensions {
-        Some(d) if d != info.n_embd => Err(ApiError::invalid(format!(
-            "dimensions: this model's embeddings have {} dimensions",
-            info.n_embd
-        ))),
+        Some(d) if d != info.n_embd => Err(ApiError::field(
+            "dimensions",
+            format!(": this model's embeddings have {} dimensions", info.n_embd),
+        )),
         _ => Ok(()),
     }
 }

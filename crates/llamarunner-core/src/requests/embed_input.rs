@@ -34,9 +34,10 @@ pub fn token_input(
                 .then(|| Token::try_from(id).ok())
                 .flatten()
                 .ok_or_else(|| {
-                    ApiError::invalid(format!(
-                        "input token {i}: {id} is not in the vocabulary (0..{n_vocab})"
-                    ))
+                    ApiError::field(
+                        "input",
+                        format!(" token {i}: {id} is not in the vocabulary (0..{n_vocab})"),
+                    )
                 })
         })
         .collect::<Result<Vec<Token>, ApiError>>()?;

@@ -3,6 +3,7 @@
 //! must keep before it is compiled.
 
 use crate::constrain::{Grammar, GrammarSource};
+use crate::http::error::FieldError;
 
 /// Turns a request's `format` into a grammar: `null`/`""` = none, `"json"` = any JSON object,
 /// an object = that JSON schema. Anything else is an error naming the field.
@@ -27,11 +28,15 @@ pub fn grammar_for_format(format: &serde_json::Value) -> Result<Option<Grammar>,
 
 /// A JSON schema given as the field `at` (`json_schema`, `response_format.schema`, ...): an
 /// object, compiled into a grammar; anything else is an error naming the field.
-pub fn json_schema(schema: &serde_json::Value, at: &str) -> Result<Option<Grammar>, String> {
+pub fn json_schema(schema: &serde_json::Value, at: &str) -> Result<Option<Grammar>, FieldError> {
+    let error = |problem: String| FieldError {
+        field: at.to_string(),
+        problem,
+    };
     if !schema.is_object() {
-        return Err(format!("{at} must be an object"));
+        return Err(error(" must be an object".into()));
     }
-    grammar_for_format(schema).map_err(|e| format!("{at}: {e}"))
+    grammar_for_format(schema).map_err(|e| error(format!(": {e}")))
 }
 
 /// OpenAI's `response_format` (chat completions; `text.format` of the Responses API, and
@@ -40,7 +45,10 @@ pub fn json_schema(schema: &serde_json::Value, at: &str) -> Result<Option<Gramma
 /// given (llama-server's extension); `json_schema` = its schema, under `json_schema.schema`
 /// (chat completions) or `schema` (Responses, Anthropic, llama-server). A field that does not
 /// fit is an error naming it (`at` is the field's path), never a constraint dropped.
-pub fn response_format(format: &serde_json::Value, at: &str) -> Result<Option<Grammar>, String> {
+pub fn response_format(
+    format: &serde_json::Value,
+    at: &str,
+) -> Result<Option<Grammar>, FieldError> {
     use serde_json::Value;
     if format.is_null() {
         return Ok(None);
@@ -56,9 +64,10 @@ pub fn response_format(format: &serde_json::Value, at: &str) -> Result<Option<Gr
             Some(schema) => schema_at(schema, "json_schema.schema"),
             None => schema_at(format.get("schema").unwrap_or(&Value::Null), "schema"),
         },
-        _ => Err(format!(
-            "{at}.type must be text, json_object or json_schema"
-        )),
+        _ => Err(FieldError {
+            field: format!("{at}.type"),
+            problem: " must be text, json_object or json_schema".into(),
+        }),
     }
 }
 
@@ -158,7 +167,8 @@ mod tests {
             ),
         ] {
             let err = source(v.clone()).expect_err(&v.to_string());
-            assert!(err.starts_with(says), "{v}: {err}");
+            assert!(err.to_string().starts_with(says), "{v}: {err}");
+            assert_eq!(err.field, says, "{v}");
         }
     }
 

@@ -91,10 +91,13 @@ pub async fn tokens(
 ) -> Result<Vec<Token>, ApiError> {
     let fim = fim_of(info)?;
     if parts.extra.len() > MAX_EXTRA_FILES {
-        return Err(ApiError::invalid(format!(
-            "input_extra: at most {MAX_EXTRA_FILES} files, got {}",
-            parts.extra.len()
-        )));
+        return Err(ApiError::field(
+            "input_extra",
+            format!(
+                ": at most {MAX_EXTRA_FILES} files, got {}",
+                parts.extra.len()
+            ),
+        ));
     }
     let parts = fit_bytes(parts, max_text_bytes(info), info.slot_ctx)?;
     let model = info.text.clone();

@@ -60,7 +60,7 @@ pub async fn pairs(
 ) -> Result<Vec<(Vec<Token>, bool)>, ApiError> {
     let format = format_of(info)?.clone();
     if documents.is_empty() {
-        return Err(ApiError::invalid("documents must be a non-empty array"));
+        return Err(ApiError::field("documents", " must be a non-empty array"));
     }
     if documents.len() > validate::MAX_EMBED_INPUTS {
         return Err(ApiError::invalid(format!(

@@ -47,21 +47,27 @@ impl TemplateArgs {
             Some(Value::Object(kwargs)) => {
                 for (name, value) in kwargs {
                     if RESERVED_VARIABLES.contains(&name.as_str()) {
-                        return Err(ApiError::invalid(format!(
-                            "chat_template_kwargs: {name} is the server's to set (the request's \
+                        return Err(ApiError::field(
+                            "chat_template_kwargs",
+                            format!(
+                                ": {name} is the server's to set (the request's \
                              own fields set it)"
-                        )));
+                            ),
+                        ));
                     }
                     if name == "enable_thinking" {
                         args.think = match value {
                             Value::Null => args.think,
                             Value::Bool(b) => Some(*b),
                             other => {
-                                return Err(ApiError::invalid(format!(
-                                    "chat_template_kwargs.enable_thinking must be a boolean, \
+                                return Err(ApiError::field(
+                                    "chat_template_kwargs.enable_thinking",
+                                    format!(
+                                        " must be a boolean, \
                                      got {}",
-                                    quoted(other)
-                                )))
+                                        quoted(other)
+                                    ),
+                                ))
                             }
                         };
                     } else {
@@ -70,10 +76,10 @@ impl TemplateArgs {
                 }
             }
             Some(other) => {
-                return Err(ApiError::invalid(format!(
-                    "chat_template_kwargs must be an object, got {}",
-                    quoted(other)
-                )))
+                return Err(ApiError::field(
+                    "chat_template_kwargs",
+                    format!(" must be an object, got {}", quoted(other)),
+                ))
             }
         }
         match reasoning_effort {
@@ -86,11 +92,14 @@ impl TemplateArgs {
                     .insert("reasoning_effort".into(), Value::String(level.clone()));
             }
             Some(other) => {
-                return Err(ApiError::invalid(format!(
-                    "reasoning_effort must be none, minimal, low, medium, high or xhigh, got \
+                return Err(ApiError::field(
+                    "reasoning_effort",
+                    format!(
+                        " must be none, minimal, low, medium, high or xhigh, got \
                      {}",
-                    quoted(other)
-                )))
+                        quoted(other)
+                    ),
+                ))
             }
         }
         Ok(args)
@@ -116,10 +125,13 @@ pub fn parse_think(think: Option<&Value>) -> Result<Option<bool>, ApiError> {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(Value::String(s)) if matches!(s.as_str(), "high" | "medium" | "low") => Ok(Some(true)),
-        Some(other) => Err(ApiError::invalid(format!(
-            "think must be true, false, \"high\", \"medium\" or \"low\", got {}",
-            quoted(other)
-        ))),
+        Some(other) => Err(ApiError::field(
+            "think",
+            format!(
+                " must be true, false, \"high\", \"medium\" or \"low\", got {}",
+                quoted(other)
+            ),
+        )),
     }
 }
 

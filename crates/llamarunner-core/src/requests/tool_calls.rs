@@ -58,10 +58,13 @@ impl ToolRequest {
     ) -> Result<Option<Self>, ApiError> {
         let tools = tools.unwrap_or_default();
         if tools.len() > MAX_TOOLS {
-            return Err(ApiError::invalid(format!(
-                "tools: at most {MAX_TOOLS} tools per request, got {}",
-                tools.len()
-            )));
+            return Err(ApiError::field(
+                "tools",
+                format!(
+                    ": at most {MAX_TOOLS} tools per request, got {}",
+                    tools.len()
+                ),
+            ));
         }
         let tools: Vec<Tool> = tools
             .iter()
@@ -80,8 +83,9 @@ impl ToolRequest {
         if tools.is_empty() {
             return match choice {
                 ToolChoice::Auto | ToolChoice::None => Ok(None),
-                _ => Err(ApiError::invalid(
-                    "tool_choice: \"required\" or a named function needs tools",
+                _ => Err(ApiError::field(
+                    "tool_choice",
+                    ": \"required\" or a named function needs tools",
                 )),
             };
         }
@@ -168,9 +172,10 @@ fn parse_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
         if tools.iter().any(|t| t.name == name) {
             Ok(ToolChoice::Named(name.to_string()))
         } else {
-            Err(ApiError::invalid(format!(
-                "tool_choice names the function {name:?}, which is not among the request's tools"
-            )))
+            Err(ApiError::field(
+                "tool_choice",
+                format!(" names the function {name:?}, which is not among the request's tools"),
+            ))
         }
     };
     match choice {
@@ -179,33 +184,37 @@ fn parse_choice(choice: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice, Ap
             "auto" => Ok(ToolChoice::Auto),
             "none" => Ok(ToolChoice::None),
             "required" | "any" => Ok(ToolChoice::Required),
-            other => Err(ApiError::invalid(format!(
-                "tool_choice must be \"auto\", \"none\", \"required\" or \
+            other => Err(ApiError::field(
+                "tool_choice",
+                format!(
+                    " must be \"auto\", \"none\", \"required\" or \
                  {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {other:?}"
-            ))),
+                ),
+            )),
         },
         Some(Value::Object(m)) => {
             match m.get("type") {
                 None => {}
                 Some(Value::String(s)) if s == "function" => {}
                 Some(other) => {
-                    return Err(ApiError::invalid(format!(
-                        "tool_choice.type must be \"function\", got {}",
-                        quoted(other)
-                    )))
+                    return Err(ApiError::field(
+                        "tool_choice.type",
+                        format!(" must be \"function\", got {}", quoted(other)),
+                    ))
                 }
             }
             match m.get("function").and_then(|f| f.get("name")) {
                 Some(Value::String(name)) => named(name),
-                _ => Err(ApiError::invalid(
-                    "tool_choice.function.name is required and must be a string",
+                _ => Err(ApiError::field(
+                    "tool_choice.function.name",
+                    " is required and must be a string",
                 )),
             }
         }
-        Some(other) => Err(ApiError::invalid(format!(
-            "tool_choice must be a string or an object, got {}",
-            quoted(other)
-        ))),
+        Some(other) => Err(ApiError::field(
+            "tool_choice",
+            format!(" must be a string or an object, got {}", quoted(other)),
+        )),
     }
 }
 
@@ -268,8 +277,9 @@ pub async fn prepare(
         });
     };
     if params.grammar.is_some() {
-        return Err(ApiError::invalid(
-            "tools cannot be combined with a grammar, format or response_format: the tool \
+        return Err(ApiError::field(
+            "tools",
+            " cannot be combined with a grammar, format or response_format: the tool \
              calls have their own",
         ));
     }
@@ -399,10 +409,13 @@ fn call_grammar(
     parallel: bool,
 ) -> Result<Grammar, ApiError> {
     let invalid = |t: &Tool, reason: String| {
-        ApiError::invalid(format!(
-            "tools: the parameters schema of {:?} is invalid: {reason}",
-            t.name
-        ))
+        ApiError::field(
+            "tools",
+            format!(
+                ": the parameters schema of {:?} is invalid: {reason}",
+                t.name
+            ),
+        )
     };
     for t in selected {
         check_schema_bounds(&t.parameters).map_err(|e| invalid(t, e))?;
@@ -423,9 +436,10 @@ fn call_grammar(
             return Err(invalid(t, why.unwrap_or(e)));
         }
     }
-    Err(ApiError::invalid(format!(
-        "tools: the tools' schemas do not combine into a grammar ({combined})"
-    )))
+    Err(ApiError::field(
+        "tools",
+        format!(": the tools' schemas do not combine into a grammar ({combined})"),
+    ))
 }
 
 /// A piece of a chat answer, dialect-neutral.

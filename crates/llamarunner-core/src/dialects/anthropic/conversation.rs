@@ -25,14 +25,16 @@ pub(super) fn chat_messages(
             out.push(json!({"role": "system", "content": text}));
         }
         Some(_) => {
-            return Err(ApiError::invalid(
-                "system: must be a string or an array of text blocks",
+            return Err(ApiError::field(
+                "system",
+                ": must be a string or an array of text blocks",
             ))
         }
     }
     if messages.is_empty() {
-        return Err(ApiError::invalid(
-            "messages: at least one message is required",
+        return Err(ApiError::field(
+            "messages",
+            ": at least one message is required",
         ));
     }
     for (i, m) in messages.iter().enumerate() {
@@ -270,11 +272,12 @@ pub(super) fn tool_request(
                     Some(Value::String(name)) => {
                         json!({"type": "function", "function": {"name": name}})
                     }
-                    _ => return Err(ApiError::invalid("tool_choice.name: Field required")),
+                    _ => return Err(ApiError::field("tool_choice.name", ": Field required")),
                 },
                 _ => {
-                    return Err(ApiError::invalid(
-                        "tool_choice.type must be \"auto\", \"any\", \"tool\" or \"none\"",
+                    return Err(ApiError::field(
+                        "tool_choice.type",
+                        " must be \"auto\", \"any\", \"tool\" or \"none\"",
                     ))
                 }
             };

@@ -51,19 +51,20 @@ impl MessagesRequest {
     pub(super) fn params(&self) -> Result<SamplingParams, ApiError> {
         let max = self
             .max_tokens
-            .ok_or_else(|| ApiError::invalid("max_tokens: Field required"))?;
+            .ok_or_else(|| ApiError::field("max_tokens", ": Field required"))?;
         if max < 1 {
-            return Err(ApiError::invalid("max_tokens: must be at least 1"));
+            return Err(ApiError::field("max_tokens", ": must be at least 1"));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=1.0).contains(&t) {
-                return Err(ApiError::invalid(format!(
-                    "temperature: must be between 0 and 1, got {t}"
-                )));
+                return Err(ApiError::field(
+                    "temperature",
+                    format!(": must be between 0 and 1, got {t}"),
+                ));
             }
         }
         if self.top_k.is_some_and(|k| k < 0) {
-            return Err(ApiError::invalid("top_k: must be at least 0"));
+            return Err(ApiError::field("top_k", ": must be at least 0"));
         }
         let defaults = SamplingParams::default();
         let mut p = SamplingParams {
@@ -87,8 +88,7 @@ impl MessagesRequest {
             samplers: self.samplers.samplers(),
             ..defaults
         };
-        validate::check_options(&p)
-            .map_err(|e| ApiError::invalid(e.top_level(&[("stop", "stop_sequences")])))?;
+        validate::check_options(&p).map_err(|e| e.top_level(&[("stop", "stop_sequences")]))?;
         // As Anthropic's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
         p.grammar = self.output_grammar()?;
@@ -102,15 +102,16 @@ impl MessagesRequest {
         let config = self.output_config.as_ref().filter(|c| !c.is_null());
         if let Some(config) = config {
             if !config.is_object() {
-                return Err(ApiError::invalid("output_config: must be an object"));
+                return Err(ApiError::field("output_config", ": must be an object"));
             }
             match config.get("effort") {
                 None | Some(Value::Null) => {}
                 Some(Value::String(e))
                     if ["low", "medium", "high", "xhigh", "max"].contains(&e.as_str()) => {}
                 Some(_) => {
-                    return Err(ApiError::invalid(
-                        "output_config.effort: must be low, medium, high, xhigh or max",
+                    return Err(ApiError::field(
+                        "output_config.effort",
+                        ": must be low, medium, high, xhigh or max",
                     ))
                 }
             }
@@ -121,11 +122,12 @@ impl MessagesRequest {
             _ => return Ok(None),
         };
         if format.get("type").and_then(Value::as_str) != Some("json_schema") {
-            return Err(ApiError::invalid(format!(
-                "{at}.type: must be \"json_schema\""
-            )));
+            return Err(ApiError::field(
+                format!("{at}.type"),
+                ": must be \"json_schema\"",
+            ));
         }
-        crate::requests::format::response_format(format, at).map_err(ApiError::invalid)
+        crate::requests::format::response_format(format, at).map_err(ApiError::InvalidField)
     }
 
     /// `thinking`: `{"type": "enabled", "budget_tokens": N}` turns the template's reasoning on
@@ -145,22 +147,25 @@ impl MessagesRequest {
                     .get("budget_tokens")
                     .and_then(Value::as_i64)
                     .ok_or_else(|| {
-                        ApiError::invalid("thinking.budget_tokens: Field required (an integer)")
+                        ApiError::field("thinking.budget_tokens", ": Field required (an integer)")
                     })?;
                 if budget < 1024 {
-                    return Err(ApiError::invalid(
-                        "thinking.budget_tokens: must be at least 1024",
+                    return Err(ApiError::field(
+                        "thinking.budget_tokens",
+                        ": must be at least 1024",
                     ));
                 }
                 if self.max_tokens.is_some_and(|m| budget >= m) {
-                    return Err(ApiError::invalid(
-                        "thinking.budget_tokens: must be less than max_tokens",
+                    return Err(ApiError::field(
+                        "thinking.budget_tokens",
+                        ": must be less than max_tokens",
                     ));
                 }
                 Ok(Some(true))
             }
-            _ => Err(ApiError::invalid(
-                "thinking.type must be \"enabled\", \"disabled\", \"adaptive\" or \
+            _ => Err(ApiError::field(
+                "thinking.type",
+                " must be \"enabled\", \"disabled\", \"adaptive\" or \
                  \"between_tools\"",
             )),
         }

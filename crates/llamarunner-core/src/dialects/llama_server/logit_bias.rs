@@ -16,8 +16,9 @@ pub(super) struct LogitBias {
 impl LogitBias {
     pub(super) fn read(value: &Value) -> Result<Self, ApiError> {
         let bad = || {
-            ApiError::invalid(
-                "logit_bias must be [[token or text, bias], ...] or {\"token or text\": bias}, \
+            ApiError::field(
+                "logit_bias",
+                " must be [[token or text, bias], ...] or {\"token or text\": bias}, \
                  a bias a number or false",
             )
         };
@@ -42,10 +43,13 @@ impl LogitBias {
             _ => return Err(bad()),
         };
         if entries.len() > crate::requests::validate::MAX_LOGIT_BIAS {
-            return Err(ApiError::invalid(format!(
-                "logit_bias: at most {} entries",
-                crate::requests::validate::MAX_LOGIT_BIAS
-            )));
+            return Err(ApiError::field(
+                "logit_bias",
+                format!(
+                    ": at most {} entries",
+                    crate::requests::validate::MAX_LOGIT_BIAS
+                ),
+            ));
         }
         let mut bias = Self::default();
         for (key, value) in entries {
@@ -80,9 +84,10 @@ impl LogitBias {
         let bytes: usize = self.texts.iter().map(|(t, _)| t.len()).sum();
         let max = crate::requests::validate::max_text_bytes(info);
         if bytes > max {
-            return Err(ApiError::invalid(format!(
-                "logit_bias: its texts have {bytes} bytes, at most {max}"
-            )));
+            return Err(ApiError::field(
+                "logit_bias",
+                format!(": its texts have {bytes} bytes, at most {max}"),
+            ));
         }
         let model = info.text.clone();
         let texts = self.texts;

@@ -173,21 +173,24 @@ impl CompletionRequest {
     /// The sampling parameters: the request's, llama-server's defaults for the rest.
     fn params(&self, state: &AppState) -> Result<SamplingParams, ApiError> {
         if self.post_sampling_probs == Some(true) {
-            return Err(ApiError::invalid(
-                "post_sampling_probs: the probabilities given are the model's, before \
+            return Err(ApiError::field(
+                "post_sampling_probs",
+                ": the probabilities given are the model's, before \
                  sampling; leave it out",
             ));
         }
         if self.n_cmpl.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid(
-                "n_cmpl: one completion per request here; send several requests",
+            return Err(ApiError::field(
+                "n_cmpl",
+                ": one completion per request here; send several requests",
             ));
         }
         let n_probs = self.n_probs.unwrap_or(0) as usize;
         if n_probs > MAX_TOP_LOGPROBS {
-            return Err(ApiError::invalid(format!(
-                "n_probs must be at most {MAX_TOP_LOGPROBS}"
-            )));
+            return Err(ApiError::field(
+                "n_probs",
+                format!(" must be at most {MAX_TOP_LOGPROBS}"),
+            ));
         }
         let d = default_params();
         let mut p = SamplingParams {
@@ -227,7 +230,7 @@ impl CompletionRequest {
                 ))
             }
             (Some(g), None) => Some(Grammar::new(GrammarSource::Gbnf(g.clone()))),
-            (None, Some(s)) => json_schema(s, "json_schema").map_err(ApiError::InvalidRequest)?,
+            (None, Some(s)) => json_schema(s, "json_schema").map_err(ApiError::InvalidField)?,
             (None, None) => None,
         };
         Ok(p)
@@ -374,8 +377,9 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     };
     if prompts.len() > 1 {
         if req.stream == Some(true) {
-            return Err(ApiError::invalid(
-                "stream: one prompt per streamed request; send the others as requests of \
+            return Err(ApiError::field(
+                "stream",
+                ": one prompt per streamed request; send the others as requests of \
                  their own, or leave stream out to have every answer at once",
             ));
         }
@@ -410,7 +414,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         return Ok(Json(answers).into_response());
     }
     let Some(p) = prompts.into_iter().next() else {
-        return Err(ApiError::invalid("prompt is required"));
+        return Err(ApiError::field("prompt", " is required"));
     };
     let meta = meta_of(&p);
     let prompt = p.source(&info).await?;

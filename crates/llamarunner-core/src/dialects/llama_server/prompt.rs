@@ -29,8 +29,9 @@ pub(super) enum Piece {
 }
 
 fn bad() -> ApiError {
-    ApiError::invalid(
-        "prompt must be a non-empty text, token ids (with texts among them), an object with \
+    ApiError::field(
+        "prompt",
+        " must be a non-empty text, token ids (with texts among them), an object with \
          prompt_string, or an array of those (several prompts)",
     )
 }
@@ -54,7 +55,7 @@ fn one(value: &Value) -> Result<OnePrompt, ApiError> {
                     .and_then(|id| Token::try_from(id).ok())
                     .map(Piece::Id)
                     .ok_or_else(|| {
-                        ApiError::invalid("prompt: a token id is a non-negative integer")
+                        ApiError::field("prompt", ": a token id is a non-negative integer")
                     }),
                 _ => Err(bad()),
             })
@@ -90,9 +91,10 @@ pub(super) fn read(prompt: Option<&Value>) -> Result<Vec<OnePrompt>, ApiError> {
         other => vec![one(other)?],
     };
     if prompts.len() > MAX_PROMPTS {
-        return Err(ApiError::invalid(format!(
-            "prompt: at most {MAX_PROMPTS} prompts in one request; send more as more requests"
-        )));
+        return Err(ApiError::field(
+            "prompt",
+            format!(": at most {MAX_PROMPTS} prompts in one request; send more as more requests"),
+        ));
     }
     Ok(prompts)
 }

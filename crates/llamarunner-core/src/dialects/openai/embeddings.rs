@@ -25,7 +25,7 @@ pub(super) fn embedding_inputs(input: Option<Value>) -> Result<Vec<EmbedInput>, 
         Some(Value::String(s)) => Ok(vec![EmbedInput::Text(s)]),
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
             Ok(vec![EmbedInput::Tokens(ids(&items).ok_or_else(|| {
-                ApiError::invalid("input: token ids must be integers")
+                ApiError::field("input", ": token ids must be integers")
             })?)])
         }
         Some(Value::Array(items)) if !items.is_empty() => items
@@ -39,7 +39,7 @@ pub(super) fn embedding_inputs(input: Option<Value>) -> Result<Vec<EmbedInput>, 
                 _ => Err(ApiError::invalid(format!("input[{i}]: {shape}"))),
             })
             .collect(),
-        _ => Err(ApiError::invalid(format!("input is required: {shape}"))),
+        _ => Err(ApiError::field("input", format!(" is required: {shape}"))),
     }
 }
 
@@ -81,9 +81,10 @@ pub async fn embeddings(
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(ApiError::invalid(format!(
-                "encoding_format must be float or base64, got {other:?}"
-            ))
+            return Err(ApiError::field(
+                "encoding_format",
+                format!(" must be float or base64, got {other:?}"),
+            )
             .into())
         }
     };

@@ -119,8 +119,7 @@ pub async fn completions(
                 ..infill::Parts::default()
             };
             params.truncate = false;
-            crate::requests::validate::check_options(&params)
-                .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+            crate::requests::validate::check_options(&params).map_err(|e| e.under_options())?;
             PromptSource::Tokens(infill::tokens(&info, parts, params.num_predict).await?)
         }
         None => prompt.into(),

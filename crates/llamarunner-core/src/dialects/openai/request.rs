@@ -107,22 +107,24 @@ impl OpenAiRequest {
     /// penalty; Ollama's top_k 40 unless given).
     pub(super) fn params(&self, chat: bool) -> Result<SamplingParams, ApiError> {
         if self.n.is_some_and(|n| n == 0 || n > MAX_CHOICES) {
-            return Err(ApiError::invalid(format!(
-                "n must be between 1 and {MAX_CHOICES}"
-            )));
+            return Err(ApiError::field(
+                "n",
+                format!(" must be between 1 and {MAX_CHOICES}"),
+            ));
         }
         if self.best_of.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("best_of: only 1 is supported"));
+            return Err(ApiError::field("best_of", ": only 1 is supported"));
         }
         let max = self.max_completion_tokens.or(self.max_tokens);
         if max.is_some_and(|m| m < 0) {
-            return Err(ApiError::invalid("max_tokens must be >= 0"));
+            return Err(ApiError::field("max_tokens", " must be >= 0"));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {
-                return Err(ApiError::invalid(format!(
-                    "temperature must be between 0 and 2, got {t}"
-                )));
+                return Err(ApiError::field(
+                    "temperature",
+                    format!(" must be between 0 and 2, got {t}"),
+                ));
             }
         }
         for (name, v) in [
@@ -161,8 +163,7 @@ impl OpenAiRequest {
             samplers: self.samplers.samplers(),
             ..defaults
         };
-        crate::requests::validate::check_options(&p)
-            .map_err(|e| ApiError::invalid(e.top_level(&[])))?;
+        crate::requests::validate::check_options(&p).map_err(|e| e.top_level(&[]))?;
         // As OpenAI's API: a prompt that does not fit is an error, not silently cut.
         p.truncate = false;
         p.logit_bias = logit_bias(self.logit_bias.as_ref())?;
@@ -178,12 +179,12 @@ impl OpenAiRequest {
             match &self.logprobs {
                 None | Some(Value::Null) | Some(Value::Bool(false)) => {
                     if self.top_logprobs.is_some_and(|n| n > 0) {
-                        return Err(ApiError::invalid("top_logprobs needs logprobs: true"));
+                        return Err(ApiError::field("top_logprobs", " needs logprobs: true"));
                     }
                     return Ok(None);
                 }
                 Some(Value::Bool(true)) => self.top_logprobs.unwrap_or(0),
-                Some(_) => return Err(ApiError::invalid("logprobs must be true or false")),
+                Some(_) => return Err(ApiError::field("logprobs", " must be true or false")),
             }
         } else {
             match &self.logprobs {
@@ -191,13 +192,16 @@ impl OpenAiRequest {
                 Some(v) => v
                     .as_u64()
                     .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| ApiError::invalid("logprobs must be an integer from 0 to 20"))?,
+                    .ok_or_else(|| {
+                        ApiError::field("logprobs", " must be an integer from 0 to 20")
+                    })?,
             }
         };
         if top > MAX_TOP_LOGPROBS {
-            return Err(ApiError::invalid(format!(
-                "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
-            )));
+            return Err(ApiError::field(
+                if chat { "top_logprobs" } else { "logprobs" },
+                format!(" must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ));
         }
         Ok(Some(top as usize))
     }
@@ -217,10 +221,11 @@ fn stop_list(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
             .iter()
             .map(|v| v.as_str().map(str::to_string))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ApiError::invalid("stop must be a string or an array of strings"))?,
+            .ok_or_else(|| ApiError::field("stop", " must be a string or an array of strings"))?,
         Some(_) => {
-            return Err(ApiError::invalid(
-                "stop must be a string or an array of strings",
+            return Err(ApiError::field(
+                "stop",
+                " must be a string or an array of strings",
             ))
         }
     };
@@ -234,12 +239,16 @@ fn logit_bias(bias: Option<&HashMap<String, f32>>) -> Result<Vec<(i32, f32)>, Ap
     bias.iter()
         .map(|(token, &value)| {
             let id = token.parse::<i32>().map_err(|_| {
-                ApiError::invalid(format!("logit_bias: keys must be token ids, got {token:?}"))
+                ApiError::field(
+                    "logit_bias",
+                    format!(": keys must be token ids, got {token:?}"),
+                )
             })?;
             if !(-100.0..=100.0).contains(&value) {
-                return Err(ApiError::invalid(format!(
-                    "logit_bias: values must be between -100 and 100, got {value}"
-                )));
+                return Err(ApiError::field(
+                    "logit_bias",
+                    format!(": values must be between -100 and 100, got {value}"),
+                ));
             }
             Ok((id, value))
         })
@@ -256,7 +265,7 @@ fn constraint(req: &OpenAiRequest) -> Result<Option<crate::constrain::Grammar>, 
         req.response_format.as_ref().unwrap_or(&Value::Null),
         "response_format",
     )
-    .map_err(ApiError::invalid)?;
+    .map_err(ApiError::InvalidField)?;
     let given = [grammar.is_some(), schema.is_some(), format.is_some()];
     if given.iter().filter(|&&g| g).count() > 1 {
         return Err(ApiError::invalid(
@@ -268,7 +277,7 @@ fn constraint(req: &OpenAiRequest) -> Result<Option<crate::constrain::Grammar>, 
     }
     if let Some(schema) = schema {
         return crate::requests::format::json_schema(schema, "json_schema")
-            .map_err(ApiError::invalid);
+            .map_err(ApiError::InvalidField);
     }
     Ok(format)
 }
@@ -284,7 +293,7 @@ pub(super) fn chat_of(req: &OpenAiRequest) -> Result<Chat, ApiError> {
     parse_messages(
         req.messages
             .clone()
-            .ok_or_else(|| ApiError::invalid("messages is required"))?,
+            .ok_or_else(|| ApiError::field("messages", " is required"))?,
     )
 }
 
@@ -298,22 +307,26 @@ pub(crate) fn chat_keyed(body: &[u8]) -> Result<Keyed, ApiError> {
 /// A completion request's prompt: one text (empty only with a suffix).
 pub(super) fn completion_prompt(req: &OpenAiRequest) -> Result<String, ApiError> {
     if req.echo == Some(true) {
-        return Err(ApiError::invalid("echo is not supported"));
+        return Err(ApiError::field("echo", " is not supported"));
     }
     let prompt = match &req.prompt {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
             items[0].as_str().unwrap_or_default().to_string()
         }
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid(
-                "prompt: only one text prompt per request is supported (token arrays and batches are not)",
+        Some(Value::Array(_)) => return Err(ApiError::field(
+            "prompt",
+            ": only one text prompt per request is supported (token arrays and batches are not)",
+        )),
+        _ => {
+            return Err(ApiError::field(
+                "prompt",
+                " is required and must be a string",
             ))
         }
-        _ => return Err(ApiError::invalid("prompt is required and must be a string")),
     };
     if prompt.is_empty() && req.suffix.as_ref().is_none_or(|s| s.is_empty()) {
-        return Err(ApiError::invalid("prompt must not be empty"));
+        return Err(ApiError::field("prompt", " must not be empty"));
     }
     Ok(prompt)
 }
@@ -338,21 +351,24 @@ pub(super) fn check_continuation(
 ) -> Result<(), ApiError> {
     let continues = req.continue_final_message == Some(true);
     if continues && req.add_generation_prompt == Some(true) {
-        return Err(ApiError::invalid(
-            "add_generation_prompt and continue_final_message cannot both be true",
+        return Err(ApiError::field(
+            "add_generation_prompt",
+            " and continue_final_message cannot both be true",
         ));
     }
     let last_is_answer = messages
         .last()
         .is_some_and(|m| m.role == "assistant" && !m.content.is_empty());
     if continues && !last_is_answer {
-        return Err(ApiError::invalid(
-            "continue_final_message: the last message must be an assistant's text",
+        return Err(ApiError::field(
+            "continue_final_message",
+            ": the last message must be an assistant's text",
         ));
     }
     if req.add_generation_prompt == Some(false) && !last_is_answer {
-        return Err(ApiError::invalid(
-            "add_generation_prompt: false is only supported to continue a final assistant \
+        return Err(ApiError::field(
+            "add_generation_prompt",
+            ": false is only supported to continue a final assistant \
              message (continue_final_message)",
         ));
     }

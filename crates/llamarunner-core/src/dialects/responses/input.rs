@@ -28,8 +28,9 @@ pub(super) fn input_messages_after(
         Some(Value::Array(items)) => items,
         None | Some(Value::Null) => return Ok(out),
         Some(_) => {
-            return Err(ApiError::invalid(
-                "input must be a string or an array of input items",
+            return Err(ApiError::field(
+                "input",
+                " must be a string or an array of input items",
             ))
         }
     };

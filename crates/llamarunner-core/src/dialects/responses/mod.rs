@@ -77,7 +77,7 @@ async fn prepare(state: &AppState, req: &ResponsesRequest) -> Result<Prepared, A
     };
     let history = input_messages_after(history, req.input.as_ref())?;
     if history.is_empty() {
-        return Err(ApiError::invalid("input is required"));
+        return Err(ApiError::field("input", " is required"));
     }
     let chat = parse_messages(with_instructions(req, &history))?;
     let tools = tool_request(req)?;

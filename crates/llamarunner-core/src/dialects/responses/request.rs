@@ -56,38 +56,43 @@ pub(super) struct ResponsesRequest {
 impl ResponsesRequest {
     pub(super) fn params(&self) -> Result<SamplingParams, ApiError> {
         if self.background == Some(true) {
-            return Err(ApiError::invalid(
-                "background: background responses are not supported",
+            return Err(ApiError::field(
+                "background",
+                ": background responses are not supported",
             ));
         }
         if self.conversation.as_ref().is_some_and(|c| !c.is_null()) {
-            return Err(ApiError::invalid(
-                "conversation: conversations are not supported; continue one with \
+            return Err(ApiError::field(
+                "conversation",
+                ": conversations are not supported; continue one with \
                  previous_response_id",
             ));
         }
         if self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid(
-                "top_logprobs: not supported on /v1/responses",
+            return Err(ApiError::field(
+                "top_logprobs",
+                ": not supported on /v1/responses",
             ));
         }
         if self.max_output_tokens.is_some_and(|m| m < 1) {
-            return Err(ApiError::invalid("max_output_tokens must be at least 1"));
+            return Err(ApiError::field("max_output_tokens", " must be at least 1"));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {
-                return Err(ApiError::invalid(format!(
-                    "temperature must be between 0 and 2, got {t}"
-                )));
+                return Err(ApiError::field(
+                    "temperature",
+                    format!(" must be between 0 and 2, got {t}"),
+                ));
             }
         }
         let truncate = match self.truncation.as_deref() {
             None | Some("disabled") => false,
             Some("auto") => true,
             Some(other) => {
-                return Err(ApiError::invalid(format!(
-                    "truncation must be \"auto\" or \"disabled\", got {other:?}"
-                )))
+                return Err(ApiError::field(
+                    "truncation",
+                    format!(" must be \"auto\" or \"disabled\", got {other:?}"),
+                ))
             }
         };
         let defaults = SamplingParams::default();
@@ -107,7 +112,7 @@ impl ResponsesRequest {
             samplers: self.samplers.samplers(),
             ..defaults
         };
-        validate::check_options(&p).map_err(|e| ApiError::invalid(e.top_level(&[])))?;
+        validate::check_options(&p).map_err(|e| e.top_level(&[]))?;
         p.truncate = truncate;
         p.grammar = self.format_grammar()?;
         Ok(p)
@@ -124,7 +129,8 @@ impl ResponsesRequest {
         else {
             return Ok(None);
         };
-        crate::requests::format::response_format(format, "text.format").map_err(ApiError::invalid)
+        crate::requests::format::response_format(format, "text.format")
+            .map_err(ApiError::InvalidField)
     }
 
     /// `reasoning`: `{"effort": "none"}` asks the template not to think, any other effort to
@@ -134,7 +140,7 @@ impl ResponsesRequest {
             return Ok(None);
         };
         if !r.is_object() {
-            return Err(ApiError::invalid("reasoning must be an object"));
+            return Err(ApiError::field("reasoning", " must be an object"));
         }
         match r.get("effort") {
             None | Some(Value::Null) => Ok(None),
@@ -144,8 +150,9 @@ impl ResponsesRequest {
             {
                 Ok(Some(true))
             }
-            Some(_) => Err(ApiError::invalid(
-                "reasoning.effort must be none, minimal, low, medium, high or xhigh",
+            Some(_) => Err(ApiError::field(
+                "reasoning.effort",
+                " must be none, minimal, low, medium, high or xhigh",
             )),
         }
     }
@@ -183,8 +190,9 @@ pub(super) fn tool_request(req: &ResponsesRequest) -> Result<Option<ToolRequest>
             json!({"type": "function", "function": {"name": c.get("name").cloned().unwrap_or(Value::Null)}}),
         ),
         Some(_) => {
-            return Err(ApiError::invalid(
-                "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \
+            return Err(ApiError::field(
+                "tool_choice",
+                " must be \"auto\", \"none\", \"required\" or {\"type\": \
                  \"function\", \"name\": ...}",
             ))
         }
@@ -199,18 +207,19 @@ pub(super) fn check_metadata(metadata: Option<&Value>) -> Result<(), ApiError> {
         return Ok(());
     };
     let Value::Object(map) = metadata else {
-        return Err(ApiError::invalid("metadata must be an object of strings"));
+        return Err(ApiError::field("metadata", " must be an object of strings"));
     };
     if map.len() > 16 {
-        return Err(ApiError::invalid(format!(
-            "metadata has {} keys; at most 16",
-            map.len()
-        )));
+        return Err(ApiError::field(
+            "metadata",
+            format!(" has {} keys; at most 16", map.len()),
+        ));
     }
     for (key, value) in map {
         if key.chars().count() > 64 {
-            return Err(ApiError::invalid(
-                "metadata: a key is longer than 64 characters",
+            return Err(ApiError::field(
+                "metadata",
+                ": a key is longer than 64 characters",
             ));
         }
         match value {

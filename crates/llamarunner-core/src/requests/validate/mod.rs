@@ -80,15 +80,20 @@ impl OptionError {
         }
     }
 
-    /// The message for a dialect whose options sit at the top level of the request (OpenAI,
+    /// The error for a dialect whose options sit at the top level of the request (OpenAI,
     /// Anthropic, Responses), with its names for the fields it names otherwise (`renamed`:
     /// native name, the dialect's).
-    pub fn top_level(&self, renamed: &[(&str, &str)]) -> String {
+    pub fn top_level(&self, renamed: &[(&str, &str)]) -> ApiError {
         let name = renamed
             .iter()
             .find(|(native, _)| *native == self.field)
             .map_or(self.field, |(_, theirs)| theirs);
-        format!("{name}{}", self.problem)
+        ApiError::field(name, self.problem.clone())
+    }
+
+    /// The error for a dialect whose options sit under `options` (the native API, Ollama's).
+    pub fn under_options(&self) -> ApiError {
+        ApiError::field(format!("options.{}", self.field), self.problem.clone())
     }
 }
 
@@ -258,7 +263,7 @@ pub fn check_for_model(
     info: &ModelInfo,
     limits: &Limits,
 ) -> Result<(), ApiError> {
-    check_options(p).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+    check_options(p).map_err(|e| e.under_options())?;
     if p.deterministic && !info.deterministic {
         return Err(ApiError::DeterministicUnavailable(
             "deterministic: this server was not started with --deterministic (the mode is chosen when the model loads: CPU kernels whose rows compute the same in any batch), so its output may depend on other requests and on its caches".into(),
@@ -287,26 +292,31 @@ pub fn check_for_model(
     }
     p.samplers.dry_allowed_length = p.samplers.dry_allowed_length.min(slot);
     if p.logit_bias.len() > MAX_LOGIT_BIAS {
-        return Err(ApiError::invalid(format!(
-            "logit_bias: at most {MAX_LOGIT_BIAS} entries, got {}",
-            p.logit_bias.len()
-        )));
+        return Err(ApiError::field(
+            "logit_bias",
+            format!(
+                ": at most {MAX_LOGIT_BIAS} entries, got {}",
+                p.logit_bias.len()
+            ),
+        ));
     }
     let n_vocab = i32::try_from(info.n_vocab).unwrap_or(i32::MAX);
     for &(token, bias) in &p.logit_bias {
         if !(0..n_vocab).contains(&token) {
-            return Err(ApiError::invalid(format!(
-                "logit_bias: token {token} is not in the vocabulary (0..{n_vocab})"
-            )));
+            return Err(ApiError::field(
+                "logit_bias",
+                format!(": token {token} is not in the vocabulary (0..{n_vocab})"),
+            ));
         }
         if bias.is_nan() {
-            return Err(ApiError::invalid("logit_bias: a bias must be a number"));
+            return Err(ApiError::field("logit_bias", ": a bias must be a number"));
         }
     }
     if p.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
-        return Err(ApiError::invalid(format!(
-            "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
-        )));
+        return Err(ApiError::field(
+            "top_logprobs",
+            format!(" must be between 0 and {MAX_TOP_LOGPROBS}"),
+        ));
     }
     if let Some(g) = p.grammar.as_ref().and_then(crate::constrain::Grammar::gbnf) {
         crate::constrain::gbnf::check_size(g).map_err(ApiError::InvalidRequest)?;
@@ -515,9 +525,10 @@ pub async fn generation_tokens(
         .enumerate()
         .find(|(_, t)| !(0..n_vocab).contains(*t))
     {
-        return Err(ApiError::invalid(format!(
-            "prompt token {i}: {id} is not in the vocabulary (0..{n_vocab})"
-        )));
+        return Err(ApiError::field(
+            "prompt",
+            format!(" token {i}: {id} is not in the vocabulary (0..{n_vocab})"),
+        ));
     }
     let truncated = fit_prompt(&mut tokens, &params, info)?;
     Ok(Generation {

@@ -129,9 +129,12 @@ fn option_errors_render_under_each_dialects_names() {
     let e = check_options(&p).unwrap_err();
     assert_eq!(e.field, "stop");
     assert_eq!(e.to_string(), "options.stop must not contain empty strings");
-    assert_eq!(e.top_level(&[]), "stop must not contain empty strings");
     assert_eq!(
-        e.top_level(&[("stop", "stop_sequences")]),
+        e.top_level(&[]).to_string(),
+        "stop must not contain empty strings"
+    );
+    assert_eq!(
+        e.top_level(&[("stop", "stop_sequences")]).to_string(),
         "stop_sequences must not contain empty strings"
     );
     let p = SamplingParams {
@@ -141,7 +144,8 @@ fn option_errors_render_under_each_dialects_names() {
     assert_eq!(
         check_options(&p)
             .unwrap_err()
-            .top_level(&[("stop", "stop_sequences")]),
+            .top_level(&[("stop", "stop_sequences")])
+            .to_string(),
         "top_p must be between 0 and 1, got 2"
     );
 }
