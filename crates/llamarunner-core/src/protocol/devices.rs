@@ -2,10 +2,11 @@
 //! model's layers (and bytes of weights) went to a GPU. The backend (`backend/llama/devices.rs`)
 //! fills it once at load; `/props`, Ollama's `/api/ps` (`size_vram`) and `/metrics` read it.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What kind of device llama.cpp says it is (named by `as_str` in `/props` and `/metrics`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DeviceKind {
     /// The host's CPU.
     #[default]
@@ -17,6 +18,7 @@ pub enum DeviceKind {
     /// An accelerator that runs beside the CPU (BLAS, AMX, ...).
     Accelerator,
     /// A type this build does not know.
+    #[serde(other)]
     Unknown,
 }
 
@@ -38,14 +40,8 @@ impl DeviceKind {
     }
 }
 
-impl Serialize for DeviceKind {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.as_str())
-    }
-}
-
 /// One compute device.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Device {
     /// llama.cpp's name for it ("CPU", "CUDA0", "Vulkan0").
     pub name: String,
@@ -62,7 +58,7 @@ pub struct Device {
 }
 
 /// What the fit before load chose (`backend/llama/placement.rs`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fit {
     /// MiB of each GPU's free memory it left unused (`--fit-target`).
     pub margin_mib: u64,
@@ -83,8 +79,10 @@ impl Fit {
     }
 }
 
-/// The devices of a loaded model and what it placed on them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+/// The devices of a loaded model and what it placed on them (read back from an engine's
+/// `/props` by the many-model router).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DeviceFacts {
     /// The backend that runs the model's offloaded layers; "CPU" when none is offloaded.
     pub backend: String,
@@ -161,7 +159,43 @@ impl DeviceFacts {
 
 #[cfg(test)]
 mod tests {
-    use super::DeviceFacts;
+    use super::{Device, DeviceFacts, DeviceKind, Fit};
+
+    #[test]
+    fn facts_read_back_as_props_wrote_them() {
+        let facts = DeviceFacts {
+            backend: "Vulkan".into(),
+            devices: vec![
+                Device {
+                    name: "Vulkan0".into(),
+                    description: "llvmpipe".into(),
+                    backend: "Vulkan".into(),
+                    kind: DeviceKind::IntegratedGpu,
+                    memory_free: 1 << 30,
+                    memory_total: 2 << 30,
+                },
+                DeviceFacts::cpu_only(1).devices.remove(0),
+            ],
+            layers_offloaded: 3,
+            layers_total: 5,
+            split_mode: "layer".into(),
+            fit: Some(Fit::new(1024, 3, true)),
+            vram_bytes: 12345,
+        };
+        let json = serde_json::to_value(&facts).expect("serializes");
+        assert_eq!(json["devices"][0]["kind"], "integrated_gpu");
+        let back: DeviceFacts = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back, facts);
+        // A kind of a newer engine, and fields left out, still read.
+        let newer: DeviceFacts = serde_json::from_value(serde_json::json!({
+            "devices": [{"name": "X0", "description": "", "backend": "X", "kind": "npu",
+                         "memory_free": 0, "memory_total": 0}],
+            "vram_bytes": 7,
+        }))
+        .expect("reads");
+        assert_eq!(newer.devices[0].kind, DeviceKind::Unknown);
+        assert_eq!((newer.vram_bytes, newer.layers_offloaded), (7, 0));
+    }
 
     #[test]
     fn no_gpu_offloads_nothing_and_all_means_every_layer() {

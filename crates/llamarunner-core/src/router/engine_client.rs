@@ -9,6 +9,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
+use crate::protocol::devices::DeviceFacts;
+
 /// Sends `request` to the engine on `port`; Err when it cannot be reached or does not answer.
 pub(super) async fn send(
     port: u16,
@@ -69,14 +71,9 @@ pub async fn engine_get(port: u16, key: &str, path: &str) -> Option<String> {
     (status == StatusCode::OK).then(|| String::from_utf8_lossy(&body).into_owned())
 }
 
-/// The bytes of the model's weights its engine placed on GPUs (`/props`' `devices.vram_bytes`);
-/// 0 when the engine does not say.
-pub async fn engine_vram_bytes(port: u16, key: &str) -> u64 {
-    let Some(text) = engine_get(port, key, "/props").await else {
-        return 0;
-    };
-    serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|props| props["devices"]["vram_bytes"].as_u64())
-        .unwrap_or(0)
+/// Where the engine placed its model (`/props`' `devices`); None when it does not say.
+pub async fn engine_devices(port: u16, key: &str) -> Option<DeviceFacts> {
+    let text = engine_get(port, key, "/props").await?;
+    let mut props: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(props.get_mut("devices")?.take()).ok()
 }

@@ -11,6 +11,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine_client;
+use crate::protocol::devices::DeviceFacts;
 
 /// The environment variable that carries an engine's configuration (JSON `RunnerConfig`).
 pub const CONFIG_ENV: &str = "LLAMARUNNER_ENGINE_CONFIG";
@@ -32,9 +33,9 @@ pub struct Exit {
 pub enum Event {
     /// Load progress, 0..1.
     Progress(f32),
-    /// Serving on this port, with this many bytes of the model's weights on GPUs (its
-    /// `/props`' `devices.vram_bytes`; 0 when it does not say).
-    Ready(u16, u64),
+    /// Serving on this port, with the model placed on these devices (its `/props`'
+    /// `devices`; None when it does not say).
+    Ready(u16, Option<DeviceFacts>),
     /// The process has ended.
     Exited(Exit),
 }
@@ -108,8 +109,8 @@ impl EngineProcess {
                         match engine_client::engine_health(port, &key).await {
                             Some((true, _, _)) => {
                                 ready = true;
-                                let vram = engine_client::engine_vram_bytes(port, &key).await;
-                                let _ = tx.send(Event::Ready(port, vram)).await;
+                                let devices = engine_client::engine_devices(port, &key).await;
+                                let _ = tx.send(Event::Ready(port, devices)).await;
                             }
                             Some((false, progress, error)) => {
                                 if error.is_some() {

@@ -10,6 +10,12 @@
 //! window and a micro-batch per slot, unless `--swa-full`; where the header does not say which
 //! layers slide (another architecture with a window), every layer is counted with the whole
 //! context, which errs high.
+//!
+//! That is host memory for a model on the CPU. Once an engine has loaded its model, the
+//! router reads where the layers went (`DeviceFacts`, the engine's `/props`) and counts only
+//! what stayed in host memory (`Estimate::on_host`); the GPUs' memory is budgeted apart, by
+//! each engine's fit before load, which sizes the offload to the memory the devices have free
+//! (so what other engines hold on a GPU is already counted there).
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -107,8 +113,37 @@ pub fn read_shape(path: &Path) -> Result<Shape, String> {
     parse(&mut r).map_err(|e| format!("{}: not a GGUF model header ({e})", path.display()))
 }
 
-/// The estimate in bytes for a model of this shape and file size served with `served`.
-pub fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
+/// An estimate with the parts of it that may go to a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Estimate {
+    /// Everything, as if the model ran on the CPU alone.
+    pub total: u64,
+    /// The model file's weights.
+    pub weights: u64,
+    /// The KV cache of every slot.
+    pub kv: u64,
+}
+
+impl Estimate {
+    /// What stays in host memory once the engine has placed the model (`DeviceFacts`, from
+    /// its `/props`): the weights it put on GPUs leave, and the KV cache of the layers
+    /// offloaded with them (llama.cpp keeps a layer's cache beside its weights). The compute
+    /// buffers and the rest stay counted, which errs high.
+    pub fn on_host(&self, facts: &crate::protocol::devices::DeviceFacts) -> u64 {
+        if facts.layers_offloaded == 0 || facts.layers_total == 0 {
+            return self.total;
+        }
+        let offloaded = u128::from(facts.layers_offloaded.min(facts.layers_total));
+        let kv_offloaded = u128::from(self.kv) * offloaded / u128::from(facts.layers_total);
+        let kv_offloaded = u64::try_from(kv_offloaded).unwrap_or(self.kv);
+        self.total
+            .saturating_sub(facts.vram_bytes.min(self.weights))
+            .saturating_sub(kv_offloaded)
+    }
+}
+
+/// The estimate for a model of this shape and file size served with `served`, in parts.
+pub fn breakdown(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> Estimate {
     let extra: u64 = served
         .extra_files
         .iter()
@@ -160,13 +195,18 @@ pub fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
         .vocab
         .saturating_mul(4)
         .saturating_mul(served.parallel.max(1).max(ubatch.min(8)));
-    ENGINE_PROCESS
+    let total = ENGINE_PROCESS
         .saturating_add(model_bytes)
         .saturating_add(extra)
         .saturating_add(kv)
         .saturating_add(activations)
         .saturating_add(logits)
-        .saturating_add(served.cache_ram_bytes)
+        .saturating_add(served.cache_ram_bytes);
+    Estimate {
+        total,
+        weights: model_bytes,
+        kv,
+    }
 }
 
 struct Header<R: Read> {
@@ -344,6 +384,11 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
 mod tests {
     use super::*;
 
+    /// The whole estimate in bytes.
+    fn estimate(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> u64 {
+        breakdown(shape, model_bytes, served).total
+    }
+
     fn kv_str(out: &mut Vec<u8>, key: &str, value: &str) {
         out.extend((key.len() as u64).to_le_bytes());
         out.extend(key.as_bytes());
@@ -420,6 +465,31 @@ mod tests {
         let kv = 2 * 256 * 4 * 2 * 32 * 2;
         let rest = estimate(&shape, 0, &served) - kv - 1000 - ENGINE_PROCESS;
         assert!(rest > 0 && rest < 10 << 20, "{rest}");
+        // What stays in host memory: all of it on the CPU; without the weights and the KV
+        // cache of the layers on a GPU (5 layers: 4 blocks and the output).
+        let parts = breakdown(&shape, 5_000_000, &served);
+        assert_eq!((parts.weights, parts.kv), (5_000_000, kv));
+        let cpu = crate::protocol::devices::DeviceFacts::cpu_only(5);
+        assert_eq!(parts.on_host(&cpu), parts.total);
+        let all = crate::protocol::devices::DeviceFacts {
+            layers_offloaded: 5,
+            vram_bytes: 5_000_000,
+            ..cpu.clone()
+        };
+        assert_eq!(parts.on_host(&all), parts.total - 5_000_000 - kv);
+        let some = crate::protocol::devices::DeviceFacts {
+            layers_offloaded: 2,
+            vram_bytes: 2_000_000,
+            ..cpu.clone()
+        };
+        assert_eq!(parts.on_host(&some), parts.total - 2_000_000 - kv * 2 / 5);
+        // A hostile or mistaken report cannot make it negative or larger.
+        let wild = crate::protocol::devices::DeviceFacts {
+            layers_offloaded: 99,
+            vram_bytes: u64::MAX,
+            ..cpu
+        };
+        assert_eq!(parts.on_host(&wild), parts.total - 5_000_000 - kv);
         let q8 = Served {
             kv_cache_type: "q8_0",
             ..served.clone()

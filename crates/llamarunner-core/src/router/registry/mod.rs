@@ -70,8 +70,12 @@ struct Inner {
     last_used: Instant,
     /// How long the model stays loaded once idle; None = until the server stops.
     keep_alive: Option<Duration>,
-    /// The memory its load was estimated to take (`--models-memory`), set when it loads.
+    /// The host memory its load was estimated to take (`--models-memory`), set when it loads:
+    /// all of `breakdown` until its engine says where the layers went, then what stayed in
+    /// host memory.
     estimate: Option<u64>,
+    /// The estimate in parts, set when it loads.
+    breakdown: Option<estimate::Estimate>,
     /// Bytes of its weights its engine placed on GPUs (Ollama's `size_vram`), once loaded.
     vram_bytes: u64,
 }
@@ -119,13 +123,18 @@ impl Model {
 
     /// The memory the model will take once loaded, estimated from its header and settings;
     /// the file's size when the header cannot be read (its load then fails anyway).
-    fn estimate_memory(&self) -> u64 {
+    fn estimate_memory(&self) -> estimate::Estimate {
         let (size, _) = self.file_facts();
+        let whole = estimate::Estimate {
+            total: size,
+            weights: size,
+            kv: 0,
+        };
         let Ok(config) = serde_json::from_value::<RunnerConfig>(self.spec.config.clone()) else {
-            return size;
+            return whole;
         };
         let Ok(shape) = estimate::read_shape(std::path::Path::new(&self.spec.path)) else {
-            return size;
+            return whole;
         };
         let extra: Vec<&std::path::Path> = config
             .mmproj
@@ -142,7 +151,7 @@ impl Model {
             extra_files: extra,
             swa_full: config.effective_swa_full(),
         };
-        estimate::estimate(&shape, size, &served)
+        estimate::breakdown(&shape, size, &served)
     }
 
     /// The GGUF file's size and modification time (zero and the epoch when it cannot be read).
@@ -262,6 +271,7 @@ fn model_of(spec: &ModelSpec, keep_alive: Option<Duration>) -> Arc<Model> {
             last_used: Instant::now(),
             keep_alive,
             estimate: None,
+            breakdown: None,
             vram_bytes: 0,
         }),
         changed: watch::channel(0).0,
@@ -549,7 +559,7 @@ impl Registry {
             Some(
                 tokio::task::spawn_blocking(move || m.estimate_memory())
                     .await
-                    .unwrap_or(0),
+                    .unwrap_or_default(),
             )
         } else {
             None
@@ -578,7 +588,7 @@ impl Registry {
             }
         }
         if let Some(need) = need {
-            self.make_room_for(model, need)?;
+            self.make_room_for(model, need.total)?;
         }
         let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let config = self.engine_config(model);
@@ -586,7 +596,8 @@ impl Registry {
         let mut inner = model.lock();
         inner.generation = generation;
         inner.last_used = Instant::now();
-        inner.estimate = need;
+        inner.estimate = need.map(|n| n.total);
+        inner.breakdown = need;
         match spawned {
             Ok((process, events)) => {
                 model.starts.fetch_add(1, Ordering::Relaxed);
@@ -722,11 +733,21 @@ impl Registry {
                         }
                         false
                     }
-                    Event::Ready(port, vram_bytes) => {
+                    Event::Ready(port, devices) => {
                         starting.take();
-                        tracing::info!(model = %model.name, port, vram_bytes, "model loaded");
+                        inner.vram_bytes = devices.as_ref().map_or(0, |d| d.vram_bytes);
+                        // What the model holds in host memory, now that its layers are placed.
+                        if let (Some(parts), Some(devices)) = (inner.breakdown, &devices) {
+                            inner.estimate = Some(parts.on_host(devices));
+                        }
+                        tracing::info!(
+                            model = %model.name,
+                            port,
+                            vram_bytes = inner.vram_bytes,
+                            host_estimate_bytes = inner.estimate,
+                            "model loaded"
+                        );
                         inner.status = Status::Loaded { port };
-                        inner.vram_bytes = vram_bytes;
                         inner.last_used = Instant::now();
                         false
                     }
