@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -86,17 +87,11 @@ def serve(model: Path, *flags: str, env: dict[str, str] | None = None) -> ServeP
     """``llamarunner serve`` of ``model`` on the GPU's environment. Without drafting, whose
     measurement at start (decode steps of 1 to 17 positions) makes a software Vulkan device
     compile a pipeline per width: minutes on lavapipe."""
-    return ServeProcess(
-        str(model),
-        "--port",
-        "0",
-        "--ctx-size",
-        "512",
-        "--draft-max",
-        "0",
-        *flags,
-        env=gpu_env() if env is None else env,
-    )
+    return ServeProcess(str(model), *SERVE_FLAGS, *flags, env=gpu_env() if env is None else env)
+
+
+# Any port; a small context; no drafting (see `serve`).
+SERVE_FLAGS = ("--port", "0", "--ctx-size", "512", "--draft-max", "0")
 
 
 def props(url: str) -> dict[str, Any]:
@@ -299,3 +294,39 @@ def test_main_gpu_without_a_gpu_is_a_start_error(model: Path) -> None:
     with serve(model, "--main-gpu", "1", env=env) as srv:
         assert srv.wait(timeout=120) != 0
         assert "--main-gpu 1: no GPU was found" in srv.log, srv.log
+
+
+@pytest.mark.gpu
+def test_the_routers_memory_budget_counts_only_what_stays_in_host_memory(
+    model: Path, gpu: dict[str, Any], tmp_path: Path
+) -> None:
+    """`--models-memory` budgets host memory: once an engine says (its `/props`) that its
+    layers went to the GPU, the router counts the model without the weights and KV cache that
+    left (`memory_estimate_bytes`), where a CPU-only load counts them all."""
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(model, models / "tiny.gguf")
+    taken: dict[str, tuple[int, int]] = {}
+    for layers in ("0", "-1"):
+        with ServeProcess(
+            "--models-dir",
+            str(models),
+            *SERVE_FLAGS,
+            "--n-gpu-layers",
+            layers,
+            "--models-memory",
+            "4096",
+            env=gpu_env(),
+        ) as srv:
+            url = srv.wait_ready(timeout=600)
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+            assert r.status_code == 200, r.text
+            listed = httpx.get(f"{url}/models", timeout=30).json()["data"]
+            status = next(m["status"] for m in listed if m["id"] == "tiny")
+            ps = httpx.get(f"{url}/api/ps", timeout=30).json()["models"]
+            taken[layers] = (status["memory_estimate_bytes"], ps[0]["size_vram"])
+    (on_cpu, cpu_vram), (offloaded, vram) = taken["0"], taken["-1"]
+    assert cpu_vram == 0 and vram > 0, taken
+    # The weights on the GPU leave, and the KV cache of the layers offloaded with them.
+    assert offloaded < on_cpu - vram, taken
