@@ -113,7 +113,9 @@ impl OllamaRequest {
 /// `logprobs` of a line: each token's entry (`openai::chat_logprob`'s shape, which Ollama's
 /// API shares).
 fn logprob_entries(entries: &[TokenLogprob]) -> Value {
-    entries.iter().map(super::openai::chat_logprob).collect()
+    let entries: Vec<_> = entries.iter().map(super::openai::chat_logprob).collect();
+    // Plain fields: serde_json cannot fail to write them (null if it ever did).
+    serde_json::to_value(entries).unwrap_or_default()
 }
 
 /// What a streamed line or the final object needs.

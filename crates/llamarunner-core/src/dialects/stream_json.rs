@@ -5,13 +5,23 @@
 //! official `ollama` client reads our NDJSON with) end a line at each of them, breaking one
 //! chunk into two halves that do not parse. A model writes them now and then (a random one
 //! often). Written as `\u` escapes, the value is the same and every reader sees one line.
+//!
+//! `to_line` takes any `Serialize` value: a `serde_json::Value` or a dialect's wire type.
 
-use serde_json::Value;
+use serde::Serialize;
 
 /// `value` as compact JSON with U+0085, U+2028 and U+2029 escaped (they can only occur inside
-/// strings, so replacing them in the text is exact).
-pub fn to_line(value: &Value) -> String {
-    let text = value.to_string();
+/// strings, so replacing them in the text is exact). A value serde cannot write (only a map
+/// with keys that are not strings could be one; no wire type has such a map) is logged and
+/// written as `null`.
+pub fn to_line<T: Serialize + ?Sized>(value: &T) -> String {
+    let text = match serde_json::to_string(value) {
+        Ok(text) => text,
+        Err(e) => {
+            tracing::error!("cannot write a JSON line: {e}");
+            return "null".to_string();
+        }
+    };
     if !text.contains(['\u{85}', '\u{2028}', '\u{2029}']) {
         return text;
     }

@@ -1,23 +1,28 @@
 //! A streamed Anthropic answer: its server-sent events, and `Blocks`, which writes the answer
-//! as content blocks opened, filled by deltas and closed.
+//! as content blocks opened, filled by deltas and closed (the events' wire types are in
+//! `wire.rs`).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::response::sse::Event as SseEvent;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::answer::{tool_use_id, usage, Meta};
+use super::wire::{ContentBlock, Delta, StopDelta, StreamEvent};
 use crate::dialects::blocks::{Kind, Step};
 use crate::http::error::ApiError;
 use crate::protocol::Event;
 use crate::requests::tool_calls::{ChatOutput, OutPiece};
 
 /// One server-sent event named by its `type`, as Anthropic sends them.
-pub(super) fn event(data: &Value) -> SseEvent {
-    let name = data
-        .get("type")
-        .and_then(Value::as_str)
-        .unwrap_or("message");
+pub(super) fn event(data: &StreamEvent) -> SseEvent {
+    named(data.name(), data)
+}
+
+/// One server-sent event with this name and data.
+fn named(name: &str, data: &(impl Serialize + ?Sized)) -> SseEvent {
     SseEvent::default()
         .event(name)
         .data(crate::dialects::stream_json::to_line(data))
@@ -60,17 +65,20 @@ impl Blocks {
                     self.piece(piece, &mut out);
                 }
                 self.close(&mut out);
-                let (reason, sequence) = self.meta.stop_reason(&done, self.called);
-                out.push(event(&json!({
-                    "type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage(&done),
-                })));
-                out.push(event(&json!({"type": "message_stop"})));
+                let (stop_reason, stop_sequence) = self.meta.stop_reason(&done, self.called);
+                out.push(event(&StreamEvent::MessageDelta {
+                    delta: StopDelta {
+                        stop_reason,
+                        stop_sequence,
+                    },
+                    usage: usage(&done),
+                }));
+                out.push(event(&StreamEvent::MessageStop));
             }
             Event::Error(e) => {
                 self.close(&mut out);
-                out.push(event(&ApiError::from(e).anthropic_body()));
+                // The error body is `http/error.rs`' (`{"type": "error", ...}`).
+                out.push(named("error", &ApiError::from(e).anthropic_body()));
             }
         }
         out
@@ -93,51 +101,54 @@ impl Blocks {
         let index = self.next;
         match step {
             Step::Open(kind) => {
-                let block = match kind {
-                    Kind::Reasoning => json!({"type": "thinking", "thinking": "", "signature": ""}),
-                    Kind::Text => json!({"type": "text", "text": ""}),
+                let content_block = match kind {
+                    Kind::Reasoning => ContentBlock::Thinking {
+                        thinking: "",
+                        signature: "",
+                    },
+                    Kind::Text => ContentBlock::Text { text: "" },
                 };
-                out.push(event(&json!({
-                    "type": "content_block_start",
-                    "index": index,
-                    "content_block": block,
-                })));
+                out.push(event(&StreamEvent::ContentBlockStart {
+                    index,
+                    content_block,
+                }));
             }
             Step::Delta(Kind::Reasoning, t) => {
-                out.push(self.delta(json!({"type": "thinking_delta", "thinking": t})));
+                out.push(self.delta(Delta::Thinking { thinking: &t }));
             }
             Step::Delta(Kind::Text, t) => {
-                out.push(self.delta(json!({"type": "text_delta", "text": t})));
+                out.push(self.delta(Delta::Text { text: &t }));
             }
             Step::Close(..) => {
-                out.push(event(
-                    &json!({"type": "content_block_stop", "index": index}),
-                ));
+                out.push(event(&StreamEvent::ContentBlockStop { index }));
                 self.next += 1;
             }
             Step::Call(call) => {
                 self.called = true;
-                out.push(event(&json!({
-                    "type": "content_block_start",
-                    "index": index,
-                    "content_block": {
-                        "type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {},
+                out.push(event(&StreamEvent::ContentBlockStart {
+                    index,
+                    content_block: ContentBlock::ToolUse {
+                        id: tool_use_id(),
+                        name: &call.name,
+                        input: Cow::Owned(Value::Object(Default::default())),
                     },
-                })));
-                out.push(event(&json!({
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()},
-                })));
-                out.push(event(
-                    &json!({"type": "content_block_stop", "index": index}),
-                ));
+                }));
+                out.push(event(&StreamEvent::ContentBlockDelta {
+                    index,
+                    delta: Delta::InputJson {
+                        partial_json: call.arguments.to_string(),
+                    },
+                }));
+                out.push(event(&StreamEvent::ContentBlockStop { index }));
                 self.next += 1;
             }
         }
     }
 
-    fn delta(&self, delta: Value) -> SseEvent {
-        event(&json!({"type": "content_block_delta", "index": self.next, "delta": delta}))
+    fn delta(&self, delta: Delta) -> SseEvent {
+        event(&StreamEvent::ContentBlockDelta {
+            index: self.next,
+            delta,
+        })
     }
 }

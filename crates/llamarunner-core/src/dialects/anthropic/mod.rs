@@ -4,16 +4,19 @@
 //! Anthropic's event stream, with errors in Anthropic's shape. What the API has and a local
 //! runner cannot honour (server tools, documents, citations) is refused with a 400 naming it.
 //!
-//! This file holds the routes (and a whole answer's JSON); the request's fields and sampling
+//! This file holds the routes (and fills a whole answer); the request's fields and sampling
 //! parameters are in `request.rs`, its messages and tools as the chat path reads them in
-//! `conversation.rs`, what every part of an answer repeats in `answer.rs`, and the event
-//! stream in `events.rs`.
+//! `conversation.rs`, what every part of an answer repeats in `answer.rs`, the event stream in
+//! `events.rs`, and the answer's wire types (message, content blocks, usage, stream events),
+//! which serde writes, in `wire.rs`.
 
 mod answer;
 mod conversation;
 mod events;
 mod request;
+mod wire;
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -23,7 +26,6 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::{stream, StreamExt};
-use serde_json::json;
 
 use crate::http::error::{AnthropicError, ApiError};
 use crate::http::state::AppState;
@@ -39,6 +41,7 @@ use answer::{tool_use_id, usage, Meta};
 use conversation::{conversation, tool_request};
 use events::{event, Blocks};
 use request::{parse_request, MessagesRequest};
+use wire::{ContentBlock, Message, StreamEvent, TokenCount, Usage};
 
 /// `/v1/messages` as `routing_key` reads it: as `messages` does.
 pub(crate) fn keyed(body: &[u8]) -> Result<Keyed, ApiError> {
@@ -81,44 +84,42 @@ pub async fn messages(
         let answer = output.read_all(&all.text);
         let mut content = Vec::new();
         if !answer.reasoning.is_empty() {
-            content
-                .push(json!({"type": "thinking", "thinking": answer.reasoning, "signature": ""}));
+            content.push(ContentBlock::Thinking {
+                thinking: &answer.reasoning,
+                signature: "",
+            });
         }
         if !answer.content.is_empty() {
-            content.push(json!({"type": "text", "text": answer.content}));
+            content.push(ContentBlock::Text {
+                text: &answer.content,
+            });
         }
         for call in &answer.calls {
-            content.push(json!({
-                "type": "tool_use",
-                "id": tool_use_id(),
-                "name": call.name,
-                "input": call.arguments,
-            }));
+            content.push(ContentBlock::ToolUse {
+                id: tool_use_id(),
+                name: &call.name,
+                input: Cow::Borrowed(&call.arguments),
+            });
         }
-        let (reason, sequence) = meta.stop_reason(&all.done, !answer.calls.is_empty());
-        return Ok(Json(json!({
-            "id": meta.id,
-            "type": "message",
-            "role": "assistant",
-            "model": meta.model,
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": sequence,
-            "usage": usage(&all.done),
-        }))
-        .into_response());
+        let stop = meta.stop_reason(&all.done, !answer.calls.is_empty());
+        let message = Message::new(&meta.id, &meta.model, content, Some(stop), usage(&all.done));
+        return Ok(Json(message).into_response());
     }
-    let start = json!({"type": "message_start", "message": {
-        "id": meta.id,
-        "type": "message",
-        "role": "assistant",
-        "model": meta.model,
-        "content": [],
-        "stop_reason": null,
-        "stop_sequence": null,
-        "usage": {"input_tokens": rx.prompt_tokens, "output_tokens": 0},
-    }});
-    let head = [event(&start), event(&json!({"type": "ping"}))];
+    let start = StreamEvent::MessageStart {
+        message: Message::new(
+            &meta.id,
+            &meta.model,
+            Vec::new(),
+            None,
+            Usage {
+                input_tokens: rx.prompt_tokens,
+                output_tokens: 0,
+                cache_read_input_tokens: None,
+                cache_creation_input_tokens: None,
+            },
+        ),
+    };
+    let head = [event(&start), event(&StreamEvent::Ping)];
     let mut writer = Blocks::new(meta, output);
     let events = rx.flat_map(move |e| stream::iter(writer.on(e)));
     let body = stream::iter(head).chain(events).map(Ok::<_, Infallible>);
@@ -140,7 +141,7 @@ pub async fn count_tokens(
     let mut params = SamplingParams::default();
     let (prompt, _) = prepare(&state, &req, &mut params).await?;
     let n = count_prompt_tokens(&state, prompt).await?;
-    Ok(Json(json!({"input_tokens": n})).into_response())
+    Ok(Json(TokenCount { input_tokens: n }).into_response())
 }
 
 #[cfg(test)]

@@ -1,11 +1,16 @@
-//! The JSON of an OpenAI answer, whole or chunk by chunk: what every response of one request
+//! The parts of an OpenAI answer, whole or chunk by chunk: what every response of one request
 //! repeats (`Meta`), a choice with its logprobs, the usage, a chat answer's message and the
-//! finish reason.
+//! finish reason, filled into the wire types of `wire.rs`.
 
+use std::borrow::Cow;
 use std::time::SystemTime;
 
-use serde_json::{json, Value};
+use serde_json::{Map, Value};
 
+use super::wire::{
+    Body, Choice, CompletionDetails, Delta, FunctionCall, LogprobEntry, Logprobs, Message,
+    PromptDetails, Says, ToolCall, Usage,
+};
 use crate::http::state::AppState;
 use crate::protocol::{Completion, DoneReason, TokenLogprob};
 use crate::requests::common::unix_seconds;
@@ -92,66 +97,78 @@ impl Meta {
         }
     }
 
-    /// One `choices[0]` entry: text (or a delta), logprobs, finish reason.
-    pub(super) fn choice(
+    /// One `choices[0]` entry: text (or a delta), logprobs, finish reason. A chat chunk's
+    /// delta is the text's (or empty); a whole chat answer's message is the text alone (the
+    /// caller puts the answer read for calls and reasoning there: `chat_message`).
+    pub(super) fn choice<'a>(
         &self,
-        text: Option<&str>,
+        text: Option<&'a str>,
         logprobs: &[TokenLogprob],
         want_logprobs: bool,
-        finish: Option<&str>,
+        finish: Option<&'static str>,
         chunk: bool,
-    ) -> Value {
-        let logprobs = if want_logprobs {
+    ) -> Choice<'a> {
+        let logprobs = want_logprobs.then(|| {
             if self.chat {
-                json!({"content": logprobs.iter().map(chat_logprob).collect::<Vec<_>>()})
+                Logprobs::Chat {
+                    content: logprobs.iter().map(chat_logprob).collect(),
+                }
             } else {
                 let mut offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
                 completion_logprobs(logprobs, &mut offsets)
             }
-        } else {
-            Value::Null
+        });
+        let says = match (self.chat, chunk) {
+            (true, true) => Says::Delta(Delta {
+                content: text.map(|t| Some(Cow::Borrowed(t))),
+                ..Delta::default()
+            }),
+            (true, false) => Says::Message(Message {
+                role: "assistant",
+                content: Some(text.unwrap_or("")),
+                tool_calls: None,
+                reasoning_content: None,
+            }),
+            (false, _) => Says::Text(text.unwrap_or("")),
         };
-        let mut choice =
-            json!({"index": self.index, "logprobs": logprobs, "finish_reason": finish});
-        match (self.chat, chunk) {
-            (true, true) => {
-                choice["delta"] = match text {
-                    Some(t) => json!({"content": t}),
-                    None => json!({}),
-                }
-            }
-            (true, false) => {
-                choice["message"] = json!({"role": "assistant", "content": text.unwrap_or("")})
-            }
-            (false, _) => choice["text"] = json!(text.unwrap_or("")),
+        Choice {
+            index: self.index,
+            logprobs,
+            finish_reason: finish,
+            says,
         }
-        choice
     }
 
-    pub(super) fn body(&self, chunk: bool, choices: Vec<Value>) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(chunk),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": concat!("llamarunner-", env!("CARGO_PKG_VERSION")),
-            "choices": choices,
-        })
+    /// The answer (or chunk) with these choices; the usage, progress and timings left out.
+    pub(super) fn body<'a>(&'a self, chunk: bool, choices: Vec<Choice<'a>>) -> Body<'a> {
+        Body {
+            id: &self.id,
+            object: self.object(chunk),
+            created: self.created,
+            model: &self.model,
+            system_fingerprint: concat!("llamarunner-", env!("CARGO_PKG_VERSION")),
+            choices,
+            prompt_progress: None,
+            usage: None,
+            timings: None,
+            verbose: None,
+        }
     }
 }
 
-pub(super) fn usage(done: &Completion) -> Value {
-    json!({
-        "prompt_tokens": done.prompt_eval_count,
-        "completion_tokens": done.eval_count,
-        "total_tokens": done.prompt_eval_count + done.eval_count,
-        "prompt_tokens_details": {"cached_tokens": done.prompt_cached_count},
-        // OpenAI's names for the tokens of a prediction (here: the prompt-lookup drafts).
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": done.draft_accepted_count,
-            "rejected_prediction_tokens": done.draft_count.saturating_sub(done.draft_accepted_count),
+pub(super) fn usage(done: &Completion) -> Usage {
+    Usage {
+        prompt_tokens: done.prompt_eval_count,
+        completion_tokens: done.eval_count,
+        total_tokens: done.prompt_eval_count + done.eval_count,
+        prompt_tokens_details: PromptDetails {
+            cached_tokens: done.prompt_cached_count,
         },
-    })
+        completion_tokens_details: CompletionDetails {
+            accepted_prediction_tokens: done.draft_accepted_count,
+            rejected_prediction_tokens: done.draft_count.saturating_sub(done.draft_accepted_count),
+        },
+    }
 }
 
 fn token_text(bytes: &[u8]) -> String {
@@ -160,46 +177,56 @@ fn token_text(bytes: &[u8]) -> String {
 
 /// One token's entry as OpenAI's chat (and Ollama's API) write it: its text, log-probability,
 /// bytes and the top alternatives.
-pub(crate) fn chat_logprob(l: &TokenLogprob) -> Value {
-    json!({
-        "token": token_text(&l.sampled.bytes),
-        "logprob": l.sampled.logprob,
-        "bytes": l.sampled.bytes,
-        "top_logprobs": l.top.iter().map(|t| json!({
-            "token": token_text(&t.bytes),
-            "logprob": t.logprob,
-            "bytes": t.bytes,
-        })).collect::<Vec<_>>(),
-    })
+pub(crate) fn chat_logprob(l: &TokenLogprob) -> LogprobEntry {
+    let entry = |t: &crate::protocol::TopLogprob| LogprobEntry {
+        token: token_text(&t.bytes),
+        logprob: f64::from(t.logprob),
+        bytes: t.bytes.clone(),
+        top_logprobs: None,
+    };
+    LogprobEntry {
+        top_logprobs: Some(l.top.iter().map(entry).collect()),
+        ..entry(&l.sampled)
+    }
 }
 
 /// Legacy completions' `logprobs`; `text_offset` counts characters from the start of the whole
 /// completion, across streamed chunks.
-fn completion_logprobs(entries: &[TokenLogprob], at: &mut TextOffsets) -> Value {
-    let offsets: Vec<usize> = entries.iter().map(|l| at.next(&l.sampled.bytes)).collect();
-    json!({
-        "tokens": entries.iter().map(|l| token_text(&l.sampled.bytes)).collect::<Vec<_>>(),
-        "token_logprobs": entries.iter().map(|l| l.sampled.logprob).collect::<Vec<_>>(),
-        "top_logprobs": entries.iter().map(|l| {
-            l.top.iter().map(|t| (token_text(&t.bytes), json!(t.logprob))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
-        "text_offset": offsets,
-    })
+fn completion_logprobs(entries: &[TokenLogprob], at: &mut TextOffsets) -> Logprobs {
+    let text_offset = entries.iter().map(|l| at.next(&l.sampled.bytes)).collect();
+    Logprobs::Completion {
+        tokens: entries
+            .iter()
+            .map(|l| token_text(&l.sampled.bytes))
+            .collect(),
+        token_logprobs: entries
+            .iter()
+            .map(|l| f64::from(l.sampled.logprob))
+            .collect(),
+        top_logprobs: entries
+            .iter()
+            .map(|l| {
+                l.top
+                    .iter()
+                    .map(|t| (token_text(&t.bytes), Value::from(t.logprob)))
+                    .collect::<Map<_, _>>()
+            })
+            .collect(),
+        text_offset,
+    }
 }
 
 /// The usage of several choices of one prompt: the prompt once (the first choice's, which
-/// decoded it), the generated tokens of all.
-pub(super) fn usage_of_choices(dones: &[Completion]) -> Value {
-    let Some(first) = dones.first() else {
-        return Value::Null;
-    };
+/// decoded it), the generated tokens of all. None without choices.
+pub(super) fn usage_of_choices(dones: &[Completion]) -> Option<Usage> {
+    let first = dones.first()?;
     let mut all = first.clone();
     for d in &dones[1..] {
         all.eval_count += d.eval_count;
         all.draft_count += d.draft_count;
         all.draft_accepted_count += d.draft_accepted_count;
     }
-    usage(&all)
+    Some(usage(&all))
 }
 
 /// OpenAI's `finish_reason`: its clients know "stop" and "length"; a request cut by the
@@ -211,28 +238,38 @@ pub(super) fn finish_reason(reason: DoneReason) -> &'static str {
     }
 }
 
+/// A call as OpenAI writes it: a fresh id, the arguments as a JSON string; `index` in a
+/// streamed delta.
+pub(super) fn tool_call<'a>(
+    index: Option<usize>,
+    name: Cow<'a, str>,
+    arguments: &Value,
+) -> ToolCall<'a> {
+    ToolCall {
+        index,
+        id: tool_calls::call_id(),
+        kind: "function",
+        function: FunctionCall {
+            name,
+            arguments: arguments.to_string(),
+        },
+    }
+}
+
 /// A chat answer's message: content (null when there are only calls), `tool_calls` with the
 /// arguments as a JSON string, `reasoning_content` when the model thought.
-pub(super) fn chat_message(answer: &Answer) -> Value {
-    let mut message = json!({"role": "assistant", "content": answer.content});
-    if !answer.calls.is_empty() {
-        if answer.content.is_empty() {
-            message["content"] = Value::Null;
-        }
-        message["tool_calls"] = answer
-            .calls
-            .iter()
-            .map(|c| {
-                json!({
-                    "id": tool_calls::call_id(),
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
-                })
-            })
-            .collect();
+pub(super) fn chat_message(answer: &Answer) -> Message<'_> {
+    let called = !answer.calls.is_empty();
+    Message {
+        role: "assistant",
+        content: (!(called && answer.content.is_empty())).then_some(answer.content.as_str()),
+        tool_calls: called.then(|| {
+            answer
+                .calls
+                .iter()
+                .map(|c| tool_call(None, Cow::Borrowed(&c.name), &c.arguments))
+                .collect()
+        }),
+        reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning.as_str()),
     }
-    if !answer.reasoning.is_empty() {
-        message["reasoning_content"] = json!(answer.reasoning);
-    }
-    message
 }

@@ -1,12 +1,14 @@
 //! `POST /v1/embeddings`: its body, the inputs it takes (text, token ids or a mix), its routing
-//! key, and the vectors as floats or base64.
+//! key, and the vectors as floats or base64 (the answer's wire types are in `wire.rs`).
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
+
+use super::wire::{Embedding, EmbeddingUsage, Embeddings, Vector};
 
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
@@ -90,25 +92,32 @@ pub async fn embeddings(
     };
     let embeddings = embed_inputs(&state, inputs, false).await?;
     let tokens: usize = embeddings.iter().map(|e| e.prompt_eval_count).sum();
-    let data: Vec<Value> = embeddings
+    let data = embeddings
         .into_iter()
         .enumerate()
-        .map(|(i, e)| {
+        .map(|(index, e)| {
             let v = l2_normalize(e.vector);
             let embedding = if base64 {
-                json!(base64_f32(&v))
+                Vector::Base64(base64_f32(&v))
             } else {
-                json!(v)
+                Vector::Floats(v)
             };
-            json!({"object": "embedding", "index": i, "embedding": embedding})
+            Embedding {
+                object: "embedding",
+                index,
+                embedding,
+            }
         })
         .collect();
-    Ok(Json(json!({
-        "object": "list",
-        "data": data,
-        "model": state.model_name.as_ref(),
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }))
+    Ok(Json(Embeddings {
+        object: "list",
+        data,
+        model: state.model_name.as_ref(),
+        usage: EmbeddingUsage {
+            prompt_tokens: tokens,
+            total_tokens: tokens,
+        },
+    })
     .into_response())
 }
 

@@ -6,12 +6,15 @@
 //!
 //! This file holds the completion and model routes and the limits the dialect checks; the
 //! request's reading is in `request.rs`, the answer's JSON in `answer.rs`, the streamed chunks
-//! in `chunks.rs`, and `/v1/embeddings` in `embeddings.rs`.
+//! in `chunks.rs`, `/v1/embeddings` in `embeddings.rs`, and the answers' wire types (the
+//! completion and its chunks, choices, messages, deltas, logprobs, usage, embeddings, models),
+//! which serde writes, in `wire.rs`.
 
 mod answer;
 mod chunks;
 mod embeddings;
 mod request;
+mod wire;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,7 +25,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::{stream, StreamExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::dialects::llama_server::{self, timings};
 use crate::http::error::{ApiError, OpenAiError};
@@ -35,7 +38,7 @@ use crate::requests::common::{
 };
 use crate::requests::image_prompt::Prompt;
 use crate::requests::infill;
-use crate::requests::tool_calls::{self, ChatOutput, ToolRequest};
+use crate::requests::tool_calls::{self, Answer, ChatOutput, ToolRequest};
 
 pub(crate) use answer::chat_logprob;
 use answer::{chat_message, finish_reason, usage, usage_of_choices, Meta};
@@ -44,6 +47,7 @@ pub use embeddings::embeddings;
 pub(crate) use embeddings::embeddings_keyed;
 pub(crate) use request::{chat_keyed, completions_keyed};
 use request::{chat_of, check_continuation, completion_prompt, parse_request, OpenAiRequest};
+use wire::{Delta, InputTokens, Model, ModelList, Says};
 
 /// Most choices `n` may ask for: each is a sequence in a slot of its own.
 pub(crate) const MAX_CHOICES: u32 = 8;
@@ -94,7 +98,11 @@ pub async fn chat_input_tokens(
     let req = parse_request(&state, &body)?;
     let (prompt, _, _) = chat_prompt_of(&state, &req).await?;
     let n = count_prompt_tokens(&state, prompt).await?;
-    Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
+    Ok(Json(InputTokens {
+        object: "response.input_tokens",
+        input_tokens: n,
+    })
+    .into_response())
 }
 
 /// `POST /v1/completions`.
@@ -169,6 +177,7 @@ async fn respond(
     let rx = start_generation(&state, prompt, params).await?;
     if req.stream != Some(true) {
         let all = collect(rx).await?;
+        let answer = output.map(|output| output.read_all(&all.text));
         let mut choice = meta.choice(
             Some(&all.text),
             &all.logprobs,
@@ -176,34 +185,20 @@ async fn respond(
             Some(finish_reason(all.done.done_reason)),
             false,
         );
-        if let Some(output) = output {
-            let answer = output.read_all(&all.text);
-            if !answer.calls.is_empty() {
-                choice["finish_reason"] = json!("tool_calls");
-            }
-            choice["message"] = chat_message(&answer);
+        if let Some(answer) = &answer {
+            put_answer(&mut choice, answer);
         }
         let mut body = meta.body(false, vec![choice]);
-        body["usage"] = usage(&all.done);
-        body["timings"] = timings(&all.done);
-        if let Some((prompt, settings)) = verbose {
-            body["__verbose"] = llama_server::verbose_body(
-                &state.model_name,
-                prompt,
-                settings,
-                &all.text,
-                &all.done,
-            );
-        }
+        body.usage = Some(Some(usage(&all.done)));
+        body.timings = Some(timings(&all.done));
+        body.verbose = verbose.map(|(prompt, settings)| {
+            llama_server::verbose_body(&state.model_name, prompt, settings, &all.text, &all.done)
+        });
         return Ok(Json(body).into_response());
     }
     // The first chat chunk names the role, with no content yet (null, as llama-server sends
     // it; OpenAI sends "", and clients read both).
-    let first = chat.then(|| {
-        let mut choice = meta.choice(None, &[], false, None, true);
-        choice["delta"] = json!({"role": "assistant", "content": null});
-        sse(with_usage_null(&meta, meta.body(true, vec![choice])))
-    });
+    let first = chat.then(|| first_chunk(&meta));
     let mut output = output;
     let mut called = false;
     let events = rx.flat_map(move |event| {
@@ -248,11 +243,13 @@ async fn respond_many(
     let metas: Vec<Meta> = (0..n).map(|i| meta.for_choice(i)).collect();
     if req.stream != Some(true) {
         let all = futures_util::future::join_all(generations.into_iter().map(collect)).await;
+        let all = all.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let answers: Vec<Option<Answer>> = all
+            .iter()
+            .map(|one| output.clone().map(|output| output.read_all(&one.text)))
+            .collect();
         let mut choices = Vec::with_capacity(n);
-        let mut dones = Vec::with_capacity(n);
-        for (i, one) in all.into_iter().enumerate() {
-            let one = one?;
-            let m = &metas[i];
+        for ((one, answer), m) in all.iter().zip(&answers).zip(&metas) {
             let mut choice = m.choice(
                 Some(&one.text),
                 &one.logprobs,
@@ -260,30 +257,19 @@ async fn respond_many(
                 Some(finish_reason(one.done.done_reason)),
                 false,
             );
-            if let Some(output) = output.clone() {
-                let answer = output.read_all(&one.text);
-                if !answer.calls.is_empty() {
-                    choice["finish_reason"] = json!("tool_calls");
-                }
-                choice["message"] = chat_message(&answer);
+            if let Some(answer) = answer {
+                put_answer(&mut choice, answer);
             }
             choices.push(choice);
-            dones.push(one.done);
         }
+        let dones: Vec<Completion> = all.iter().map(|one| one.done.clone()).collect();
         let mut body = meta.body(false, choices);
-        body["usage"] = usage_of_choices(&dones);
+        body.usage = Some(usage_of_choices(&dones));
         return Ok(Json(body).into_response());
     }
     let chat = output.is_some();
     let first_chunks: Vec<SseEvent> = if chat {
-        metas
-            .iter()
-            .map(|m| {
-                let mut choice = m.choice(None, &[], false, None, true);
-                choice["delta"] = json!({"role": "assistant", "content": null});
-                sse(with_usage_null(m, m.body(true, vec![choice])))
-            })
-            .collect()
+        metas.iter().map(first_chunk).collect()
     } else {
         Vec::new()
     };
@@ -321,25 +307,50 @@ async fn respond_many(
     Ok(Sse::new(body).into_response())
 }
 
-fn model_entry(state: &AppState) -> Value {
+/// A whole chat answer in its choice: the message read for calls and reasoning, and
+/// `tool_calls` as the finish reason when it called.
+fn put_answer<'a>(choice: &mut wire::Choice<'a>, answer: &'a Answer) {
+    if !answer.calls.is_empty() {
+        choice.finish_reason = Some("tool_calls");
+    }
+    choice.says = Says::Message(chat_message(answer));
+}
+
+/// A chat stream's first chunk: the role, with no content yet (null, as llama-server sends
+/// it; OpenAI sends "", and clients read both).
+fn first_chunk(meta: &Meta) -> SseEvent {
+    let mut choice = meta.choice(None, &[], false, None, true);
+    choice.says = Says::Delta(Delta {
+        role: Some("assistant"),
+        content: Some(None),
+        ..Delta::default()
+    });
+    sse(&with_usage_null(meta, meta.body(true, vec![choice])))
+}
+
+fn model_entry(state: &AppState) -> Model<'_> {
     let created = state
         .engine
         .health
         .model_info()
         .and_then(|m| m.modified)
         .map_or(0, unix_seconds);
-    json!({
-        "id": state.model_name.as_ref(),
-        "object": "model",
-        "created": created,
-        "owned_by": "llamarunner",
-    })
+    Model {
+        id: state.model_name.as_ref(),
+        object: "model",
+        created,
+        owned_by: "llamarunner",
+    }
 }
 
 /// `GET /v1/models`: the one model served, under its alias.
 pub async fn models(State(state): State<AppState>) -> Result<Response, OpenAiError> {
     model_info(&state)?;
-    Ok(Json(json!({"object": "list", "data": [model_entry(&state)]})).into_response())
+    Ok(Json(ModelList {
+        object: "list",
+        data: [model_entry(&state)],
+    })
+    .into_response())
 }
 
 /// `GET /v1/models/{model}`.

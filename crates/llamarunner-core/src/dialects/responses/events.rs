@@ -1,14 +1,20 @@
 //! A streamed response: `Items`, which writes the answer as the `response.*` events (output
-//! items added, filled by deltas and done, numbered) and keeps the whole response at the end.
+//! items added, filled by deltas and done, numbered) and keeps the whole response at the end
+//! (the events' wire types are in `wire.rs`).
 
 use std::sync::Arc;
 
 use axum::response::sse::Event as SseEvent;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::answer::{
     call_item, item_status, keep_response, message_item, new_id, reasoning_item,
     response_error_code, Finished, Meta,
+};
+use super::wire::{
+    ArgumentsDoneEvent, DeltaEvent, EmptyList, ErrorEvent, Event as WireEvent, ItemEvent,
+    OutputItem, OutputText, PartEvent, ResponseEvent, TextDoneEvent,
 };
 use crate::dialects::blocks::{Kind, Step};
 use crate::dialects::llama_server::{timings, StreamClock};
@@ -26,7 +32,7 @@ pub(super) struct Items {
     blocks: crate::dialects::blocks::Blocks,
     /// The id of the item being streamed.
     open_id: String,
-    done: Vec<Value>,
+    done: Vec<OutputItem>,
     sequence: u64,
     store: Option<(Arc<ResponseStore>, Vec<Value>)>,
     /// llama-server's `timings_per_token`: the timings the deltas of the text event being
@@ -55,16 +61,22 @@ impl Items {
         }
     }
 
-    pub(super) fn event(&mut self, kind: &str, mut data: Value) -> SseEvent {
-        data["type"] = json!(kind);
-        data["sequence_number"] = json!(self.sequence);
-        if let (true, Some(t)) = (kind.ends_with(".delta"), &self.delta_timings) {
-            data["timings"] = t.clone();
-        }
+    /// The event `kind` with this payload and the next sequence number (and, on a delta,
+    /// the timings of `timings_per_token`).
+    pub(super) fn event(&mut self, kind: &str, data: impl Serialize) -> SseEvent {
+        let timings = self
+            .delta_timings
+            .as_ref()
+            .filter(|_| kind.ends_with(".delta"));
+        let event = WireEvent {
+            data,
+            kind,
+            sequence_number: self.sequence,
+            timings,
+        };
+        let line = crate::dialects::stream_json::to_line(&event);
         self.sequence += 1;
-        SseEvent::default()
-            .event(kind)
-            .data(crate::dialects::stream_json::to_line(&data))
+        SseEvent::default().event(kind).data(line)
     }
 
     pub(super) fn on(&mut self, e: Event) -> Vec<SseEvent> {
@@ -74,11 +86,12 @@ impl Items {
             // llama-server's `return_progress`: another `response.in_progress` that says how
             // far the prompt's decode is.
             Event::Progress(p) => {
-                let response = self.meta.object(&Finished::InProgress, &[]);
-                let data = json!({
-                    "response": response,
-                    "prompt_progress": crate::dialects::llama_server::prompt_progress(&p),
-                });
+                let meta = self.meta.clone();
+                let data = ResponseEvent {
+                    response: meta.object(&Finished::InProgress, &[]),
+                    prompt_progress: Some(crate::dialects::llama_server::prompt_progress(&p)),
+                    timings: None,
+                };
                 out.push(self.event("response.in_progress", data));
             }
             Event::Text { text, logprobs } => {
@@ -97,17 +110,24 @@ impl Items {
                 }
                 self.close_as(&mut out, item_status(&done));
                 let finished = Finished::from(&done);
-                let response = self.meta.object(&finished, &self.done);
+                // The answer ends here: its items go to the last response object.
+                let meta = self.meta.clone();
+                let done_items = std::mem::take(&mut self.done);
+                let response = meta.object(&finished, &done_items);
                 if let Some((store, history)) = self.store.take() {
-                    keep_response(&store, &self.meta.id, history, &self.done, &response);
+                    keep_response(&store, &meta.id, history, &done_items, &response);
                 }
-                let kind = if response["status"] == "completed" {
+                let kind = if response.status == "completed" {
                     "response.completed"
                 } else {
                     "response.incomplete"
                 };
                 // The engine's timings of the whole answer, as llama-server ends with them.
-                let data = json!({"response": response, "timings": timings(&done)});
+                let data = ResponseEvent {
+                    response,
+                    prompt_progress: None,
+                    timings: Some(timings(&done)),
+                };
                 out.push(self.event(kind, data));
             }
             Event::Error(e) => {
@@ -115,10 +135,20 @@ impl Items {
                 let e = ApiError::from(e);
                 out.push(self.event(
                     "error",
-                    json!({"code": response_error_code(&e), "message": e.to_string(), "param": null}),
+                    ErrorEvent {
+                        code: response_error_code(&e),
+                        message: e.to_string(),
+                        param: None,
+                    },
                 ));
-                let response = self.meta.object(&Finished::Failed(e), &self.done);
-                out.push(self.event("response.failed", json!({"response": response})));
+                let meta = self.meta.clone();
+                let done_items = std::mem::take(&mut self.done);
+                let data = ResponseEvent {
+                    response: meta.object(&Finished::Failed(e), &done_items),
+                    prompt_progress: None,
+                    timings: None,
+                };
+                out.push(self.event("response.failed", data));
             }
         }
         out
@@ -139,111 +169,146 @@ impl Items {
     }
 
     /// Closes the open item; a message gets `status`.
-    fn close_as(&mut self, out: &mut Vec<SseEvent>, status: &str) {
+    fn close_as(&mut self, out: &mut Vec<SseEvent>, status: &'static str) {
         if let Some(step) = self.blocks.close() {
             self.write(step, out, status);
         }
     }
 
     /// The events of one step; a message closed gets `status`.
-    fn write(&mut self, step: Step, out: &mut Vec<SseEvent>, status: &str) {
+    fn write(&mut self, step: Step, out: &mut Vec<SseEvent>, status: &'static str) {
         let index = self.index();
         match step {
             Step::Open(Kind::Reasoning) => {
                 let id = new_id("rs");
-                let item = json!({"type": "reasoning", "id": id, "summary": [], "content": []});
-                out.push(self.event(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": item}),
-                ));
+                let item = OutputItem::Reasoning {
+                    id: id.clone(),
+                    summary: EmptyList,
+                    content: Vec::new(),
+                };
+                out.push(self.item_event("response.output_item.added", index, &item));
                 self.open_id = id;
             }
             Step::Open(Kind::Text) => {
                 let id = new_id("msg");
-                let item = json!({"type": "message", "id": id, "status": "in_progress",
-                                  "role": "assistant", "content": []});
-                out.push(self.event(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": item}),
-                ));
+                let item = OutputItem::Message {
+                    id: id.clone(),
+                    status: "in_progress",
+                    role: "assistant",
+                    content: Vec::new(),
+                };
+                out.push(self.item_event("response.output_item.added", index, &item));
                 out.push(self.event(
                     "response.content_part.added",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": {"type": "output_text", "text": "", "annotations": []}}),
+                    PartEvent {
+                        item_id: &id,
+                        output_index: index,
+                        content_index: 0,
+                        part: part(String::new()),
+                    },
                 ));
                 self.open_id = id;
             }
-            Step::Delta(Kind::Reasoning, t) => {
-                let id = self.open_id.clone();
+            Step::Delta(kind, t) => {
+                let (name, logprobs) = match kind {
+                    Kind::Reasoning => ("response.reasoning_text.delta", None),
+                    Kind::Text => ("response.output_text.delta", Some(EmptyList)),
+                };
+                let id = std::mem::take(&mut self.open_id);
                 out.push(self.event(
-                    "response.reasoning_text.delta",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t}),
+                    name,
+                    DeltaEvent {
+                        item_id: &id,
+                        output_index: index,
+                        content_index: Some(0),
+                        delta: &t,
+                        logprobs,
+                    },
                 ));
-            }
-            Step::Delta(Kind::Text, t) => {
-                let id = self.open_id.clone();
-                out.push(self.event(
-                    "response.output_text.delta",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "delta": t, "logprobs": []}),
-                ));
+                self.open_id = id;
             }
             Step::Close(kind, text) => {
                 let id = std::mem::take(&mut self.open_id);
-                let item = match kind {
-                    Kind::Reasoning => {
-                        out.push(self.event(
-                            "response.reasoning_text.done",
-                            json!({"item_id": id, "output_index": index, "content_index": 0,
-                                   "text": text}),
-                        ));
-                        reasoning_item(&id, &text)
-                    }
-                    Kind::Text => {
-                        out.push(self.event(
-                            "response.output_text.done",
-                            json!({"item_id": id, "output_index": index, "content_index": 0,
-                                   "text": text, "logprobs": []}),
-                        ));
-                        out.push(self.event(
-                            "response.content_part.done",
-                            json!({"item_id": id, "output_index": index, "content_index": 0,
-                                   "part": {"type": "output_text", "text": text,
-                                            "annotations": []}}),
-                        ));
-                        message_item(&id, &text, status)
-                    }
+                let (name, logprobs) = match kind {
+                    Kind::Reasoning => ("response.reasoning_text.done", None),
+                    Kind::Text => ("response.output_text.done", Some(EmptyList)),
                 };
                 out.push(self.event(
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": item.clone()}),
+                    name,
+                    TextDoneEvent {
+                        item_id: &id,
+                        output_index: index,
+                        content_index: 0,
+                        text: &text,
+                        logprobs,
+                    },
                 ));
+                if kind == Kind::Text {
+                    out.push(self.event(
+                        "response.content_part.done",
+                        PartEvent {
+                            item_id: &id,
+                            output_index: index,
+                            content_index: 0,
+                            part: part(text.clone()),
+                        },
+                    ));
+                }
+                let item = match kind {
+                    Kind::Reasoning => reasoning_item(id, text),
+                    Kind::Text => message_item(id, text, status),
+                };
+                out.push(self.item_event("response.output_item.done", index, &item));
                 self.done.push(item);
             }
             Step::Call(c) => {
                 let (id, call_id) = (new_id("fc"), tool_calls::call_id());
                 let arguments = c.arguments.to_string();
-                out.push(self.event(
-                    "response.output_item.added",
-                    json!({"output_index": index,
-                           "item": call_item(&id, &call_id, &c.name, "", "in_progress")}),
-                ));
+                let added = call_item(
+                    id.clone(),
+                    call_id.clone(),
+                    c.name.clone(),
+                    "",
+                    "in_progress",
+                );
+                out.push(self.item_event("response.output_item.added", index, &added));
                 out.push(self.event(
                     "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": index, "delta": arguments}),
+                    DeltaEvent {
+                        item_id: &id,
+                        output_index: index,
+                        content_index: None,
+                        delta: &arguments,
+                        logprobs: None,
+                    },
                 ));
                 out.push(self.event(
                     "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": index, "name": c.name,
-                           "arguments": arguments}),
+                    ArgumentsDoneEvent {
+                        item_id: &id,
+                        output_index: index,
+                        name: &c.name,
+                        arguments: &arguments,
+                    },
                 ));
-                let item = call_item(&id, &call_id, &c.name, &arguments, "completed");
-                out.push(self.event(
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": item.clone()}),
-                ));
+                let item = call_item(id, call_id, c.name, arguments, "completed");
+                out.push(self.item_event("response.output_item.done", index, &item));
                 self.done.push(item);
             }
         }
+    }
+
+    /// `response.output_item.added` or `.done`.
+    fn item_event(&mut self, kind: &str, output_index: usize, item: &OutputItem) -> SseEvent {
+        self.event(kind, ItemEvent { output_index, item })
+    }
+}
+
+/// A message's text part as the `response.content_part.*` events write it.
+fn part(text: String) -> OutputText {
+    OutputText {
+        text,
+        annotations: EmptyList,
+        logprobs: None,
     }
 }

@@ -8,12 +8,15 @@
 //!
 //! This file holds the routes and how a request is prepared; the request's fields, parameters,
 //! tools and metadata are in `request.rs`, its input items as chat messages in `input.rs`, the
-//! response object and its output items in `answer.rs`, and the event stream in `events.rs`.
+//! response object and its output items in `answer.rs`, the event stream in `events.rs`, and
+//! the answers' wire types (response object, output items, usage, event payloads), which serde
+//! writes, in `wire.rs`.
 
 mod answer;
 mod events;
 mod input;
 mod request;
+mod wire;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -25,7 +28,7 @@ use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::{stream, StreamExt};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::dialects::llama_server::StreamClock;
 use crate::http::error::{ApiError, OpenAiError};
@@ -42,6 +45,7 @@ use answer::{item_status, keep_response, whole_items, Finished, Meta};
 use events::Items;
 use input::input_messages_after;
 use request::{check_metadata, tool_request, with_instructions, ResponsesRequest};
+use wire::{Deleted, InputTokens, OutputItem, ResponseEvent};
 
 /// The answer header of `POST /v1/responses` that names the response it stored (absent when
 /// the request asked it not be stored): a router of many servers learns there which one a
@@ -101,7 +105,11 @@ pub async fn input_tokens(
     let req: ResponsesRequest = parse_json(&body)?;
     let prepared = prepare(&state, &req).await?;
     let n = count_prompt_tokens(&state, prepared.prompt).await?;
-    Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
+    Ok(Json(InputTokens {
+        object: "response.input_tokens",
+        input_tokens: n,
+    })
+    .into_response())
 }
 
 /// `POST /v1/responses`.
@@ -135,7 +143,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
             pieces.push(OutPiece::Calls(answer.calls));
         }
         let status = item_status(&all.done);
-        let items: Vec<Value> = pieces
+        let items: Vec<OutputItem> = pieces
             .into_iter()
             .flat_map(|p| whole_items(p, status))
             .collect();
@@ -147,11 +155,14 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Result<Respon
     }
     let clock = (req.timings_per_token == Some(true)).then(|| StreamClock::new(&rx));
     let mut writer = Items::new(meta.clone(), output, store, clock);
-    let created = meta.object(&Finished::InProgress, &[]);
-    let head = [
-        writer.event("response.created", json!({"response": created.clone()})),
-        writer.event("response.in_progress", json!({"response": created})),
-    ];
+    let head = ["response.created", "response.in_progress"].map(|kind| {
+        let data = ResponseEvent {
+            response: meta.object(&Finished::InProgress, &[]),
+            prompt_progress: None,
+            timings: None,
+        };
+        writer.event(kind, data)
+    });
     let events = rx.flat_map(move |e| stream::iter(writer.on(e)));
     let body = stream::iter(head).chain(events).map(Ok::<_, Infallible>);
     Ok(named(Sse::new(body).into_response(), &meta.id, keep))
@@ -214,7 +225,12 @@ pub async fn delete(
     if !state.responses.remove(&id) {
         return Err(ApiError::NotFound(format!("Response with id {id:?} not found.")).into());
     }
-    Ok(Json(json!({"id": id, "object": "response", "deleted": true})).into_response())
+    Ok(Json(Deleted {
+        id: &id,
+        object: "response",
+        deleted: true,
+    })
+    .into_response())
 }
 
 #[cfg(test)]
