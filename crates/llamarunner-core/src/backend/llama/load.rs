@@ -117,22 +117,9 @@ pub fn load<R>(
     let n_ctx = (config.ctx_size + pad_cells as u32)
         .checked_mul(parallel)
         .ok_or("ctx-size * parallel is too large")?;
-    let mut ctx_params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(n_ctx))
-        .with_n_batch(config.batch_size)
-        .with_n_ubatch(config.batch_size)
-        .with_n_seq_max(parallel)
-        // `--kv-unified`: one cache the slots share (the scheduler keeps them within it).
-        .with_kv_unified(config.kv_unified)
-        // Deterministic mode: every cell at its position's index (no window cells reused).
-        .with_swa_full(config.effective_swa_full())
-        .with_n_threads(threads)
-        .with_n_threads_batch(threads)
-        .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
-        // Deterministic mode: no large batch's products sent to a GPU.
-        .with_op_offload(!config.deterministic)
-        .with_type_k(kv_type)
-        .with_type_v(kv_type);
+    // Deterministic mode: every cell at its position's index (no window cells reused).
+    let mut ctx_params =
+        context_params(config, n_ctx, threads, kv_type).with_swa_full(config.effective_swa_full());
     // The devices and their free memory before the model takes any; where its layers go
     // (nothing on a GPU in deterministic mode, which covers the CPU's kernels only).
     let cpu_only;
@@ -229,22 +216,9 @@ pub fn load<R>(
     };
     let draft = match &draft_model {
         Some(draft_model) => {
-            let params = LlamaContextParams::default()
-                .with_n_ctx(NonZeroU32::new(n_ctx))
-                .with_n_batch(config.batch_size)
-                .with_n_ubatch(config.batch_size)
-                .with_n_seq_max(parallel)
-                // Shared like the model's, so a sequence may grow as far in both.
-                .with_kv_unified(config.kv_unified)
-                // Every cell kept, so that cutting back a rejected draft never loses cells a
-                // sliding window needs.
-                .with_swa_full(true)
-                .with_n_threads(threads)
-                .with_n_threads_batch(threads)
-                .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
-                .with_op_offload(!config.deterministic)
-                .with_type_k(kv_type)
-                .with_type_v(kv_type);
+            // Every cell kept, so that cutting back a rejected draft never loses cells a
+            // sliding window needs.
+            let params = context_params(config, n_ctx, threads, kv_type).with_swa_full(true);
             let dctx =
                 llama_result(|| draft_model.new_context(backend, params)).map_err(|why| {
                     format!("llama.cpp could not create the draft model's context: {why}")
@@ -350,6 +324,31 @@ pub fn load<R>(
     );
     let recurrent = model.is_recurrent() || model.is_hybrid();
     Ok(serve(engine, Loaded { recurrent }))
+}
+
+/// A context's settings, the model's and the draft model's alike: `n_ctx` cells for the
+/// slots (`--kv-unified`: one cache they share, so a sequence may grow as far in both), a batch
+/// of `--batch-size`, `threads`, the flash-attention policy and the KV cache's type. Each
+/// sets its own sliding-window rule.
+fn context_params(
+    config: &RunnerConfig,
+    n_ctx: u32,
+    threads: i32,
+    kv_type: KvCacheType,
+) -> LlamaContextParams {
+    LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_ctx))
+        .with_n_batch(config.batch_size)
+        .with_n_ubatch(config.batch_size)
+        .with_n_seq_max(config.parallel)
+        .with_kv_unified(config.kv_unified)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads)
+        .with_flash_attention_policy(ctx_flash_attn(config.effective_flash_attn()))
+        // Deterministic mode: no large batch's products sent to a GPU.
+        .with_op_offload(!config.deterministic)
+        .with_type_k(kv_type)
+        .with_type_v(kv_type)
 }
 
 /// Times decode steps of 1, 2, ... `widths` positions (each with logits, as a drafted step has)
