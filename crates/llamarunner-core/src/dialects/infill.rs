@@ -2,7 +2,9 @@
 //! code through: `input_prefix`, `input_suffix`, `input_extra` and `prompt`, laid out with the
 //! model's fill-in-the-middle tokens (`requests/infill.rs`), sampled with llama-server's
 //! option names at the top level. The answer is llama-server's completion object (`content`,
-//! `stop`, `tokens_predicted`, `timings`...), or its SSE stream with `stream: true`.
+//! `stop`, `tokens_predicted`, `timings`...), or its SSE stream with `stream: true`, written
+//! from serde types (at the end of this file) whose fields are declared in the order they are
+//! written.
 
 use std::convert::Infallible;
 
@@ -12,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::http::error::ApiError;
@@ -93,18 +95,22 @@ pub async fn infill(State(state): State<AppState>, body: Bytes) -> Result<Respon
     let generation = start_generation(&state, PromptSource::Tokens(tokens), params).await?;
     if req.stream != Some(true) {
         let all = collect(generation).await?;
-        let mut body = final_fields(&model, &all.done);
-        body["content"] = json!(all.text);
-        return Ok(Json(body).into_response());
+        return Ok(Json(final_fields(&model, &all.text, &all.done)).into_response());
     }
     let events = generation.map(move |event| {
-        let value = match event {
-            Event::Text { text, .. } => json!({"content": text, "stop": false}),
-            Event::Done(c) => final_fields(&model, &c),
-            Event::Error(e) => ApiError::from(e).body(),
-            Event::Started { .. } | Event::Progress(_) => json!({"content": "", "stop": false}),
+        let data = match event {
+            Event::Text { text, .. } => super::stream_json::to_line(&Chunk {
+                content: &text,
+                stop: false,
+            }),
+            Event::Done(c) => super::stream_json::to_line(&final_fields(&model, "", &c)),
+            Event::Error(e) => super::stream_json::to_line(&ApiError::from(e).body()),
+            Event::Started { .. } | Event::Progress(_) => super::stream_json::to_line(&Chunk {
+                content: "",
+                stop: false,
+            }),
         };
-        Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&value)))
+        Ok::<_, Infallible>(SseEvent::default().data(data))
     });
     Ok(Sse::new(events).into_response())
 }
@@ -182,8 +188,9 @@ fn request_with_defaults(mut body: Value) -> Result<InfillRequest, ApiError> {
     })
 }
 
-/// The last object's fields (content empty): why it stopped, the counts and the timings.
-fn final_fields(model: &str, c: &Completion) -> Value {
+/// The last object (a stream's, its content empty) or the whole answer: the text, why it
+/// stopped, the counts and the timings.
+fn final_fields<'a>(model: &'a str, content: &'a str, c: &Completion) -> Answer<'a> {
     let ms = |ns: u64| ns as f64 / 1e6;
     let per_second = |n: usize, ns: u64| {
         if ns == 0 {
@@ -198,26 +205,79 @@ fn final_fields(model: &str, c: &Completion) -> Value {
         (DoneReason::Stop, None) => "eos",
         _ => "limit",
     };
-    json!({
-        "content": "",
-        "stop": true,
-        "model": model,
-        "stop_type": stop_type,
-        "stopping_word": c.stop_string.clone().unwrap_or_default(),
-        "tokens_predicted": c.eval_count,
-        "tokens_evaluated": c.prompt_eval_count,
-        "tokens_cached": c.prompt_cached_count,
-        "truncated": c.truncated,
-        "timings": {
-            "cache_n": c.prompt_cached_count,
-            "prompt_n": prompt_n,
-            "prompt_ms": ms(c.prompt_eval_duration_ns),
-            "prompt_per_second": per_second(prompt_n, c.prompt_eval_duration_ns),
-            "predicted_n": c.eval_count,
-            "predicted_ms": ms(c.eval_duration_ns),
-            "predicted_per_second": per_second(c.eval_count, c.eval_duration_ns),
+    Answer {
+        content,
+        stop: true,
+        model,
+        stop_type,
+        stopping_word: c.stop_string.clone().unwrap_or_default(),
+        tokens_predicted: c.eval_count,
+        tokens_evaluated: c.prompt_eval_count,
+        tokens_cached: c.prompt_cached_count,
+        truncated: c.truncated,
+        timings: Timings {
+            cache_n: c.prompt_cached_count,
+            prompt_n,
+            prompt_ms: ms(c.prompt_eval_duration_ns),
+            prompt_per_second: per_second(prompt_n, c.prompt_eval_duration_ns),
+            predicted_n: c.eval_count,
+            predicted_ms: ms(c.eval_duration_ns),
+            predicted_per_second: per_second(c.eval_count, c.eval_duration_ns),
         },
-    })
+    }
+}
+
+/// A streamed piece of the text.
+#[derive(Debug, Serialize)]
+struct Chunk<'a> {
+    /// The text added (empty while the prompt is read).
+    content: &'a str,
+    /// Always false.
+    stop: bool,
+}
+
+/// The whole answer, or a stream's last event (its text empty).
+#[derive(Debug, Serialize)]
+struct Answer<'a> {
+    /// The text generated.
+    content: &'a str,
+    /// Always true.
+    stop: bool,
+    /// The model's name as served.
+    model: &'a str,
+    /// Why it stopped: `eos`, `word` (a stop string) or `limit`.
+    stop_type: &'static str,
+    /// The stop string that ended it, else empty.
+    stopping_word: String,
+    /// Tokens generated.
+    tokens_predicted: usize,
+    /// Prompt tokens, cached ones included.
+    tokens_evaluated: usize,
+    /// Prompt tokens reused from the cache.
+    tokens_cached: usize,
+    /// Whether the prompt was cut to fit.
+    truncated: bool,
+    /// The counts, times and rates.
+    timings: Timings,
+}
+
+/// llama-server's `timings`, as `/infill` writes them (no per-token times).
+#[derive(Debug, Serialize)]
+struct Timings {
+    /// Prompt tokens reused from the cache.
+    cache_n: usize,
+    /// Prompt tokens decoded.
+    prompt_n: usize,
+    /// Milliseconds spent decoding the prompt.
+    prompt_ms: f64,
+    /// Prompt tokens decoded per second (0 when untimed).
+    prompt_per_second: f64,
+    /// Tokens generated.
+    predicted_n: usize,
+    /// Milliseconds spent generating.
+    predicted_ms: f64,
+    /// Tokens generated per second (0 when untimed).
+    predicted_per_second: f64,
 }
 
 #[cfg(test)]

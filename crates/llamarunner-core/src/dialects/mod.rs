@@ -4,7 +4,7 @@
 //! - `native.rs`: the runner's own (`/completion`, `/embedding`);
 //! - `infill.rs`: llama-server's fill-in-the-middle route for editors (`/infill`);
 //! - `openai/`: OpenAI's chat completions, completions, embeddings and models;
-//! - `ollama.rs`: Ollama's `/api/*`;
+//! - `ollama/`: Ollama's `/api/*` (generate, chat, embeddings, the model listings);
 //! - `anthropic/`: Anthropic's Messages API (`/v1/messages`, its token count);
 //! - `responses/`: OpenAI's Responses API (`/v1/responses`; the responses it keeps for
 //!   `previous_response_id` are in `http/response_store.rs`, beside the other shared state);

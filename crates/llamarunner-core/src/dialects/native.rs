@@ -1,5 +1,7 @@
 //! The runner's native API, the Ollama runner's wire format: `POST /completion` (NDJSON stream)
-//! and `POST /embedding`. Health, props, slots and the tokenizer routes are in `ops/`.
+//! and `POST /embedding`. Health, props, slots and the tokenizer routes are in `ops/`. The
+//! answers are serde types (at the end of this file), their fields declared in the order they
+//! are written.
 
 use std::convert::Infallible;
 
@@ -9,8 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize, Serializer};
 
 use crate::http::error::ApiError;
 use crate::http::AppState;
@@ -217,9 +218,13 @@ fn split_lines(output: &mut ChatOutput, event: &Event) -> Vec<String> {
     let mut lines: Vec<String> = pieces
         .into_iter()
         .filter_map(|piece| {
-            let value = match piece {
-                OutPiece::Content(t) => json!({"content": t, "done": false}),
-                OutPiece::Reasoning(t) => json!({"content": "", "thinking": t, "done": false}),
+            let value = match &piece {
+                OutPiece::Content(t) => TextLine::text(t),
+                OutPiece::Reasoning(t) => TextLine {
+                    content: "",
+                    thinking: Some(t.as_str()),
+                    done: false,
+                },
                 // The native API offers no tools, so an answer holds no calls.
                 OutPiece::Calls(_) => return None,
             };
@@ -234,32 +239,38 @@ fn split_lines(output: &mut ChatOutput, event: &Event) -> Vec<String> {
 
 /// One NDJSON line for an engine event.
 fn ndjson(event: &Event) -> String {
-    let value = match event {
-        Event::Text { text, .. } => json!({"content": text, "done": false}),
-        Event::Done(c) => json!({
-            "content": "",
-            "done": true,
-            "done_reason": c.done_reason.as_str(),
-            "prompt_eval_count": c.prompt_eval_count,
-            "prompt_eval_duration": c.prompt_eval_duration_ns,
-            "prompt_cached_count": c.prompt_cached_count,
-            "eval_count": c.eval_count,
-            "eval_duration": c.eval_duration_ns,
-            "truncated": c.truncated,
-            "draft_count": c.draft_count,
-            "draft_accepted_count": c.draft_accepted_count,
+    match event {
+        Event::Text { text, .. } => line(&TextLine::text(text)),
+        Event::Done(c) => line(&DoneLine {
+            content: "",
+            done: true,
+            done_reason: c.done_reason.as_str(),
+            prompt_eval_count: c.prompt_eval_count,
+            prompt_eval_duration: c.prompt_eval_duration_ns,
+            prompt_cached_count: c.prompt_cached_count,
+            eval_count: c.eval_count,
+            eval_duration: c.eval_duration_ns,
+            truncated: c.truncated,
+            draft_count: c.draft_count,
+            draft_accepted_count: c.draft_accepted_count,
         }),
         Event::Error(e) => {
             let err = ApiError::from(e.clone());
-            json!({"done": true, "done_reason": "error", "error": err.body()["error"]})
+            line(&ErrorLine {
+                done: true,
+                done_reason: "error",
+                error: ErrorBody {
+                    message: err.to_string(),
+                    kind: err.kind(),
+                },
+            })
         }
-        Event::Started { .. } | Event::Progress(_) => json!({"content": "", "done": false}),
-    };
-    line(&value)
+        Event::Started { .. } | Event::Progress(_) => line(&TextLine::text("")),
+    }
 }
 
-/// A JSON value as one NDJSON line.
-fn line(value: &serde_json::Value) -> String {
+/// A value as one NDJSON line.
+fn line<T: Serialize>(value: &T) -> String {
     let mut line = super::stream_json::to_line(value);
     line.push('\n');
     line
@@ -295,10 +306,99 @@ pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Res
         .await?
         .pop()
         .ok_or_else(|| ApiError::Internal("no embedding returned".into()))?;
-    Ok(Json(json!({
-        "embedding": embedding.vector,
-        "prompt_eval_count": embedding.prompt_eval_count,
-        "truncated": embedding.truncated,
-    }))
+    Ok(Json(EmbeddingAnswer {
+        embedding: embedding.vector,
+        prompt_eval_count: embedding.prompt_eval_count,
+        truncated: embedding.truncated,
+    })
     .into_response())
+}
+
+/// A line of text (or of thinking) of a `/completion` stream, not the last.
+#[derive(Debug, Serialize)]
+struct TextLine<'a> {
+    /// The text generated (empty on a line of thinking, and on a line that only says the
+    /// prompt is being read).
+    content: &'a str,
+    /// The thinking generated, when the request asked for it apart (`think`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thinking: Option<&'a str>,
+    /// Always false.
+    done: bool,
+}
+
+impl<'a> TextLine<'a> {
+    /// A line of this text.
+    fn text(content: &'a str) -> Self {
+        Self {
+            content,
+            thinking: None,
+            done: false,
+        }
+    }
+}
+
+/// The last line of a `/completion` stream: why it ended, the counts and the times.
+#[derive(Debug, Serialize)]
+struct DoneLine {
+    /// Always empty.
+    content: &'static str,
+    /// Always true.
+    done: bool,
+    /// Why it ended (`stop`, `length`...).
+    done_reason: &'static str,
+    /// Prompt tokens, cached ones included.
+    prompt_eval_count: usize,
+    /// Nanoseconds spent decoding the prompt.
+    prompt_eval_duration: u64,
+    /// Prompt tokens reused from the cache.
+    prompt_cached_count: usize,
+    /// Tokens generated.
+    eval_count: usize,
+    /// Nanoseconds spent generating.
+    eval_duration: u64,
+    /// Whether the prompt was cut to fit.
+    truncated: bool,
+    /// Tokens drafted (speculative decoding).
+    draft_count: usize,
+    /// Drafted tokens accepted.
+    draft_accepted_count: usize,
+}
+
+/// The last line of a `/completion` stream that failed after its start.
+#[derive(Debug, Serialize)]
+struct ErrorLine {
+    /// Always true.
+    done: bool,
+    /// Always `error`.
+    done_reason: &'static str,
+    /// What went wrong, as the error answers write it.
+    error: ErrorBody,
+}
+
+/// An error: its message and type (`ApiError::body`'s `error`).
+#[derive(Debug, Serialize)]
+struct ErrorBody {
+    /// What went wrong.
+    message: String,
+    /// Its kind (`ApiError::kind`).
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// The answer of `POST /embedding`.
+#[derive(Debug, Serialize)]
+struct EmbeddingAnswer {
+    /// The vector, not normalized.
+    #[serde(serialize_with = "f32s_as_f64s")]
+    embedding: Vec<f32>,
+    /// The content's tokens.
+    prompt_eval_count: usize,
+    /// Whether the content was cut to fit.
+    truncated: bool,
+}
+
+/// `f32`s written as `f64`s, as `json!` wrote them.
+fn f32s_as_f64s<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| f64::from(*x)))
 }

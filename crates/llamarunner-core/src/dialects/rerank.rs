@@ -3,15 +3,16 @@
 //! Jina's and Cohere's shape as llama-server serves them (`query`, `documents`, `top_n` ->
 //! `results` of `index` and `relevance_score`, best first), or Hugging Face TEI's when the body
 //! names its documents `texts` (an array of `index` and `score`). Scores are the model's own
-//! (a logit for BERT-style heads, a probability for Qwen3-style ones), not rescaled.
+//! (a logit for BERT-style heads, a probability for Qwen3-style ones), not rescaled. The
+//! answers are serde types (at the end of this file), their fields declared in the order they
+//! are written; scores, `f32`s, are written as `f64`s as `json!` wrote them.
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
 use crate::http::error::{ApiError, Dialect};
 use crate::http::AppState;
@@ -122,34 +123,88 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         .collect::<Result<Vec<f32>, _>>()?;
     let order = rerank::ranked(&scores, top_n);
     if tei {
-        let results: Vec<Value> = order
+        let results: Vec<TeiResult> = order
             .iter()
-            .map(|&i| {
-                let mut r = json!({"index": i, "score": scores[i]});
-                if let Some(text) = kept.get(i) {
-                    r["text"] = json!(text);
-                }
-                r
+            .map(|&i| TeiResult {
+                index: i,
+                score: f64::from(scores[i]),
+                text: kept.get(i).map(String::as_str),
             })
             .collect();
-        return Ok(Json(Value::Array(results)).into_response());
+        return Ok(Json(results).into_response());
     }
-    let results: Vec<Value> = order
+    let results: Vec<RankedResult> = order
         .iter()
-        .map(|&i| {
-            let mut r = json!({"index": i, "relevance_score": scores[i]});
-            if let Some(text) = kept.get(i) {
-                r["document"] = json!({"text": text});
-            }
-            r
+        .map(|&i| RankedResult {
+            index: i,
+            relevance_score: f64::from(scores[i]),
+            document: kept.get(i).map(|text| EchoedDocument { text }),
         })
         .collect();
-    Ok(Json(json!({
-        "id": uuid::Uuid::new_v4().to_string(),
-        "model": state.model_name.as_ref(),
-        "object": "list",
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        "results": results,
-    }))
+    Ok(Json(Ranked {
+        id: uuid::Uuid::new_v4().to_string(),
+        model: state.model_name.as_ref(),
+        object: "list",
+        usage: Usage {
+            prompt_tokens: tokens,
+            total_tokens: tokens,
+        },
+        results,
+    })
     .into_response())
+}
+
+/// One entry of TEI's answer (an array of them, best first).
+#[derive(Debug, Serialize)]
+struct TeiResult<'a> {
+    /// The text's place in the request.
+    index: usize,
+    /// The model's score.
+    score: f64,
+    /// The text, when the request asked for it back (`return_text`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+}
+
+/// Jina's and Cohere's answer.
+#[derive(Debug, Serialize)]
+struct Ranked<'a> {
+    /// A UUID of the answer.
+    id: String,
+    /// The model's name as served.
+    model: &'a str,
+    /// Always `list`.
+    object: &'static str,
+    /// The tokens read.
+    usage: Usage,
+    /// The documents ranked, best first (`top_n` of them when given).
+    results: Vec<RankedResult<'a>>,
+}
+
+/// The tokens a rerank read: every query and document pair's.
+#[derive(Debug, Serialize)]
+struct Usage {
+    /// The pairs' tokens.
+    prompt_tokens: usize,
+    /// The same.
+    total_tokens: usize,
+}
+
+/// One entry of `results`.
+#[derive(Debug, Serialize)]
+struct RankedResult<'a> {
+    /// The document's place in the request.
+    index: usize,
+    /// The model's score.
+    relevance_score: f64,
+    /// The document, when the request asked for it back (`return_documents`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    document: Option<EchoedDocument<'a>>,
+}
+
+/// A document echoed in its result.
+#[derive(Debug, Serialize)]
+struct EchoedDocument<'a> {
+    /// Its text.
+    text: &'a str,
 }

@@ -59,8 +59,8 @@ pub fn router(registry: Arc<Registry>, policy: Arc<HttpPolicy>, metrics: bool) -
 /// `GET /health`: the router is up (200) while it serves, whatever its models do; each
 /// model's status is listed, failures with their error.
 async fn health(State(registry): Shared) -> Response {
-    let models: Vec<Value> = registry
-        .models()
+    let all = registry.models();
+    let models: Vec<_> = all
         .iter()
         .map(|m| {
             let mut v = json!({"id": m.name, "status": m.status().as_str()});
@@ -118,23 +118,23 @@ async fn openai_model(
 
 /// `GET /api/tags`: every model.
 async fn tags(State(registry): Shared) -> Response {
-    let models: Vec<Value> = registry
-        .models()
+    let all = registry.models();
+    let models: Vec<_> = all
         .iter()
         .map(|m| registry.ollama_entry(m, false))
         .collect();
-    Json(json!({ "models": models })).into_response()
+    Json(ollama::Models { models }).into_response()
 }
 
 /// `GET /api/ps`: the loaded models, with their expiry.
 async fn ps(State(registry): Shared) -> Response {
-    let models: Vec<Value> = registry
-        .models()
+    let all = registry.models();
+    let models: Vec<_> = all
         .iter()
         .filter(|m| matches!(m.status(), Status::Loaded { .. }))
         .map(|m| registry.ollama_entry(m, true))
         .collect();
-    Json(json!({ "models": models })).into_response()
+    Json(ollama::Models { models }).into_response()
 }
 
 /// The model a `/models/load|unload` body names.

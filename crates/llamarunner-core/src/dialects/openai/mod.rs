@@ -47,6 +47,7 @@ pub use embeddings::embeddings;
 pub(crate) use embeddings::embeddings_keyed;
 pub(crate) use request::{chat_keyed, completions_keyed};
 use request::{chat_of, check_continuation, completion_prompt, parse_request, OpenAiRequest};
+pub(crate) use wire::LogprobEntry;
 use wire::{Delta, InputTokens, Model, ModelList, Says};
 
 /// Most choices `n` may ask for: each is a sequence in a slot of its own.

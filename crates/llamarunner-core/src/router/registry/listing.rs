@@ -59,14 +59,20 @@ impl Registry {
 
     /// Ollama's `/api/tags` entry of a model (`loaded`: `/api/ps`'s, with its expiry), as
     /// an engine lists its own (`dialects::ollama::Listed`).
-    pub fn ollama_entry(&self, model: &Model, loaded: bool) -> Value {
+    pub(crate) fn ollama_entry<'a>(
+        &self,
+        model: &'a Model,
+        loaded: bool,
+    ) -> ollama::ModelEntry<'a> {
+        /// A file the router has not read: its format only.
+        const DETAILS: ollama::Details = ollama::Details::FormatOnly { format: "gguf" };
         let (size, modified) = model.file_facts();
         let listed = ollama::Listed {
             name: &model.name,
             path: std::path::Path::new(&model.spec.path),
             size,
             modified,
-            details: json!({"format": "gguf"}),
+            details: &DETAILS,
         };
         if !loaded {
             return listed.tags_entry();
