@@ -100,11 +100,11 @@ pub async fn props(State(state): State<AppState>) -> Result<Response, ApiError> 
 }
 
 /// The sampling defaults of a llama-server-format request, under llama-server's names.
-fn default_params(state: &AppState) -> serde_json::Value {
+fn default_params(state: &AppState) -> crate::dialects::llama_server::Settings {
     let mut params = SamplingParams {
         seed: state.default_seed,
         ..crate::dialects::llama_server::default_params()
     };
     state.sampling_defaults.fill(&mut params, |_| false);
-    crate::dialects::llama_server::settings_json(&params)
+    crate::dialects::llama_server::Settings::from(&params)
 }

@@ -2,7 +2,9 @@
 //! now starts llama-server and sends it these): `POST /completion` in llama-server's format
 //! (told from the Ollama runner's by its fields: `is_llama_server_body`), its sampling
 //! defaults, and the `timings` of a finished answer (also on OpenAI's answers, as
-//! llama-server adds them) and of a stream so far (`timings_per_token`).
+//! llama-server adds them) and of a stream so far (`timings_per_token`, in `timings.rs`). The
+//! answers' wire types are in `wire.rs`; the request's `prompt` is read in `prompt.rs` and its
+//! `logit_bias` in `logit_bias.rs`.
 
 use std::convert::Infallible;
 
@@ -11,13 +13,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
+use super::stream_json::to_line;
 use crate::constrain::{Grammar, GrammarSource};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
-use crate::protocol::{Completion, DoneReason, Event, TokenLogprob, TopLogprob};
+use crate::protocol::{Completion, DoneReason, Event, Token, TokenLogprob};
 use crate::requests::common::{collect, model_info, parse_json, start_generation};
 use crate::requests::format::json_schema;
 use crate::requests::options::SamplerFields;
@@ -26,16 +29,14 @@ use crate::requests::validate::MAX_TOP_LOGPROBS;
 mod logit_bias;
 mod prompt;
 mod timings;
+mod wire;
 
 use logit_bias::LogitBias;
 use prompt::OnePrompt;
 use timings::progress_timings;
 pub(crate) use timings::{timings, StreamClock};
-
-/// llama-server's `prompt_progress` object (`return_progress`).
-pub(crate) fn prompt_progress(p: &crate::protocol::PromptProgress) -> Value {
-    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
-}
+pub(crate) use wire::{Answer, PromptProgress, Settings, Timings};
+use wire::{Chunk, Probability};
 
 /// The top-level fields by which a `POST /completion` body is llama-server's: its sampling
 /// fields and switches, which the Ollama runner's format keeps in `options` or lacks (fields
@@ -241,7 +242,7 @@ impl CompletionRequest {
 struct Meta {
     model: String,
     prompt: String,
-    settings: Value,
+    settings: Settings,
     /// `return_tokens`: the generated tokens' ids in `tokens`.
     return_tokens: bool,
     /// `n_probs` > 0: `completion_probabilities`.
@@ -249,32 +250,53 @@ struct Meta {
 }
 
 impl Meta {
-    /// `tokens` and `completion_probabilities` of these tokens, as the request asked.
-    fn add_tokens(&self, body: &mut Value, logprobs: &[TokenLogprob]) {
+    /// The `tokens` of these tokens: their ids when the request asked, else none.
+    fn tokens(&self, logprobs: &[TokenLogprob]) -> Vec<Token> {
         if self.return_tokens {
-            body["tokens"] = json!(logprobs.iter().map(|l| l.sampled.token).collect::<Vec<_>>());
-        }
-        if self.probabilities {
-            body["completion_probabilities"] =
-                Value::Array(logprobs.iter().map(probability).collect());
+            logprobs.iter().map(|l| l.sampled.token).collect()
+        } else {
+            Vec::new()
         }
     }
-}
 
-/// One token's entry in `completion_probabilities`: its id, text (lossy where it is part of a
-/// character), bytes and log-probability, and the most likely tokens at its position.
-fn probability(l: &TokenLogprob) -> Value {
-    let one = |t: &TopLogprob| {
-        json!({
-            "id": t.token,
-            "token": String::from_utf8_lossy(&t.bytes),
-            "bytes": t.bytes,
-            "logprob": t.logprob,
-        })
-    };
-    let mut entry = one(&l.sampled);
-    entry["top_logprobs"] = Value::Array(l.top.iter().map(one).collect());
-    entry
+    /// The `completion_probabilities` of these tokens, when the request asked: each one's id,
+    /// text (lossy where it is part of a character), bytes and log-probability, and the most
+    /// likely tokens at its position.
+    fn probabilities<'a>(&self, logprobs: &'a [TokenLogprob]) -> Option<Vec<Probability<'a>>> {
+        self.probabilities
+            .then(|| logprobs.iter().map(Probability::from).collect())
+    }
+
+    /// A whole answer (`index`: its prompt's place among several) with the `tokens` and
+    /// `completion_probabilities` the request asked for.
+    fn answer<'a>(
+        &'a self,
+        index: usize,
+        all: &'a crate::requests::common::Collected,
+    ) -> Answer<'a> {
+        let mut body = self.last(&all.text, all.text.contains('\n'), &all.done);
+        body.index = index;
+        body.tokens = self.tokens(&all.logprobs);
+        body.completion_probabilities = self.probabilities(&all.logprobs);
+        body
+    }
+
+    /// The last answer (stream) or the whole one, without tokens (`final_body`).
+    fn last<'a>(
+        &'a self,
+        content: &'a str,
+        has_new_line: bool,
+        done: &'a Completion,
+    ) -> Answer<'a> {
+        final_body(
+            &self.model,
+            &self.prompt,
+            &self.settings,
+            content,
+            has_new_line,
+            done,
+        )
+    }
 }
 
 /// llama-server's `stop_type`: why the generation ended.
@@ -287,70 +309,55 @@ fn stop_type(done: &Completion) -> &'static str {
     }
 }
 
-/// The last answer (stream) or the whole one: the text and the statistics. `has_new_line`:
+/// The last answer (stream) or the whole one: the text and the statistics, with no tokens
+/// (the whole answer adds those the request asked for: `Meta::answer`). `has_new_line`:
 /// whether the whole generation wrote one (a stream's last answer carries no text).
-fn final_body(meta: &Meta, content: &str, has_new_line: bool, done: &Completion) -> Value {
-    json!({
-        "index": 0,
-        "content": content,
-        "tokens": [],
-        "id_slot": -1,
-        "stop": true,
-        "model": meta.model,
-        "tokens_predicted": done.eval_count,
-        "tokens_evaluated": done.prompt_eval_count,
-        "generation_settings": meta.settings,
-        "prompt": meta.prompt,
-        "has_new_line": has_new_line,
-        "truncated": done.truncated,
-        "stop_type": stop_type(done),
-        "stopping_word": done.stop_string.clone().unwrap_or_default(),
-        "tokens_cached": done.prompt_eval_count + done.eval_count,
-        "timings": timings(done),
-    })
+fn final_body<'a>(
+    model: &'a str,
+    prompt: &'a str,
+    settings: &'a Settings,
+    content: &'a str,
+    has_new_line: bool,
+    done: &'a Completion,
+) -> Answer<'a> {
+    Answer {
+        index: 0,
+        content,
+        tokens: Vec::new(),
+        id_slot: -1,
+        stop: true,
+        model,
+        tokens_predicted: done.eval_count,
+        tokens_evaluated: done.prompt_eval_count,
+        generation_settings: settings,
+        prompt,
+        has_new_line,
+        truncated: done.truncated,
+        stop_type: stop_type(done),
+        stopping_word: done.stop_string.as_deref().unwrap_or_default(),
+        tokens_cached: done.prompt_eval_count + done.eval_count,
+        timings: timings(done),
+        completion_probabilities: None,
+    }
 }
 
 /// llama-server's `__verbose` debug object on an OpenAI answer (`verbose`): the answer in its
 /// native format, with the prompt as rendered and the settings it ran with.
-pub(crate) fn verbose_body(
-    model: &str,
-    prompt: String,
-    settings: Value,
-    content: &str,
-    done: &Completion,
-) -> Value {
-    let meta = Meta {
-        model: model.to_string(),
+pub(crate) fn verbose_body<'a>(
+    model: &'a str,
+    prompt: &'a str,
+    settings: &'a Settings,
+    content: &'a str,
+    done: &'a Completion,
+) -> Answer<'a> {
+    final_body(
+        model,
         prompt,
         settings,
-        return_tokens: false,
-        probabilities: false,
-    };
-    final_body(&meta, content, content.contains('\n'), done)
-}
-
-/// The sampling a request runs with, under llama-server's names.
-pub(crate) fn settings_json(p: &SamplingParams) -> Value {
-    json!({
-        "n_predict": p.num_predict,
-        "n_keep": p.num_keep,
-        "seed": p.seed,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "typical_p": p.typical_p,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "mirostat": p.mirostat,
-        "mirostat_tau": p.mirostat_tau,
-        "mirostat_eta": p.mirostat_eta,
-        "ignore_eos": p.ignore_eos,
-        "stop": p.stop,
-        "cache_prompt": p.cache_prompt,
-    })
+        content,
+        content.contains('\n'),
+        done,
+    )
 }
 
 /// `POST /completion` in llama-server's format (`is_llama_server_body`): one JSON answer, or
@@ -367,7 +374,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     if let Some(bias) = &req.logit_bias {
         params.logit_bias = LogitBias::read(bias)?.tokens(&info).await?;
     }
-    let settings = settings_json(&params);
+    let settings = Settings::from(&params);
     let meta_of = |p: &OnePrompt| Meta {
         model: state.model_name.to_string(),
         prompt: p.text(),
@@ -399,18 +406,17 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                 start_generation(&state, source, params.clone()).await?,
             ));
         }
-        let answers =
-            generations
-                .into_iter()
-                .enumerate()
-                .map(|(index, (meta, generation))| async move {
-                    let all = collect(generation).await?;
-                    let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
-                    meta.add_tokens(&mut body, &all.logprobs);
-                    body["index"] = json!(index);
-                    Ok::<_, ApiError>(body)
-                });
-        let answers = futures_util::future::try_join_all(answers).await?;
+        let finished = generations
+            .into_iter()
+            .map(|(meta, generation)| async move {
+                Ok::<_, ApiError>((meta, collect(generation).await?))
+            });
+        let finished = futures_util::future::try_join_all(finished).await?;
+        let answers: Vec<Answer> = finished
+            .iter()
+            .enumerate()
+            .map(|(index, (meta, all))| meta.answer(index, all))
+            .collect();
         return Ok(Json(answers).into_response());
     }
     let Some(p) = prompts.into_iter().next() else {
@@ -422,48 +428,51 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     let evaluated = generation.prompt_tokens;
     if req.stream != Some(true) {
         let all = collect(generation).await?;
-        let mut body = final_body(&meta, &all.text, all.text.contains('\n'), &all.done);
-        meta.add_tokens(&mut body, &all.logprobs);
-        return Ok(Json(body).into_response());
+        return Ok(Json(meta.answer(0, &all)).into_response());
     }
     let mut predicted = 0usize;
     let mut has_new_line = false;
     let mut clock = (req.timings_per_token == Some(true)).then(|| StreamClock::new(&generation));
     let events = generation.filter_map(move |event| {
-        let value = match event {
+        let line = match event {
             Event::Started { .. } => None,
-            Event::Progress(p) => {
-                let mut chunk = json!({
-                    "index": 0, "content": "", "tokens": [], "stop": false, "id_slot": -1,
-                    "tokens_predicted": 0, "tokens_evaluated": evaluated,
-                    "prompt_progress": prompt_progress(&p),
-                });
-                if clock.is_some() {
-                    chunk["timings"] = progress_timings(&p);
-                }
-                Some(chunk)
-            }
+            Event::Progress(p) => Some(to_line(&Chunk {
+                index: 0,
+                content: "",
+                tokens: Vec::new(),
+                stop: false,
+                id_slot: -1,
+                tokens_predicted: 0,
+                tokens_evaluated: evaluated,
+                prompt_progress: Some(PromptProgress::from(&p)),
+                completion_probabilities: None,
+                timings: clock.is_some().then(|| progress_timings(&p)),
+            })),
             Event::Text { text, logprobs } => {
                 predicted += logprobs.len().max(1);
                 has_new_line |= text.contains('\n');
-                let mut chunk = json!({
-                    "index": 0, "content": text, "tokens": [], "stop": false, "id_slot": -1,
-                    "tokens_predicted": predicted, "tokens_evaluated": evaluated,
-                });
-                meta.add_tokens(&mut chunk, &logprobs);
-                if let Some(clock) = clock.as_mut() {
+                let timings = clock.as_mut().map(|clock| {
                     clock.text(logprobs.len());
-                    chunk["timings"] = clock.timings();
-                }
-                Some(chunk)
+                    clock.timings()
+                });
+                Some(to_line(&Chunk {
+                    index: 0,
+                    content: &text,
+                    tokens: meta.tokens(&logprobs),
+                    stop: false,
+                    id_slot: -1,
+                    tokens_predicted: predicted,
+                    tokens_evaluated: evaluated,
+                    prompt_progress: None,
+                    completion_probabilities: meta.probabilities(&logprobs),
+                    timings,
+                }))
             }
             // A streamed answer's tokens came with its text: the last event has none.
-            Event::Done(done) => Some(final_body(&meta, "", has_new_line, &done)),
-            Event::Error(e) => Some(ApiError::from(e).body()),
+            Event::Done(done) => Some(to_line(&meta.last("", has_new_line, &done))),
+            Event::Error(e) => Some(to_line(&ApiError::from(e).body())),
         };
-        std::future::ready(value.map(|v| {
-            Ok::<_, Infallible>(SseEvent::default().data(super::stream_json::to_line(&v)))
-        }))
+        std::future::ready(line.map(|line| Ok::<_, Infallible>(SseEvent::default().data(line))))
     });
     Ok(Sse::new(events).into_response())
 }

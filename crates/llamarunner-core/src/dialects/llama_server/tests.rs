@@ -2,6 +2,12 @@
 
 use super::timings::timings_of;
 use super::*;
+use serde_json::json;
+
+/// Timings as the JSON object they are written as, to read by key.
+fn value(t: Timings) -> Value {
+    serde_json::to_value(t).unwrap()
+}
 
 #[test]
 fn the_body_s_fields_choose_the_format() {
@@ -79,7 +85,7 @@ fn params_take_llama_server_s_defaults_and_refuse_what_is_not_given() {
 #[test]
 fn a_stream_s_clock_counts_its_tokens_and_times_its_parts() {
     let mut clock = StreamClock::admitted(10, 4);
-    let t = clock.timings();
+    let t = value(clock.timings());
     assert_eq!(
         (t["cache_n"].as_u64(), t["prompt_n"].as_u64()),
         (Some(4), Some(6))
@@ -89,7 +95,7 @@ fn a_stream_s_clock_counts_its_tokens_and_times_its_parts() {
     clock.text(0); // one event, no token count: one token
     clock.text(3); // three tokens' log-probabilities
     std::thread::sleep(std::time::Duration::from_millis(5));
-    let t = clock.timings();
+    let t = value(clock.timings());
     assert_eq!(t["predicted_n"], 4);
     assert!(t["prompt_ms"].as_f64().unwrap() >= 5.0, "{t}");
     assert!(t["predicted_ms"].as_f64().unwrap() >= 5.0, "{t}");
@@ -149,15 +155,15 @@ fn stop_types_name_why_it_ended() {
 
 #[test]
 fn the_generation_rate_is_over_its_decode_steps() {
-    let one = timings_of(2, 8, 4.0, 1, 0.0);
+    let one = value(timings_of(2, 8, 4.0, 1, 0.0));
     assert_eq!(one["predicted_per_second"], 0.0);
     assert_eq!(one["predicted_per_token_ms"], 0.0);
     assert_eq!(one["prompt_per_token_ms"], 0.5);
     assert_eq!(one["prompt_per_second"], 2000.0);
-    let many = timings_of(0, 8, 4.0, 16, 30.0);
+    let many = value(timings_of(0, 8, 4.0, 16, 30.0));
     assert_eq!(many["predicted_per_token_ms"], 2.0);
     assert_eq!(many["predicted_per_second"], 500.0);
-    let nothing = timings_of(0, 0, 0.0, 0, 0.0);
+    let nothing = value(timings_of(0, 0, 0.0, 0, 0.0));
     for (key, value) in nothing.as_object().unwrap() {
         assert!(value.as_f64().is_some_and(|v| v == 0.0), "{key}: {value}");
     }
@@ -167,7 +173,7 @@ fn the_generation_rate_is_over_its_decode_steps() {
         processed: 24,
         time_ms: 16,
     };
-    let t = progress_timings(&p);
+    let t = value(progress_timings(&p));
     assert_eq!(
         (t["cache_n"].clone(), t["prompt_n"].clone()),
         (json!(8), json!(16))

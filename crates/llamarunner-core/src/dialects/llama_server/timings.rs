@@ -1,10 +1,10 @@
 //! llama-server's `timings`: of a finished answer (the engine's own counts and times), of a
-//! prompt's decode so far, and of a stream so far (`timings_per_token`, `StreamClock`).
+//! prompt's decode so far, and of a stream so far (`timings_per_token`, `StreamClock`); the
+//! object written is `wire.rs`'s `Timings`.
 
 use std::time::Instant;
 
-use serde_json::{json, Value};
-
+use super::wire::Timings;
 use crate::protocol::Completion;
 use crate::requests::common::Generation;
 
@@ -13,7 +13,7 @@ use crate::requests::common::Generation;
 /// is over its decode steps, one fewer than its tokens: the first token comes from the
 /// prompt's last decode, and the generation's time starts after it. Clients written for
 /// llama-server (its web page among them) show them.
-pub(crate) fn timings(done: &Completion) -> Value {
+pub(crate) fn timings(done: &Completion) -> Timings {
     let ms = |ns: u64| ns as f64 / 1e6;
     let prompt_n = done
         .prompt_eval_count
@@ -26,8 +26,8 @@ pub(crate) fn timings(done: &Completion) -> Value {
         ms(done.eval_duration_ns),
     );
     if done.draft_count > 0 {
-        t["draft_n"] = json!(done.draft_count);
-        t["draft_n_accepted"] = json!(done.draft_accepted_count);
+        t.draft_n = Some(done.draft_count);
+        t.draft_n_accepted = Some(done.draft_accepted_count);
     }
     t
 }
@@ -70,7 +70,7 @@ impl StreamClock {
     }
 
     /// The timings so far.
-    pub(crate) fn timings(&self) -> Value {
+    pub(crate) fn timings(&self) -> Timings {
         let now = Instant::now();
         let ms =
             |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
@@ -87,7 +87,7 @@ impl StreamClock {
 }
 
 /// The `timings` of a prompt's decode so far (`timings_per_token` with `return_progress`).
-pub(super) fn progress_timings(p: &crate::protocol::PromptProgress) -> Value {
+pub(super) fn progress_timings(p: &crate::protocol::PromptProgress) -> Timings {
     let prompt_n = p.processed.saturating_sub(p.cache);
     timings_of(p.cache, prompt_n, p.time_ms as f64, 0, 0.0)
 }
@@ -99,19 +99,21 @@ pub(super) fn timings_of(
     prompt_ms: f64,
     predicted_n: usize,
     predicted_ms: f64,
-) -> Value {
+) -> Timings {
     let per_token = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
     let per_second = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
     let steps = predicted_n.saturating_sub(1);
-    json!({
-        "cache_n": cache_n,
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
-        "prompt_per_second": per_second(prompt_ms, prompt_n),
-        "predicted_n": predicted_n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": per_token(predicted_ms, steps),
-        "predicted_per_second": per_second(predicted_ms, steps),
-    })
+    Timings {
+        cache_n,
+        prompt_n,
+        prompt_ms,
+        prompt_per_token_ms: per_token(prompt_ms, prompt_n),
+        prompt_per_second: per_second(prompt_ms, prompt_n),
+        predicted_n,
+        predicted_ms,
+        predicted_per_token_ms: per_token(predicted_ms, steps),
+        predicted_per_second: per_second(predicted_ms, steps),
+        draft_n: None,
+        draft_n_accepted: None,
+    }
 }

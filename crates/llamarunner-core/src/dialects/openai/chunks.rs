@@ -6,11 +6,10 @@ use std::borrow::Cow;
 
 use axum::response::sse::Event as SseEvent;
 use serde::Serialize;
-use serde_json::Value;
 
 use super::answer::{finish_reason, tool_call, usage, Meta};
 use super::wire::{Body, Delta, Says, Usage};
-use crate::dialects::llama_server::{prompt_progress, timings};
+use crate::dialects::llama_server::{timings, PromptProgress, Timings};
 use crate::http::error::ApiError;
 use crate::protocol::{Completion, Event, TokenLogprob};
 use crate::requests::tool_calls::{ChatOutput, OutPiece};
@@ -36,7 +35,7 @@ pub(super) fn chunks_for(meta: &Meta, event: Event, want_logprobs: bool) -> Vec<
         // prompt's decode is.
         Event::Progress(p) => {
             let mut body = meta.body(true, Vec::new());
-            body.prompt_progress = Some(prompt_progress(&p));
+            body.prompt_progress = Some(PromptProgress::from(&p));
             vec![sse(&with_usage_null(meta, body))]
         }
         Event::Text { text, logprobs } => {
@@ -64,7 +63,7 @@ fn done_chunks(meta: &Meta, done: &Completion, finish: &'static str) -> Vec<SseE
 pub(super) fn stream_end(
     meta: &Meta,
     usage: Option<Usage>,
-    timings: Option<Value>,
+    timings: Option<Timings>,
 ) -> Vec<SseEvent> {
     let mut out = Vec::new();
     if meta.include_usage {

@@ -173,7 +173,7 @@ async fn respond(
             PromptSource::Text(p) => p.text.clone(),
             PromptSource::Tokens(_) => String::new(),
         };
-        (text, llama_server::settings_json(&params))
+        (text, llama_server::Settings::from(&params))
     });
     let rx = start_generation(&state, prompt, params).await?;
     if req.stream != Some(true) {
@@ -192,7 +192,7 @@ async fn respond(
         let mut body = meta.body(false, vec![choice]);
         body.usage = Some(Some(usage(&all.done)));
         body.timings = Some(timings(&all.done));
-        body.verbose = verbose.map(|(prompt, settings)| {
+        body.verbose = verbose.as_ref().map(|(prompt, settings)| {
             llama_server::verbose_body(&state.model_name, prompt, settings, &all.text, &all.done)
         });
         return Ok(Json(body).into_response());

@@ -10,6 +10,8 @@ use std::borrow::Cow;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
+use crate::dialects::llama_server::{Answer, PromptProgress, Timings};
+
 /// A completion answer (`chat.completion`, `text_completion`) or one streamed chunk
 /// (`chat.completion.chunk`, `text_completion`).
 #[derive(Debug, Serialize)]
@@ -28,17 +30,17 @@ pub(super) struct Body<'a> {
     pub(super) choices: Vec<Choice<'a>>,
     /// llama-server's `return_progress`: how far the prompt's decode is (a progress chunk).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) prompt_progress: Option<Value>,
+    pub(super) prompt_progress: Option<PromptProgress>,
     /// The tokens read and written: left out unless the answer is whole or the stream asked
     /// for it (`include_usage`), then null in every chunk but the last.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) usage: Option<Option<Usage>>,
     /// llama-server's timings of the answer (`dialects/llama_server/timings.rs`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) timings: Option<Value>,
+    pub(super) timings: Option<Timings>,
     /// llama-server's debug object (`verbose`): the prompt, settings and answer.
     #[serde(rename = "__verbose", skip_serializing_if = "Option::is_none")]
-    pub(super) verbose: Option<Value>,
+    pub(super) verbose: Option<Answer<'a>>,
 }
 
 /// One entry of `choices`.

@@ -17,7 +17,7 @@ use super::wire::{
     OutputItem, OutputText, PartEvent, ResponseEvent, TextDoneEvent,
 };
 use crate::dialects::blocks::{Kind, Step};
-use crate::dialects::llama_server::{timings, StreamClock};
+use crate::dialects::llama_server::{timings, PromptProgress, StreamClock, Timings};
 use crate::http::error::ApiError;
 use crate::http::response_store::ResponseStore;
 use crate::protocol::Event;
@@ -38,7 +38,7 @@ pub(super) struct Items {
     /// llama-server's `timings_per_token`: the timings the deltas of the text event being
     /// written carry.
     clock: Option<StreamClock>,
-    delta_timings: Option<Value>,
+    delta_timings: Option<Timings>,
 }
 
 impl Items {
@@ -89,7 +89,7 @@ impl Items {
                 let meta = self.meta.clone();
                 let data = ResponseEvent {
                     response: meta.object(&Finished::InProgress, &[]),
-                    prompt_progress: Some(crate::dialects::llama_server::prompt_progress(&p)),
+                    prompt_progress: Some(PromptProgress::from(&p)),
                     timings: None,
                 };
                 out.push(self.event("response.in_progress", data));

@@ -7,6 +7,8 @@
 use serde::{Serialize, Serializer};
 use serde_json::Value;
 
+use crate::dialects::llama_server::{PromptProgress, Timings};
+
 /// The response object: a whole answer, each stream event's `response`, and what
 /// `GET /v1/responses/{id}` answers (kept as JSON in the store).
 #[derive(Debug, Serialize)]
@@ -196,7 +198,7 @@ pub(super) struct Event<'a, T> {
     pub(super) sequence_number: u64,
     /// llama-server's timings when the text event that made this delta came.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) timings: Option<&'a Value>,
+    pub(super) timings: Option<&'a Timings>,
 }
 
 /// The payload of `response.created`, `.in_progress`, `.completed`, `.incomplete`, `.failed`.
@@ -206,10 +208,10 @@ pub(super) struct ResponseEvent<'a> {
     pub(super) response: Response<'a>,
     /// llama-server's `return_progress`: how far the prompt's decode is.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) prompt_progress: Option<Value>,
+    pub(super) prompt_progress: Option<PromptProgress>,
     /// llama-server's timings of the whole answer (at its end).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(super) timings: Option<Value>,
+    pub(super) timings: Option<Timings>,
 }
 
 /// The payload of `error`.
