@@ -290,6 +290,11 @@ async fn openai_errors_name_the_field_at_fault_as_param() {
         ),
         ("/v1/completions", r#"{"max_tokens":3}"#, json!("prompt")),
         (
+            "/v1/completions",
+            r#"{"prompt":"x","max_completion_tokens":-1}"#,
+            json!("max_completion_tokens"),
+        ),
+        (
             "/v1/chat/completions",
             r#"{"messages":[]}"#,
             json!("messages"),

@@ -193,8 +193,11 @@ impl<B: Backend> Scheduler<B> {
         self.share_cells();
         self.build_batch();
         let plan = self.step_plan();
+        // Only the ends of this step tell how its sequences ended (a slot whose request ended
+        // before the step may hold a new one).
+        let ends_before = self.turn_log.finished.len();
         let mut outcome = self.decode_step(step_started);
-        outcome.sequences = self.step_results(plan);
+        outcome.sequences = self.step_results(plan, ends_before);
         outcome
     }
 

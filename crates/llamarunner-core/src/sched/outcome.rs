@@ -97,16 +97,23 @@ impl<B: Backend> Scheduler<B> {
     }
 
     /// The plan with what came of it: the tokens each sequence generated, and whether it
-    /// ended.
-    pub(super) fn step_results(&self, plan: Vec<(SequenceStep, usize)>) -> Vec<SequenceStep> {
+    /// ended (by the ends logged in the step, from `ends_before` on).
+    pub(super) fn step_results(
+        &self,
+        plan: Vec<(SequenceStep, usize)>,
+        ends_before: usize,
+    ) -> Vec<SequenceStep> {
+        let ends = self
+            .turn_log
+            .finished
+            .get(ends_before..)
+            .unwrap_or_default();
         plan.into_iter()
             .map(|(mut step, before)| {
                 let index = usize::try_from(step.slot).unwrap_or(usize::MAX);
                 let now = match self.slots.get(index).and_then(|s| s.seq.as_ref()) {
                     Some(seq) => Some(seq.n_generated),
-                    None => self
-                        .turn_log
-                        .finished
+                    None => ends
                         .iter()
                         .rev()
                         .find(|(slot, _, _)| *slot == step.slot)

@@ -128,7 +128,7 @@ pub async fn completions(
                 ..infill::Parts::default()
             };
             params.truncate = false;
-            crate::requests::validate::check_options(&params).map_err(|e| e.under_options())?;
+            crate::requests::validate::check_options(&params).map_err(|e| e.top_level(&[]))?;
             PromptSource::Tokens(infill::tokens(&info, parts, params.num_predict).await?)
         }
         None => prompt.into(),

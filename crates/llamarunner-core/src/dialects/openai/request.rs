@@ -115,9 +115,12 @@ impl OpenAiRequest {
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::field("best_of", ": only 1 is supported"));
         }
-        let max = self.max_completion_tokens.or(self.max_tokens);
+        let (max, max_field) = match self.max_completion_tokens {
+            Some(m) => (Some(m), "max_completion_tokens"),
+            None => (self.max_tokens, "max_tokens"),
+        };
         if max.is_some_and(|m| m < 0) {
-            return Err(ApiError::field("max_tokens", " must be >= 0"));
+            return Err(ApiError::field(max_field, " must be >= 0"));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {

@@ -248,3 +248,40 @@ fn the_outcomes_show_sequences_swapped_out_of_a_shared_cache_and_back() {
         (0..4).map(|s| (s, DoneReason::Length)).collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn a_slot_taken_again_in_a_turn_is_not_credited_with_the_last_requests_end() {
+    let mut sched = Scheduler::new(
+        FakeBackend::new(FakeConfig {
+            fail_decode: Some(2),
+            ..FakeConfig::default()
+        }),
+        1,
+        Arc::new(NoObserver),
+        Arc::new(QueueGauge::default()),
+    );
+    let (tx, _a) = crate::protocol::EventSink::channel();
+    let mut first = request("a", "hi", greedy(100), tx);
+    first.deadline = Some(Instant::now() + std::time::Duration::from_millis(50));
+    sched.enqueue(first);
+    assert_eq!(sched.turn().sequences[0].generated, 1);
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    let (tx, _b) = crate::protocol::EventSink::channel();
+    sched.enqueue(request("b", "ho", greedy(5), tx));
+    // The engine's order: the first request times out, then the turn gives its slot to the
+    // second, whose prompt's decode fails (an error, not an end with a reason).
+    sched.drop_cancelled();
+    let outcome = sched.turn();
+    assert!(outcome.failed);
+    assert_eq!(outcome.admitted, vec![0]);
+    assert_eq!(
+        outcome.sequences,
+        // "ho" after "hi": BOS and "h" are cached.
+        vec![SequenceStep {
+            slot: 0,
+            prompt_tokens: 1,
+            ..SequenceStep::default()
+        }]
+    );
+    assert_eq!(outcome.finished, vec![(0, DoneReason::Timeout)]);
+}
