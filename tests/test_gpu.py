@@ -328,5 +328,6 @@ def test_the_routers_memory_budget_counts_only_what_stays_in_host_memory(
             taken[layers] = (status["memory_estimate_bytes"], ps[0]["size_vram"])
     (on_cpu, cpu_vram), (offloaded, vram) = taken["0"], taken["-1"]
     assert cpu_vram == 0 and vram > 0, taken
-    # The weights on the GPU leave, and the KV cache of the layers offloaded with them.
-    assert offloaded < on_cpu - vram, taken
+    # The weights of the layers on the GPU leave (the token embedding stays), and the KV
+    # cache of those layers (the tiny model's, at 512 cells, is well under 1 MiB).
+    assert 0 < on_cpu - offloaded <= model.stat().st_size + MIB, taken

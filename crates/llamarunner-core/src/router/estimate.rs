@@ -48,6 +48,10 @@ pub struct Shape {
     /// architecture's own period, as llama.cpp's `load_swa_pattern` reads them; 0 for any other
     /// (every layer is then counted as a full one, as llama.cpp may size them).
     pub window_layers: u64,
+    /// Bytes of the token embedding (`token_embd.weight`), which llama.cpp keeps in host
+    /// memory whatever is offloaded; 0 when the header does not list it or its type is not
+    /// one this reader sizes.
+    pub token_embd_bytes: u64,
 }
 
 /// The architectures whose sliding-window layers are counted, with their period where the
@@ -122,23 +126,37 @@ pub struct Estimate {
     pub weights: u64,
     /// The KV cache of every slot.
     pub kv: u64,
+    /// Of the weights, those llama.cpp keeps in host memory whatever is offloaded (the token
+    /// embedding).
+    pub host_weights: u64,
 }
 
 impl Estimate {
     /// What stays in host memory once the engine has placed the model (`DeviceFacts`, from
-    /// its `/props`): the weights it put on GPUs leave, and the KV cache of the layers
-    /// offloaded with them (llama.cpp keeps a layer's cache beside its weights). The compute
-    /// buffers and the rest stay counted, which errs high.
+    /// its `/props`): the share of the weights on the layers it put on discrete GPUs leaves
+    /// (the token embedding stays), and the KV cache of those layers (llama.cpp keeps a
+    /// layer's cache beside its weights). The compute buffers and the rest stay counted, which
+    /// errs high. A GPU that shares the host's memory (integrated) frees none of it.
     pub fn on_host(&self, facts: &crate::protocol::devices::DeviceFacts) -> u64 {
-        if facts.layers_offloaded == 0 || facts.layers_total == 0 {
+        use crate::protocol::devices::DeviceKind;
+        let mut gpus = facts
+            .devices
+            .iter()
+            .filter(|d| d.backend == facts.backend && d.kind.is_gpu())
+            .peekable();
+        let discrete = gpus.peek().is_some() && gpus.all(|d| d.kind == DeviceKind::Gpu);
+        if !discrete || facts.layers_offloaded == 0 || facts.layers_total == 0 {
             return self.total;
         }
         let offloaded = u128::from(facts.layers_offloaded.min(facts.layers_total));
-        let kv_offloaded = u128::from(self.kv) * offloaded / u128::from(facts.layers_total);
-        let kv_offloaded = u64::try_from(kv_offloaded).unwrap_or(self.kv);
+        let share = |bytes: u64| {
+            let part = u128::from(bytes) * offloaded / u128::from(facts.layers_total);
+            u64::try_from(part).unwrap_or(bytes)
+        };
+        let layer_weights = self.weights.saturating_sub(self.host_weights);
         self.total
-            .saturating_sub(facts.vram_bytes.min(self.weights))
-            .saturating_sub(kv_offloaded)
+            .saturating_sub(share(layer_weights))
+            .saturating_sub(share(self.kv))
     }
 }
 
@@ -206,6 +224,7 @@ pub fn breakdown(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> Estima
         total,
         weights: model_bytes,
         kv,
+        host_weights: shape.token_embd_bytes.min(model_bytes),
     }
 }
 
@@ -321,7 +340,7 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
     if !(2..=3).contains(&version) {
         return Err(format!("version {version}"));
     }
-    let _tensors = r.u64()?;
+    let tensors = r.u64()?;
     let kvs = r.u64()?;
     if kvs > MAX_ITEMS {
         return Err(format!("{kvs} metadata entries"));
@@ -366,7 +385,9 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
         (Some(_), Some(Value::Int(period))) => sliding_in_period(layers, *period),
         (Some((_, period)), _) => sliding_in_period(layers, *period),
     };
+    let token_embd_bytes = token_embd_bytes(r, tensors)?;
     Ok(Shape {
+        token_embd_bytes,
         architecture: arch,
         layers,
         embd,
@@ -377,6 +398,68 @@ fn parse<R: Read>(r: &mut Header<R>) -> Result<Shape, String> {
         vocab,
         window,
         window_layers,
+    })
+}
+
+/// The token embedding's bytes, from the tensor infos that follow the metadata (each: its
+/// name, dimensions, ggml type and offset); read up to that tensor (llama.cpp's writers put it
+/// first). 0 when it is not there or its type is not in `ggml_type_size`.
+fn token_embd_bytes<R: Read>(r: &mut Header<R>, tensors: u64) -> Result<u64, String> {
+    if tensors > MAX_ITEMS {
+        return Err(format!("{tensors} tensors"));
+    }
+    for _ in 0..tensors {
+        let name = r.string()?;
+        let dims = r.u32()?;
+        if dims > 8 {
+            return Err(format!("a tensor of {dims} dimensions"));
+        }
+        let mut elements: u64 = 1;
+        for _ in 0..dims {
+            elements = elements.saturating_mul(r.u64()?);
+        }
+        let kind = r.u32()?;
+        let _offset = r.u64()?;
+        if name == "token_embd.weight" {
+            return Ok(ggml_type_size(kind).map_or(0, |(bytes, block)| {
+                u64::try_from(u128::from(elements) * u128::from(bytes) / u128::from(block))
+                    .unwrap_or(u64::MAX)
+            }));
+        }
+    }
+    Ok(0)
+}
+
+/// A ggml type's bytes per block and elements per block (ggml.h's `ggml_type` numbering).
+fn ggml_type_size(kind: u32) -> Option<(u64, u64)> {
+    Some(match kind {
+        0 => (4, 1),           // F32
+        1 | 30 | 25 => (2, 1), // F16, BF16, I16
+        2 | 20 => (18, 32),    // Q4_0, IQ4_NL
+        3 => (20, 32),         // Q4_1
+        6 => (22, 32),         // Q5_0
+        7 => (24, 32),         // Q5_1
+        8 => (34, 32),         // Q8_0
+        9 => (36, 32),         // Q8_1
+        10 => (84, 256),       // Q2_K
+        11 | 21 => (110, 256), // Q3_K, IQ3_S
+        12 => (144, 256),      // Q4_K
+        13 => (176, 256),      // Q5_K
+        14 => (210, 256),      // Q6_K
+        15 => (292, 256),      // Q8_K
+        16 | 35 => (66, 256),  // IQ2_XXS, TQ2_0
+        17 => (74, 256),       // IQ2_XS
+        18 => (98, 256),       // IQ3_XXS
+        19 => (50, 256),       // IQ1_S
+        22 => (82, 256),       // IQ2_S
+        23 => (136, 256),      // IQ4_XS
+        24 => (1, 1),          // I8
+        26 => (4, 1),          // I32
+        27 | 28 => (8, 1),     // I64, F64
+        29 => (56, 256),       // IQ1_M
+        34 => (54, 256),       // TQ1_0
+        39 => (17, 32),        // MXFP4
+        _ => return None,
     })
 }
 
@@ -450,6 +533,7 @@ mod tests {
                 vocab: 3,
                 window: 0,
                 window_layers: 0,
+                token_embd_bytes: 0,
             }
         );
         let served = Served {
@@ -465,31 +549,70 @@ mod tests {
         let kv = 2 * 256 * 4 * 2 * 32 * 2;
         let rest = estimate(&shape, 0, &served) - kv - 1000 - ENGINE_PROCESS;
         assert!(rest > 0 && rest < 10 << 20, "{rest}");
-        // What stays in host memory: all of it on the CPU; without the weights and the KV
-        // cache of the layers on a GPU (5 layers: 4 blocks and the output).
-        let parts = breakdown(&shape, 5_000_000, &served);
+        // What stays in host memory: all of it on the CPU; without the share of the weights
+        // (all but the token embedding) and of the KV cache of the layers on a discrete GPU
+        // (5 layers: 4 blocks and the output).
+        use crate::protocol::devices::{Device, DeviceFacts, DeviceKind};
+        let parts = Estimate {
+            host_weights: 1_000_000,
+            ..breakdown(&shape, 5_000_000, &served)
+        };
         assert_eq!((parts.weights, parts.kv), (5_000_000, kv));
-        let cpu = crate::protocol::devices::DeviceFacts::cpu_only(5);
+        let cpu = DeviceFacts::cpu_only(5);
         assert_eq!(parts.on_host(&cpu), parts.total);
-        let all = crate::protocol::devices::DeviceFacts {
-            layers_offloaded: 5,
-            vram_bytes: 5_000_000,
+        let on = |kind: DeviceKind, layers: u32| DeviceFacts {
+            backend: "CUDA".into(),
+            devices: vec![
+                Device {
+                    name: "CUDA0".into(),
+                    backend: "CUDA".into(),
+                    kind,
+                    ..Device::default()
+                },
+                cpu.devices[0].clone(),
+            ],
+            layers_offloaded: layers,
+            vram_bytes: 1,
             ..cpu.clone()
         };
-        assert_eq!(parts.on_host(&all), parts.total - 5_000_000 - kv);
-        let some = crate::protocol::devices::DeviceFacts {
-            layers_offloaded: 2,
-            vram_bytes: 2_000_000,
-            ..cpu.clone()
-        };
-        assert_eq!(parts.on_host(&some), parts.total - 2_000_000 - kv * 2 / 5);
-        // A hostile or mistaken report cannot make it negative or larger.
-        let wild = crate::protocol::devices::DeviceFacts {
-            layers_offloaded: 99,
-            vram_bytes: u64::MAX,
-            ..cpu
-        };
-        assert_eq!(parts.on_host(&wild), parts.total - 5_000_000 - kv);
+        assert_eq!(
+            parts.on_host(&on(DeviceKind::Gpu, 5)),
+            parts.total - 4_000_000 - kv
+        );
+        assert_eq!(
+            parts.on_host(&on(DeviceKind::Gpu, 2)),
+            parts.total - 4_000_000 * 2 / 5 - kv * 2 / 5
+        );
+        // A GPU that shares the host's memory frees none of it.
+        assert_eq!(
+            parts.on_host(&on(DeviceKind::IntegratedGpu, 5)),
+            parts.total
+        );
+        // A hostile or mistaken report cannot make it lower than all of it offloaded.
+        assert_eq!(
+            parts.on_host(&on(DeviceKind::Gpu, 99)),
+            parts.total - 4_000_000 - kv
+        );
+        // The token embedding's size comes from the tensor infos after the metadata.
+        let mut with_tensors = header();
+        with_tensors[8..16].copy_from_slice(&2u64.to_le_bytes());
+        for (name, dims, kind) in [
+            ("blk.0.attn_q.weight", [64u64, 64], 0u32),
+            ("token_embd.weight", [64, 3], 8),
+        ] {
+            with_tensors.extend((name.len() as u64).to_le_bytes());
+            with_tensors.extend(name.as_bytes());
+            with_tensors.extend(2u32.to_le_bytes());
+            for d in dims {
+                with_tensors.extend(d.to_le_bytes());
+            }
+            with_tensors.extend(kind.to_le_bytes());
+            with_tensors.extend(0u64.to_le_bytes());
+        }
+        // Q8_0: 34 bytes per 32 values.
+        let sized = shape_of(&with_tensors).expect("a header with tensors");
+        assert_eq!(sized.token_embd_bytes, 64 * 3 / 32 * 34);
+        assert_eq!(breakdown(&sized, 10_000, &served).host_weights, 204);
         let q8 = Served {
             kv_cache_type: "q8_0",
             ..served.clone()

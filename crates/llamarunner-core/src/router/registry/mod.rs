@@ -125,10 +125,12 @@ impl Model {
     /// the file's size when the header cannot be read (its load then fails anyway).
     fn estimate_memory(&self) -> estimate::Estimate {
         let (size, _) = self.file_facts();
+        // Unsized: all of it counted, none of it taken off for a GPU.
         let whole = estimate::Estimate {
             total: size,
             weights: size,
             kv: 0,
+            host_weights: size,
         };
         let Ok(config) = serde_json::from_value::<RunnerConfig>(self.spec.config.clone()) else {
             return whole;
