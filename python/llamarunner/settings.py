@@ -453,6 +453,70 @@ SERVER_SETTINGS = _table(
         optional=True,
     ),
     Setting(
+        "repeat_penalty",
+        float,
+        None,
+        "the repetition penalty of requests that give none (llama-server's "
+        "--repeat-penalty); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "repeat_last_n",
+        int,
+        None,
+        "the tokens the penalties look back over, for requests that give none "
+        "(llama-server's --repeat-last-n; -1: the slot); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "presence_penalty",
+        float,
+        None,
+        "the presence penalty of requests that give none (llama-server's "
+        "--presence-penalty); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "frequency_penalty",
+        float,
+        None,
+        "the frequency penalty of requests that give none (llama-server's "
+        "--frequency-penalty); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "mirostat",
+        int,
+        None,
+        "the Mirostat version of requests that give none, 0 (off), 1 or 2 (llama-server's "
+        "--mirostat); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "mirostat_lr",
+        float,
+        None,
+        "Mirostat's learning rate (eta) for requests that give none (llama-server's "
+        "--mirostat-lr); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "mirostat_ent",
+        float,
+        None,
+        "Mirostat's target entropy (tau) for requests that give none (llama-server's "
+        "--mirostat-ent); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
+        "typical",
+        float,
+        None,
+        "the locally typical sampling p of requests that give none (llama-server's "
+        "--typical; 1: off); unset: each API's own",
+        optional=True,
+    ),
+    Setting(
         "timeout",
         float,
         0.0,

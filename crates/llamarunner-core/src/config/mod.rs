@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+mod sampling;
+
 /// Flash attention policy, as llama.cpp understands it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -247,6 +249,22 @@ pub struct RunnerConfig {
     pub top_p: Option<f32>,
     /// The min-p of requests that give none (`--min-p`); None: each dialect's default.
     pub min_p: Option<f32>,
+    /// The repetition penalty of requests that give none (`--repeat-penalty`).
+    pub repeat_penalty: Option<f32>,
+    /// The penalties' window of requests that give none (`--repeat-last-n`; -1: the slot).
+    pub repeat_last_n: Option<i32>,
+    /// The presence penalty of requests that give none (`--presence-penalty`).
+    pub presence_penalty: Option<f32>,
+    /// The frequency penalty of requests that give none (`--frequency-penalty`).
+    pub frequency_penalty: Option<f32>,
+    /// The Mirostat version of requests that give none (`--mirostat`: 0 off, 1, 2).
+    pub mirostat: Option<i32>,
+    /// Mirostat's learning rate (eta) for requests that give none (`--mirostat-lr`).
+    pub mirostat_lr: Option<f32>,
+    /// Mirostat's target entropy (tau) for requests that give none (`--mirostat-ent`).
+    pub mirostat_ent: Option<f32>,
+    /// The locally typical sampling of requests that give none (`--typical`; 1: off).
+    pub typical: Option<f32>,
     /// Wall-time limit of one request, in seconds; 0 = none.
     pub timeout: f64,
     /// Directory of slot files (`POST /slots/{id}?action=save|restore`), made if missing;
@@ -317,6 +335,14 @@ impl Default for RunnerConfig {
             top_k: None,
             top_p: None,
             min_p: None,
+            repeat_penalty: None,
+            repeat_last_n: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+            mirostat: None,
+            mirostat_lr: None,
+            mirostat_ent: None,
+            typical: None,
             timeout: 0.0,
             slot_save_path: None,
         }
@@ -586,49 +612,7 @@ impl RunnerConfig {
         if self.alias.as_ref().is_some_and(|a| a.trim().is_empty()) {
             return Err(ConfigError::EmptyAlias);
         }
-        let unit = |v: f32| (0.0..=1.0).contains(&v);
-        for (name, value, ok, rule) in [
-            (
-                "temp",
-                self.temp,
-                self.temp.is_none_or(|t| t.is_finite() && t >= 0.0),
-                "a number >= 0",
-            ),
-            (
-                "top-p",
-                self.top_p,
-                self.top_p.is_none_or(unit),
-                "between 0 and 1",
-            ),
-            (
-                "min-p",
-                self.min_p,
-                self.min_p.is_none_or(unit),
-                "between 0 and 1",
-            ),
-        ] {
-            if !ok {
-                return Err(ConfigError::BadSampling {
-                    name,
-                    rule,
-                    value: format!("{}", value.unwrap_or_default()),
-                });
-            }
-        }
-        if self.n_predict.is_some_and(|n| n < -1) {
-            return Err(ConfigError::BadSampling {
-                name: "n-predict",
-                rule: "-1 (no default) or more",
-                value: format!("{}", self.n_predict.unwrap_or_default()),
-            });
-        }
-        if self.top_k.is_some_and(|k| k < 0) {
-            return Err(ConfigError::BadSampling {
-                name: "top-k",
-                rule: "0 (off) or more",
-                value: format!("{}", self.top_k.unwrap_or_default()),
-            });
-        }
+        self.validate_sampling()?;
         self.validate_http()?;
         self.api_keys().map(|_| ())
     }
@@ -660,18 +644,6 @@ impl RunnerConfig {
             None
         };
         conflict.map_or(Ok(()), |c| Err(ConfigError::Deterministic(c)))
-    }
-
-    /// The sampling defaults of requests that leave fields out (`--temp`, `--top-k`...).
-    pub fn sampling_defaults(&self) -> crate::protocol::params::SamplingDefaults {
-        crate::protocol::params::SamplingDefaults {
-            temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            n_predict: self.n_predict.filter(|n| *n >= 0).map(i64::from),
-            shift: (!self.context_shift).then_some(false),
-        }
     }
 
     /// The HTTP limits and timeouts (all `Runner::start_with` needs checked).

@@ -90,6 +90,97 @@ fn out_of_range_values_are_named() {
         let err = n_predict(bad).unwrap_err();
         assert!(err.starts_with("n-predict must be"), "{err}");
     }
+    // The penalties', Mirostat's and typical sampling's: the rules a request's values keep.
+    let good = RunnerConfig {
+        repeat_penalty: Some(1.1),
+        repeat_last_n: Some(-1),
+        presence_penalty: Some(-2.0),
+        frequency_penalty: Some(2.0),
+        mirostat: Some(2),
+        mirostat_lr: Some(0.1),
+        mirostat_ent: Some(5.0),
+        typical: Some(1.0),
+        ..with_model()
+    };
+    assert!(good.validate().is_ok());
+    let defaults = good.sampling_defaults();
+    assert_eq!(
+        (defaults.mirostat_eta, defaults.mirostat_tau),
+        (Some(0.1), Some(5.0))
+    );
+    assert_eq!(
+        (defaults.typical_p, defaults.repeat_last_n),
+        (Some(1.0), Some(-1))
+    );
+    let bad_ones: [(RunnerConfig, &str); 9] = [
+        (
+            RunnerConfig {
+                repeat_penalty: Some(-1.0),
+                ..good.clone()
+            },
+            "repeat-penalty",
+        ),
+        (
+            RunnerConfig {
+                repeat_penalty: Some(f32::INFINITY),
+                ..good.clone()
+            },
+            "repeat-penalty",
+        ),
+        (
+            RunnerConfig {
+                repeat_last_n: Some(-2),
+                ..good.clone()
+            },
+            "repeat-last-n",
+        ),
+        (
+            RunnerConfig {
+                presence_penalty: Some(f32::NAN),
+                ..good.clone()
+            },
+            "presence-penalty",
+        ),
+        (
+            RunnerConfig {
+                frequency_penalty: Some(f32::NAN),
+                ..good.clone()
+            },
+            "frequency-penalty",
+        ),
+        (
+            RunnerConfig {
+                mirostat: Some(3),
+                ..good.clone()
+            },
+            "mirostat",
+        ),
+        (
+            RunnerConfig {
+                mirostat_lr: Some(-0.1),
+                ..good.clone()
+            },
+            "mirostat-lr",
+        ),
+        (
+            RunnerConfig {
+                mirostat_ent: Some(f32::NAN),
+                ..good.clone()
+            },
+            "mirostat-ent",
+        ),
+        (
+            RunnerConfig {
+                typical: Some(1.5),
+                ..good.clone()
+            },
+            "typical",
+        ),
+    ];
+    for (bad, name) in bad_ones {
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{name} must be")), "{err}");
+    }
 }
 
 #[test]

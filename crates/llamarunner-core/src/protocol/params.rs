@@ -8,7 +8,8 @@
 /// slot for good.
 pub const UNCAPPED_SLOT_CONTEXTS: usize = 10;
 
-/// The server's sampling defaults (llama-server's `--temp`, `--top-k`, `--top-p`, `--min-p`):
+/// The server's sampling defaults (llama-server's `--temp`, `--top-k`, `--top-p`, `--min-p`,
+/// the penalties', Mirostat's and typical sampling's):
 /// what a request that leaves a field out gets, in every dialect, before the dialect's own
 /// default. None: the dialect's default.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -17,6 +18,16 @@ pub struct SamplingDefaults {
     pub top_k: Option<i32>,
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
+    /// `--repeat-penalty`, `--repeat-last-n`, `--presence-penalty`, `--frequency-penalty`,
+    /// `--mirostat`, `--mirostat-lr` (eta), `--mirostat-ent` (tau), `--typical`.
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub mirostat: Option<i32>,
+    pub mirostat_eta: Option<f32>,
+    pub mirostat_tau: Option<f32>,
+    pub typical_p: Option<f32>,
     /// Tokens to generate (`--n-predict`), for a request that names no limit.
     pub n_predict: Option<i64>,
     /// Context shift (`--no-context-shift`: false), for a request that does not say (`shift`,
@@ -77,8 +88,9 @@ impl SamplingDefaults {
     }
 
     /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
-    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p, shift,
-    /// and the limit's names in `LIMIT_FIELDS`).
+    /// under the wire names every dialect shares: temperature, top_k, top_p, min_p,
+    /// repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, mirostat,
+    /// mirostat_eta, mirostat_tau, typical_p, shift, and the limit's names in `LIMIT_FIELDS`).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
         if let (Some(v), false) = (self.temperature, given("temperature")) {
             p.temperature = v;
@@ -91,6 +103,33 @@ impl SamplingDefaults {
         }
         if let (Some(v), false) = (self.min_p, given("min_p")) {
             p.min_p = v;
+        }
+        let floats = [
+            (self.repeat_penalty, "repeat_penalty", &mut p.repeat_penalty),
+            (
+                self.presence_penalty,
+                "presence_penalty",
+                &mut p.presence_penalty,
+            ),
+            (
+                self.frequency_penalty,
+                "frequency_penalty",
+                &mut p.frequency_penalty,
+            ),
+            (self.mirostat_eta, "mirostat_eta", &mut p.mirostat_eta),
+            (self.mirostat_tau, "mirostat_tau", &mut p.mirostat_tau),
+            (self.typical_p, "typical_p", &mut p.typical_p),
+        ];
+        for (default, name, field) in floats {
+            if let (Some(v), false) = (default, given(name)) {
+                *field = v;
+            }
+        }
+        if let (Some(v), false) = (self.repeat_last_n, given("repeat_last_n")) {
+            p.repeat_last_n = v;
+        }
+        if let (Some(v), false) = (self.mirostat, given("mirostat")) {
+            p.mirostat = v;
         }
         if let Some(v) = self
             .n_predict

@@ -271,8 +271,7 @@ mod tests {
             top_k: Some(7),
             top_p: None,
             min_p: Some(0.2),
-            n_predict: None,
-            shift: None,
+            ..SamplingDefaults::default()
         };
         let base = SamplingParams::default();
         let fill = |body: &str, in_options: bool| {
@@ -305,6 +304,53 @@ mod tests {
         assert_eq!(p, base);
     }
 
+    #[test]
+    fn the_penalty_mirostat_and_typical_defaults_fill_what_a_request_left_out() {
+        use crate::protocol::params::SamplingDefaults;
+        let defaults = SamplingDefaults {
+            repeat_penalty: Some(1.3),
+            repeat_last_n: Some(16),
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(0.25),
+            mirostat: Some(2),
+            mirostat_eta: Some(0.2),
+            mirostat_tau: Some(4.0),
+            typical_p: Some(0.9),
+            ..SamplingDefaults::default()
+        };
+        let base = SamplingParams::default();
+        let fill = |body: &str, in_options: bool| {
+            let mut p = base.clone();
+            defaults.fill_left_out(&mut p, body.as_bytes(), in_options);
+            p
+        };
+        let all = fill(r#"{"prompt": "x"}"#, false);
+        assert_eq!(
+            (all.repeat_penalty, all.repeat_last_n, all.presence_penalty),
+            (1.3, 16, 0.5)
+        );
+        assert_eq!((all.frequency_penalty, all.mirostat), (0.25, 2));
+        assert_eq!(
+            (all.mirostat_eta, all.mirostat_tau, all.typical_p),
+            (0.2, 4.0, 0.9)
+        );
+        // Each sent (at the top level, or in Ollama's options) keeps the request's value.
+        let sent = fill(
+            r#"{"options": {"repeat_penalty": 1.0, "mirostat": 0, "typical_p": 1.0}}"#,
+            true,
+        );
+        assert_eq!(
+            (sent.repeat_penalty, sent.mirostat, sent.typical_p),
+            (base.repeat_penalty, base.mirostat, base.typical_p)
+        );
+        assert_eq!(sent.presence_penalty, 0.5);
+        let sent = fill(r#"{"frequency_penalty": 0, "mirostat_tau": 5}"#, false);
+        assert_eq!(
+            (sent.frequency_penalty, sent.mirostat_tau),
+            (base.frequency_penalty, base.mirostat_tau)
+        );
+        assert_eq!(sent.repeat_last_n, 16);
+    }
     #[test]
     fn the_server_s_token_limit_fills_a_request_that_names_none() {
         use crate::protocol::params::SamplingDefaults;
