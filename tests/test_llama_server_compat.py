@@ -242,6 +242,62 @@ def test_the_server_s_sampling_flags_fill_what_requests_leave_out(tmp_path: Path
         assert len(texts) > 1, texts
 
 
+def test_the_server_s_penalty_and_mirostat_flags_fill_what_requests_leave_out(
+    tmp_path: Path,
+) -> None:
+    """``--repeat-penalty``, ``--mirostat`` and the rest (llama-server's): /props reports
+    them, and a request that leaves them out samples as one that sends the same values."""
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    flags = {
+        "repeat_penalty": 1.8,
+        "repeat_last_n": 32,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "mirostat": 2,
+        "mirostat_lr": 0.2,
+        "mirostat_ent": 4.0,
+        "typical": 0.9,
+    }
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2, **flags) as srv:
+        props = httpx.get(f"{srv.url}/props").json()["default_generation_settings"]["params"]
+        wire = {
+            "repeat_penalty": 1.8,
+            "repeat_last_n": 32,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.25,
+            "mirostat": 2,
+            "mirostat_eta": 0.2,
+            "mirostat_tau": 4.0,
+            "typical_p": 0.9,
+        }
+        for name, value in wire.items():
+            assert props[name] == pytest.approx(value), (name, props[name])
+        base = {"prompt": "Once upon a", "n_predict": 16, "temperature": 0.8, "seed": 7}
+        left_out = post(srv, "/completion", base).json()["content"]
+        assert post(srv, "/completion", {**base, **wire}).json()["content"] == left_out
+        chat = {"messages": CHAT, "max_tokens": 16, "temperature": 0.8, "seed": 7}
+        left_out = post(srv, "/v1/chat/completions", chat).json()["choices"][0]["message"]
+        sent = post(srv, "/v1/chat/completions", {**chat, **wire}).json()
+        assert sent["choices"][0]["message"] == left_out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--mirostat", "3"),
+        ("--typical", "1.5"),
+        ("--repeat-penalty", "-1"),
+        ("--repeat-last-n", "-2"),
+    ],
+)
+def test_a_bad_sampling_flag_is_refused_at_start(tmp_path: Path, flag: str, value: str) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf")
+    serve = [sys.executable, "-m", "llamarunner", "serve", str(model), "--port", "0"]
+    proc = subprocess.run([*serve, flag, value], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert flag.lstrip("-") in proc.stderr, proc.stderr
+
+
 def test_the_server_s_token_limit_and_context_shift_fill_what_requests_leave_out(
     tmp_path: Path,
 ) -> None:
