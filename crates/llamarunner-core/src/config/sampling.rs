@@ -7,111 +7,95 @@ use super::{ConfigError, RunnerConfig};
 use crate::protocol::params::SamplingDefaults;
 
 impl RunnerConfig {
-    /// Checks the sampling defaults (`validate`).
+    /// Checks the sampling defaults (`validate`): the first one out of its range is the error.
     pub(super) fn validate_sampling(&self) -> Result<(), ConfigError> {
         let unit = |v: f32| (0.0..=1.0).contains(&v);
         let non_negative = |v: f32| v.is_finite() && v >= 0.0;
-        for (name, value, ok, rule) in [
+        // Each default: its flag, whether it keeps its rule, its value as given, the rule.
+        let checks = [
             (
                 "temp",
-                self.temp,
-                self.temp.is_none_or(|t| t.is_finite() && t >= 0.0),
+                self.temp.is_none_or(non_negative),
+                given(self.temp),
                 "a number >= 0",
             ),
             (
                 "top-p",
-                self.top_p,
                 self.top_p.is_none_or(unit),
+                given(self.top_p),
                 "between 0 and 1",
             ),
             (
                 "min-p",
-                self.min_p,
                 self.min_p.is_none_or(unit),
+                given(self.min_p),
                 "between 0 and 1",
             ),
             (
                 "typical",
-                self.typical,
                 self.typical.is_none_or(unit),
+                given(self.typical),
                 "between 0 and 1",
             ),
             (
                 "repeat-penalty",
-                self.repeat_penalty,
                 self.repeat_penalty.is_none_or(non_negative),
+                given(self.repeat_penalty),
                 "a number >= 0",
             ),
             (
                 "presence-penalty",
-                self.presence_penalty,
                 self.presence_penalty.is_none_or(f32::is_finite),
+                given(self.presence_penalty),
                 "a finite number",
             ),
             (
                 "frequency-penalty",
-                self.frequency_penalty,
                 self.frequency_penalty.is_none_or(f32::is_finite),
+                given(self.frequency_penalty),
                 "a finite number",
             ),
             (
                 "mirostat-lr",
-                self.mirostat_lr,
                 self.mirostat_lr.is_none_or(non_negative),
+                given(self.mirostat_lr),
                 "a number >= 0",
             ),
             (
                 "mirostat-ent",
-                self.mirostat_ent,
                 self.mirostat_ent.is_none_or(non_negative),
+                given(self.mirostat_ent),
                 "a number >= 0",
             ),
-        ] {
-            if !ok {
-                return Err(ConfigError::BadSampling {
-                    name,
-                    rule,
-                    value: format!("{}", value.unwrap_or_default()),
-                });
-            }
-        }
-        if self.n_predict.is_some_and(|n| n < -1) {
-            return Err(ConfigError::BadSampling {
-                name: "n-predict",
-                rule: "-1 (no default) or more",
-                value: format!("{}", self.n_predict.unwrap_or_default()),
-            });
-        }
-        if self.top_k.is_some_and(|k| k < 0) {
-            return Err(ConfigError::BadSampling {
-                name: "top-k",
-                rule: "0 (off) or more",
-                value: format!("{}", self.top_k.unwrap_or_default()),
-            });
-        }
-        for (name, value, ok, rule) in [
+            (
+                "n-predict",
+                self.n_predict.is_none_or(|n| n >= -1),
+                given(self.n_predict),
+                "-1 (no default) or more",
+            ),
+            (
+                "top-k",
+                self.top_k.is_none_or(|k| k >= 0),
+                given(self.top_k),
+                "0 (off) or more",
+            ),
             (
                 "repeat-last-n",
-                self.repeat_last_n,
                 self.repeat_last_n.is_none_or(|n| n >= -1),
+                given(self.repeat_last_n),
                 "-1 (the slot) or more",
             ),
             (
                 "mirostat",
-                self.mirostat,
                 self.mirostat.is_none_or(|m| (0..=2).contains(&m)),
+                given(self.mirostat),
                 "0 (off), 1 or 2",
             ),
-        ] {
-            if !ok {
-                return Err(ConfigError::BadSampling {
-                    name,
-                    rule,
-                    value: format!("{}", value.unwrap_or_default()),
-                });
-            }
+        ];
+        match checks.into_iter().find(|(_, ok, _, _)| !ok) {
+            Some((name, _, value, rule)) => Err(ConfigError::BadSampling { name, rule, value }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The sampling defaults of requests that leave fields out (`--temp`, `--top-k`...).
@@ -133,4 +117,9 @@ impl RunnerConfig {
             shift: (!self.context_shift).then_some(false),
         }
     }
+}
+
+/// A default's value as an error message gives it (unset ones are never out of range).
+fn given<T: std::fmt::Display + Default>(v: Option<T>) -> String {
+    v.unwrap_or_default().to_string()
 }

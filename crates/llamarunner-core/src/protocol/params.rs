@@ -92,19 +92,10 @@ impl SamplingDefaults {
     /// repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, mirostat,
     /// mirostat_eta, mirostat_tau, typical_p, shift, and the limit's names in `LIMIT_FIELDS`).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
-        if let (Some(v), false) = (self.temperature, given("temperature")) {
-            p.temperature = v;
-        }
-        if let (Some(v), false) = (self.top_k, given("top_k")) {
-            p.top_k = v;
-        }
-        if let (Some(v), false) = (self.top_p, given("top_p")) {
-            p.top_p = v;
-        }
-        if let (Some(v), false) = (self.min_p, given("min_p")) {
-            p.min_p = v;
-        }
         let floats = [
+            (self.temperature, "temperature", &mut p.temperature),
+            (self.top_p, "top_p", &mut p.top_p),
+            (self.min_p, "min_p", &mut p.min_p),
             (self.repeat_penalty, "repeat_penalty", &mut p.repeat_penalty),
             (
                 self.presence_penalty,
@@ -125,11 +116,15 @@ impl SamplingDefaults {
                 *field = v;
             }
         }
-        if let (Some(v), false) = (self.repeat_last_n, given("repeat_last_n")) {
-            p.repeat_last_n = v;
-        }
-        if let (Some(v), false) = (self.mirostat, given("mirostat")) {
-            p.mirostat = v;
+        let ints = [
+            (self.top_k, "top_k", &mut p.top_k),
+            (self.repeat_last_n, "repeat_last_n", &mut p.repeat_last_n),
+            (self.mirostat, "mirostat", &mut p.mirostat),
+        ];
+        for (default, name, field) in ints {
+            if let (Some(v), false) = (default, given(name)) {
+                *field = v;
+            }
         }
         if let Some(v) = self
             .n_predict
