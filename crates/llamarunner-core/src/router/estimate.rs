@@ -511,6 +511,27 @@ mod tests {
         out
     }
 
+    /// `header()` followed by two tensor infos: a layer's F32 weight, then the token
+    /// embedding in Q8_0 (64 x 3 values).
+    fn header_with_tensors() -> Vec<u8> {
+        let mut out = header();
+        out[8..16].copy_from_slice(&2u64.to_le_bytes());
+        for (name, dims, kind) in [
+            ("blk.0.attn_q.weight", [64u64, 64], 0u32),
+            ("token_embd.weight", [64, 3], 8),
+        ] {
+            out.extend((name.len() as u64).to_le_bytes());
+            out.extend(name.as_bytes());
+            out.extend(2u32.to_le_bytes());
+            for d in dims {
+                out.extend(d.to_le_bytes());
+            }
+            out.extend(kind.to_le_bytes());
+            out.extend(0u64.to_le_bytes());
+        }
+        out
+    }
+
     fn shape_of(bytes: &[u8]) -> Result<Shape, String> {
         parse(&mut Header {
             inner: bytes.take(MAX_HEADER),
@@ -594,21 +615,7 @@ mod tests {
             parts.total - 4_000_000 - kv
         );
         // The token embedding's size comes from the tensor infos after the metadata.
-        let mut with_tensors = header();
-        with_tensors[8..16].copy_from_slice(&2u64.to_le_bytes());
-        for (name, dims, kind) in [
-            ("blk.0.attn_q.weight", [64u64, 64], 0u32),
-            ("token_embd.weight", [64, 3], 8),
-        ] {
-            with_tensors.extend((name.len() as u64).to_le_bytes());
-            with_tensors.extend(name.as_bytes());
-            with_tensors.extend(2u32.to_le_bytes());
-            for d in dims {
-                with_tensors.extend(d.to_le_bytes());
-            }
-            with_tensors.extend(kind.to_le_bytes());
-            with_tensors.extend(0u64.to_le_bytes());
-        }
+        let with_tensors = header_with_tensors();
         // Q8_0: 34 bytes per 32 values.
         let sized = shape_of(&with_tensors).expect("a header with tensors");
         assert_eq!(sized.token_embd_bytes, 64 * 3 / 32 * 34);
@@ -764,9 +771,31 @@ mod tests {
         // The first key's length: 2^60 bytes.
         huge[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());
         assert!(shape_of(&huge).is_err());
+        // Tensor infos cut anywhere, a tensor count of 2^60, a tensor of 2^32 - 1 dimensions
+        // or of dimensions whose product overflows: errors or a size, never a panic.
+        let tensors = header_with_tensors();
+        for end in full.len()..tensors.len() {
+            assert!(shape_of(&tensors[..end]).is_err(), "cut at {end}");
+        }
+        let mut many = tensors.clone();
+        many[8..16].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(shape_of(&many).is_err());
+        let dims_at = full.len() + 8 + "blk.0.attn_q.weight".len();
+        let mut deep = tensors.clone();
+        deep[dims_at..dims_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(shape_of(&deep).is_err());
+        let embd_dims = tensors.len() - 8 - 4 - 16;
+        let mut wide = tensors.clone();
+        wide[embd_dims..embd_dims + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        wide[embd_dims + 8..embd_dims + 16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(shape_of(&wide).map(|s| s.token_embd_bytes), Ok(u64::MAX));
         let mut x = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..2000 {
-            let mut bytes = full.clone();
+        for round in 0..4000 {
+            let mut bytes = if round % 2 == 0 {
+                full.clone()
+            } else {
+                tensors.clone()
+            };
             for _ in 0..4 {
                 x ^= x << 13;
                 x ^= x >> 7;
