@@ -162,7 +162,13 @@ def llamarunner_command(args: Sequence[str], model: str) -> list[str]:
             print(f"llama_server_shim: {flag} {value} dropped (no counterpart)", file=sys.stderr)
         i += 2 if takes else 1
     out += ["--parallel", str(parallel)]
-    # llama-server's defaults where ours differ: no context shift, no /metrics.
+    # llama-server's defaults where ours differ: every browser origin allowed (unless server
+    # tools or MCP servers are on, which make it loopback, ours always), no context shift, no
+    # /metrics.
+    explicit_origins = "--cors-origins" in args
+    tools = any(f in args for f in ("--tools", "--mcp-servers-config", "--mcp-servers-json"))
+    if not explicit_origins and not tools:
+        out += ["--allow-origin", "*"]
     if "--context-shift" not in out:
         out.append("--no-context-shift")
     if "--metrics" in out:

@@ -291,7 +291,7 @@ def test_errors_are_in_anthropics_shape(server: Server, client: anthropic.Anthro
     assert "temperature" in str(bad.value)
     for body, names in [
         ({"model": MODEL, "messages": HELLO}, "max_tokens"),
-        ({"model": MODEL, "max_tokens": 4, "messages": []}, "messages"),
+        ({"model": MODEL, "max_tokens": 4}, "messages"),
         (
             {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
             "messages.0.role",
@@ -319,6 +319,21 @@ def test_errors_are_in_anthropics_shape(server: Server, client: anthropic.Anthro
         assert names in err["error"]["message"], (names, err)
     r = httpx.get(f"{server.url}/v1/messages", timeout=10)
     assert r.status_code == 405 and r.json()["type"] == "error"
+    # An empty conversation is taken, as llama-server takes it (Anthropic's API refuses it), and
+    # so is a thinking budget under Anthropic's 1024: with or without a system prompt.
+    for body in [
+        {"model": MODEL, "max_tokens": 3, "messages": []},
+        {"model": MODEL, "max_tokens": 3, "messages": [], "system": "Be terse."},
+        {
+            "model": MODEL,
+            "max_tokens": 60,
+            "messages": HELLO,
+            "thinking": {"type": "enabled", "budget_tokens": 50},
+        },
+    ]:
+        r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+        assert r.status_code == 200, (body, r.text)
+        assert r.json()["type"] == "message"
 
 
 def test_the_api_key_is_read_from_x_api_key(tiny_model: Path) -> None:

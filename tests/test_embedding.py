@@ -103,6 +103,47 @@ def test_pieces_of_a_large_vocabulary_agree_with_one_piece(
         assert_agrees(r.json()["embedding"], reference_embedding(text, tensors))
 
 
+BIG_VOCAB_EXTRA = 70_000 - 269
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 70,000-token vocabulary: a generative model's embedding input is
+    decoded in pieces of 32 MiB of logits, 119 tokens here."""
+    path = tmp_path_factory.mktemp("pooling") / "big-vocab.gguf"
+    return write_tiny_model(path, extra_tokens=BIG_VOCAB_EXTRA)
+
+
+@pytest.mark.parametrize("pooling", ["none", "cls", "last", "mean"])
+def test_pooling_chooses_how_the_tokens_outputs_pool(
+    big_vocab_model: Path, start_server: Callable[..., Server], pooling: str
+) -> None:
+    """``--pooling`` over an input of three pieces: every token's output in order (none), the
+    first token's (cls), the last's (last), their mean (mean), as a forward pass over the
+    whole input gives them. With none, the routes whose clients read one vector per input
+    refuse."""
+    srv = start_server(big_vocab_model, ctx_size=1024, flash_attn="on", pooling=pooling)
+    text = random_text(300, seed=3)
+    tokens = byte_tokens(text)
+    rows = hidden_states(tokens, model_tensors(extra_tokens=BIG_VOCAB_EXTRA))
+    r = httpx.post(f"{srv.url}/embedding", json={"content": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()["embedding"]
+    if pooling != "none":
+        want = {"cls": rows[0], "last": rows[-1], "mean": rows.mean(axis=0)}[pooling]
+        assert_agrees(got, want)
+        return
+    assert len(got) == len(tokens) and all(len(row) == N_EMBD for row in got)
+    # One token's output, unlike a mean, keeps its rounding (float16 keys and values): 1e-3.
+    np.testing.assert_allclose(np.array(got), rows, rtol=0, atol=1e-3)
+    for path, body in [
+        ("/v1/embeddings", {"input": text}),
+        ("/api/embed", {"model": "big-vocab", "input": text}),
+    ]:
+        r = httpx.post(f"{srv.url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and "--pooling none" in r.text, (path, r.text)
+
+
 def test_independent_of_concurrent_work(small_batch: Server) -> None:
     client = small_batch.client()
     alone = client.embed("hello world")

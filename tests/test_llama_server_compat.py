@@ -477,6 +477,20 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
                 streamed.append(json.loads(line[len("data: ") :]))
     ids = [t for e in streamed if not e["stop"] for t in e["tokens"]]
     assert ids == answer["tokens"], streamed
+    # After the sampler chain (`post_sampling_probs`): probabilities of what top-k 3 left,
+    # each position's summing to one, the sampled token among them; greedy: all on its pick.
+    for extra, k in (({"temperature": 1.0, "top_k": 3, "seed": 5}, 3), ({}, 1)):
+        post_chain = {**body, **extra, "n_probs": 5, "post_sampling_probs": True}
+        probs = post(tiny_server, "/completion", post_chain).json()["completion_probabilities"]
+        assert len(probs) == 4
+        for p in probs:
+            assert "logprob" not in p and "top_logprobs" not in p, p
+            top = p["top_probs"]
+            assert 1 <= len(top) <= k and all(0.0 < t["prob"] <= 1.0 for t in top), p
+            assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-4), p
+            assert p["id"] in [t["id"] for t in top] and 0.0 < p["prob"] <= 1.0, p
+            if k == 1:
+                assert p["prob"] == 1.0, p
     # Token ids as the prompt.
     ids = post(tiny_server, "/tokenize", {"content": "hello"}).json()["tokens"]
     r = post(tiny_server, "/completion", {"prompt": ids, "n_predict": 2})
@@ -516,7 +530,6 @@ def test_completion_in_llama_server_s_format(tiny_server: Server) -> None:
     assert json.loads(r.text.splitlines()[-1])["done"] is True
     for bad in (
         {"prompt": "hi", "n_predict": 2, "n_probs": 21},
-        {"prompt": "hi", "n_predict": 2, "n_probs": 2, "post_sampling_probs": True},
         {"prompt": "hi", "n_predict": 2, "grammar": 'root ::= "a"', "json_schema": {}},
         {"prompt": ["a", "b"], "n_predict": 2, "stream": True},
         {"prompt": "hi", "n_predict": 2, "logit_bias": 3},

@@ -113,6 +113,7 @@ def write_tiny_model(
     heads: tuple[int, int] = (N_HEAD, N_HEAD_KV),
     fim: tuple[str, ...] = (),
     split_max_tensors: int = 0,
+    pooling: PoolingType | None = None,
 ) -> Path:
     """Writes the tiny model (in files of ``split_max_tensors`` tensors each, named
     ``STEM-00001-of-0000N.gguf``, when not 0); ``tensors`` replaces the tensors of
@@ -120,7 +121,7 @@ def write_tiny_model(
     (quantized KV caches need a head size that is a multiple of 32: ``heads=(2, 1)``).
     ``fim`` names fill-in-the-middle tokens of `FIM_TOKENS` ("pre", "suf", "mid", "rep",
     "sep") for the first extra tokens to be: a code model's vocabulary (``<x0>`` is the
-    first named, and so on)."""
+    first named, and so on). ``pooling`` names a pooling type: an embedding model's GGUF."""
     extra_tokens = max(extra_tokens, len(fim))
     w = GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     w.add_name("tiny-test-llama")
@@ -130,6 +131,8 @@ def write_tiny_model(
         w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", FIRST_EXTRA_TOKEN + i)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if pooling is not None:
+        w.add_pooling_type(pooling)
     if tensors is None:
         tensors = model_tensors(
             seed=seed, always_eos=always_eos, extra_tokens=extra_tokens, heads=heads

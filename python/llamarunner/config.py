@@ -104,6 +104,7 @@ class ServerConfig:
     chat_template: str | None = _D["chat_template"]
     system_prompt: str | None = _D["system_prompt"]
     reasoning_format: str = _D["reasoning_format"]
+    pooling: str = _D["pooling"]
     reasoning: str = _D["reasoning"]
     api_key: list[str] = _D["api_key"]
     api_key_file: str | None = _D["api_key_file"]

@@ -384,6 +384,16 @@ SERVER_SETTINGS = _table(
         choices=("auto", "none"),
     ),
     Setting(
+        "pooling",
+        str,
+        "auto",
+        "how an embedding input's token outputs become its embedding (llama-server's flag): "
+        "auto is the model's own pooling, else the mean; mean, cls (the first token's), last "
+        "(the last token's), or none: one vector per token, served by /embedding alone "
+        "(default {default})",
+        choices=("auto", "mean", "cls", "last", "none"),
+    ),
+    Setting(
         "reasoning",
         str,
         "auto",

@@ -94,7 +94,8 @@ impl Runner {
             .with_verbose_answers(config.verbose)
             .with_default_seed(config.seed)
             .with_sampling_defaults(config.sampling_defaults())
-            .with_system_prompt(config.system_prompt.as_deref());
+            .with_system_prompt(config.system_prompt.as_deref())
+            .with_pooling(config.pooling);
         if let Some(m) = metrics {
             state = state.with_metrics(m);
         }

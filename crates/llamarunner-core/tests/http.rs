@@ -669,3 +669,120 @@ async fn deterministic_output_is_refused_where_the_server_cannot_give_it_and_sai
     assert_eq!(props["deterministic"], false);
     handle.shutdown();
 }
+
+/// A generative model reranks by judging each document (one single-token generation each,
+/// as many at once as there are slots): every document scored once, in (0, 1), best first,
+/// the same scores for the same request, the prompts' tokens counted; an empty query or no
+/// documents is a 400.
+#[tokio::test]
+async fn a_generative_model_reranks_by_judging_each_document() {
+    // One token per byte: a judgement's prompt is a few hundred.
+    let (app, handle) = app(FakeConfig {
+        slot_ctx: 1024,
+        ..FakeConfig::default()
+    });
+    let docs = [
+        "the cat",
+        "a dog",
+        "hello world",
+        "the cat and the dog",
+        "of",
+    ];
+    let body = json!({"query": "cat", "documents": docs}).to_string();
+    let (status, text) = post_to(&app, "/v1/rerank", &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let results = v["results"].as_array().unwrap();
+    let mut indices: Vec<u64> = results
+        .iter()
+        .map(|r| r["index"].as_u64().unwrap())
+        .collect();
+    let scores: Vec<f64> = results
+        .iter()
+        .map(|r| r["relevance_score"].as_f64().unwrap())
+        .collect();
+    assert!(scores.iter().all(|s| (0.0..=1.0).contains(s)), "{scores:?}");
+    assert!(scores.windows(2).all(|w| w[0] >= w[1]), "{scores:?}");
+    let tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        tokens > docs.iter().map(|d| d.len() as u64).sum::<u64>(),
+        "{v}"
+    );
+    indices.sort_unstable();
+    assert_eq!(indices, vec![0, 1, 2, 3, 4]);
+    // Greedy judgements: the same request, the same scores; top_n and TEI's shape.
+    let (_, again) = post_to(&app, "/v1/rerank", &body).await;
+    let again: Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(again["results"], v["results"]);
+    let top = json!({"query": "cat", "documents": docs, "top_n": 2}).to_string();
+    let (_, text) = post_to(&app, "/rerank", &top).await;
+    let top: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(top["results"].as_array().unwrap()[..], results[..2]);
+    let tei = json!({"query": "cat", "texts": docs}).to_string();
+    let (status, text) = post_to(&app, "/rerank", &tei).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    // A judgement longer than a slot is refused, whatever `truncate` says.
+    let long = json!({"query": "cat", "documents": ["x".repeat(2000)], "truncate": true});
+    let (status, text) = post_to(&app, "/v1/rerank", &long.to_string()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("exceed_context_size_error"), "{text}");
+    for bad in [
+        json!({"query": "cat", "documents": []}),
+        json!({"documents": docs}),
+        json!({"query": "cat", "documents": [1, 2]}),
+    ] {
+        let (status, text) = post_to(&app, "/v1/rerank", &bad.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad} {text}");
+    }
+    handle.shutdown();
+}
+
+/// `--pooling none`: `/embedding` answers one vector per token; the routes whose clients read
+/// one vector per input refuse it; an input whose vectors would pass `MAX_UNPOOLED_VALUES` is
+/// refused before the queue.
+#[tokio::test]
+async fn unpooled_embeddings_are_per_token_and_bounded() {
+    let (handle, inbox) = EngineHandle::new(8);
+    let config = FakeConfig {
+        slot_ctx: (1 << 20) + 64,
+        ..FakeConfig::default()
+    };
+    std::thread::spawn(move || Engine::with_backend(FakeBackend::new(config), 1, inbox).run());
+    while handle.health.state() != llamarunner_core::protocol::LoadState::Ready {
+        std::thread::yield_now();
+    }
+    let state =
+        AppState::new(handle.clone(), "fake").with_pooling(llamarunner_core::config::Pooling::None);
+    let app = router(state);
+    let (status, text) = post_to(&app, "/embedding", r#"{"content":"hello"}"#).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    // The fake gives 8 values in all: one row of its 8 dimensions.
+    let rows = v["embedding"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{v}");
+    assert_eq!(rows[0].as_array().unwrap().len(), 8, "{v}");
+    for (path, body) in [
+        ("/v1/embeddings", r#"{"input":"hello"}"#),
+        ("/embeddings", r#"{"input":"hello"}"#),
+        ("/api/embed", r#"{"model":"fake","input":"hello"}"#),
+        ("/api/embeddings", r#"{"model":"fake","prompt":"hello"}"#),
+    ] {
+        let (status, text) = post_to(&app, path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {text}");
+        assert!(text.contains("--pooling none"), "{path} {text}");
+    }
+    // 8 dimensions × (2^20 + 1) tokens (BOS and a byte each) is past 8 Mi values.
+    let long = json!({"content": "x".repeat(1 << 20)}).to_string();
+    let (status, text) = post_to(&app, "/embedding", &long).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("--pooling none"), "{text}");
+    handle.shutdown();
+}

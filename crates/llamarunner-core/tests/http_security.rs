@@ -302,6 +302,7 @@ async fn foreign_origins_are_refused_local_and_listed_ones_get_cors() {
         .await;
         assert_eq!(a.status, StatusCode::OK, "{origin}");
         assert_eq!(a.headers["access-control-allow-origin"], origin);
+        assert_eq!(a.headers["access-control-allow-credentials"], "true");
     }
     for (path, shape) in [
         ("/completion", Shape::Native),
@@ -369,6 +370,7 @@ async fn preflight_is_answered_without_a_key_and_errors_carry_cors() {
         .unwrap()
         .to_lowercase();
     assert!(allowed.contains("authorization"), "{allowed}");
+    assert_eq!(a.headers["access-control-allow-credentials"], "true");
 
     // A foreign page's preflight: 200 without CORS headers (its browser stops the call, as
     // llama-server's answer makes it), and the call itself, made anyway, is a 403.

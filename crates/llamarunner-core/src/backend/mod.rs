@@ -163,8 +163,18 @@ pub trait Sampling {
         }
     }
     /// Log-probabilities at batch position `index` (raw logits, before any sampler): the
-    /// sampled `token`'s and the `top` most likely ones.
-    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob;
+    /// sampled `token`'s, the `top` most likely ones and the `asked` ones.
+    fn logprobs(&self, index: usize, token: Token, top: usize, asked: &[Token]) -> TokenLogprob;
+    /// Log-probabilities after the sampler chain at `sampler`'s oldest pick not yet reported
+    /// (`SamplingParams::post_sampling_probs`; each pick is reported once, in order): the
+    /// sampled `token`'s and its `top` most probable survivors', zero-probability tokens left
+    /// out. None when the sampler kept none (it was not asked to).
+    fn post_sampling_logprobs(
+        &self,
+        sampler: &mut Self::Sampler,
+        token: Token,
+        top: usize,
+    ) -> Option<TokenLogprob>;
 }
 
 /// The KV cache's sequences: cut, shift, fork, sliding-window checkpoints, whole states.

@@ -297,8 +297,20 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extras: &RenderExtras,
     ) -> Result<String, TemplateError> {
-        let template = self
-            .env
+        // An empty conversation (Anthropic's `messages: []`, which llama-server takes) is
+        // rendered with lookups on undefined values chained, as llama.cpp's Jinja does them:
+        // templates read `messages[0]['role']` unguarded. Any other conversation keeps
+        // Python Jinja's rules.
+        let chainable;
+        let env = if messages.is_empty() {
+            let mut env = self.env.clone();
+            env.set_undefined_behavior(minijinja::UndefinedBehavior::Chainable);
+            chainable = env;
+            &chainable
+        } else {
+            &self.env
+        };
+        let template = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TemplateError::Render(e.to_string()))?;
         // Today's date first (a request's kwargs may set its own), then the request's template
@@ -348,7 +360,7 @@ impl ChatTemplate {
                 let mut missing: Vec<String> = template
                     .undeclared_variables(false)
                     .into_iter()
-                    .filter(|v| !given.contains(v) && !self.env.globals().any(|(g, _)| g == v))
+                    .filter(|v| !given.contains(v) && !env.globals().any(|(g, _)| g == v))
                     .collect();
                 missing.sort();
                 if !missing.is_empty() {
@@ -405,6 +417,8 @@ mod tests {
         );
         let no_prompt = t.render(&conversation()[1..2], false).unwrap();
         assert_eq!(no_prompt, "<start_of_turn>user\nHi<end_of_turn>\n");
+        // No messages at all (its `messages[0]['role']` is undefined, not an error).
+        assert_eq!(t.render(&[], true).unwrap(), "<start_of_turn>model\n");
     }
 
     /// The exact text of every built-in template for the whole conversation, with and without

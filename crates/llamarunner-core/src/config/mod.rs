@@ -67,6 +67,24 @@ pub enum ReasoningFormat {
     None,
 }
 
+/// How an embedding input's per-token outputs become its embedding (`--pooling`,
+/// llama-server's flag).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The model's own (a GGUF's `pooling_type`), else the mean of the tokens'.
+    #[default]
+    Auto,
+    /// The mean of the tokens' outputs.
+    Mean,
+    /// The first token's output.
+    Cls,
+    /// The last token's output.
+    Last,
+    /// None: every token's output, one vector each (served by `/embedding` alone).
+    None,
+}
+
 /// Whether chat templates are asked to think (`--reasoning`, llama-server's flag): the
 /// `enable_thinking` a chat request's template gets when the request does not say (Ollama's
 /// `think`, `chat_template_kwargs.enable_thinking`, `reasoning_effort`).
@@ -212,6 +230,8 @@ pub struct RunnerConfig {
     pub reasoning_format: ReasoningFormat,
     /// Whether chat templates think by default (`--reasoning on|off|auto`).
     pub reasoning: Reasoning,
+    /// How embeddings pool the tokens' outputs (`--pooling`).
+    pub pooling: Pooling,
     /// API keys; with any (here or in `api_key_file`), every route but `GET /health` needs one.
     pub api_key: Vec<String>,
     /// A file of API keys, one per line (blank lines and `#` comments ignored).
@@ -319,6 +339,7 @@ impl Default for RunnerConfig {
             chat_template: None,
             reasoning_format: ReasoningFormat::Auto,
             reasoning: Reasoning::Auto,
+            pooling: Pooling::Auto,
             api_key: Vec::new(),
             api_key_file: None,
             allow_origin: Vec::new(),

@@ -13,18 +13,20 @@ use axum::Json;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::config::Pooling;
 use crate::http::error::ApiError;
 use crate::http::AppState;
 use crate::protocol::Event;
 use crate::requests::common::{
-    chat_prompt, embed_all, ensure_ready, model_info, parse_json, parse_messages, start_generation,
-    Chat,
+    chat_prompt, check_embedder, embed_all, embed_tokens, ensure_ready, model_info, parse_json,
+    parse_messages, start_generation, Chat, MAX_UNPOOLED_VALUES,
 };
 use crate::requests::format::grammar_for_format;
 use crate::requests::image_prompt::{self, Prompt};
 use crate::requests::keyed::Keyed;
 use crate::requests::options::Options;
 use crate::requests::tool_calls::{self, ChatOutput, OutPiece};
+use crate::requests::validate;
 
 /// Body of `POST /completion`. Unknown fields are ignored, as in the Ollama runner; the Go
 /// runner's capitalized keys are accepted too.
@@ -302,12 +304,50 @@ pub async fn embedding(State(state): State<AppState>, body: Bytes) -> Result<Res
     ensure_ready(&state)?;
     let req: EmbeddingRequest = parse_json(&body)?;
     let content = required("content", req.content)?;
-    let embedding = embed_all(&state, vec![content], req.truncate.unwrap_or(false))
+    let truncate = req.truncate.unwrap_or(false);
+    if state.pooling != Pooling::None {
+        let embedding = embed_all(&state, vec![content], truncate)
+            .await?
+            .pop()
+            .ok_or_else(|| ApiError::Internal("no embedding returned".into()))?;
+        return Ok(Json(EmbeddingAnswer {
+            embedding: Vectors::One(embedding.vector),
+            prompt_eval_count: embedding.prompt_eval_count,
+            truncated: embedding.truncated,
+        })
+        .into_response());
+    }
+    // `--pooling none`: one vector per token, bounded before the queue.
+    let info = model_info(&state)?;
+    check_embedder(&info)?;
+    let (tokens, cut) = validate::embedding_input(&info, content, truncate).await?;
+    let width = info.n_embd.max(1) as usize;
+    let values = tokens.len().saturating_mul(width);
+    if values > MAX_UNPOOLED_VALUES {
+        return Err(ApiError::ContextLength(format!(
+            "with --pooling none the answer holds a vector of {width} values per token: at \
+             most {} tokens, the content has {}",
+            MAX_UNPOOLED_VALUES / width,
+            tokens.len()
+        )));
+    }
+    let embedding = embed_tokens(&state, vec![(tokens, cut)])
         .await?
         .pop()
         .ok_or_else(|| ApiError::Internal("no embedding returned".into()))?;
+    if embedding.vector.len() % width != 0 {
+        return Err(ApiError::Internal(format!(
+            "{} per-token values are no whole number of {width}-value vectors",
+            embedding.vector.len()
+        )));
+    }
+    let rows = embedding
+        .vector
+        .chunks(width)
+        .map(<[f32]>::to_vec)
+        .collect();
     Ok(Json(EmbeddingAnswer {
-        embedding: embedding.vector,
+        embedding: Vectors::PerToken(rows),
         prompt_eval_count: embedding.prompt_eval_count,
         truncated: embedding.truncated,
     })
@@ -389,13 +429,33 @@ struct ErrorBody {
 /// The answer of `POST /embedding`.
 #[derive(Debug, Serialize)]
 struct EmbeddingAnswer {
-    /// The vector, not normalized.
-    #[serde(serialize_with = "f32s_as_f64s")]
-    embedding: Vec<f32>,
+    /// The vector (with `--pooling none`, one per token), not normalized.
+    embedding: Vectors,
     /// The content's tokens.
     prompt_eval_count: usize,
     /// Whether the content was cut to fit.
     truncated: bool,
+}
+
+/// One embedding, or one per token (`--pooling none`).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Vectors {
+    /// The input's.
+    One(#[serde(serialize_with = "f32s_as_f64s")] Vec<f32>),
+    /// Each token's, in order.
+    PerToken(#[serde(serialize_with = "rows_as_f64s")] Vec<Vec<f32>>),
+}
+
+/// Rows of `f32`s written as `f64`s.
+fn rows_as_f64s<S: Serializer>(rows: &[Vec<f32>], s: S) -> Result<S::Ok, S::Error> {
+    struct Row<'a>(&'a [f32]);
+    impl Serialize for Row<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            f32s_as_f64s(self.0, s)
+        }
+    }
+    s.collect_seq(rows.iter().map(|r| Row(r)))
 }
 
 /// `f32`s written as `f64`s, as `json!` wrote them.

@@ -1,9 +1,11 @@
 //! Reranking: `POST /v1/rerank` (and llama-server's aliases `/rerank`, `/reranking`,
-//! `/v1/reranking`) for reranker models (llama.cpp's rank pooling). The request and answer are
+//! `/v1/reranking`) by a reranker model (llama.cpp's rank pooling) or a generative model's
+//! judgement (`requests/rerank.rs`). The request and answer are
 //! Jina's and Cohere's shape as llama-server serves them (`query`, `documents`, `top_n` ->
 //! `results` of `index` and `relevance_score`, best first), or Hugging Face TEI's when the body
 //! names its documents `texts` (an array of `index` and `score`). Scores are the model's own
-//! (a logit for BERT-style heads, a probability for Qwen3-style ones), not rescaled. The
+//! (a logit for BERT-style heads, a probability for Qwen3-style ones), not rescaled; a
+//! generative model's are its probability of yes against no. The
 //! answers are serde types (at the end of this file), their fields declared in the order they
 //! are written; scores, `f32`s, are written as `f64`s as `json!` wrote them.
 
@@ -17,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::http::error::{ApiError, Dialect};
 use crate::http::AppState;
 use crate::requests::common::{embed_tokens, model_info, parse_json};
-use crate::requests::rerank;
+use crate::requests::rerank::{self, Reranker};
 
 /// A document as clients send it: a string, or (Jina, Cohere v1) an object with `text`.
 #[derive(Debug, Deserialize)]
@@ -72,7 +74,7 @@ pub async fn rerank(State(state): State<AppState>, uri: Uri, body: Bytes) -> Res
 async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     let info = model_info(state)?;
     let req: RerankRequest = parse_json(body)?;
-    rerank::format_of(&info)?;
+    let method = rerank::reranker(&info)?;
     let query = req
         .query
         .ok_or_else(|| ApiError::field("query", " is required: a string"))?;
@@ -109,18 +111,27 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         req.return_documents.unwrap_or(false)
     };
     let kept = if echo { documents.clone() } else { Vec::new() };
-    let pairs = rerank::pairs(&info, query, documents, req.truncate.unwrap_or(false)).await?;
-    let embedded = embed_tokens(state, pairs).await?;
-    let tokens: usize = embedded.iter().map(|e| e.prompt_eval_count).sum();
-    let scores = embedded
-        .iter()
-        .map(|e| {
-            e.vector
-                .first()
-                .copied()
-                .ok_or_else(|| ApiError::Internal("the reranker gave no score".into()))
-        })
-        .collect::<Result<Vec<f32>, _>>()?;
+    let (scores, tokens) = match method {
+        Reranker::Pooled(_) => {
+            let truncate = req.truncate.unwrap_or(false);
+            let pairs = rerank::pairs(&info, query, documents, truncate).await?;
+            let embedded = embed_tokens(state, pairs).await?;
+            let tokens: usize = embedded.iter().map(|e| e.prompt_eval_count).sum();
+            let scores = embedded
+                .iter()
+                .map(|e| {
+                    e.vector
+                        .first()
+                        .copied()
+                        .ok_or_else(|| ApiError::Internal("the reranker gave no score".into()))
+                })
+                .collect::<Result<Vec<f32>, _>>()?;
+            (scores, tokens)
+        }
+        // A judgement that does not fit a slot is refused (`truncate` cuts a reranker's pair,
+        // where the end of a document is what goes; here it would be the question).
+        Reranker::Judge => rerank::judge(state, &info, &query, &documents).await?,
+    };
     let order = rerank::ranked(&scores, top_n);
     if tei {
         let results: Vec<TeiResult> = order

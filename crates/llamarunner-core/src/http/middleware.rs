@@ -11,9 +11,10 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::{
-    ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS, ACCESS_CONTROL_ALLOW_ORIGIN,
-    ACCESS_CONTROL_MAX_AGE, ACCESS_CONTROL_REQUEST_HEADERS, ACCESS_CONTROL_REQUEST_METHOD,
-    AUTHORIZATION, CONTENT_LENGTH, EXPECT, HOST, ORIGIN, VARY, WWW_AUTHENTICATE,
+    ACCESS_CONTROL_ALLOW_CREDENTIALS, ACCESS_CONTROL_ALLOW_HEADERS, ACCESS_CONTROL_ALLOW_METHODS,
+    ACCESS_CONTROL_ALLOW_ORIGIN, ACCESS_CONTROL_MAX_AGE, ACCESS_CONTROL_REQUEST_HEADERS,
+    ACCESS_CONTROL_REQUEST_METHOD, AUTHORIZATION, CONTENT_LENGTH, EXPECT, HOST, ORIGIN, VARY,
+    WWW_AUTHENTICATE,
 };
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{from_fn_with_state, Next};
@@ -224,8 +225,9 @@ pub fn apply(router: Router, policy: Arc<HttpPolicy>) -> Router {
         .layer(from_fn_with_state(policy, check_host_and_origin))
 }
 
-/// Methods a page may use, as preflights are told (`DELETE /v1/responses/{id}` among them).
-const CORS_METHODS: &str = "GET, HEAD, POST, DELETE";
+/// Methods a page may use, as preflights are told (`DELETE /v1/responses/{id}` among them;
+/// `HEAD` is a CORS-safelisted method that needs no listing). llama-server's list.
+const CORS_METHODS: &str = "GET, POST, DELETE, OPTIONS";
 
 /// How long a browser may cache a preflight's answer, in seconds.
 const CORS_MAX_AGE: &str = "600";
@@ -236,7 +238,9 @@ const PREFLIGHT_VARY: &str =
 
 /// The answer to a CORS preflight from an allowed `origin`: 200 (as llama-server answers; any
 /// 2xx is a preflight's "ok status"), the methods, the headers it asked for (`Authorization`
-/// among them, which a wildcard would not cover) and no body.
+/// among them, which a wildcard would not cover: llama-server's `*` does not let a page send
+/// its key), credentials allowed (as llama-server allows them: no answer here depends on a
+/// cookie, keys come in `Authorization`) and no body.
 fn preflight(origin: &HeaderValue, headers: &HeaderMap) -> Response {
     let mut response = StatusCode::OK.into_response();
     let h = response.headers_mut();
@@ -244,6 +248,10 @@ fn preflight(origin: &HeaderValue, headers: &HeaderMap) -> Response {
     h.insert(
         ACCESS_CONTROL_ALLOW_METHODS,
         HeaderValue::from_static(CORS_METHODS),
+    );
+    h.insert(
+        ACCESS_CONTROL_ALLOW_CREDENTIALS,
+        HeaderValue::from_static("true"),
     );
     if let Some(asked) = headers.get(ACCESS_CONTROL_REQUEST_HEADERS) {
         h.insert(ACCESS_CONTROL_ALLOW_HEADERS, asked.clone());
@@ -315,6 +323,10 @@ async fn check_host_and_origin(
     let mut response = next.run(req).await;
     let h = response.headers_mut();
     h.insert(ACCESS_CONTROL_ALLOW_ORIGIN, origin);
+    h.insert(
+        ACCESS_CONTROL_ALLOW_CREDENTIALS,
+        HeaderValue::from_static("true"),
+    );
     h.append(VARY, HeaderValue::from_static("origin"));
     response
 }

@@ -61,6 +61,9 @@ pub struct AppState {
     pub sampling_defaults: crate::protocol::params::SamplingDefaults,
     /// The system message of a conversation that has none (`--system-prompt`).
     pub system_prompt: Option<Arc<str>>,
+    /// How embeddings pool the tokens' outputs (`--pooling`): with none, only `/embedding`
+    /// serves them (one vector per token).
+    pub pooling: crate::config::Pooling,
 }
 
 impl AppState {
@@ -82,6 +85,7 @@ impl AppState {
             default_seed: -1,
             sampling_defaults: Default::default(),
             system_prompt: None,
+            pooling: crate::config::Pooling::Auto,
         }
     }
 
@@ -141,6 +145,12 @@ impl AppState {
     ) -> Self {
         self.reasoning_format = format;
         self.reasoning = reasoning;
+        self
+    }
+
+    /// The same state with embeddings pooled this way (`--pooling`).
+    pub fn with_pooling(mut self, pooling: crate::config::Pooling) -> Self {
+        self.pooling = pooling;
         self
     }
 

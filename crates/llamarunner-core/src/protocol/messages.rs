@@ -24,6 +24,8 @@ pub struct TokenLogprob {
     pub sampled: TopLogprob,
     /// The most likely tokens at that position, best first.
     pub top: Vec<TopLogprob>,
+    /// The tokens the request asked about (`SamplingParams::logprobs_of`), in its order.
+    pub asked: Vec<TopLogprob>,
 }
 
 /// Why a sequence ended.

@@ -185,6 +185,14 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(crate::protocol::Token, f32)>,
     /// Report each sampled token's log-probability and this many alternatives (None = off).
     pub logprobs: Option<usize>,
+    /// Report them after the sampler chain instead of the model's (llama-server's
+    /// `post_sampling_probs`): the sampled token's and the most probable survivors' shares of
+    /// the distribution the chain sampled from.
+    pub post_sampling_probs: bool,
+    /// Tokens whose log-probabilities (the model's) are reported at each position besides
+    /// the top ones (`TokenLogprob::asked`): a generative model's "yes" and "no" when it
+    /// reranks.
+    pub logprobs_of: Vec<crate::protocol::Token>,
     /// LoRA adapter scales (None: the server's defaults, which the HTTP side fills in before
     /// the queue; the engine reads None as the base model).
     pub lora: Option<crate::protocol::LoraScales>,
@@ -280,6 +288,8 @@ impl Default for SamplingParams {
             truncate: true,
             logit_bias: Vec::new(),
             logprobs: None,
+            post_sampling_probs: false,
+            logprobs_of: Vec::new(),
             lora: None,
             speculative: None,
             cache_prompt: true,

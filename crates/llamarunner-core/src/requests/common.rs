@@ -632,10 +632,11 @@ pub async fn embed_inputs(
             inputs.len()
         )));
     }
-    if info.rerank.is_some() {
+    check_embedder(&info)?;
+    if state.pooling == crate::config::Pooling::None {
         return Err(ApiError::invalid(
-            "this model is a reranker (its pooling is rank): its pooled output is a relevance \
-             score, not an embedding; rank documents with POST /v1/rerank",
+            "this server embeds with --pooling none: one vector per token, which only POST \
+             /embedding serves (this API's clients read one vector per input)",
         ));
     }
     let mut valid = Vec::with_capacity(inputs.len());
@@ -647,6 +648,21 @@ pub async fn embed_inputs(
     }
     embed_tokens(state, valid).await
 }
+
+/// A 400 for a reranker, whose pooled output is a score, not an embedding.
+pub fn check_embedder(info: &ModelInfo) -> Result<(), ApiError> {
+    if info.rerank.is_some() {
+        return Err(ApiError::invalid(
+            "this model is a reranker (its pooling is rank): its pooled output is a relevance \
+             score, not an embedding; rank documents with POST /v1/rerank",
+        ));
+    }
+    Ok(())
+}
+
+/// Most values (tokens × dimensions) of one input's per-token embeddings (`--pooling none`):
+/// 8 Mi floats, 32 MiB as numbers and about ten times that as JSON text.
+pub const MAX_UNPOOLED_VALUES: usize = 8 << 20;
 
 /// Embeds inputs already tokenized and fitted (`(tokens, whether cut)`), one after another
 /// (see `embed_all`), and records the tokens embedded on the access line.

@@ -101,8 +101,17 @@ impl<B: Backend> Scheduler<B> {
             return Some(DoneReason::Stop);
         }
         if let Some(top) = seq.params.logprobs {
-            seq.outbox_logprobs
-                .push(self.backend.logprobs(at, token, top));
+            let after_chain = if seq.params.post_sampling_probs {
+                self.backend
+                    .post_sampling_logprobs(&mut seq.sampler, token, top)
+            } else {
+                None
+            };
+            let logprob = after_chain.unwrap_or_else(|| {
+                self.backend
+                    .logprobs(at, token, top, &seq.params.logprobs_of)
+            });
+            seq.outbox_logprobs.push(logprob);
         }
         let pushed = seq.text.push(&self.backend.token_bytes(token));
         seq.outbox.push_str(&pushed.text);

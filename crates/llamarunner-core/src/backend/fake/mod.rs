@@ -458,7 +458,7 @@ impl Sampling for FakeBackend {
         }
     }
 
-    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
+    fn logprobs(&self, index: usize, token: Token, top: usize, asked: &[Token]) -> TokenLogprob {
         assert!(
             self.outputs.contains_key(&index),
             "log-probabilities of batch index {index}, which has no logits (scheduler bug)"
@@ -477,10 +477,50 @@ impl Sampling for FakeBackend {
                 .map(|(i, t)| entry(t, -1.0 - i as f32)),
         );
         alternatives.truncate(top);
+        // An asked token's: the sampled one's, else the letters' by their place, else -20.
+        let asked = asked
+            .iter()
+            .map(|&t| {
+                let logprob = if t == token {
+                    -0.1
+                } else {
+                    (b'a' as Token..=b'z' as Token)
+                        .filter(|&l| l != token)
+                        .position(|l| l == t)
+                        .map_or(-20.0, |i| -1.0 - i as f32)
+                };
+                entry(t, logprob)
+            })
+            .collect();
         TokenLogprob {
             sampled: entry(token, -0.1),
             top: alternatives,
+            asked,
         }
+    }
+
+    /// The fake's picks are certain: the sampled token holds all the probability.
+    fn post_sampling_logprobs(
+        &self,
+        _sampler: &mut FakeSampler,
+        token: Token,
+        top: usize,
+    ) -> Option<TokenLogprob> {
+        let sampled = TopLogprob {
+            token,
+            bytes: self.token_bytes(token),
+            logprob: 0.0,
+        };
+        let top = if top > 0 {
+            vec![sampled.clone()]
+        } else {
+            Vec::new()
+        };
+        Some(TokenLogprob {
+            sampled,
+            top,
+            asked: Vec::new(),
+        })
     }
 }
 

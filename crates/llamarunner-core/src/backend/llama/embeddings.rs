@@ -1,5 +1,5 @@
 //! Embeddings: a context of their own, made at the first request, pooled by the model or
-//! mean-pooled piece by piece.
+//! piece by piece here (`--pooling`: mean, the first token's, the last's, or every token's).
 
 use std::num::NonZeroU32;
 
@@ -9,6 +9,7 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::token::LlamaToken;
 
 use crate::backend::Embeddings;
+use crate::config::Pooling;
 use crate::protocol::{BackendError, Token};
 
 use super::LlamaEngine;
@@ -17,8 +18,25 @@ use super::LlamaEngine;
 pub(super) struct EmbedParams {
     pub(super) threads: i32,
     pub(super) flash_attn: llama_cpp_sys_2::llama_flash_attn_type,
-    /// Use the model's own pooling type; otherwise mean pooling.
+    /// The model names its pooling type (an embedding model, often non-causal): its whole
+    /// input is decoded in one batch and pooled by llama.cpp; otherwise (a generative model)
+    /// the per-token outputs are pooled here, piece by piece.
     pub(super) pooled_by_model: bool,
+    /// `--pooling`: the model's own (auto), or the one asked for.
+    pub(super) pooling: Pooling,
+}
+
+impl EmbedParams {
+    /// llama.cpp's pooling for an embedding model's context.
+    fn model_pooling(&self) -> LlamaPoolingType {
+        match self.pooling {
+            Pooling::Auto => LlamaPoolingType::Unspecified,
+            Pooling::Mean => LlamaPoolingType::Mean,
+            Pooling::Cls => LlamaPoolingType::Cls,
+            Pooling::Last => LlamaPoolingType::Last,
+            Pooling::None => LlamaPoolingType::None,
+        }
+    }
 }
 
 impl Embeddings for LlamaEngine<'_> {
@@ -44,7 +62,7 @@ impl Embeddings for LlamaEngine<'_> {
         if self.embed_params.pooled_by_model {
             return self.embed_pooled(tokens).map(Some);
         }
-        self.embed_mean_piece(tokens, start, last)
+        self.embed_in_pieces(tokens, start, last)
     }
 }
 
@@ -65,7 +83,7 @@ impl<'m> LlamaEngine<'m> {
             // is mean-pooled here, piece by piece through its causal KV cache, from per-token
             // embeddings (pooling none), so only a piece's logits are ever allocated.
             let (pooling, batch) = if self.embed_params.pooled_by_model {
-                (LlamaPoolingType::Unspecified, n)
+                (self.embed_params.model_pooling(), n)
             } else {
                 let chunk = u32::try_from(self.embed_chunk()).unwrap_or(n);
                 (LlamaPoolingType::None, chunk)
@@ -98,16 +116,19 @@ impl<'m> LlamaEngine<'m> {
 }
 
 impl LlamaEngine<'_> {
-    /// One piece of a generative model's embedding: the mean of its per-token output
-    /// embeddings, decoded `embed_chunk` tokens at a time, one piece per scheduler step, through
-    /// its causal KV cache (the same values llama.cpp's mean pooling gives over one batch,
-    /// without its n_tokens × n_vocab logits buffer or a long stall of the other sequences).
-    fn embed_mean_piece(
+    /// One piece of a generative model's embedding, decoded `embed_chunk` tokens at a time,
+    /// one piece per scheduler step, through its causal KV cache (the values llama.cpp's
+    /// pooling gives over one batch, without its n_tokens × n_vocab logits buffer or a long
+    /// stall of the other sequences), pooled as `--pooling` says: the mean of the per-token
+    /// outputs (auto, mean), the first's (cls), the last's (last), or all of them in order
+    /// (none).
+    fn embed_in_pieces(
         &mut self,
         tokens: &[Token],
         start: usize,
         last: bool,
     ) -> Result<Option<Vec<f32>>, BackendError> {
+        let pooling = self.embed_params.pooling;
         let mut sum = std::mem::take(&mut self.embed_sum);
         let ctx = self.embedding_context()?;
         if start == 0 {
@@ -119,11 +140,18 @@ impl LlamaEngine<'_> {
                 let row = ctx
                     .embeddings_ith(i32::try_from(j).unwrap_or(i32::MAX))
                     .map_err(|e| BackendError::Decode(e.to_string()))?;
-                if sum.is_empty() {
-                    sum = vec![0.0; row.len()];
-                }
-                for (s, &x) in sum.iter_mut().zip(row) {
-                    *s += f64::from(x);
+                let row = row.iter().map(|&x| f64::from(x));
+                match pooling {
+                    Pooling::Auto | Pooling::Mean => {
+                        if sum.is_empty() {
+                            sum = vec![0.0; row.len()];
+                        }
+                        sum.iter_mut().zip(row).for_each(|(s, x)| *s += x);
+                    }
+                    Pooling::Cls if start + j == 0 => sum = row.collect(),
+                    Pooling::Cls => {}
+                    Pooling::Last => sum = row.collect(),
+                    Pooling::None => sum.extend(row),
                 }
             }
             Ok(())
@@ -136,7 +164,10 @@ impl LlamaEngine<'_> {
             self.embed_sum = sum;
             return Ok(None);
         }
-        let n = (start + tokens.len()).max(1) as f64;
+        let n = match pooling {
+            Pooling::Auto | Pooling::Mean => (start + tokens.len()).max(1) as f64,
+            _ => 1.0,
+        };
         Ok(Some(sum.into_iter().map(|s| (s / n) as f32).collect()))
     }
 
@@ -145,17 +176,27 @@ impl LlamaEngine<'_> {
     /// more than `EMBED_LOGITS_BYTES` is freed after the request.
     fn embed_pooled(&mut self, tokens: &[Token]) -> Result<Vec<f32>, BackendError> {
         let n_vocab = usize::try_from(self.model.n_vocab()).unwrap_or(0);
+        let unpooled = self.embed_params.pooling == Pooling::None;
         let ctx = self.embedding_context()?;
         ctx.clear_kv_cache();
-        // No pooled embedding (the context has embeddings on, so the pooling is none): the
-        // last token's.
-        let result = decode_piece(ctx, tokens, 0).and_then(|()| match ctx.embeddings_seq_ith(0) {
-            Ok(v) => Ok(v.to_vec()),
-            Err(_) => {
-                let last = i32::try_from(tokens.len().saturating_sub(1)).unwrap_or(0);
-                ctx.embeddings_ith(last)
+        // `--pooling none`: every token's output, in order. Else the pooled embedding, or,
+        // where there is none (the model's pooling type is none), the last token's.
+        let result = decode_piece(ctx, tokens, 0).and_then(|()| {
+            let row = |j: usize| {
+                ctx.embeddings_ith(i32::try_from(j).unwrap_or(i32::MAX))
                     .map(<[f32]>::to_vec)
                     .map_err(|e| BackendError::Decode(e.to_string()))
+            };
+            if unpooled {
+                let mut all = Vec::new();
+                for j in 0..tokens.len() {
+                    all.extend(row(j)?);
+                }
+                return Ok(all);
+            }
+            match ctx.embeddings_seq_ith(0) {
+                Ok(v) => Ok(v.to_vec()),
+                Err(_) => row(tokens.len().saturating_sub(1)),
             }
         });
         ctx.clear_kv_cache();

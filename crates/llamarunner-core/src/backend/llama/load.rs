@@ -282,6 +282,7 @@ pub fn load<R>(
         threads,
         flash_attn: ctx_flash_attn(config.effective_flash_attn()),
         pooled_by_model: model_has_pooling_type(model),
+        pooling: config.pooling,
     };
     let sampling_threads = config.effective_sampling_threads();
     let engine = LlamaEngine::new(

@@ -10,6 +10,7 @@ use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
 
 use rayon::prelude::*;
+use std::collections::VecDeque;
 
 use crate::backend::{Pick, Sampling, Text};
 use crate::protocol::params::SamplingParams;
@@ -27,6 +28,46 @@ pub struct ChainSampler {
     /// The tokens the chain is handed instead of the whole vocabulary, when its first cut is
     /// a top-k or greedy (`backend/shortlist.rs`).
     shortlist: Option<crate::backend::shortlist::Shortlist>,
+    /// With `post_sampling_probs`: how many survivors of the chain each pick keeps, and the
+    /// picks' distributions not yet reported, oldest first.
+    kept: Option<(usize, VecDeque<Survivors>)>,
+}
+
+/// What the chain left at one pick: the selected token's probability and the most probable
+/// survivors (token, probability), best first, none of them zero.
+struct Survivors {
+    selected: f32,
+    top: Vec<(LlamaToken, f32)>,
+}
+
+impl Survivors {
+    /// The chain's candidates after it ran (`data`, with `selected`), as probabilities: the
+    /// shares its final stage computed (`dist` normalizes over the survivors), or, where it
+    /// computed none (greedy), all of it on the selected token.
+    fn of(data: &[LlamaTokenData], selected: Option<usize>, keep: usize) -> Self {
+        let total: f64 = data.iter().map(|d| f64::from(d.p().max(0.0))).sum();
+        let share = |d: &LlamaTokenData, i: usize| -> f32 {
+            if total > 0.0 {
+                (f64::from(d.p().max(0.0)) / total) as f32
+            } else if Some(i) == selected {
+                1.0
+            } else {
+                0.0
+            }
+        };
+        let mut top: Vec<(LlamaToken, f32)> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.id(), share(d, i)))
+            .filter(|&(_, p)| p > 0.0)
+            .collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0 .0.cmp(&b.0 .0)));
+        top.truncate(keep);
+        let selected = selected
+            .and_then(|i| data.get(i).map(|d| share(d, i)))
+            .unwrap_or(0.0);
+        Self { selected, top }
+    }
 }
 
 thread_local! {
@@ -190,10 +231,14 @@ impl Sampling for LlamaEngine<'_> {
                 seed.iter().for_each(|&t| list.accept(t));
             }
         }
+        let kept = p
+            .post_sampling_probs
+            .then(|| (p.logprobs.unwrap_or(0), VecDeque::new()));
         Ok(ChainSampler {
             chain,
             guide,
             shortlist,
+            kept,
         })
     }
 
@@ -220,7 +265,7 @@ impl Sampling for LlamaEngine<'_> {
         });
     }
 
-    fn logprobs(&self, index: usize, token: Token, top: usize) -> TokenLogprob {
+    fn logprobs(&self, index: usize, token: Token, top: usize, asked: &[Token]) -> TokenLogprob {
         let logits = self.logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
@@ -253,7 +298,32 @@ impl Sampling for LlamaEngine<'_> {
                 .filter_map(|i| Token::try_from(i).ok())
                 .map(entry)
                 .collect(),
+            asked: asked.iter().map(|&t| entry(t)).collect(),
         }
+    }
+
+    fn post_sampling_logprobs(
+        &self,
+        sampler: &mut ChainSampler,
+        token: Token,
+        top: usize,
+    ) -> Option<TokenLogprob> {
+        let survivors = sampler.kept.as_mut()?.1.pop_front()?;
+        let entry = |t: Token, p: f32| TopLogprob {
+            token: t,
+            bytes: self.token_bytes(t),
+            logprob: p.ln(),
+        };
+        Some(TokenLogprob {
+            sampled: entry(token, survivors.selected),
+            top: survivors
+                .top
+                .iter()
+                .take(top)
+                .map(|&(t, p)| entry(t.0, p))
+                .collect(),
+            asked: Vec::new(),
+        })
     }
 }
 
@@ -292,7 +362,10 @@ fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Op
         chain,
         guide,
         shortlist,
+        kept,
     } = sampler;
+    let keep = kept.as_ref().map(|k| k.0);
+    let mut survivors = None;
     let Some(guide) = guide.as_mut() else {
         let token = match shortlist.as_mut() {
             // What llama_sampler_sample does, on the shortlist instead of every token.
@@ -301,14 +374,23 @@ fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Op
                     .candidates(logits)
                     .into_iter()
                     .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
-                let token = apply_chain(chain, listed)?.id();
+                let token = apply_chain(chain, listed, keep, &mut survivors)?.id();
                 list.accept(token.0);
                 token
             }
             // llama_sampler_sample itself: every token's logit, in id order.
-            None => apply_chain(chain, (0u32..).zip(logits.iter().copied()))?.id(),
+            None => apply_chain(
+                chain,
+                (0u32..).zip(logits.iter().copied()),
+                keep,
+                &mut survivors,
+            )?
+            .id(),
         };
         chain.accept(token);
+        if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
+            queue.push_back(s);
+        }
         return Some(token.0);
     };
     // The chain picks from all logits; only when the guide refuses that pick does it pick
@@ -317,8 +399,13 @@ fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Op
     let choose = |mask: Option<&llguidance::toktrie::SimpleVob>| {
         let allowed = (0u32..).zip(logits.iter().copied());
         let picked = match mask {
-            None => apply_chain(chain, allowed),
-            Some(m) => apply_chain(chain, allowed.filter(|&(t, _)| m.is_allowed(t))),
+            None => apply_chain(chain, allowed, keep, &mut survivors),
+            Some(m) => apply_chain(
+                chain,
+                allowed.filter(|&(t, _)| m.is_allowed(t)),
+                keep,
+                &mut survivors,
+            ),
         };
         // A pick the chain banned (`ignore_eos` bans end-of-generation tokens) is none.
         picked
@@ -329,15 +416,24 @@ fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Op
     let token = LlamaToken(i32::try_from(token).ok()?);
     chain.accept(token);
     guide.accept(token.0 as u32, &bytes(token));
+    // The distribution of the chain's last run (the masked one, when the first pick was
+    // refused).
+    if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
+        queue.push_back(s);
+    }
     Some(token.0)
 }
 
 /// Runs `chain` on the `candidates` (token, logit) as `llama_sampler_sample` runs it on every
 /// token's logit, without accepting the pick: the entry it selected, None when there were no
-/// candidates or it selected none. The candidates are laid out in this thread's buffer.
-pub(super) fn apply_chain(
+/// candidates or it selected none. The candidates are laid out in this thread's buffer. With
+/// `keep` (`post_sampling_probs`), `survivors` gets what the chain left: the selected token's
+/// probability and the `keep` most probable candidates'.
+fn apply_chain(
     chain: &mut LlamaSampler,
     candidates: impl Iterator<Item = (u32, f32)>,
+    keep: Option<usize>,
+    survivors: &mut Option<Survivors>,
 ) -> Option<LlamaTokenData> {
     SCRATCH.with(|scratch| {
         let mut data = std::mem::take(&mut *scratch.borrow_mut());
@@ -356,6 +452,9 @@ pub(super) fn apply_chain(
         let mut array = LlamaTokenDataArray::new(data, false);
         array.apply_sampler(chain);
         let picked = array.selected.and_then(|i| array.data.get(i)).copied();
+        if let Some(keep) = keep {
+            *survivors = Some(Survivors::of(&array.data, array.selected, keep));
+        }
         *scratch.borrow_mut() = array.data;
         picked
     })
@@ -411,6 +510,7 @@ mod tests {
             chain: LlamaSampler::chain_simple(stages),
             guide: None,
             shortlist,
+            kept: None,
         }
     }
 
@@ -429,6 +529,48 @@ mod tests {
             .max_by(|&a, &b| row[a].total_cmp(&row[b]))
             .and_then(|i| Token::try_from(i).ok())
             .unwrap_or(0)
+    }
+
+    /// With `post_sampling_probs`, each pick keeps the chain's survivors as shares of one:
+    /// top-k 40 leaves at most 40, summing to 1 with the sampled token among them; greedy puts
+    /// all of it on its pick; the picks are reported once each, in order.
+    #[test]
+    fn post_sampling_probabilities_are_the_chains_survivors() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let bytes = |_: LlamaToken| Vec::new();
+        for kind in [0u8, 2, 3, 4] {
+            let mut sampler = chain(kind, 500, 11);
+            sampler.kept = Some((50, VecDeque::new()));
+            let mut picked = Vec::new();
+            for _ in 0..3 {
+                let logits = row(&mut rng, 500);
+                picked.push(pick(&mut sampler, &logits, &bytes).unwrap());
+            }
+            let queue = &sampler.kept.as_ref().unwrap().1;
+            assert_eq!(queue.len(), 3);
+            for (s, &token) in queue.iter().zip(&picked) {
+                let sum: f32 = s.top.iter().map(|&(_, p)| p).sum();
+                assert!(
+                    s.top.iter().all(|&(_, p)| p > 0.0 && p <= 1.0),
+                    "kind {kind}"
+                );
+                assert!(s.top.windows(2).all(|w| w[0].1 >= w[1].1), "kind {kind}");
+                assert!(s.selected > 0.0, "kind {kind}");
+                // Kind 4 (min-p, top-p) may leave more survivors than are kept.
+                let listed = s.top.iter().any(|&(t, _)| t.0 == token);
+                assert!(listed || kind == 4, "kind {kind}");
+                match kind {
+                    3 => assert_eq!(s.top, vec![(LlamaToken(token), 1.0)]),
+                    0 | 2 => {
+                        assert!(
+                            s.top.len() <= 40 && (sum - 1.0).abs() < 1e-4,
+                            "{kind} {sum}"
+                        );
+                    }
+                    _ => assert!(sum <= 1.0 + 1e-4, "{kind} {sum}"),
+                }
+            }
+        }
     }
 
     proptest! {

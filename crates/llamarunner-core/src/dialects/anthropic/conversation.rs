@@ -31,12 +31,6 @@ pub(super) fn chat_messages(
             ))
         }
     }
-    if messages.is_empty() {
-        return Err(ApiError::field(
-            "messages",
-            ": at least one message is required",
-        ));
-    }
     for (i, m) in messages.iter().enumerate() {
         let at = format!("messages.{i}");
         let role = m.get("role").and_then(Value::as_str);
@@ -287,11 +281,20 @@ pub(super) fn tool_request(
     ToolRequest::parse(Some(&tools), choice.as_ref(), parallel)
 }
 
-/// The request's conversation, as the chat path reads it.
+/// The request's conversation, as the chat path reads it. `messages` is required; an empty one
+/// is taken, as llama-server takes it (Anthropic's API refuses it): the template renders the
+/// system prompt, if any, and the generation prompt.
 pub(super) fn conversation(req: &MessagesRequest) -> Result<Chat, ApiError> {
-    let messages = chat_messages(
-        req.system.as_ref(),
-        req.messages.as_deref().unwrap_or_default(),
-    )?;
+    let given = req
+        .messages
+        .as_deref()
+        .ok_or_else(|| ApiError::field("messages", ": Field required"))?;
+    let messages = chat_messages(req.system.as_ref(), given)?;
+    if messages.is_empty() {
+        return Ok(Chat {
+            messages: Vec::new(),
+            images: Vec::new(),
+        });
+    }
     parse_messages(messages)
 }

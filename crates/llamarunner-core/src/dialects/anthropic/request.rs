@@ -131,7 +131,8 @@ impl MessagesRequest {
     }
 
     /// `thinking`: `{"type": "enabled", "budget_tokens": N}` turns the template's reasoning on
-    /// (the budget must be at least 1024 and below `max_tokens`, as Anthropic's API checks;
+    /// (the budget must be positive and below `max_tokens`; Anthropic's API also wants 1024,
+    /// llama-server does not;
     /// the thinking is bounded by `max_tokens`), `{"type": "disabled"}` off; `adaptive`,
     /// `between_tools` or absent: the template's default.
     pub(super) fn think(&self) -> Result<Option<bool>, ApiError> {
@@ -149,10 +150,12 @@ impl MessagesRequest {
                     .ok_or_else(|| {
                         ApiError::field("thinking.budget_tokens", ": Field required (an integer)")
                     })?;
-                if budget < 1024 {
+                // Anthropic's API wants at least 1024; llama-server takes any, and a small
+                // model's thinking needs no such floor.
+                if budget < 1 {
                     return Err(ApiError::field(
                         "thinking.budget_tokens",
-                        ": must be at least 1024",
+                        ": must be a positive integer",
                     ));
                 }
                 if self.max_tokens.is_some_and(|m| budget >= m) {

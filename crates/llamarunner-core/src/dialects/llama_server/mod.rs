@@ -158,7 +158,8 @@ struct CompletionRequest {
     /// The most likely tokens at each position, with the sampled one's probability
     /// (`completion_probabilities`).
     n_probs: Option<u32>,
-    /// Probabilities after the sampler chain (refused: the engine reports the model's).
+    /// `completion_probabilities` after the sampler chain (`prob`, `top_probs`) instead of
+    /// the model's (`logprob`, `top_logprobs`).
     post_sampling_probs: Option<bool>,
     /// The generated tokens' ids in `tokens`.
     return_tokens: Option<bool>,
@@ -173,13 +174,6 @@ struct CompletionRequest {
 impl CompletionRequest {
     /// The sampling parameters: the request's, llama-server's defaults for the rest.
     fn params(&self, state: &AppState) -> Result<SamplingParams, ApiError> {
-        if self.post_sampling_probs == Some(true) {
-            return Err(ApiError::field(
-                "post_sampling_probs",
-                ": the probabilities given are the model's, before \
-                 sampling; leave it out",
-            ));
-        }
         if self.n_cmpl.is_some_and(|n| n != 1) {
             return Err(ApiError::field(
                 "n_cmpl",
@@ -219,6 +213,7 @@ impl CompletionRequest {
             // The engine reports each sampled token (and n_probs alternatives) when asked:
             // what completion_probabilities and tokens are made of.
             logprobs: (n_probs > 0 || self.return_tokens == Some(true)).then_some(n_probs),
+            post_sampling_probs: self.post_sampling_probs == Some(true),
             ..d
         };
         p.lora = state.lora.for_request(self.lora.as_ref())?;
@@ -247,6 +242,8 @@ struct Meta {
     return_tokens: bool,
     /// `n_probs` > 0: `completion_probabilities`.
     probabilities: bool,
+    /// `post_sampling_probs`: they are the sampler chain's probabilities.
+    post_sampling: bool,
 }
 
 impl Meta {
@@ -263,8 +260,12 @@ impl Meta {
     /// text (lossy where it is part of a character), bytes and log-probability, and the most
     /// likely tokens at its position.
     fn probabilities<'a>(&self, logprobs: &'a [TokenLogprob]) -> Option<Vec<Probability<'a>>> {
-        self.probabilities
-            .then(|| logprobs.iter().map(Probability::from).collect())
+        self.probabilities.then(|| {
+            logprobs
+                .iter()
+                .map(|l| Probability::new(l, self.post_sampling))
+                .collect()
+        })
     }
 
     /// A whole answer (`index`: its prompt's place among several) with the `tokens` and
@@ -381,6 +382,7 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         settings: settings.clone(),
         return_tokens: req.return_tokens == Some(true),
         probabilities: req.n_probs.is_some_and(|n| n > 0),
+        post_sampling: req.post_sampling_probs == Some(true),
     };
     if prompts.len() > 1 {
         if req.stream == Some(true) {

@@ -66,9 +66,11 @@ fn params_take_llama_server_s_defaults_and_refuse_what_is_not_given() {
         let req: CompletionRequest = serde_json::from_str(body).unwrap();
         assert_eq!(req.params(&state).unwrap().logprobs, logprobs, "{body}");
     }
+    let req: CompletionRequest =
+        serde_json::from_str(r#"{"n_probs": 2, "post_sampling_probs": true}"#).unwrap();
+    assert!(req.params(&state).unwrap().post_sampling_probs);
     for (body, wanted) in [
         (r#"{"n_probs": 21}"#, "n_probs must be at most 20"),
-        (r#"{"post_sampling_probs": true}"#, "post_sampling_probs"),
         (r#"{"n_cmpl": 2}"#, "n_cmpl"),
         (
             r#"{"grammar": "root ::= \"a\"", "json_schema": {}}"#,

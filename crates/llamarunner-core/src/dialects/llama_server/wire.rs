@@ -85,26 +85,41 @@ pub(super) struct Chunk<'a> {
 }
 
 /// One token's entry in `completion_probabilities`: the token and the most likely tokens at
-/// its position.
+/// its position, as log-probabilities of the model's distribution (`top_logprobs`) or, with
+/// `post_sampling_probs`, as probabilities of the sampler chain's (`top_probs`).
 #[derive(Debug, Serialize)]
 pub(super) struct Probability<'a> {
     /// The sampled token.
     #[serde(flatten)]
     pub(super) sampled: TokenProbability<'a>,
-    /// The most likely tokens at its position, best first.
-    pub(super) top_logprobs: Vec<TokenProbability<'a>>,
+    /// The most likely tokens at its position, best first (the model's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) top_logprobs: Option<Vec<TokenProbability<'a>>>,
+    /// The most probable tokens the sampler chain left, best first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) top_probs: Option<Vec<TokenProbability<'a>>>,
 }
 
-impl<'a> From<&'a TokenLogprob> for Probability<'a> {
-    fn from(l: &'a TokenLogprob) -> Self {
+impl<'a> Probability<'a> {
+    /// `l` as the model's log-probabilities, or (`post_sampling`) as the chain's
+    /// probabilities.
+    pub(super) fn new(l: &'a TokenLogprob, post_sampling: bool) -> Self {
+        let entry = |t: &'a TopLogprob| TokenProbability::new(t, post_sampling);
+        let top: Vec<TokenProbability<'a>> = l.top.iter().map(entry).collect();
+        let (top_logprobs, top_probs) = if post_sampling {
+            (None, Some(top))
+        } else {
+            (Some(top), None)
+        };
         Self {
-            sampled: TokenProbability::from(&l.sampled),
-            top_logprobs: l.top.iter().map(TokenProbability::from).collect(),
+            sampled: entry(&l.sampled),
+            top_logprobs,
+            top_probs,
         }
     }
 }
 
-/// A token with its log-probability.
+/// A token with its log-probability (or probability).
 #[derive(Debug, Serialize)]
 pub(super) struct TokenProbability<'a> {
     /// The token's id.
@@ -113,17 +128,23 @@ pub(super) struct TokenProbability<'a> {
     pub(super) token: Cow<'a, str>,
     /// The bytes it renders to.
     pub(super) bytes: &'a [u8],
-    /// Natural log of its probability.
-    pub(super) logprob: f64,
+    /// Natural log of its probability (the model's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) logprob: Option<f64>,
+    /// Its probability (the sampler chain's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) prob: Option<f64>,
 }
 
-impl<'a> From<&'a TopLogprob> for TokenProbability<'a> {
-    fn from(t: &'a TopLogprob) -> Self {
+impl<'a> TokenProbability<'a> {
+    fn new(t: &'a TopLogprob, as_probability: bool) -> Self {
+        let logprob = f64::from(t.logprob);
         Self {
             id: t.token,
             token: String::from_utf8_lossy(&t.bytes),
             bytes: &t.bytes,
-            logprob: f64::from(t.logprob),
+            logprob: (!as_probability).then_some(logprob),
+            prob: as_probability.then(|| logprob.exp()),
         }
     }
 }
