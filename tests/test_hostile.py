@@ -1030,6 +1030,7 @@ ROUTES = {
                 "grammar": GRAMMARS,
                 "json_schema": either(SCHEMAS),
                 "n_probs": either(SMALL_N),
+                "post_sampling_probs": BOOLS,
                 "return_tokens": BOOLS,
                 "cache_prompt": BOOLS,
                 "return_progress": BOOLS,
@@ -1088,6 +1089,24 @@ ROUTES = {
             "/embedding",
             st.fixed_dictionaries({"content": PROMPTS}),
             {"content": either(PROMPTS), "Content": either(PROMPTS), "truncate": BOOLS},
+        ),
+        Route(
+            "/v1/rerank",
+            st.fixed_dictionaries(
+                {"query": PROMPTS, "documents": st.lists(PROMPTS, min_size=1, max_size=3)}
+            ),
+            {
+                "query": either(PROMPTS),
+                "documents": either(
+                    st.lists(
+                        st.one_of(PROMPTS, st.fixed_dictionaries({"text": PROMPTS})), max_size=4
+                    )
+                ),
+                "texts": either(st.lists(PROMPTS, max_size=3)),
+                "top_n": either(INTS),
+                "truncate": BOOLS,
+                "return_documents": BOOLS,
+            },
         ),
         Route(
             "/apply-template",

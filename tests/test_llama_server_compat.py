@@ -245,8 +245,9 @@ def test_the_server_s_sampling_flags_fill_what_requests_leave_out(tmp_path: Path
 def test_the_server_s_penalty_and_mirostat_flags_fill_what_requests_leave_out(
     tmp_path: Path,
 ) -> None:
-    """``--repeat-penalty``, ``--mirostat`` and the rest (llama-server's): /props reports
-    them, and a request that leaves them out samples as one that sends the same values."""
+    """``--repeat-penalty``, ``--mirostat``, ``--dry-multiplier``, ``--xtc-probability`` and
+    the rest (llama-server's): /props reports them, and a request that leaves them out samples
+    as one that sends the same values."""
     model = write_tiny_model(tmp_path / "tiny.gguf")
     flags = {
         "repeat_penalty": 1.8,
@@ -257,6 +258,15 @@ def test_the_server_s_penalty_and_mirostat_flags_fill_what_requests_leave_out(
         "mirostat_lr": 0.2,
         "mirostat_ent": 4.0,
         "typical": 0.9,
+        "dry_multiplier": 0.8,
+        "dry_base": 2.0,
+        "dry_allowed_length": 3,
+        "dry_penalty_last_n": 64,
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.2,
+        "top_n_sigma": 1.5,
+        "dynatemp_range": 0.3,
+        "dynatemp_exp": 1.5,
     }
     with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2, **flags) as srv:
         props = httpx.get(f"{srv.url}/props").json()["default_generation_settings"]["params"]
@@ -269,6 +279,15 @@ def test_the_server_s_penalty_and_mirostat_flags_fill_what_requests_leave_out(
             "mirostat_eta": 0.2,
             "mirostat_tau": 4.0,
             "typical_p": 0.9,
+            "dry_multiplier": 0.8,
+            "dry_base": 2.0,
+            "dry_allowed_length": 3,
+            "dry_penalty_last_n": 64,
+            "xtc_probability": 0.5,
+            "xtc_threshold": 0.2,
+            "top_n_sigma": 1.5,
+            "dynatemp_range": 0.3,
+            "dynatemp_exponent": 1.5,
         }
         for name, value in wire.items():
             assert props[name] == pytest.approx(value), (name, props[name])
@@ -288,6 +307,11 @@ def test_the_server_s_penalty_and_mirostat_flags_fill_what_requests_leave_out(
         ("--typical", "1.5"),
         ("--repeat-penalty", "-1"),
         ("--repeat-last-n", "-2"),
+        ("--dry-multiplier", "-0.5"),
+        ("--dry-allowed-length", "-1"),
+        ("--xtc-probability", "1.5"),
+        ("--top-n-sigma", "nan"),
+        ("--dynatemp-range", "11"),
     ],
 )
 def test_a_bad_sampling_flag_is_refused_at_start(tmp_path: Path, flag: str, value: str) -> None:

@@ -527,6 +527,77 @@ SERVER_SETTINGS = _table(
         optional=True,
     ),
     Setting(
+        "dry_multiplier",
+        float,
+        None,
+        "DRY's strength for requests that give none (llama-server's --dry-multiplier; "
+        "0: off); unset: each API's own (off)",
+        optional=True,
+    ),
+    Setting(
+        "dry_base",
+        float,
+        None,
+        "DRY's base for requests that give none (llama-server's --dry-base: the penalty "
+        "grows as base^(repeat length - allowed length)); unset: 1.75",
+        optional=True,
+    ),
+    Setting(
+        "dry_allowed_length",
+        int,
+        None,
+        "the repeat length DRY lets pass for requests that give none (llama-server's "
+        "--dry-allowed-length); unset: 2",
+        optional=True,
+    ),
+    Setting(
+        "dry_penalty_last_n",
+        int,
+        None,
+        "the tokens DRY looks back over for requests that give none (llama-server's "
+        "--dry-penalty-last-n; -1: the slot); unset: -1",
+        optional=True,
+    ),
+    Setting(
+        "xtc_probability",
+        float,
+        None,
+        "how often XTC acts for requests that give none (llama-server's "
+        "--xtc-probability; 0: off); unset: off",
+        optional=True,
+    ),
+    Setting(
+        "xtc_threshold",
+        float,
+        None,
+        "XTC's threshold for requests that give none (llama-server's --xtc-threshold); unset: 0.1",
+        optional=True,
+    ),
+    Setting(
+        "top_n_sigma",
+        float,
+        None,
+        "top-n-sigma for requests that give none (llama-server's --top-n-sigma; 0 or "
+        "less: off); unset: off",
+        optional=True,
+    ),
+    Setting(
+        "dynatemp_range",
+        float,
+        None,
+        "the dynamic temperature's range for requests that give none (llama-server's "
+        "--dynatemp-range; 0: off); unset: off",
+        optional=True,
+    ),
+    Setting(
+        "dynatemp_exp",
+        float,
+        None,
+        "the dynamic temperature's exponent for requests that give none (llama-server's "
+        "--dynatemp-exp); unset: 1",
+        optional=True,
+    ),
+    Setting(
         "timeout",
         float,
         0.0,

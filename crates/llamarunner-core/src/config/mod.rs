@@ -285,6 +285,24 @@ pub struct RunnerConfig {
     pub mirostat_ent: Option<f32>,
     /// The locally typical sampling of requests that give none (`--typical`; 1: off).
     pub typical: Option<f32>,
+    /// DRY's strength for requests that give none (`--dry-multiplier`; 0: off).
+    pub dry_multiplier: Option<f32>,
+    /// DRY's base (`--dry-base`).
+    pub dry_base: Option<f32>,
+    /// The repeat length DRY lets pass (`--dry-allowed-length`).
+    pub dry_allowed_length: Option<i32>,
+    /// The tokens DRY looks back over (`--dry-penalty-last-n`; -1: the slot).
+    pub dry_penalty_last_n: Option<i32>,
+    /// How often XTC acts (`--xtc-probability`; 0: off).
+    pub xtc_probability: Option<f32>,
+    /// XTC's threshold (`--xtc-threshold`).
+    pub xtc_threshold: Option<f32>,
+    /// Top-n-sigma (`--top-n-sigma`; <= 0: off).
+    pub top_n_sigma: Option<f32>,
+    /// The dynamic temperature's range (`--dynatemp-range`; 0: off).
+    pub dynatemp_range: Option<f32>,
+    /// The dynamic temperature's exponent (`--dynatemp-exp`).
+    pub dynatemp_exp: Option<f32>,
     /// Wall-time limit of one request, in seconds; 0 = none.
     pub timeout: f64,
     /// Directory of slot files (`POST /slots/{id}?action=save|restore`), made if missing;
@@ -364,6 +382,15 @@ impl Default for RunnerConfig {
             mirostat_lr: None,
             mirostat_ent: None,
             typical: None,
+            dry_multiplier: None,
+            dry_base: None,
+            dry_allowed_length: None,
+            dry_penalty_last_n: None,
+            xtc_probability: None,
+            xtc_threshold: None,
+            top_n_sigma: None,
+            dynatemp_range: None,
+            dynatemp_exp: None,
             timeout: 0.0,
             slot_save_path: None,
         }

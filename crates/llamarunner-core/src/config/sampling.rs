@@ -1,5 +1,5 @@
 //! The server's sampling defaults (llama-server's `--temp`, `--top-k`, `--repeat-penalty`,
-//! `--mirostat`... flags): checked at start by the rules a request's own values keep
+//! `--mirostat`, `--dry-multiplier`, `--xtc-probability`... flags): checked at start by the rules a request's own values keep
 //! (`requests::validate::check_options`), so that no default can make every request fail, and
 //! handed to the dialects as `SamplingDefaults`.
 
@@ -11,6 +11,7 @@ impl RunnerConfig {
     pub(super) fn validate_sampling(&self) -> Result<(), ConfigError> {
         let unit = |v: f32| (0.0..=1.0).contains(&v);
         let non_negative = |v: f32| v.is_finite() && v >= 0.0;
+        let up_to = |max: f32| move |v: f32| (0.0..=max).contains(&v);
         // Each default: its flag, whether it keeps its rule, its value as given, the rule.
         let checks = [
             (
@@ -91,6 +92,60 @@ impl RunnerConfig {
                 given(self.mirostat),
                 "0 (off), 1 or 2",
             ),
+            (
+                "dry-multiplier",
+                self.dry_multiplier.is_none_or(up_to(100.0)),
+                given(self.dry_multiplier),
+                "between 0 and 100",
+            ),
+            (
+                "dry-base",
+                self.dry_base.is_none_or(up_to(100.0)),
+                given(self.dry_base),
+                "between 0 and 100",
+            ),
+            (
+                "dry-allowed-length",
+                self.dry_allowed_length.is_none_or(|n| n >= 0),
+                given(self.dry_allowed_length),
+                "0 or more",
+            ),
+            (
+                "dry-penalty-last-n",
+                self.dry_penalty_last_n.is_none_or(|n| n >= -1),
+                given(self.dry_penalty_last_n),
+                "-1 (the slot) or more",
+            ),
+            (
+                "xtc-probability",
+                self.xtc_probability.is_none_or(unit),
+                given(self.xtc_probability),
+                "between 0 and 1",
+            ),
+            (
+                "xtc-threshold",
+                self.xtc_threshold.is_none_or(unit),
+                given(self.xtc_threshold),
+                "between 0 and 1",
+            ),
+            (
+                "top-n-sigma",
+                self.top_n_sigma.is_none_or(|v| v.is_finite() && v <= 100.0),
+                given(self.top_n_sigma),
+                "at most 100 (0 or less: off)",
+            ),
+            (
+                "dynatemp-range",
+                self.dynatemp_range.is_none_or(up_to(10.0)),
+                given(self.dynatemp_range),
+                "between 0 and 10",
+            ),
+            (
+                "dynatemp-exp",
+                self.dynatemp_exp.is_none_or(up_to(100.0)),
+                given(self.dynatemp_exp),
+                "between 0 and 100",
+            ),
         ];
         match checks.into_iter().find(|(_, ok, _, _)| !ok) {
             Some((name, _, value, rule)) => Err(ConfigError::BadSampling { name, rule, value }),
@@ -113,6 +168,15 @@ impl RunnerConfig {
             mirostat_eta: self.mirostat_lr,
             mirostat_tau: self.mirostat_ent,
             typical_p: self.typical,
+            dry_multiplier: self.dry_multiplier,
+            dry_base: self.dry_base,
+            dry_allowed_length: self.dry_allowed_length,
+            dry_penalty_last_n: self.dry_penalty_last_n,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
+            top_n_sigma: self.top_n_sigma,
+            dynatemp_range: self.dynatemp_range,
+            dynatemp_exponent: self.dynatemp_exp,
             n_predict: self.n_predict.filter(|n| *n >= 0).map(i64::from),
             shift: (!self.context_shift).then_some(false),
         }

@@ -112,7 +112,7 @@ fn out_of_range_values_are_named() {
         (defaults.typical_p, defaults.repeat_last_n),
         (Some(1.0), Some(-1))
     );
-    let bad_ones: [(RunnerConfig, &str); 9] = [
+    let bad_ones: [(RunnerConfig, &str); 18] = [
         (
             RunnerConfig {
                 repeat_penalty: Some(-1.0),
@@ -175,6 +175,69 @@ fn out_of_range_values_are_named() {
                 ..good.clone()
             },
             "typical",
+        ),
+        (
+            RunnerConfig {
+                dry_multiplier: Some(-0.5),
+                ..good.clone()
+            },
+            "dry-multiplier",
+        ),
+        (
+            RunnerConfig {
+                dry_base: Some(f32::INFINITY),
+                ..good.clone()
+            },
+            "dry-base",
+        ),
+        (
+            RunnerConfig {
+                dry_allowed_length: Some(-1),
+                ..good.clone()
+            },
+            "dry-allowed-length",
+        ),
+        (
+            RunnerConfig {
+                dry_penalty_last_n: Some(-2),
+                ..good.clone()
+            },
+            "dry-penalty-last-n",
+        ),
+        (
+            RunnerConfig {
+                xtc_probability: Some(1.5),
+                ..good.clone()
+            },
+            "xtc-probability",
+        ),
+        (
+            RunnerConfig {
+                xtc_threshold: Some(f32::NAN),
+                ..good.clone()
+            },
+            "xtc-threshold",
+        ),
+        (
+            RunnerConfig {
+                top_n_sigma: Some(f32::NAN),
+                ..good.clone()
+            },
+            "top-n-sigma",
+        ),
+        (
+            RunnerConfig {
+                dynatemp_range: Some(11.0),
+                ..good.clone()
+            },
+            "dynatemp-range",
+        ),
+        (
+            RunnerConfig {
+                dynatemp_exp: Some(-1.0),
+                ..good.clone()
+            },
+            "dynatemp-exp",
         ),
     ];
     for (bad, name) in bad_ones {

@@ -28,6 +28,18 @@ pub struct SamplingDefaults {
     pub mirostat_eta: Option<f32>,
     pub mirostat_tau: Option<f32>,
     pub typical_p: Option<f32>,
+    /// `--dry-multiplier`, `--dry-base`, `--dry-allowed-length`, `--dry-penalty-last-n`,
+    /// `--xtc-probability`, `--xtc-threshold`, `--top-n-sigma`, `--dynatemp-range`,
+    /// `--dynatemp-exp` (`ExtraSamplers`).
+    pub dry_multiplier: Option<f32>,
+    pub dry_base: Option<f32>,
+    pub dry_allowed_length: Option<i32>,
+    pub dry_penalty_last_n: Option<i32>,
+    pub xtc_probability: Option<f32>,
+    pub xtc_threshold: Option<f32>,
+    pub top_n_sigma: Option<f32>,
+    pub dynatemp_range: Option<f32>,
+    pub dynatemp_exponent: Option<f32>,
     /// Tokens to generate (`--n-predict`), for a request that names no limit.
     pub n_predict: Option<i64>,
     /// Context shift (`--no-context-shift`: false), for a request that does not say (`shift`,
@@ -90,7 +102,8 @@ impl SamplingDefaults {
     /// Sets in `p` each default the request left out (`given(field)`: whether it sent it,
     /// under the wire names every dialect shares: temperature, top_k, top_p, min_p,
     /// repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, mirostat,
-    /// mirostat_eta, mirostat_tau, typical_p, shift, and the limit's names in `LIMIT_FIELDS`).
+    /// mirostat_eta, mirostat_tau, typical_p, the DRY, XTC, top-n-sigma and dynamic
+    /// temperature fields, shift, and the limit's names in `LIMIT_FIELDS`).
     pub fn fill(&self, p: &mut SamplingParams, given: impl Fn(&str) -> bool) {
         let floats = [
             (self.temperature, "temperature", &mut p.temperature),
@@ -110,6 +123,33 @@ impl SamplingDefaults {
             (self.mirostat_eta, "mirostat_eta", &mut p.mirostat_eta),
             (self.mirostat_tau, "mirostat_tau", &mut p.mirostat_tau),
             (self.typical_p, "typical_p", &mut p.typical_p),
+            (
+                self.dry_multiplier,
+                "dry_multiplier",
+                &mut p.samplers.dry_multiplier,
+            ),
+            (self.dry_base, "dry_base", &mut p.samplers.dry_base),
+            (
+                self.xtc_probability,
+                "xtc_probability",
+                &mut p.samplers.xtc_probability,
+            ),
+            (
+                self.xtc_threshold,
+                "xtc_threshold",
+                &mut p.samplers.xtc_threshold,
+            ),
+            (self.top_n_sigma, "top_n_sigma", &mut p.samplers.top_n_sigma),
+            (
+                self.dynatemp_range,
+                "dynatemp_range",
+                &mut p.samplers.dynatemp_range,
+            ),
+            (
+                self.dynatemp_exponent,
+                "dynatemp_exponent",
+                &mut p.samplers.dynatemp_exponent,
+            ),
         ];
         for (default, name, field) in floats {
             if let (Some(v), false) = (default, given(name)) {
@@ -120,6 +160,16 @@ impl SamplingDefaults {
             (self.top_k, "top_k", &mut p.top_k),
             (self.repeat_last_n, "repeat_last_n", &mut p.repeat_last_n),
             (self.mirostat, "mirostat", &mut p.mirostat),
+            (
+                self.dry_allowed_length,
+                "dry_allowed_length",
+                &mut p.samplers.dry_allowed_length,
+            ),
+            (
+                self.dry_penalty_last_n,
+                "dry_penalty_last_n",
+                &mut p.samplers.dry_penalty_last_n,
+            ),
         ];
         for (default, name, field) in ints {
             if let (Some(v), false) = (default, given(name)) {

@@ -351,6 +351,67 @@ mod tests {
         );
         assert_eq!(sent.repeat_last_n, 16);
     }
+
+    #[test]
+    fn the_dry_xtc_sigma_and_dynatemp_defaults_fill_what_a_request_left_out() {
+        use crate::protocol::params::SamplingDefaults;
+        let defaults = SamplingDefaults {
+            dry_multiplier: Some(0.8),
+            dry_base: Some(2.0),
+            dry_allowed_length: Some(3),
+            dry_penalty_last_n: Some(64),
+            xtc_probability: Some(0.5),
+            xtc_threshold: Some(0.2),
+            top_n_sigma: Some(1.5),
+            dynatemp_range: Some(0.3),
+            dynatemp_exponent: Some(1.5),
+            ..SamplingDefaults::default()
+        };
+        let base = SamplingParams::default();
+        let fill = |body: &str, in_options: bool| {
+            let mut p = base.clone();
+            defaults.fill_left_out(&mut p, body.as_bytes(), in_options);
+            p.samplers
+        };
+        let all = fill(r#"{"prompt": "x"}"#, false);
+        assert_eq!(
+            (all.dry_multiplier, all.dry_base, all.dry_allowed_length),
+            (0.8, 2.0, 3)
+        );
+        assert_eq!(
+            (
+                all.dry_penalty_last_n,
+                all.xtc_probability,
+                all.xtc_threshold
+            ),
+            (64, 0.5, 0.2)
+        );
+        assert_eq!(
+            (all.top_n_sigma, all.dynatemp_range, all.dynatemp_exponent),
+            (1.5, 0.3, 1.5)
+        );
+        // Each sent keeps the request's value (parsed by the caller: the base's here).
+        let d = &base.samplers;
+        let sent = fill(
+            r#"{"options": {"dry_multiplier": 0, "xtc_threshold": 0.1, "dynatemp_exponent": 1}}"#,
+            true,
+        );
+        assert_eq!(
+            (
+                sent.dry_multiplier,
+                sent.xtc_threshold,
+                sent.dynatemp_exponent
+            ),
+            (d.dry_multiplier, d.xtc_threshold, d.dynatemp_exponent)
+        );
+        assert_eq!((sent.dry_base, sent.top_n_sigma), (2.0, 1.5));
+        let sent = fill(r#"{"dry_allowed_length": 2, "top_n_sigma": null}"#, false);
+        assert_eq!(
+            (sent.dry_allowed_length, sent.top_n_sigma),
+            (d.dry_allowed_length, 1.5)
+        );
+    }
+
     #[test]
     fn the_server_s_token_limit_fills_a_request_that_names_none() {
         use crate::protocol::params::SamplingDefaults;

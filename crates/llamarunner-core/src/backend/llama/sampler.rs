@@ -61,8 +61,18 @@ impl Survivors {
             .map(|(i, d)| (d.id(), share(d, i)))
             .filter(|&(_, p)| p > 0.0)
             .collect();
-        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0 .0.cmp(&b.0 .0)));
-        top.truncate(keep);
+        // Best first, ties by id; only the kept ones are sorted (a chain without a top-k
+        // leaves the whole vocabulary).
+        let order = |a: &(LlamaToken, f32), b: &(LlamaToken, f32)| {
+            b.1.total_cmp(&a.1).then(a.0 .0.cmp(&b.0 .0))
+        };
+        if keep == 0 {
+            top.clear();
+        } else if keep < top.len() {
+            top.select_nth_unstable_by(keep - 1, order);
+            top.truncate(keep);
+        }
+        top.sort_by(order);
         let selected = selected
             .and_then(|i| data.get(i).map(|d| share(d, i)))
             .unwrap_or(0.0);
@@ -231,9 +241,11 @@ impl Sampling for LlamaEngine<'_> {
                 seed.iter().for_each(|&t| list.accept(t));
             }
         }
+        // Kept only where each pick's are reported (and so taken off the queue).
         let kept = p
-            .post_sampling_probs
-            .then(|| (p.logprobs.unwrap_or(0), VecDeque::new()));
+            .logprobs
+            .filter(|_| p.post_sampling_probs)
+            .map(|top| (top, VecDeque::new()));
         Ok(ChainSampler {
             chain,
             guide,

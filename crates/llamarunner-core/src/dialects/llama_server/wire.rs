@@ -183,6 +183,19 @@ pub(crate) struct Settings {
     pub(super) mirostat_tau: f64,
     /// Mirostat's learning rate.
     pub(super) mirostat_eta: f64,
+    /// DRY's strength (0: off), base, allowed length and window (-1: the slot).
+    pub(super) dry_multiplier: f64,
+    pub(super) dry_base: f64,
+    pub(super) dry_allowed_length: i32,
+    pub(super) dry_penalty_last_n: i32,
+    /// XTC's probability (0: off) and threshold.
+    pub(super) xtc_probability: f64,
+    pub(super) xtc_threshold: f64,
+    /// Top-n-sigma (0 or less: off).
+    pub(super) top_n_sigma: f64,
+    /// The dynamic temperature's range (0: off) and exponent.
+    pub(super) dynatemp_range: f64,
+    pub(super) dynatemp_exponent: f64,
     /// Whether the end-of-generation token is ignored.
     pub(super) ignore_eos: bool,
     /// The stop strings.
@@ -209,6 +222,15 @@ impl From<&SamplingParams> for Settings {
             mirostat: p.mirostat,
             mirostat_tau: f64::from(p.mirostat_tau),
             mirostat_eta: f64::from(p.mirostat_eta),
+            dry_multiplier: f64::from(p.samplers.dry_multiplier),
+            dry_base: f64::from(p.samplers.dry_base),
+            dry_allowed_length: p.samplers.dry_allowed_length,
+            dry_penalty_last_n: p.samplers.dry_penalty_last_n,
+            xtc_probability: f64::from(p.samplers.xtc_probability),
+            xtc_threshold: f64::from(p.samplers.xtc_threshold),
+            top_n_sigma: f64::from(p.samplers.top_n_sigma),
+            dynatemp_range: f64::from(p.samplers.dynatemp_range),
+            dynatemp_exponent: f64::from(p.samplers.dynatemp_exponent),
             ignore_eos: p.ignore_eos,
             stop: p.stop.clone(),
             cache_prompt: p.cache_prompt,
