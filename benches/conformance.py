@@ -2,7 +2,7 @@
 
     python -m benches.conformance --llama-cpp CHECKOUT --llama-server PEER/bin/llama-server \\
         [--model MODEL.gguf] [--files test_chat_completion test_tokenize ...] \\
-        [--test-python PY] [--json OUT.json]
+        [--test-python PY] [--marks "not slow"] [--json OUT.json]
 
 CHECKOUT is a llama.cpp checkout, or a git directory of one (the `ngxson/llama.cpp` mirror):
 its `tools/server/tests` are read from there (its HEAD for a git directory) and never copied
@@ -103,11 +103,20 @@ def outcomes(junit: Path) -> dict[str, str | None]:
 
 
 def run_file(
-    tests: Path, name: str, target: str, env: dict[str, str], out: Path, python: str, timeout: int
+    tests: Path,
+    name: str,
+    target: str,
+    env: dict[str, str],
+    out: Path,
+    python: str,
+    timeout: int,
+    marks: str | None = None,
 ) -> dict[str, str | None]:
     junit = out / f"{name}.{target}.xml"
     log = out / f"{name}.{target}.log"
     cmd = [python, "-m", "pytest", f"unit/{name}.py", "-q", "-p", "no:cacheprovider"]
+    if marks:
+        cmd += ["-m", marks]
     cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit1"]
     with open(log, "w") as f:
         try:
@@ -157,6 +166,10 @@ def main() -> None:
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     p.add_argument("--test-python", default=sys.executable, help="Python with the tests' deps")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per file and server")
+    p.add_argument(
+        "--marks",
+        help='pytest -m expression, e.g. "not slow" (what llama.cpp\'s tests.sh runs by default)',
+    )
     p.add_argument("--json", type=Path, help="write every outcome here")
     p.add_argument("--keep", type=Path, help="keep the logs and junit files in this directory")
     args = p.parse_args()
@@ -184,7 +197,7 @@ def main() -> None:
         r = results.setdefault(name, FileResult())
         for target in args.targets:
             r.outcomes[target] = run_file(
-                tests, name, target, env, out, args.test_python, args.timeout
+                tests, name, target, env, out, args.test_python, args.timeout, args.marks
             )
             got = r.outcomes[target]
             passed = sum(why is None for why in got.values())
