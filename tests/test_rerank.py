@@ -199,6 +199,16 @@ def test_a_generative_model_reranks_by_its_yes_against_its_no(tiny_server: Serve
     assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
 
 
+def test_a_reranker_under_another_pooling_is_refused(model_dir: Path) -> None:
+    """``--pooling`` replaces a reranker's rank pooling, which its scores need: a 400."""
+    model = model_dir / "reranker.gguf"
+    if not model.exists():
+        write_reranker_model(model)
+    with Server(str(model), port=0, parallel=1, ctx_size=256, threads=2, pooling="mean") as srv:
+        r = rerank(srv.url, query=QUERY, documents=DOCS)
+        assert r.status_code == 400 and "--pooling" in r.json()["error"]["message"], r.text
+
+
 def test_an_embedding_model_cannot_rerank(model_dir: Path) -> None:
     """A GGUF that names its pooling (an embedding model) neither pools by rank nor answers
     questions: a clear 400."""

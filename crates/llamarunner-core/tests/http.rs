@@ -730,7 +730,7 @@ async fn a_generative_model_reranks_by_judging_each_document() {
         5
     );
     // A judgement longer than a slot is refused, whatever `truncate` says.
-    let long = json!({"query": "cat", "documents": ["x".repeat(2000)], "truncate": true});
+    let long = json!({"query": "cat", "documents": ["a dog", "x".repeat(2000)], "truncate": true});
     let (status, text) = post_to(&app, "/v1/rerank", &long.to_string()).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("exceed_context_size_error"), "{text}");

@@ -75,6 +75,12 @@ async fn ranked(state: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     let info = model_info(state)?;
     let req: RerankRequest = parse_json(body)?;
     let method = rerank::reranker(&info)?;
+    if matches!(method, Reranker::Pooled(_)) && state.pooling != crate::config::Pooling::Auto {
+        return Err(ApiError::invalid(
+            "this server embeds with --pooling other than auto: a reranker's scores come from \
+             its own rank pooling, which that flag replaces",
+        ));
+    }
     let query = req
         .query
         .ok_or_else(|| ApiError::field("query", " is required: a string"))?;

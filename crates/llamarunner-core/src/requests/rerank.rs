@@ -23,7 +23,7 @@ use crate::kv;
 use crate::protocol::model::{ModelInfo, RerankFormat, TextModel};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{BackendError, Token, TopLogprob};
-use crate::requests::common::{collect, render_chat, start_generation};
+use crate::requests::common::{collect, render_chat, start_generation, PromptSource};
 use crate::requests::thinking::TemplateArgs;
 use crate::requests::validate;
 
@@ -152,7 +152,9 @@ pub fn judge_score(asked: &[TopLogprob], yes: &[Token], no: &[Token]) -> f32 {
 /// Scores each document by the generative model's judgement (`judge_messages`), as many at
 /// once as the server has slots, in the documents' order; also the prompt tokens read. Each
 /// judgement is a one-token generation (greedy, its end-of-generation tokens banned so that
-/// it always answers), queued and bounded as any request is.
+/// it always answers), queued and bounded as any request is. Every judgement's prompt is
+/// rendered, tokenized and checked against the slot before the first is queued, so that a
+/// document too long is refused before any work is done.
 pub async fn judge(
     state: &AppState,
     info: &Arc<ModelInfo>,
@@ -164,30 +166,36 @@ pub async fn judge(
     let (yes, no) = validate::blocking(move || answer_tokens(model.as_ref()))
         .await?
         .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
-    let asked: Vec<Token> = yes.iter().chain(&no).copied().collect();
+    let params = SamplingParams {
+        num_predict: 1,
+        temperature: 0.0,
+        ignore_eos: true,
+        truncate: false,
+        shift: false,
+        logprobs: Some(0),
+        logprobs_of: yes.iter().chain(&no).copied().collect(),
+        ..SamplingParams::default()
+    };
+    let mut prompts = Vec::with_capacity(documents.len());
+    for document in documents {
+        let messages = judge_messages(query, document);
+        let think = TemplateArgs::from(Some(false));
+        let prompt = render_chat(state, messages, true, think).await?;
+        let valid =
+            validate::generation(info, &state.limits, prompt, Vec::new(), params.clone()).await?;
+        prompts.push(valid.tokens);
+    }
     let answers = Arc::new((yes, no));
     let (_, slots) = state.engine.health.slots();
     let at_once = usize::try_from(slots).unwrap_or(1).max(1);
     // Each judgement owns what it reads (a stream of futures that borrow is not `Send` for
     // every lifetime axum's handlers need).
-    let judgements: Vec<_> = documents
-        .iter()
-        .map(|document| {
-            let messages = judge_messages(query, document);
-            let params = SamplingParams {
-                num_predict: 1,
-                temperature: 0.0,
-                ignore_eos: true,
-                truncate: false,
-                shift: false,
-                logprobs: Some(0),
-                logprobs_of: asked.clone(),
-                ..SamplingParams::default()
-            };
-            let (state, answers) = (state.clone(), answers.clone());
+    let judgements: Vec<_> = prompts
+        .into_iter()
+        .map(|tokens| {
+            let (state, answers, params) = (state.clone(), answers.clone(), params.clone());
             async move {
-                let think = TemplateArgs::from(Some(false));
-                let prompt = render_chat(&state, messages, true, think).await?;
+                let prompt = PromptSource::Tokens(tokens);
                 let answer = collect(start_generation(&state, prompt, params).await?).await?;
                 let first = answer.logprobs.first().ok_or_else(|| {
                     ApiError::Internal("the model's judgement gave no token".into())

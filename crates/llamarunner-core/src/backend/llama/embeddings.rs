@@ -80,8 +80,8 @@ impl<'m> LlamaEngine<'m> {
             let n = u32::try_from(self.embed_cells).unwrap_or(u32::MAX);
             // A model that names its pooling (an embedding model, often non-causal) needs the
             // whole input in one micro-batch: n_ubatch = n_batch = n_ctx. A generative model
-            // is mean-pooled here, piece by piece through its causal KV cache, from per-token
-            // embeddings (pooling none), so only a piece's logits are ever allocated.
+            // is pooled here (`--pooling`), piece by piece through its causal KV cache, from
+            // per-token embeddings (pooling none), so only a piece's logits are ever allocated.
             let (pooling, batch) = if self.embed_params.pooled_by_model {
                 (self.embed_params.model_pooling(), n)
             } else {
