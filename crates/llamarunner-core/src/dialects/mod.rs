@@ -16,6 +16,7 @@
 
 pub mod anthropic;
 pub mod blocks;
+mod floats;
 pub mod infill;
 pub mod llama_server;
 pub mod native;

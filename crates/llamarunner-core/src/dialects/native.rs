@@ -11,7 +11,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::StreamExt;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use crate::config::Pooling;
 use crate::http::error::ApiError;
@@ -442,23 +442,7 @@ struct EmbeddingAnswer {
 #[serde(untagged)]
 enum Vectors {
     /// The input's.
-    One(#[serde(serialize_with = "f32s_as_f64s")] Vec<f32>),
+    One(#[serde(serialize_with = "crate::dialects::floats::f32s_as_f64s")] Vec<f32>),
     /// Each token's, in order.
-    PerToken(#[serde(serialize_with = "rows_as_f64s")] Vec<Vec<f32>>),
-}
-
-/// Rows of `f32`s written as `f64`s.
-fn rows_as_f64s<S: Serializer>(rows: &[Vec<f32>], s: S) -> Result<S::Ok, S::Error> {
-    struct Row<'a>(&'a [f32]);
-    impl Serialize for Row<'_> {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            f32s_as_f64s(self.0, s)
-        }
-    }
-    s.collect_seq(rows.iter().map(|r| Row(r)))
-}
-
-/// `f32`s written as `f64`s, as `json!` wrote them.
-fn f32s_as_f64s<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| f64::from(*x)))
+    PerToken(#[serde(serialize_with = "crate::dialects::floats::vectors_as_f64s")] Vec<Vec<f32>>),
 }

@@ -6,7 +6,7 @@
 //! an `Option` with `skip_serializing_if`. Floats the engine keeps as `f32` are written as `f64`
 //! (as `json!` wrote them: `0.1f32` is `0.10000000149011612`).
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::dialects::openai::LogprobEntry;
@@ -109,7 +109,7 @@ pub(super) struct Embed<'a> {
     /// The model's name as the request gave it.
     pub(super) model: &'a str,
     /// One L2-normalized vector per input, in order.
-    #[serde(serialize_with = "vectors_as_f64s")]
+    #[serde(serialize_with = "crate::dialects::floats::vectors_as_f64s")]
     pub(super) embeddings: Vec<Vec<f32>>,
     /// Nanoseconds from the request's arrival to its end.
     pub(super) total_duration: u64,
@@ -123,25 +123,8 @@ pub(super) struct Embed<'a> {
 #[derive(Debug, Serialize)]
 pub(super) struct Embedding {
     /// The prompt's vector, not normalized (empty for an empty prompt).
-    #[serde(serialize_with = "f32s_as_f64s")]
+    #[serde(serialize_with = "crate::dialects::floats::f32s_as_f64s")]
     pub(super) embedding: Vec<f32>,
-}
-
-/// `f32`s written as `f64`s, as `json!` wrote them.
-fn f32s_as_f64s<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| f64::from(*x)))
-}
-
-/// Vectors of `f32`s written as `f64`s, as `json!` wrote them.
-fn vectors_as_f64s<S: Serializer>(v: &[Vec<f32>], s: S) -> Result<S::Ok, S::Error> {
-    /// One vector, for `collect_seq`.
-    struct Floats<'a>(&'a [f32]);
-    impl Serialize for Floats<'_> {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            f32s_as_f64s(self.0, s)
-        }
-    }
-    s.collect_seq(v.iter().map(|x| Floats(x)))
 }
 
 /// The answer of `GET /api/tags` and `GET /api/ps`.

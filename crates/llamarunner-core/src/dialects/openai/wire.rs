@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::dialects::llama_server::{Answer, PromptProgress, Timings};
@@ -224,14 +224,9 @@ pub(super) struct Embedding {
 #[serde(untagged)]
 pub(super) enum Vector {
     /// Floats (written as `f64`).
-    Floats(#[serde(serialize_with = "f32s_as_f64s")] Vec<f32>),
+    Floats(#[serde(serialize_with = "crate::dialects::floats::f32s_as_f64s")] Vec<f32>),
     /// Little-endian `f32`s, base64-encoded.
     Base64(String),
-}
-
-/// `f32`s written as `f64`s, as `json!` wrote them.
-fn f32s_as_f64s<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| f64::from(*x)))
 }
 
 /// An embeddings answer's usage.
