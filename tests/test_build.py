@@ -117,7 +117,75 @@ def test_a_gpu_backend_that_cannot_load_is_skipped_with_the_reason(
     with ServeProcess(str(tiny_model), "--port", "0", "--draft-max", "0", env=env) as serve:
         serve.wait_ready()
         line = serve.wait_for(r"skipped a GPU backend that cannot load here.*").group(0)
-        assert "library=libggml-cuda.so" in line, line
+        assert "libggml-cuda.so" in line, line
         assert "reason=" in line and "libggml-cuda.so" in line.split("reason=")[1], line
         # The run path: every other library still loads, and the server answers.
         assert "cpu_backend=libggml-cpu" in serve.log
+
+
+def compile_library(path: Path, source: str, *link: str) -> None:
+    """A shared library from C source, named by its file name (its soname)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.fail("no C compiler (cc): the build needs one, so the tests may too")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(path),
+            f"-Wl,-soname,{path.name}",
+            "-x",
+            "c",
+            "-",
+            *link,
+        ],
+        input=source,
+        text=True,
+        check=True,
+    )
+
+
+def test_the_cuda_companion_brings_its_module_and_the_pypi_runtime(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`pip install 'llamarunner[cuda]'`'s path, with stand-ins compiled here: the companion
+    package `llamarunner_cuda13` whose `lib/libggml-cuda.so` needs `libcudart.so.13`, and NVIDIA's
+    runtime package (`nvidia/cu13/lib/libcudart.so.13`) in another site directory. Without the
+    runtime the module is skipped with the loader's reason and what to install; with it the
+    package's runtime is opened before the module, which then opens (the stand-in defines no
+    backend, so ggml's own check is all that is left). The server serves both times."""
+    if not portable():
+        pytest.skip("a source build loads no backend modules")
+    companion_site, runtime_site = tmp_path / "companion", tmp_path / "runtime"
+    runtime = runtime_site / "nvidia" / "cu13" / "lib" / "libcudart.so.13"
+    compile_library(runtime, "int cudart_stand_in(void) { return 13; }\n")
+    package = companion_site / "llamarunner_cuda13"
+    module = package / "lib" / "libggml-cuda.so"
+    compile_library(
+        module,
+        "int cudart_stand_in(void);\nint module_stand_in(void) { return cudart_stand_in(); }\n",
+        f"-L{runtime.parent}",
+        "-Wl,--no-as-needed",
+        "-l:libcudart.so.13",
+    )
+    (package / "__init__.py").write_text("")
+    base = {k: v for k, v in os.environ.items() if k not in ("GGML_VK_VISIBLE_DEVICES",)}
+    base.pop("LLAMARUNNER_GPU_MODULE_PATH", None)
+
+    without = {**base, "PYTHONPATH": str(companion_site)}
+    with ServeProcess(str(tiny_model), "--port", "0", "--draft-max", "0", env=without) as serve:
+        serve.wait_ready()
+        line = serve.wait_for(r"skipped a GPU backend that cannot load here.*").group(0)
+        assert str(module) in line, line
+        reason = line.split("reason=")[1]
+        assert "libcudart.so.13" in reason and "pip install 'llamarunner[cuda]'" in reason, line
+
+    both = {**base, "PYTHONPATH": os.pathsep.join([str(companion_site), str(runtime_site)])}
+    with ServeProcess(str(tiny_model), "--port", "0", "--draft-max", "0", env=both) as serve:
+        serve.wait_ready()
+        line = serve.wait_for(r"skipped a GPU backend that cannot load here.*").group(0)
+        assert str(module) in line, line
+        assert "cannot open" not in line and "ggml did not register it" in line, line

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from . import _core
+from . import _core, _gpu_modules
 from ._health import Health, watch_serving
 
 CONFIG_ENV = "LLAMARUNNER_ENGINE_CONFIG"
@@ -23,6 +23,7 @@ def main() -> int:
         return 2
     parent = os.getppid()
     try:
+        _gpu_modules.prepare()
         native = _core.start(config)
     except (ValueError, OSError, _core.ModelLoadError) as e:
         print(f"llamarunner: model {name}: {e}", file=sys.stderr, flush=True)

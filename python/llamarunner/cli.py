@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from . import __version__, _core
+from . import __version__, _core, _gpu_modules
 from ._health import ENGINE_STOPPED as STOPPED_REASON
 from ._health import Health, HealthFailed, ReadyWait, wait_ready, watch_serving
 from ._progress import LoadProgress
@@ -270,6 +270,7 @@ def load_hint(resolved: ResolvedModel | None) -> str:
 def list_devices() -> int:
     """`serve --list-devices`: the devices, GPUs first in --main-gpu's numbering."""
     try:
+        _gpu_modules.prepare()
         devices = json.loads(_core.list_devices())
     except RuntimeError as e:
         _fail(str(e))

@@ -229,11 +229,12 @@ def fit_estimate(model: Path, mmproj: Path | None) -> str:
     """Where the model's weights would go on this machine: the GPUs' free memory (less
     --fit-target's default margin) against the files' size. An estimate: the fit made at load
     (`--fit`) also counts the KV cache and compute buffers."""
-    from . import _core
+    from . import _core, _gpu_modules
     from .settings import SERVER_SETTINGS
 
     size = sum(p.stat().st_size for p in (model, mmproj) if p is not None)
     try:
+        _gpu_modules.prepare()
         devices = json.loads(_core.list_devices())
     except RuntimeError as e:
         return f"unknown ({e})"

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from . import _core
+from . import _core, _gpu_modules
 from ._health import Health, ReadyWait, engine_stopped, failure_reason, wait_ready
 from .client import Client
 from .config import ServerConfig
@@ -101,6 +101,7 @@ class Server:
             if self._router_json is not None:
                 self._native = _core.start_router(self._router_json)
             else:
+                _gpu_modules.prepare()
                 self._native = _core.start(self.config.to_json())
         return self
 

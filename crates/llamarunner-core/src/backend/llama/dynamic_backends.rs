@@ -10,6 +10,10 @@
 //! Where: `$LLAMARUNNER_BACKENDS_DIR` if set; else the `lib` directory next to the shared object
 //! this code is linked into (`llamarunner/lib/` beside `llamarunner/_core.abi3.so` in a wheel);
 //! else the directory the build put them in (a development build run from its target dir).
+//! GPU modules are also looked for in the directories of `$LLAMARUNNER_GPU_MODULE_PATH`
+//! (separated as `PATH` is): the Python package sets it to the CUDA companion's directory
+//! (`llamarunner[cuda]`), and a user may point it at a module built by hand. A module name found
+//! twice is taken from the first directory.
 
 use std::ffi::{c_void, CStr, CString};
 use std::path::{Path, PathBuf};
@@ -17,14 +21,18 @@ use std::path::{Path, PathBuf};
 /// Overrides where the backend libraries are looked for.
 pub const DIR_ENV: &str = "LLAMARUNNER_BACKENDS_DIR";
 
+/// More directories with GPU backend modules, separated as `PATH` is.
+pub const MODULE_PATH_ENV: &str = "LLAMARUNNER_GPU_MODULE_PATH";
+
 /// What loading the backend libraries found.
 #[derive(Debug)]
 pub struct Loaded {
     /// The file name of the CPU variant chosen.
     pub cpu: String,
-    /// Each GPU backend library in the directory, by file name, with the number of devices it
-    /// found or why it was skipped.
-    pub gpu: Vec<(String, Result<usize, String>)>,
+    /// Each GPU backend library found (in the backends directory, then in
+    /// `$LLAMARUNNER_GPU_MODULE_PATH`), by path, with the number of devices it found or why it
+    /// was skipped.
+    pub gpu: Vec<(PathBuf, Result<usize, String>)>,
 }
 
 /// Loads ggml's backends (the best CPU variant, and every GPU backend that can load); an error
@@ -37,17 +45,38 @@ pub fn load() -> Result<Loaded, String> {
         return Err(format!("{} is not valid UTF-8", dir.display()));
     };
     let text = CString::new(text).map_err(|_| format!("{} contains a NUL byte", dir.display()))?;
+    let extra_dirs: Vec<PathBuf> = std::env::var_os(MODULE_PATH_ENV)
+        .map(|paths| std::env::split_paths(&paths).collect())
+        .unwrap_or_default();
+    let modules = gpu_modules(&dir, &extra_dirs);
     // ggml skips a library it cannot open without a word in a release build: open each GPU
-    // backend first to keep the loader's reason (a missing libvulkan.so.1 or libcudart.so.12).
-    let probed: Vec<(String, Result<(), String>)> = gpu_libraries(&dir)
+    // backend first to keep the loader's reason (a missing libvulkan.so.1 or libcudart.so.13).
+    let probed: Vec<(PathBuf, Result<(), String>)> = modules
         .into_iter()
-        .map(|name| {
-            let opened = open_probe(&dir.join(&name));
-            (name, opened)
+        .map(|module| match module {
+            Module::Here(path) | Module::Elsewhere(path) => {
+                let opened = open_probe(&path).map_err(|why| with_hint(&why));
+                (path, opened)
+            }
+            Module::Shadowed { path, by } => {
+                let why = format!("{} is loaded from {} instead", file_of(&path), by.display());
+                (path, Err(why))
+            }
         })
         .collect();
     // SAFETY: a valid NUL-terminated path; ggml loads and registers what it finds there.
     unsafe { llama_cpp_sys_2::ggml_backend_load_all_from_path(text.as_ptr()) };
+    for (path, opened) in &probed {
+        if opened.is_err() || path.parent() == Some(dir.as_path()) {
+            continue;
+        }
+        let Ok(c_path) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        // SAFETY: a NUL-terminated path of a library that opened; ggml registers the backend
+        // it defines, or returns null (then it is reported as not registered below).
+        unsafe { llama_cpp_sys_2::ggml_backend_load(c_path.as_ptr()) };
+    }
     // SAFETY: a NUL-terminated name; null when no backend of that name is registered.
     let cpu = unsafe { llama_cpp_sys_2::ggml_backend_reg_by_name(c"CPU".as_ptr()) };
     if cpu.is_null() {
@@ -68,11 +97,11 @@ pub fn load() -> Result<Loaded, String> {
     let registered = registered_backends();
     let gpu = probed
         .into_iter()
-        .map(|(name, opened)| {
+        .map(|(path, opened)| {
             let outcome = opened.and_then(|()| {
                 registered
                     .iter()
-                    .find(|(file, _)| file.as_deref() == Some(name.as_str()))
+                    .find(|(file, _)| file.as_deref() == Some(file_of(&path).as_str()))
                     .map(|(_, devices)| *devices)
                     .ok_or_else(|| {
                         "it loaded, but ggml did not register it (it found no support for \
@@ -80,10 +109,67 @@ pub fn load() -> Result<Loaded, String> {
                             .to_string()
                     })
             });
-            (name, outcome)
+            (path, outcome)
         })
         .collect();
     Ok(Loaded { cpu, gpu })
+}
+
+/// A GPU module found, and whether ggml's own directory scan loads it.
+#[derive(Debug, PartialEq)]
+enum Module {
+    /// In the backends directory: `ggml_backend_load_all_from_path` loads it.
+    Here(PathBuf),
+    /// In a directory of `$LLAMARUNNER_GPU_MODULE_PATH`: loaded by its path.
+    Elsewhere(PathBuf),
+    /// A second module of a name already found; not loaded.
+    Shadowed { path: PathBuf, by: PathBuf },
+}
+
+/// The GPU modules of the backends directory, then those of each further directory, in order;
+/// a name seen before is shadowed by the first.
+fn gpu_modules(dir: &Path, extra_dirs: &[PathBuf]) -> Vec<Module> {
+    let mut found: Vec<Module> = gpu_libraries(dir)
+        .into_iter()
+        .map(|name| Module::Here(dir.join(name)))
+        .collect();
+    for extra in extra_dirs.iter().filter(|d| d.as_path() != dir) {
+        for name in gpu_libraries(extra) {
+            let first = found.iter().find_map(|m| match m {
+                Module::Here(p) | Module::Elsewhere(p) if file_of(p) == name => {
+                    p.parent().map(Path::to_path_buf)
+                }
+                _ => None,
+            });
+            let path = extra.join(&name);
+            found.push(match first {
+                Some(by) => Module::Shadowed { path, by },
+                None => Module::Elsewhere(path),
+            });
+        }
+    }
+    found
+}
+
+fn file_of(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The loader's reason, with what a user does about the libraries GPU modules usually miss.
+fn with_hint(why: &str) -> String {
+    let hint = if why.contains("libcuda.so") {
+        "no NVIDIA driver is installed (libcuda.so.1 comes with it)"
+    } else if why.contains("libcudart.so") || why.contains("libcublas") {
+        "the CUDA runtime is missing: pip install 'llamarunner[cuda]', or install the CUDA \
+         toolkit the module was built with"
+    } else if why.contains("libvulkan.so") {
+        "no Vulkan loader: install libvulkan1 and the GPU's Vulkan driver"
+    } else {
+        return why.to_string();
+    };
+    format!("{why} ({hint})")
 }
 
 /// The GPU (non-CPU) backend libraries in `dir`: `libggml-<name>.so`, other than the CPU
@@ -201,7 +287,7 @@ fn library_path(address: *const c_void) -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::is_gpu_library;
+    use super::*;
 
     #[test]
     fn gpu_libraries_are_the_backends_other_than_the_cpu_and_ggml_itself() {
@@ -219,5 +305,72 @@ mod tests {
         ] {
             assert!(!is_gpu_library(other), "{other}");
         }
+    }
+
+    fn touch(dir: &Path, names: &[&str]) {
+        std::fs::create_dir_all(dir).unwrap();
+        for name in names {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+    }
+
+    #[test]
+    fn modules_come_from_the_backends_dir_then_the_module_path_first_name_wins() {
+        let root = std::env::temp_dir().join(format!("lr-modules-{}", std::process::id()));
+        let (lib, companion, other) = (root.join("lib"), root.join("cuda"), root.join("mine"));
+        touch(
+            &lib,
+            &[
+                "libggml-cpu-haswell.so",
+                "libggml-base.so",
+                "libggml-vulkan.so",
+            ],
+        );
+        touch(
+            &companion,
+            &["libggml-cuda.so", "libcudart.so.13", "README"],
+        );
+        touch(&other, &["libggml-cuda.so", "libggml-vulkan.so"]);
+        let found = gpu_modules(&lib, &[companion.clone(), lib.clone(), other.clone()]);
+        assert_eq!(
+            found,
+            vec![
+                Module::Here(lib.join("libggml-vulkan.so")),
+                Module::Elsewhere(companion.join("libggml-cuda.so")),
+                Module::Shadowed {
+                    path: other.join("libggml-cuda.so"),
+                    by: companion.clone()
+                },
+                Module::Shadowed {
+                    path: other.join("libggml-vulkan.so"),
+                    by: lib.clone()
+                },
+            ]
+        );
+        // A directory that does not exist adds nothing.
+        assert_eq!(
+            gpu_modules(&lib, &[root.join("gone")]),
+            vec![Module::Here(lib.join("libggml-vulkan.so"))]
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_missing_library_names_what_to_install() {
+        let runtime =
+            with_hint("libcudart.so.13: cannot open shared object file: No such file or directory");
+        assert!(
+            runtime.starts_with("libcudart.so.13: cannot open"),
+            "{runtime}"
+        );
+        assert!(
+            runtime.contains("pip install 'llamarunner[cuda]'"),
+            "{runtime}"
+        );
+        let driver = with_hint("libcuda.so.1: cannot open shared object file");
+        assert!(driver.contains("no NVIDIA driver"), "{driver}");
+        assert!(with_hint("libvulkan.so.1: cannot open").contains("Vulkan loader"));
+        let other = "undefined symbol: ggml_something";
+        assert_eq!(with_hint(other), other);
     }
 }

@@ -36,14 +36,14 @@ fn llama_backend() -> Result<&'static LlamaBackend, String> {
                 for (library, outcome) in &loaded.gpu {
                     match outcome {
                         Ok(0) => tracing::info!(
-                            library = %library,
+                            library = %library.display(),
                             "loaded a GPU backend that found no device (a CPU-type Vulkan device such as lavapipe is used only when GGML_VK_VISIBLE_DEVICES names it)"
                         ),
                         Ok(devices) => {
-                            tracing::info!(library = %library, devices, "loaded a GPU backend")
+                            tracing::info!(library = %library.display(), devices, "loaded a GPU backend")
                         }
                         Err(why) => tracing::warn!(
-                            library = %library,
+                            library = %library.display(),
                             reason = %why,
                             "skipped a GPU backend that cannot load here"
                         ),
