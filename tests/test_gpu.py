@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,7 @@ def test_a_fully_offloaded_model_serves_every_dialect(
         "margin_mib": 1024,
         "n_gpu_layers": devices["fit"]["n_gpu_layers"],
         "fits": True,
+        "reserved_mib": 0,
     }
     assert any(d["name"] == gpu["name"] for d in devices["devices"])
     chat = httpx.post(
@@ -331,3 +333,40 @@ def test_the_routers_memory_budget_counts_only_what_stays_in_host_memory(
     # The weights of the layers on the GPU leave (the token embedding stays), and the KV
     # cache of those layers (the tiny model's, at 512 cells, is well under 1 MiB).
     assert 0 < on_cpu - offloaded <= model.stat().st_size + MIB, taken
+
+
+@pytest.mark.gpu
+def test_the_fit_keeps_room_for_the_draft_model(
+    model: Path, gpu: dict[str, Any], tmp_path: Path
+) -> None:
+    """The draft model loads after the model and goes to the GPU too: the fit keeps the draft's
+    estimate (weights, KV cache and compute buffers of a 65,536-token context: over 500 MiB,
+    most of it the attention scores an unfused kernel would need) free on the GPU, as
+    `devices.fit.reserved_mib`. With a margin that leaves half of that for the model (which
+    takes under 100 MiB with flash attention), the model alone offloads every layer; beside
+    the draft it stays on the CPU, and the draft with it. Both serve. (lavapipe's free memory
+    is the host's, which moves by tens of MiB between starts: hence the wide gap.)"""
+    draft = write_tiny_model(tmp_path / "draft.gguf", seed=1)
+    flags = ("--ctx-size", "65536", "--flash-attn", "on")
+    with serve(model, *flags, "--draft-model", str(draft), "--fit-target", "0") as srv:
+        url = srv.wait_ready(timeout=600)
+        fit = props(url)["devices"]["fit"]
+        reserved = fit["reserved_mib"]
+        assert reserved > 500, fit
+        assert len(greedy_tokens(url, 4)) == 4
+    with serve(model, *flags, "--fit-target", "0") as srv:
+        assert props(srv.wait_ready(timeout=600))["devices"]["fit"]["reserved_mib"] == 0
+    free = next(d for d in list_devices(gpu_env()) if d["name"] == gpu["name"])["memory_free"]
+    margin = free // MIB - reserved // 2
+    with serve(model, *flags, f"--fit-target={margin}") as srv:
+        devices = props(srv.wait_ready(timeout=600))["devices"]
+        assert devices["layers_offloaded"] == devices["layers_total"], devices
+    draft_flags = ("--draft-model", str(draft), f"--fit-target={margin}", "--verbose")
+    with serve(model, *flags, *draft_flags) as srv:
+        url = srv.wait_ready(timeout=600)
+        devices = props(url)["devices"]
+        assert devices["layers_offloaded"] == 0, devices
+        # llama.cpp's line for each load (the fit's trial loads first, the draft model last).
+        loads = re.findall(r"offloaded (\d+)/\d+ layers to GPU", srv.log)
+        assert loads and loads[-1] == "0", loads
+        assert len(greedy_tokens(url, 4)) == 4

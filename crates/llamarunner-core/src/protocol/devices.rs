@@ -66,6 +66,11 @@ pub struct Fit {
     pub n_gpu_layers: i32,
     /// False when not even one layer fit, and the model runs on the CPU.
     pub fits: bool,
+    /// MiB of the main GPU it kept for what loads beside the model there: the draft model
+    /// (`--draft-model`: weights, KV cache, compute buffers) and the vision projector
+    /// (`--mmproj`).
+    #[serde(default)]
+    pub reserved_mib: u64,
 }
 
 impl Fit {
@@ -75,6 +80,15 @@ impl Fit {
             margin_mib,
             n_gpu_layers,
             fits,
+            reserved_mib: 0,
+        }
+    }
+
+    /// The same, having kept `reserved_mib` of the main GPU for the draft model and projector.
+    pub fn with_reserved(self, reserved_mib: u64) -> Self {
+        Self {
+            reserved_mib,
+            ..self
         }
     }
 }

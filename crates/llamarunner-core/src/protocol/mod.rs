@@ -7,11 +7,14 @@
 //! - `lora.rs`: `--lora` specs, the loaded adapters' table, a sequence's LoRA scale set;
 //! - `observer.rs`: `EngineObserver`, what the loop reports to the metrics;
 //! - `vision.rs`: images as prompts and token lists hold them, `VisionModel`;
-//! - `devices.rs`: the devices a model runs on and the layers it placed there (`DeviceFacts`).
+//! - `devices.rs`: the devices a model runs on and the layers it placed there (`DeviceFacts`);
+//! - `memory_estimate.rs`: what a model will take once loaded, from its GGUF header (the
+//!   router's `--models-memory`, and what a draft model reserves in the fit before a load).
 
 pub mod devices;
 pub mod handle;
 pub mod lora;
+pub mod memory_estimate;
 pub mod messages;
 pub mod model;
 pub mod observer;

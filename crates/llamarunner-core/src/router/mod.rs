@@ -17,7 +17,6 @@
 
 pub mod engine_client;
 pub mod engine_process;
-pub mod estimate;
 mod front;
 mod metrics;
 pub mod proxy;

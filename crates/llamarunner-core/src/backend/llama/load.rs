@@ -139,6 +139,7 @@ pub fn load<R>(
         tracing::info!(
             n_gpu_layers = fit.n_gpu_layers,
             fit_target_mib = fit.margin_mib,
+            reserved_mib = fit.reserved_mib,
             fits = fit.fits,
             "fit the model to the GPUs' free memory"
         );
@@ -210,8 +211,20 @@ pub fn load<R>(
     };
     // The draft model (`--draft-model`) and its context: one sequence per slot, each slot's
     // context as the model's.
+    // Where the model's layers went, the draft's go: on the CPU when the fit left the model
+    // there.
+    let draft_on_cpu;
+    let draft_config = if placement.n_gpu_layers == 0 && place_config.n_gpu_layers != 0 {
+        draft_on_cpu = RunnerConfig {
+            n_gpu_layers: 0,
+            ..place_config.clone()
+        };
+        &draft_on_cpu
+    } else {
+        place_config
+    };
     let draft_model = match &config.draft_model {
-        Some(path) => Some(load_draft_model(backend, &model, place_config, path)?),
+        Some(path) => Some(load_draft_model(backend, &model, draft_config, path)?),
         None => None,
     };
     let draft = match &draft_model {

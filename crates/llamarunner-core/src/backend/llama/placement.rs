@@ -3,7 +3,9 @@
 //! `common_fit_params`, which llama-server runs by default): with `n_gpu_layers` -1 it offloads
 //! as many layers as fit each GPU's free memory less `--fit-target` with the weights, the KV
 //! cache of every slot and the compute buffers; an explicit `n_gpu_layers` above that is a start
-//! error instead of an out-of-memory failure later. On a machine without a GPU nothing changes.
+//! error instead of an out-of-memory failure later. The draft model and the vision projector,
+//! which load after the model and go where its layers went, are kept room for on the main GPU
+//! (`reservation`). On a machine without a GPU nothing changes.
 
 use std::pin::Pin;
 
@@ -12,6 +14,7 @@ use llama_cpp_2::model::params::{FitError, LlamaModelParams, LlamaSplitMode};
 
 use crate::config::{RunnerConfig, SplitMode};
 use crate::protocol::devices::{Device, Fit};
+use crate::protocol::memory_estimate;
 
 const MIB: u64 = 1024 * 1024;
 
@@ -128,23 +131,31 @@ fn params_and_fit(
         ));
     }
     let margin = config.fit_target.saturating_mul(MIB);
+    let reserved = reservation(config)?;
+    let reserved_mib = reserved.div_ceil(MIB);
+    // The main GPU's index among the devices the model is given: the one GPU of a tensor
+    // split's device list, else --main-gpu.
+    let main = if shares.is_some() { 0 } else { main_gpu };
     let fitted = |mut params: LlamaModelParams, ctx_params: &mut LlamaContextParams| {
-        fit(config, &mut params, ctx_params, margin).map(|fits| (params, fits))
+        fit(config, &mut params, ctx_params, margin, (main, reserved)).map(|fits| (params, fits))
     };
     if config.n_gpu_layers == -1 {
         let (params, fits) = fitted(params, ctx_params)?;
         if !fits {
             tracing::warn!(
                 fit_target_mib = config.fit_target,
+                reserved_mib,
                 gpus = %names(),
                 "the model does not fit the GPUs' free memory even with no layers there; \
                  running it on the CPU"
             );
             let params = base()?.with_n_gpu_layers(0);
-            return Ok((params, Some(Fit::new(config.fit_target, 0, false))));
+            let fit = Fit::new(config.fit_target, 0, false).with_reserved(reserved_mib);
+            return Ok((params, Some(fit)));
         }
         let layers = params.n_gpu_layers();
-        return Ok((params, Some(Fit::new(config.fit_target, layers, true))));
+        let fit = Fit::new(config.fit_target, layers, true).with_reserved(reserved_mib);
+        return Ok((params, Some(fit)));
     }
     // An explicit count: measured on a copy of the parameters (the fit changes only what is
     // left at its default), then honoured or refused.
@@ -152,10 +163,15 @@ fn params_and_fit(
     let (probe, fits) = fitted(base()?, &mut probe_ctx)?;
     let most = if fits { probe.n_gpu_layers() } else { 0 };
     if most >= 0 && config.n_gpu_layers > most {
+        let kept = if reserved_mib > 0 {
+            format!(" and {reserved_mib} MiB kept for the draft model and projector")
+        } else {
+            String::new()
+        };
         return Err(format!(
             "--n-gpu-layers {} does not fit: at most {most} layers fit the free memory of {} \
-             with {} MiB left free (--fit-target); give fewer layers, a smaller --fit-target, \
-             or --no-fit to load without checking",
+             with {} MiB left free (--fit-target){kept}; give fewer layers, a smaller \
+             --fit-target, or --no-fit to load without checking",
             config.n_gpu_layers,
             names(),
             config.fit_target
@@ -163,22 +179,63 @@ fn params_and_fit(
     }
     Ok((
         params.with_n_gpu_layers(layers_param(config.n_gpu_layers)),
-        Some(Fit::new(config.fit_target, config.n_gpu_layers, true)),
+        Some(Fit::new(config.fit_target, config.n_gpu_layers, true).with_reserved(reserved_mib)),
     ))
 }
 
+/// What the draft model and the vision projector will take on the main GPU, in bytes: they
+/// load after the model, and go to the GPU when its layers do. The draft model with every layer
+/// offloaded (`Estimate::on_device`: its weights less the token embedding, its KV cache for
+/// every slot, its compute buffers), estimated from its header; the projector, its file. Only
+/// a fit reads this, so without a GPU the files are not read.
+fn reservation(config: &RunnerConfig) -> Result<u64, String> {
+    let draft = match &config.draft_model {
+        Some(path) => {
+            let shape =
+                memory_estimate::read_shape(path).map_err(|e| format!("--draft-model: {e}"))?;
+            let bytes = std::fs::metadata(path)
+                .map_err(|e| format!("--draft-model {}: {e}", path.display()))?
+                .len();
+            let served = memory_estimate::Served {
+                ctx_size: u64::from(config.ctx_size),
+                parallel: u64::from(config.parallel),
+                batch_size: u64::from(config.batch_size),
+                kv_cache_type: config.effective_kv_cache_type(),
+                cache_ram_bytes: 0,
+                extra_files: Vec::new(),
+                // The draft's context keeps every cell (backend/llama/load.rs).
+                swa_full: true,
+            };
+            memory_estimate::breakdown(&shape, bytes, &served).on_device()
+        }
+        None => 0,
+    };
+    let projector = match &config.mmproj {
+        Some(path) => std::fs::metadata(path)
+            .map_err(|e| format!("--mmproj {}: {e}", path.display()))?
+            .len(),
+        None => 0,
+    };
+    Ok(draft.saturating_add(projector))
+}
+
 /// Runs llama.cpp's fit on `params` (which it changes): true when the layers it chose fit,
-/// false when even none do.
+/// false when even none do. `margin` is left free on every device, and `reserved.1` bytes
+/// more on the device at index `reserved.0`.
 fn fit(
     config: &RunnerConfig,
     params: &mut LlamaModelParams,
     ctx_params: &mut LlamaContextParams,
     margin: u64,
+    reserved: (usize, u64),
 ) -> Result<bool, String> {
     let path = std::ffi::CString::new(config.model.as_os_str().as_encoded_bytes())
         .map_err(|_| "the model path contains a NUL byte".to_string())?;
     let mut margins =
         vec![usize::try_from(margin).unwrap_or(usize::MAX); llama_cpp_2::max_devices()];
+    if let Some(main) = margins.get_mut(reserved.0) {
+        *main = main.saturating_add(usize::try_from(reserved.1).unwrap_or(usize::MAX));
+    }
     let n_ctx = ctx_params.n_ctx().map_or(0, std::num::NonZeroU32::get);
     match Pin::new(params).fit_params(
         &path,

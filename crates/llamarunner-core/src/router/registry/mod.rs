@@ -13,9 +13,10 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use super::engine_process::{EngineProcess, Exit};
-use super::{estimate, ModelSpec};
+use super::ModelSpec;
 use crate::config::RunnerConfig;
 use crate::http::error::ApiError;
+use crate::protocol::memory_estimate as estimate;
 
 /// Where a model stands.
 #[derive(Clone, Debug, PartialEq)]
@@ -131,6 +132,7 @@ impl Model {
             weights: size,
             kv: 0,
             host_weights: size,
+            compute: 0,
         };
         let Ok(config) = serde_json::from_value::<RunnerConfig>(self.spec.config.clone()) else {
             return whole;

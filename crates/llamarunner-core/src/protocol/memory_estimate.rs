@@ -129,9 +129,21 @@ pub struct Estimate {
     /// Of the weights, those llama.cpp keeps in host memory whatever is offloaded (the token
     /// embedding).
     pub host_weights: u64,
+    /// The compute buffers: a micro-batch's activations and the logits.
+    pub compute: u64,
 }
 
 impl Estimate {
+    /// What the model takes on a GPU that holds all its layers: the weights less the token
+    /// embedding, the KV cache and the compute buffers (a draft model's share of a GPU,
+    /// which the fit of the model it drafts for leaves free).
+    pub fn on_device(&self) -> u64 {
+        self.weights
+            .saturating_sub(self.host_weights)
+            .saturating_add(self.kv)
+            .saturating_add(self.compute)
+    }
+
     /// What stays in host memory once the engine has placed the model (`DeviceFacts`, from
     /// its `/props`): the share of the weights on the layers it put on discrete GPUs leaves
     /// (the token embedding stays), and the KV cache of those layers (llama.cpp keeps a
@@ -225,6 +237,7 @@ pub fn breakdown(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> Estima
         weights: model_bytes,
         kv,
         host_weights: shape.token_embd_bytes.min(model_bytes),
+        compute: activations.saturating_add(logits),
     }
 }
 
@@ -579,6 +592,10 @@ mod tests {
             ..breakdown(&shape, 5_000_000, &served)
         };
         assert_eq!((parts.weights, parts.kv), (5_000_000, kv));
+        // On a GPU holding every layer: the weights but the token embedding, the KV cache,
+        // the compute buffers (everything but the process, the files and the prompt cache).
+        assert_eq!(parts.compute, rest);
+        assert_eq!(parts.on_device(), 4_000_000 + kv + rest);
         let cpu = DeviceFacts::cpu_only(5);
         assert_eq!(parts.on_host(&cpu), parts.total);
         let on = |kind: DeviceKind, layers: u32| DeviceFacts {
