@@ -172,6 +172,23 @@ impl Estimate {
     }
 }
 
+/// The estimate for the draft model at `path`, served beside a model served with `served` (the
+/// same context, slots and micro-batch; its context keeps every cell, and it has no prompt
+/// cache or files of its own). Errors say why its header cannot be sized.
+pub fn draft(path: &Path, served: &Served<'_>) -> Result<Estimate, String> {
+    let shape = read_shape(path)?;
+    let bytes = std::fs::metadata(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
+    let served = Served {
+        cache_ram_bytes: 0,
+        extra_files: Vec::new(),
+        swa_full: true,
+        ..served.clone()
+    };
+    Ok(breakdown(&shape, bytes, &served))
+}
+
 /// The estimate for a model of this shape and file size served with `served`, in parts.
 pub fn breakdown(shape: &Shape, model_bytes: u64, served: &Served<'_>) -> Estimate {
     let extra: u64 = served
@@ -769,6 +786,34 @@ mod tests {
         assert_eq!(sliding_in_period(5, 2), 3);
         assert_eq!(sliding_in_period(5, 1), 0);
         assert_eq!(sliding_in_period(5, 0), 5);
+    }
+
+    #[test]
+    fn a_draft_model_is_sized_as_a_model_with_every_cell_and_nothing_else() {
+        let path = std::env::temp_dir().join(format!("lr-draft-{}.gguf", std::process::id()));
+        std::fs::write(&path, header_with_tensors()).unwrap();
+        let bytes = std::fs::metadata(&path).unwrap().len();
+        let served = Served {
+            ctx_size: 4096,
+            parallel: 2,
+            batch_size: 512,
+            kv_cache_type: "f16",
+            cache_ram_bytes: 1 << 30,
+            extra_files: vec![Path::new("/nonexistent")],
+            swa_full: false,
+        };
+        let draft = draft(&path, &served).unwrap();
+        let alone = Served {
+            cache_ram_bytes: 0,
+            extra_files: vec![],
+            swa_full: true,
+            ..served.clone()
+        };
+        assert_eq!(draft, breakdown(&read_shape(&path).unwrap(), bytes, &alone));
+        assert!(draft.kv > 0 && draft.compute > 0 && draft.weights == bytes);
+        assert!(draft.on_device() < draft.total);
+        std::fs::remove_file(&path).unwrap();
+        assert!(super::draft(&path, &served).is_err());
     }
 
     #[test]

@@ -191,11 +191,6 @@ fn params_and_fit(
 fn reservation(config: &RunnerConfig) -> Result<u64, String> {
     let draft = match &config.draft_model {
         Some(path) => {
-            let shape =
-                memory_estimate::read_shape(path).map_err(|e| format!("--draft-model: {e}"))?;
-            let bytes = std::fs::metadata(path)
-                .map_err(|e| format!("--draft-model {}: {e}", path.display()))?
-                .len();
             let served = memory_estimate::Served {
                 ctx_size: u64::from(config.ctx_size),
                 parallel: u64::from(config.parallel),
@@ -203,10 +198,11 @@ fn reservation(config: &RunnerConfig) -> Result<u64, String> {
                 kv_cache_type: config.effective_kv_cache_type(),
                 cache_ram_bytes: 0,
                 extra_files: Vec::new(),
-                // The draft's context keeps every cell (backend/llama/load.rs).
                 swa_full: true,
             };
-            memory_estimate::breakdown(&shape, bytes, &served).on_device()
+            memory_estimate::draft(path, &served)
+                .map_err(|e| format!("--draft-model: {e}"))?
+                .on_device()
         }
         None => 0,
     };

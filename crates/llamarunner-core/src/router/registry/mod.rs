@@ -140,22 +140,30 @@ impl Model {
         let Ok(shape) = estimate::read_shape(std::path::Path::new(&self.spec.path)) else {
             return whole;
         };
-        let extra: Vec<&std::path::Path> = config
-            .mmproj
-            .iter()
-            .chain(&config.draft_model)
-            .map(|p| p.as_path())
-            .collect();
-        let served = estimate::Served {
+        let mut served = estimate::Served {
             ctx_size: u64::from(config.ctx_size),
             parallel: u64::from(config.parallel),
             batch_size: u64::from(config.batch_size),
             kv_cache_type: config.effective_kv_cache_type(),
             cache_ram_bytes: config.cache_ram_bytes() as u64,
-            extra_files: extra,
+            extra_files: config.mmproj.iter().map(|p| p.as_path()).collect(),
             swa_full: config.effective_swa_full(),
         };
-        estimate::breakdown(&shape, size, &served)
+        // A draft model is counted as a model of its own (its weights, its KV cache for every
+        // slot, its compute buffers); one whose header cannot be sized, by its file.
+        let draft = match config.draft_model.as_deref() {
+            Some(path) => match estimate::draft(path, &served) {
+                Ok(draft) => draft.total.saturating_sub(estimate::ENGINE_PROCESS),
+                Err(_) => {
+                    served.extra_files.push(path);
+                    0
+                }
+            },
+            None => 0,
+        };
+        let mut sized = estimate::breakdown(&shape, size, &served);
+        sized.total = sized.total.saturating_add(draft);
+        sized
     }
 
     /// The GGUF file's size and modification time (zero and the epoch when it cannot be read).
