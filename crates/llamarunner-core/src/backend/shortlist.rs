@@ -11,7 +11,7 @@
 //! exactly equal logits may differ, as between two sorts).
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 
 /// Most tokens a shortlist holds (`k` plus the tokens earlier stages may change); a chain that
 /// would need more sees the whole vocabulary.
@@ -90,63 +90,73 @@ impl Shortlist {
     }
 }
 
-/// A logit and its token, ordered by logit (a total order: NaN is never pushed).
-#[derive(Clone, Copy, PartialEq)]
-struct Entry(f32, u32);
+/// Logits per block: the first pass keeps each block's largest.
+const BLOCK: usize = 64;
+/// Running maxima kept side by side while a block is scanned: independent lanes, which the
+/// compiler turns into vector max instructions (one chain of scalar maxima would not be).
+const LANES: usize = 16;
 
-impl Eq for Entry {}
-
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
+/// The largest logit of a block, NaN ignored (minus infinity for a block of NaN).
+fn block_max(block: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = block.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            // Not `f32::max`: a comparison keeps NaN out and maps onto one instruction.
+            *lane = if v > *lane { v } else { *lane };
+        }
     }
+    for (lane, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *lane = if v > *lane { v } else { *lane };
+    }
+    lanes
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
-impl Ord for Entry {
-    // The heap's top is the worst kept: the smallest logit and, among equal ones, the highest
-    // token id. Ties are kept by the lowest ids, as a sort of the whole vocabulary by logit
-    // then id ranks them, so that greedy (the first best) picks the same token from the list.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other.0.total_cmp(&self.0).then(self.1.cmp(&other.1))
-    }
+/// Ranks a logit and its token: the larger logit first, then the lower id (as a sort of the
+/// whole vocabulary by logit then id ranks them, so that greedy, the first best, picks the same
+/// token from the list).
+fn by_rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// The tokens of the `n` largest logits (NaN never among them; among equal logits the lowest
-/// ids), in no particular order: one pass, skipping a block of 64 whose largest logit does not
-/// beat the smallest one kept (a later token of an equal logit has a higher id).
+/// ids), in no particular order. Two passes: the largest logit of each block of 64 (a
+/// vectorized scan, all the work that reads the whole row), whose `n`-th largest is a floor
+/// under the `n`-th largest logit (`n` blocks each hold a logit at least that large); then only
+/// the blocks that reach the floor are read again, and the logits at or above it ranked.
 pub fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
     if n == 0 {
         return Vec::new();
     }
-    let mut heap: BinaryHeap<Entry> = BinaryHeap::with_capacity(n + 1);
-    let mut floor = f32::NEG_INFINITY;
-    for (b, block) in logits.chunks(64).enumerate() {
-        if heap.len() == n {
-            let best = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if best <= floor || best.is_nan() {
-                continue;
-            }
-        }
+    let maxima: Vec<f32> = logits.chunks(BLOCK).map(block_max).collect();
+    let floor = if maxima.len() > n {
+        let mut scratch = maxima.clone();
+        *scratch
+            .select_nth_unstable_by(n - 1, |a, b| b.total_cmp(a))
+            .1
+    } else {
+        f32::NEG_INFINITY
+    };
+    let mut listed: Vec<(f32, u32)> = Vec::with_capacity(2 * n);
+    for (b, _) in maxima.iter().enumerate().filter(|(_, &m)| m >= floor) {
+        let start = b * BLOCK;
+        let block = &logits[start..logits.len().min(start + BLOCK)];
         for (j, &v) in block.iter().enumerate() {
-            if v.is_nan() {
-                continue;
-            }
-            let Ok(token) = u32::try_from(b * 64 + j) else {
-                return heap.into_iter().map(|e| e.1).collect();
-            };
-            if heap.len() < n {
-                heap.push(Entry(v, token));
-                if heap.len() == n {
-                    floor = heap.peek().map_or(f32::NEG_INFINITY, |e| e.0);
+            // NaN compares false: never listed.
+            if v >= floor {
+                if let Ok(token) = u32::try_from(start + j) {
+                    listed.push((v, token));
                 }
-            } else if v > floor {
-                heap.pop();
-                heap.push(Entry(v, token));
-                floor = heap.peek().map_or(f32::NEG_INFINITY, |e| e.0);
             }
         }
     }
-    heap.into_iter().map(|e| e.1).collect()
+    if listed.len() > n {
+        listed.select_nth_unstable_by(n - 1, by_rank);
+        listed.truncate(n);
+    }
+    listed.into_iter().map(|(_, token)| token).collect()
 }
 
 #[cfg(test)]
@@ -262,6 +272,31 @@ mod tests {
             let full = cut_full(&logits, &adjust, k);
             let listed = cut(&logits, short, &adjust, k);
             prop_assert_eq!(full, listed);
+        }
+
+        /// Rows of a real vocabulary's length: ties (a coarse grid), NaN and minus infinity,
+        /// and the same tokens as a sort by logit then id, whatever `n`.
+        #[test]
+        fn top_n_takes_the_sorts_first_tokens_on_long_rows(
+            grid in prop::collection::vec(prop_oneof![
+                8 => (-64i32..64).prop_map(|x| x as f32 / 8.0),
+                1 => Just(f32::NAN),
+                1 => Just(f32::NEG_INFINITY),
+            ], 1..5000),
+            n in 1usize..400,
+        ) {
+            let mut got = top_n(&grid, n);
+            got.sort_unstable();
+            let mut ranked: Vec<(f32, u32)> = grid
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_nan())
+                .map(|(i, &v)| (v, i as u32))
+                .collect();
+            ranked.sort_by(by_rank);
+            let mut want: Vec<u32> = ranked.into_iter().take(n).map(|(_, t)| t).collect();
+            want.sort_unstable();
+            prop_assert_eq!(got, want);
         }
 
         #[test]
