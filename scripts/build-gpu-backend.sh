@@ -62,11 +62,7 @@ case "$name" in
     fi
     ;;
   cuda)
-    # --no-as-needed keeps libcuda.so.1 among the module's needed libraries when it was linked
-    # against a stub that defines none of the driver's functions (the PyPI toolkit's, made by
-    # cuda-toolkit-from-pypi.sh): the driver then provides them when the module loads.
-    flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-90}"
-      -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--no-as-needed)
+    flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-90}")
     ;;
   *)
     echo "unknown backend $name (vulkan or cuda)" >&2

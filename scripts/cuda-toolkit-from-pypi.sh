@@ -8,9 +8,7 @@
 #   CUDACXX=$root/bin/nvcc CUDAToolkit_ROOT=$root scripts/build-gpu-backend.sh cuda OUT_DIR
 #
 # The versions are pinned to CUDA 13.0, the oldest 13 (a module built with it runs with every
-# 13.x runtime and driver). The PyPI packages carry no libcuda.so link stub: an empty library
-# named libcuda.so.1 stands in for it at link time; the real driver provides the functions when
-# the module loads (build-gpu-backend.sh links with --no-as-needed so it is still asked for).
+# 13.x runtime and driver). The PyPI packages carry no libcuda.so link stub: one is made here.
 set -euo pipefail
 
 venv=${1:?usage: cuda-toolkit-from-pypi.sh VENV_DIR}
@@ -29,9 +27,15 @@ ln -sfn lib "$root/lib64"
 for name in cudart cublas cublasLt; do
   ln -sf "lib$name.so.13" "$root/lib/lib$name.so"
 done
+# The driver's link stub, as the toolkit's lib64/stubs/libcuda.so is: every function cuda.h
+# declares (their versioned names, after the preprocessor), defined empty, in a library named
+# libcuda.so.1. A module linked against it asks for libcuda.so.1, and the driver's provides
+# the functions when it loads.
 mkdir -p "$root/lib/stubs"
 if [ ! -f "$root/lib/stubs/libcuda.so" ]; then
-  echo 'int llamarunner_libcuda_link_stub;' |
-    cc -shared -x c - -o "$root/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1
+  printf '#include <cuda.h>\n' | cc -E -I "$root/include" -x c - |
+    grep -oE '\bcu[A-Z][A-Za-z0-9_]*[[:space:]]*\(' | tr -d '( \t' | sort -u |
+    sed 's/.*/void &(void) {}/' |
+    cc -shared -fPIC -x c - -o "$root/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1
 fi
 echo "$root"

@@ -5,6 +5,7 @@ suite against both); ``LLAMARUNNER_EXPECT_WHEEL=1`` says which one it must be.""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -159,6 +160,10 @@ def test_the_cuda_companion_brings_its_module_and_the_pypi_runtime(
     backend, so ggml's own check is all that is left). The server serves both times."""
     if not portable():
         pytest.skip("a source build loads no backend modules")
+    if importlib.util.find_spec("nvidia") is not None:
+        pytest.skip(
+            "NVIDIA's runtime packages are installed here, so a run without them cannot be staged"
+        )
     companion_site, runtime_site = tmp_path / "companion", tmp_path / "runtime"
     runtime = runtime_site / "nvidia" / "cu13" / "lib" / "libcudart.so.13"
     compile_library(runtime, "int cudart_stand_in(void) { return 13; }\n")

@@ -53,7 +53,11 @@ def test_a_companion_is_put_after_the_users_module_path(
     assert os.environ[_gpu_modules.MODULE_PATH_ENV] == os.pathsep.join(["/opt/mine", str(lib)])
 
 
-def test_no_companion_leaves_everything_as_it_was(fresh: None) -> None:
+def test_no_companion_leaves_everything_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, fresh: None
+) -> None:
+    # Whether or not this machine has the CUDA companion installed.
+    monkeypatch.setattr(_gpu_modules, "COMPANIONS", ("llamarunner_companion_not_installed",))
     assert _gpu_modules.companion_dirs() == []
     assert _gpu_modules.prepare() == ()
     assert _gpu_modules.MODULE_PATH_ENV not in os.environ
