@@ -5,7 +5,6 @@ suite against both); ``LLAMARUNNER_EXPECT_WHEEL=1`` says which one it must be.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import llamarunner
+from llamarunner import _gpu_modules
 
 from helpers import ServeProcess
 
@@ -160,7 +160,7 @@ def test_the_cuda_companion_brings_its_module_and_the_pypi_runtime(
     backend, so ggml's own check is all that is left). The server serves both times."""
     if not portable():
         pytest.skip("a source build loads no backend modules")
-    if importlib.util.find_spec("nvidia") is not None:
+    if any((d / "libcudart.so.13").is_file() for d in _gpu_modules.nvidia_library_dirs()):
         pytest.skip(
             "NVIDIA's runtime packages are installed here, so a run without them cannot be staged"
         )
