@@ -533,6 +533,21 @@ impl RunnerConfig {
         }
     }
 
+    /// How this configuration serves its model, as the memory estimate sizes it (the router's
+    /// `--models-memory`, the fit's room for a draft model): context, slots, batch, cache
+    /// type, prompt-cache budget, projector file, `--swa-full`.
+    pub fn served(&self) -> crate::protocol::memory_estimate::Served<'_> {
+        crate::protocol::memory_estimate::Served {
+            ctx_size: u64::from(self.ctx_size),
+            parallel: u64::from(self.parallel),
+            batch_size: u64::from(self.batch_size),
+            kv_cache_type: self.effective_kv_cache_type(),
+            cache_ram_bytes: self.cache_ram_bytes() as u64,
+            extra_files: self.mmproj.iter().map(|p| p.as_path()).collect(),
+            swa_full: self.effective_swa_full(),
+        }
+    }
+
     /// The prompt cache's budget in bytes: `cache_ram` MiB, or for -1 (and any negative) a
     /// quarter of the machine's memory (`/proc/meminfo`'s MemTotal; 4 GiB where it cannot be
     /// read), at most 8 GiB, llama-server's default `--cache-ram`.

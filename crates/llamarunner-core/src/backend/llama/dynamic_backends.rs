@@ -59,7 +59,11 @@ pub fn load() -> Result<Loaded, String> {
                 (path, opened)
             }
             Module::Shadowed { path, by } => {
-                let why = format!("{} is loaded from {} instead", file_of(&path), by.display());
+                let why = format!(
+                    "{} is loaded from {} instead",
+                    super::file_name(&path),
+                    by.display()
+                );
                 (path, Err(why))
             }
         })
@@ -101,7 +105,7 @@ pub fn load() -> Result<Loaded, String> {
             let outcome = opened.and_then(|()| {
                 registered
                     .iter()
-                    .find(|(file, _)| file.as_deref() == Some(file_of(&path).as_str()))
+                    .find(|(file, _)| file.as_deref() == Some(super::file_name(&path).as_str()))
                     .map(|(_, devices)| *devices)
                     .ok_or_else(|| {
                         "it loaded, but ggml did not register it (it found no support for \
@@ -136,7 +140,7 @@ fn gpu_modules(dir: &Path, extra_dirs: &[PathBuf]) -> Vec<Module> {
     for extra in extra_dirs.iter().filter(|d| d.as_path() != dir) {
         for name in gpu_libraries(extra) {
             let first = found.iter().find_map(|m| match m {
-                Module::Here(p) | Module::Elsewhere(p) if file_of(p) == name => {
+                Module::Here(p) | Module::Elsewhere(p) if super::file_name(p) == name => {
                     p.parent().map(Path::to_path_buf)
                 }
                 _ => None,
@@ -149,12 +153,6 @@ fn gpu_modules(dir: &Path, extra_dirs: &[PathBuf]) -> Vec<Module> {
         }
     }
     found
-}
-
-fn file_of(path: &Path) -> String {
-    path.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
 }
 
 /// The loader's reason, with what a user does about the libraries GPU modules usually miss.

@@ -190,20 +190,10 @@ fn params_and_fit(
 /// a fit reads this, so without a GPU the files are not read.
 fn reservation(config: &RunnerConfig) -> Result<u64, String> {
     let draft = match &config.draft_model {
-        Some(path) => {
-            let served = memory_estimate::Served {
-                ctx_size: u64::from(config.ctx_size),
-                parallel: u64::from(config.parallel),
-                batch_size: u64::from(config.batch_size),
-                kv_cache_type: config.effective_kv_cache_type(),
-                cache_ram_bytes: 0,
-                extra_files: Vec::new(),
-                swa_full: true,
-            };
-            memory_estimate::draft(path, &served)
-                .map_err(|e| format!("--draft-model: {e}"))?
-                .on_device()
-        }
+        // `draft` keeps the context, slots, batch and cache type, and drops the rest.
+        Some(path) => memory_estimate::draft(path, &config.served())
+            .map_err(|e| format!("--draft-model: {e}"))?
+            .on_device(),
         None => 0,
     };
     let projector = match &config.mmproj {

@@ -140,15 +140,7 @@ impl Model {
         let Ok(shape) = estimate::read_shape(std::path::Path::new(&self.spec.path)) else {
             return whole;
         };
-        let mut served = estimate::Served {
-            ctx_size: u64::from(config.ctx_size),
-            parallel: u64::from(config.parallel),
-            batch_size: u64::from(config.batch_size),
-            kv_cache_type: config.effective_kv_cache_type(),
-            cache_ram_bytes: config.cache_ram_bytes() as u64,
-            extra_files: config.mmproj.iter().map(|p| p.as_path()).collect(),
-            swa_full: config.effective_swa_full(),
-        };
+        let mut served = config.served();
         // A draft model is counted as a model of its own (its weights, its KV cache for every
         // slot, its compute buffers); one whose header cannot be sized, by its file.
         let draft = match config.draft_model.as_deref() {
