@@ -20,7 +20,7 @@ import pytest
 
 from llamarunner import Server
 
-from tinymodel import write_tiny_model
+from tinymodel import N_EMBD, vocabulary, write_tiny_model
 
 CHAT = [{"role": "user", "content": "hello there"}]
 
@@ -55,6 +55,22 @@ def test_any_model_name_and_the_routes_without_v1(
     # Ollama's routes keep the 404 its clients pull a model on.
     r = post(tiny_server, "/api/generate", {"model": "llama3", "prompt": "hi"})
     assert r.status_code == 404, r.text
+
+
+def test_the_model_list_carries_llama_server_s_meta(tiny_server: Server, tmp_path: Path) -> None:
+    """llama-server's ``meta`` of a model (clients read the slot's context there)."""
+    entry = httpx.get(f"{tiny_server.url}/models", timeout=10).json()["data"][0]
+    meta = entry["meta"]
+    props = httpx.get(f"{tiny_server.url}/props", timeout=10).json()
+    assert meta["n_ctx"] == props["default_generation_settings"]["n_ctx"] == 512
+    assert meta["n_ctx_train"] == 65536
+    assert meta["n_vocab"] == len(vocabulary()[0])
+    assert meta["n_embd"] == N_EMBD
+    assert meta["n_params"] == props["model"]["n_params"] > N_EMBD * meta["n_vocab"]
+    # The tiny model's file has the same size whatever its random weights.
+    assert meta["size"] == write_tiny_model(tmp_path / "same.gguf").stat().st_size
+    one = httpx.get(f"{tiny_server.url}/v1/models/tiny", timeout=10).json()
+    assert one["meta"] == meta
 
 
 def test_constraints_are_honoured_or_refused(tiny_server: Server) -> None:

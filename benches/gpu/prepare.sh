@@ -6,10 +6,16 @@
 #   # then, through the device tool, from the repository root with carry benches/gpu/carry:
 #   bash benches/gpu/run.sh           # writes its tables under $OUT
 #
-# It holds: this commit's portable wheel (CPU variants only: the CUDA module is built there,
-# from the same llama.cpp), the wheels our package needs for CPython 3.12 (httpx,
-# huggingface_hub and theirs), the peer's llama.cpp source (its ggml the vendored one; xz,
-# without vocabulary files, docs and tests), and the default model's header (make_model.py).
+# It holds: this commit's portable wheel (CPU variants only), the wheels our package needs for
+# CPython 3.12 (httpx, huggingface_hub and theirs), the peer's llama.cpp source (its ggml the
+# vendored one; xz, without vocabulary files, docs, tests and the other GPU backends' sources),
+# and the default model's header (make_model.py).
+#
+# GPU_MODULE=PATH carries a GPU module built here (scripts/build-gpu-backend.sh cuda, from the
+# vendored ggml: docs/wheels.md "CUDA"), xz-compressed, instead of ggml-cuda's source: run.sh
+# then builds llama-server for the CPU only (about a minute on 16 cores, where the CUDA module
+# takes several of the device's 15) and gives both servers that module. Without it, run.sh
+# builds the CUDA module there from the source.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -51,9 +57,25 @@ if ! diff -rq "$src/ggml" "$vendored/llama.cpp/ggml" >/dev/null; then
   exit 1
 fi
 top=$(basename "$src")
+# The GPU backends run.sh never builds (ggml adds a backend's directory only when it is on).
+skip=()
+for backend in vulkan sycl metal cann opencl musa hip webgpu zdnn zendnn hexagon blas rpc et \
+  virtgpu openvino; do
+  skip+=(--exclude="$top/ggml/src/ggml-$backend")
+done
+if [ -n "${GPU_MODULE:-}" ]; then
+  [ -f "$GPU_MODULE" ] || {
+    echo "GPU_MODULE=$GPU_MODULE: no such file" >&2
+    exit 1
+  }
+  mkdir -p "$carry/modules"
+  xz -9 -T0 -c "$GPU_MODULE" >"$carry/modules/$(basename "$GPU_MODULE").xz"
+  skip+=(--exclude="$top/ggml/src/ggml-cuda")
+fi
 tar -C "$(dirname "$src")" -cf - --anchored --exclude="$top/models" --exclude="$top/docs" \
   --exclude="$top/media" --exclude="$top/gguf-py" --exclude="$top/benches" \
-  --exclude="$top/tests" --exclude="$top/tools/server/tests" --no-anchored --exclude='*.gguf' \
+  --exclude="$top/tests" --exclude="$top/tools/server/tests" --exclude="$top/examples" \
+  "${skip[@]}" --no-anchored --exclude='*.gguf' \
   --transform "s,^$top,llama.cpp," "$top" |
   xz -6 -T0 >"$carry/llama.cpp.tar.xz"
 

@@ -11,7 +11,9 @@
 #   $OUT/batched-bench.txt    llama-batched-bench at the same widths (the kernels' ceiling)
 #   $OUT/load-llama8b.md      ours vs llama-server, a llama 8B shape in Q4_K
 #
-# Settings (environment): GGML_CUDA=OFF for a dry run on a CPU machine; GPU_WORK (build and
+# A GPU module in the carry (prepare.sh's GPU_MODULE) is given to both servers, and llama.cpp is
+# then built for the CPU only. Settings (environment): GGML_CUDA=OFF for a dry run on a CPU
+# machine (with no carried module: the CPU only); GPU_WORK (build and
 # models, default /tmp/gpu-work; a second run reuses the build); CLIENTS (default
 # single,parallel8,parallel32,parallel64); LLAMA_LAYERS (fewer layers for a dry run);
 # CEILING_STREAMS (default 64,256) and CEILING_SECONDS (default 8);
@@ -42,11 +44,24 @@ for d in $(python3 -c 'import glob, site; print(" ".join(glob.glob(p + "/nvidia/
 done
 log "machine: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo no nvidia-smi); nvcc $(nvcc --version 2>/dev/null | tail -1 || echo none)"
 
+# A GPU module prepare.sh carried (GPU_MODULE there): both servers load it, and only the CPU
+# parts are built here.
+carried=$(ls "$carry"/modules/libggml-*.so.xz 2>/dev/null | head -n 1 || true)
+modules="$work/modules"
+if [ -n "$carried" ]; then
+  cuda=OFF
+  mkdir -p "$modules"
+  module="$modules/$(basename "$carried" .xz)"
+  [ -f "$module" ] || xz -dc "$carried" >"$module"
+  log "module: $(basename "$module") carried ($(du -m "$module" | cut -f1) MB)"
+fi
+gpu=$([ "$cuda" = ON ] || [ -n "$carried" ] && echo ON || echo OFF)
+
 build="$work/build"
 if want build; then
-  # One build for both: the CUDA module our wheel loads and llama-server, which loads the same
-  # modules (GGML_BACKEND_DL; its CPU backend at the AVX2 level: GGML_NATIVE cannot go with
-  # modules, and the CPU does little beside a GPU).
+  # One build for both: the CUDA module our wheel loads (unless carried) and llama-server,
+  # which loads the same modules (GGML_BACKEND_DL; its CPU backend at the AVX2 level:
+  # GGML_NATIVE cannot go with modules, and the CPU does little beside a GPU).
   log "build: llama.cpp (CUDA $cuda) from the vendored source"
   [ -d "$work/llama.cpp" ] || tar -C "$work" -xJf "$carry/llama.cpp.tar.xz"
   generator=()
@@ -61,6 +76,8 @@ if want build; then
   targets=(llama-server llama-batched-bench ggml-cpu)
   [ "$cuda" = ON ] && targets+=(ggml-cuda)
   cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1
+  # llama-server looks for backend modules beside its executable.
+  if [ -n "$carried" ]; then cp "$module" "$build/bin/"; fi
   log "build: done ($(ls "$build"/bin | tr '\n' ' '))"
 fi
 
@@ -70,9 +87,9 @@ if want install; then
   log "install: our wheel and its dependencies (no network)"
   python3 -m venv --system-site-packages "$venv"
   "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" llamarunner
-  if [ "$cuda" = ON ]; then
+  if [ "$gpu" = ON ]; then
     lib=$("$py" -c 'import llamarunner, os; print(os.path.join(os.path.dirname(llamarunner.__file__), "lib"))')
-    cp "$build/bin/libggml-cuda.so" "$lib/"
+    if [ -n "$carried" ]; then cp "$module" "$lib/"; else cp "$build/bin/libggml-cuda.so" "$lib/"; fi
   fi
   "$py" -m llamarunner serve --list-devices | tee "$out/devices.txt"
   log "install: done"
@@ -114,7 +131,7 @@ fi
 
 if want batched; then
   log "batched-bench: the kernels' ceiling at the same widths"
-  ngl=$([ "$cuda" = ON ] && echo 99 || echo 0)
+  ngl=$([ "$gpu" = ON ] && echo 99 || echo 0)
   "$build/bin/llama-batched-bench" -m "$gemma" -c 32768 -b 2048 -ub 512 -npp 200 -ntg 64 \
     -npl 1,8,32,64 -ngl "$ngl" -fa on >"$out/batched-bench.txt" 2>"$out/batched-bench.err" ||
     log "batched-bench: failed"

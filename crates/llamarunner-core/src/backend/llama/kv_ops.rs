@@ -89,6 +89,9 @@ impl KvOps for LlamaEngine<'_> {
                 "the cache has no sliding window that checkpoints can rewind".into(),
             ));
         }
+        if self.window_state_apart.get() {
+            return self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY);
+        }
         let partial = self
             .ctx
             .state_seq_get_size_ext(seq, LlamaStateSeqFlags::PARTIAL_ONLY);
@@ -105,6 +108,9 @@ impl KvOps for LlamaEngine<'_> {
                 "the cache keeps every cell: nothing to checkpoint".into(),
             ));
         }
+        // A property of the context (whether llama.cpp keeps the window's cells in a cache of
+        // their own), not of the sequence: known once.
+        self.window_state_apart.set(true);
         self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY)
     }
 

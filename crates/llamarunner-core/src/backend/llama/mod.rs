@@ -76,6 +76,9 @@ pub struct LlamaEngine<'m> {
     /// keeps every cell anyway (phi3 declares a window that llama.cpp does not use: a partial
     /// state would be the whole state).
     window_checkpoints: std::cell::Cell<bool>,
+    /// Whether the first checkpoint found the window's state smaller than the whole (then the
+    /// next ones skip that check: each size llama.cpp gives walks every cell of the cache).
+    window_state_apart: std::cell::Cell<bool>,
     /// Whether the tokenizer starts prompts with BOS.
     add_bos: bool,
     backend: &'static LlamaBackend,
@@ -146,6 +149,7 @@ impl<'m> LlamaEngine<'m> {
             can_shift,
             swa_window,
             window_checkpoints,
+            window_state_apart: std::cell::Cell::new(false),
             add_bos,
             backend,
             embed_params,

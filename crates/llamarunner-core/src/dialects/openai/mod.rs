@@ -31,7 +31,7 @@ use crate::dialects::llama_server::{self, timings};
 use crate::http::error::{ApiError, OpenAiError};
 use crate::http::state::AppState;
 use crate::protocol::params::SamplingParams;
-use crate::protocol::{Completion, Event};
+use crate::protocol::{Completion, Event, ModelInfo};
 use crate::requests::common::{
     check_model, collect, count_prompt_tokens, model_info, start_generation, unix_seconds,
     PromptSource,
@@ -48,7 +48,7 @@ pub(crate) use embeddings::embeddings_keyed;
 pub(crate) use request::{chat_keyed, completions_keyed};
 use request::{chat_of, check_continuation, completion_prompt, parse_request, OpenAiRequest};
 pub(crate) use wire::LogprobEntry;
-use wire::{Delta, InputTokens, Model, ModelList, Says};
+use wire::{Delta, InputTokens, Model, ModelList, ModelMeta, Says};
 
 /// Most choices `n` may ask for: each is a sequence in a slot of its own.
 pub(crate) const MAX_CHOICES: u32 = 8;
@@ -329,27 +329,29 @@ fn first_chunk(meta: &Meta) -> SseEvent {
     sse(&with_usage_null(meta, meta.body(true, vec![choice])))
 }
 
-fn model_entry(state: &AppState) -> Model<'_> {
-    let created = state
-        .engine
-        .health
-        .model_info()
-        .and_then(|m| m.modified)
-        .map_or(0, unix_seconds);
+fn model_entry<'a>(state: &'a AppState, info: &ModelInfo) -> Model<'a> {
     Model {
         id: state.model_name.as_ref(),
         object: "model",
-        created,
+        created: info.modified.map_or(0, unix_seconds),
         owned_by: "llamarunner",
+        meta: ModelMeta {
+            n_vocab: info.n_vocab,
+            n_ctx: info.slot_ctx,
+            n_ctx_train: info.n_ctx_train,
+            n_embd: info.n_embd,
+            n_params: info.n_params,
+            size: info.file_size,
+        },
     }
 }
 
 /// `GET /v1/models`: the one model served, under its alias.
 pub async fn models(State(state): State<AppState>) -> Result<Response, OpenAiError> {
-    model_info(&state)?;
+    let info = model_info(&state)?;
     Ok(Json(ModelList {
         object: "list",
-        data: [model_entry(&state)],
+        data: [model_entry(&state, &info)],
     })
     .into_response())
 }
@@ -359,11 +361,11 @@ pub async fn model(
     State(state): State<AppState>,
     name: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Response, OpenAiError> {
-    model_info(&state)?;
+    let info = model_info(&state)?;
     // A name that is not valid UTF-8 once decoded (`%ff`) is an error in OpenAI's shape too.
     let Path(name) = name.map_err(|e| ApiError::invalid(format!("model name: {e}")))?;
     check_model(&state, Some(&name))?;
-    Ok(Json(model_entry(&state)).into_response())
+    Ok(Json(model_entry(&state, &info)).into_response())
 }
 
 #[cfg(test)]

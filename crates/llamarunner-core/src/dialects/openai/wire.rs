@@ -258,6 +258,26 @@ pub(super) struct Model<'a> {
     pub(super) created: u64,
     /// Always `llamarunner`.
     pub(super) owned_by: &'static str,
+    /// llama-server's facts of the model, under its names (clients written for it read the
+    /// context size here).
+    pub(super) meta: ModelMeta,
+}
+
+/// `meta` of a model entry, as llama-server gives it.
+#[derive(Debug, Serialize)]
+pub(super) struct ModelMeta {
+    /// The vocabulary's size.
+    pub(super) n_vocab: u32,
+    /// The context of one slot, in tokens.
+    pub(super) n_ctx: usize,
+    /// The context the model was trained with.
+    pub(super) n_ctx_train: u32,
+    /// The embedding width.
+    pub(super) n_embd: u32,
+    /// The parameter count.
+    pub(super) n_params: u64,
+    /// The GGUF file's size in bytes.
+    pub(super) size: u64,
 }
 
 /// The answer of `POST /v1/chat/completions/input_tokens`.
