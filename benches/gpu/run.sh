@@ -71,7 +71,7 @@ if want build; then
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >"$out/cmake.log" 2>&1
   targets=(llama-server llama-batched-bench ggml-cpu)
   [ "$cuda" = ON ] && targets+=(ggml-cuda)
@@ -86,7 +86,9 @@ py="$venv/bin/python"
 if want install; then
   log "install: our wheel and its dependencies (no network)"
   python3 -m venv --system-site-packages "$venv"
-  "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" llamarunner
+  "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" --no-deps llamarunner
+  "$py" -c 'import httpx' 2>/dev/null ||
+    "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" httpx
   if [ "$gpu" = ON ]; then
     lib=$("$py" -c 'import llamarunner, os; print(os.path.join(os.path.dirname(llamarunner.__file__), "lib"))')
     if [ -n "$carried" ]; then cp "$module" "$lib/"; else cp "$build/bin/libggml-cuda.so" "$lib/"; fi
