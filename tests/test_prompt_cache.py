@@ -6,6 +6,7 @@ in full (a restored state holds only the window's cells before its end)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ import pytest
 from llamarunner import Server
 
 from helpers import (
+    ServeProcess,
     assert_serve_refuses,
     choice_logprobs,
     complete,
@@ -91,6 +93,49 @@ def test_on_a_sliding_window_model_a_restored_conversation_continues_but_is_not_
     cut = ALICE[:120] + "something else"
     _, deep = complete(srv.url, cut, temperature=0, num_predict=4)
     assert deep["prompt_cached_count"] < 10, deep
+
+
+PROSE = (
+    "The old lighthouse keeper climbed the spiral stairs each evening, counting the steps "
+    "as his father had, and lit the lamp that warned the fishing boats away from the rocks. "
+)
+
+
+@pytest.mark.real_model
+def test_states_read_in_one_walk_fall_back_to_an_exact_size_without_an_error(
+    default_model: Path,
+) -> None:
+    """A sequence's state is read into a buffer sized from the most bytes per cell seen
+    (backend/llama/state_read.rs). On Gemma 3 (a 512-token window on 15 of its 18 layers) a
+    long prompt decoded in one batch (its first checkpoint, the first exact sizing, at its
+    end) teaches fewer bytes per cell than a short one takes, so the short one's reads fall
+    short once: they are sized and read again, llama.cpp's error for the short buffer is not
+    logged, and the states restore as before."""
+    env = {**os.environ, "LLAMARUNNER_LOG": "info,llamarunner_core::backend::llama=debug"}
+    args = ["--port", "0", "--parallel", "1", "--ctx-size", "4096", "--batch-size", "2048"]
+    args += ["--cache-ram", "256"]
+    with ServeProcess(str(default_model), *args, env=env) as serve:
+        url = serve.wait_ready()
+        long = PROSE * 50
+        short = "A note about the weather: it rained all morning and cleared by noon. " * 12
+        assert n_tokens(url, long) > 1500
+        assert 100 < n_tokens(url, short) < 400
+        # The long prompt's checkpoint is the first exact sizing of both parts.
+        complete(url, long, temperature=0, num_predict=1)
+        # The short one's checkpoint (the window part), then the long one's state saved
+        # to RAM as the short takes the slot; then the short one's state saved likewise.
+        complete(url, short, temperature=0, num_predict=4, ignore_eos=True)
+        complete(url, long, temperature=0, num_predict=1)
+        follow = short + " In the afternoon"
+        warm = openai_greedy(url, follow, 8, ignore_eos=True)
+        restored = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert restored >= n_tokens(url, short) - 2, warm["usage"]
+        cold = openai_greedy(url, follow, 8, ignore_eos=True, cache_prompt=False)
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] < 10
+        same_or_near_tie(choice_logprobs(cold), choice_logprobs(warm))
+        log = serve.log
+    assert "the state is larger than guessed" in log, log[-4000:]
+    assert "error saving state" not in log, log[-4000:]
 
 
 def test_cache_prompt_false_decodes_the_whole_prompt_on_every_route(

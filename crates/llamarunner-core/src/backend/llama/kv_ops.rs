@@ -6,6 +6,7 @@ use llama_cpp_2::context::session::LlamaStateSeqFlags;
 use crate::backend::{Fork, KvOps};
 use crate::protocol::BackendError;
 
+use super::state_read::StatePart;
 use super::LlamaEngine;
 
 impl KvOps for LlamaEngine<'_> {
@@ -49,7 +50,7 @@ impl KvOps for LlamaEngine<'_> {
         // whole stream buffer for the next decode: whatever is written into the destination
         // before that decode (a prompt-cache restore, a window checkpoint) would be overwritten
         // by the source's cells. A state read and write is done when it returns.
-        let copied = match self.state_with(src, LlamaStateSeqFlags::empty()) {
+        let copied = match self.state_with(src, StatePart::Whole) {
             Ok(state) => {
                 // SAFETY: the state was just written by this context for one of its sequences,
                 // so its layers, types and cell counts are this cache's; llama.cpp's reader
@@ -90,7 +91,7 @@ impl KvOps for LlamaEngine<'_> {
             ));
         }
         if self.window_state_apart.get() {
-            return self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY);
+            return self.state_with(seq, StatePart::Window);
         }
         let partial = self
             .ctx
@@ -98,6 +99,13 @@ impl KvOps for LlamaEngine<'_> {
         let whole = self
             .ctx
             .state_seq_get_size_ext(seq, LlamaStateSeqFlags::empty());
+        // Both sizes teach the state reads' guesses (`state_read.rs`).
+        let cells =
+            usize::try_from(self.ctx.kv_cache_seq_pos_max(seq).saturating_add(1)).unwrap_or(0);
+        if partial > 0 && whole > 0 {
+            self.state_reads.learn(StatePart::Window, cells, partial);
+            self.state_reads.learn(StatePart::Whole, cells, whole);
+        }
         if partial >= whole {
             // No separate window cache: llama.cpp keeps every cell of this model.
             self.window_checkpoints.set(false);
@@ -111,7 +119,7 @@ impl KvOps for LlamaEngine<'_> {
         // A property of the context (whether llama.cpp keeps the window's cells in a cache of
         // their own), not of the sequence: known once.
         self.window_state_apart.set(true);
-        self.state_with(seq, LlamaStateSeqFlags::PARTIAL_ONLY)
+        self.state_with(seq, StatePart::Window)
     }
 
     fn rewind_to_checkpoint(&mut self, seq: i32, len: usize, state: &[u8]) -> bool {
@@ -139,7 +147,7 @@ impl KvOps for LlamaEngine<'_> {
     }
 
     fn seq_state(&self, seq: i32) -> Result<Vec<u8>, BackendError> {
-        self.state_with(seq, LlamaStateSeqFlags::empty())
+        self.state_with(seq, StatePart::Whole)
     }
 
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
@@ -159,32 +167,6 @@ impl KvOps for LlamaEngine<'_> {
         }
         let max = self.ctx.kv_cache_seq_pos_max(seq);
         Ok(usize::try_from(max.saturating_add(1)).unwrap_or(0))
-    }
-}
-
-impl LlamaEngine<'_> {
-    /// Sequence `seq`'s state with `flags` (all of it, or the sliding-window part).
-    fn state_with(&self, seq: i32, flags: LlamaStateSeqFlags) -> Result<Vec<u8>, BackendError> {
-        let size = self.ctx.state_seq_get_size_ext(seq, flags);
-        if size == 0 {
-            return Err(BackendError::State(
-                "llama.cpp could not size the sequence's state".into(),
-            ));
-        }
-        let mut state = vec![0u8; size];
-        // SAFETY: `state` holds the `size` bytes llama.cpp said this sequence's state takes
-        // with these flags, and nothing changes the cache between the two calls (this thread
-        // owns the context and holds `&self`).
-        let written = unsafe {
-            self.ctx
-                .state_seq_get_data_ext(state.as_mut_ptr(), seq, flags)
-        };
-        if written != size {
-            return Err(BackendError::State(format!(
-                "llama.cpp wrote {written} bytes of state, {size} expected"
-            )));
-        }
-        Ok(state)
     }
 }
 

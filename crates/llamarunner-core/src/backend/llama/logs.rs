@@ -97,3 +97,68 @@ fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
     let errors = errors.lock().map(|e| e.clone()).unwrap_or_default();
     (out, errors)
 }
+
+/// Runs `f`, a llama.cpp call whose failure the caller handles (a state read into a buffer
+/// that may prove too small, then read again), without passing the ERROR events it logs on to
+/// the process's subscriber: they would report a failure that did not happen. Every other event
+/// passes. The filtering subscriber is made once per thread and forwards each callsite's
+/// interest as the process's subscriber says it, so it changes what is logged or checked
+/// nowhere else (making a subscriber per call would rebuild every callsite's interest).
+pub(super) fn without_llama_errors<T>(f: impl FnOnce() -> T) -> T {
+    thread_local! {
+        static QUIET: tracing::Dispatch = tracing::Dispatch::new(ErrorsDropped {
+            inner: tracing::dispatcher::get_default(Clone::clone),
+            max_level: tracing::level_filters::LevelFilter::current(),
+        });
+    }
+    QUIET.with(|quiet| tracing::dispatcher::with_default(quiet, f))
+}
+
+/// A subscriber that passes everything to `inner` but ERROR events.
+struct ErrorsDropped {
+    inner: tracing::Dispatch,
+    /// The most verbose level enabled when it was made (no hint would let every level past
+    /// the macros' static check).
+    max_level: tracing::level_filters::LevelFilter,
+}
+
+impl tracing::Subscriber for ErrorsDropped {
+    fn register_callsite(
+        &self,
+        metadata: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        self.inner.register_callsite(metadata)
+    }
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        Some(self.max_level)
+    }
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        self.inner.enabled(metadata)
+    }
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        self.inner.new_span(span)
+    }
+    fn record(&self, span: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        self.inner.record(span, values);
+    }
+    fn record_follows_from(&self, span: &tracing::span::Id, follows: &tracing::span::Id) {
+        self.inner.record_follows_from(span, follows);
+    }
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() != tracing::Level::ERROR {
+            self.inner.event(event);
+        }
+    }
+    fn enter(&self, span: &tracing::span::Id) {
+        self.inner.enter(span);
+    }
+    fn exit(&self, span: &tracing::span::Id) {
+        self.inner.exit(span);
+    }
+    fn clone_span(&self, id: &tracing::span::Id) -> tracing::span::Id {
+        self.inner.clone_span(id)
+    }
+    fn try_close(&self, id: tracing::span::Id) -> bool {
+        self.inner.try_close(id)
+    }
+}

@@ -2,9 +2,10 @@
 //! engine thread, which owns the context, batch and samplers (not `Send` up to llama-cpp-2
 //! 0.1.154; the context is `Send` but not `Sync` in 0.1.160). One file per capability of the
 //! `Backend` traits: `load.rs` (model, context, facts), `text.rs`, `sampler.rs`, `kv_ops.rs`,
-//! `draft.rs`, `embeddings.rs`, `devices.rs` (where the model's layers live), `gguf_metadata.rs`
-//! (a file's metadata, without loading it) and `null_decode.rs` (decodes that compute nothing,
-//! for benchmarks); decoding is here, with the engine itself.
+//! `state_read.rs` (a sequence's state read out in one walk of the cache), `draft.rs`,
+//! `embeddings.rs`, `devices.rs` (where the model's layers live), `gguf_metadata.rs` (a file's
+//! metadata, without loading it) and `null_decode.rs` (decodes that compute nothing, for
+//! benchmarks); decoding is here, with the engine itself.
 
 mod devices;
 mod draft;
@@ -21,6 +22,7 @@ mod mtmd;
 mod null_decode;
 mod placement;
 mod sampler;
+mod state_read;
 mod text;
 
 pub use gguf_metadata::gguf_metadata;
@@ -79,6 +81,8 @@ pub struct LlamaEngine<'m> {
     /// Whether the first checkpoint found the window's state smaller than the whole (then the
     /// next ones skip that check: each size llama.cpp gives walks every cell of the cache).
     window_state_apart: std::cell::Cell<bool>,
+    /// How sequences' states are read (`state_read.rs`): the raw context and the size guesses.
+    state_reads: state_read::StateReads,
     /// Whether the tokenizer starts prompts with BOS.
     add_bos: bool,
     backend: &'static LlamaBackend,
@@ -137,6 +141,9 @@ impl<'m> LlamaEngine<'m> {
         let window_checkpoints = std::cell::Cell::new(
             swa_window.is_some() && !matches!(arch.as_str(), "llama4" | "deepseek4"),
         );
+        let raw_ctx = crate::backend::llama::lora::context_pointer(model, &ctx)
+            .map_err(|e| tracing::debug!(error = %e, "states are sized before each read"))
+            .ok();
         Self {
             model,
             ctx,
@@ -150,6 +157,7 @@ impl<'m> LlamaEngine<'m> {
             swa_window,
             window_checkpoints,
             window_state_apart: std::cell::Cell::new(false),
+            state_reads: state_read::StateReads::new(raw_ctx),
             add_bos,
             backend,
             embed_params,
