@@ -98,15 +98,22 @@ fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
     (out, errors)
 }
 
-/// Runs `f`, a llama.cpp call whose failure the caller handles (a state read into a buffer
-/// that may prove too small, then read again), without passing the ERROR events it logs on to
-/// the process's subscriber: they would report a failure that did not happen. Every other event
-/// passes. The filtering subscriber is made once per thread and forwards each callsite's
-/// interest as the process's subscriber says it, so it changes what is logged or checked
-/// nowhere else (making a subscriber per call would rebuild every callsite's interest).
-pub(super) fn without_llama_errors<T>(f: impl FnOnce() -> T) -> T {
+/// What llama.cpp logs when a state does not fit the buffer it was given
+/// (`state_seq_get_data` in llama-context.cpp: "error saving state: unexpectedly reached end of
+/// buffer"), which `state_read.rs` expects and handles.
+const SHORT_BUFFER: &str = "unexpectedly reached end of buffer";
+
+/// Runs `f`, a llama.cpp call whose short-buffer failure the caller handles (a state read into a
+/// buffer that may prove too small, then read again), without passing llama.cpp's ERROR line
+/// for that on to the process's subscriber: it would report a failure that did not happen.
+/// Every other event passes, other ERROR lines among them (a GPU error found when the call
+/// synchronizes is logged just before llama.cpp aborts). The filtering subscriber is made once
+/// per thread and forwards each callsite's interest as the process's subscriber decides it, so
+/// it changes what is logged or checked nowhere else (making a subscriber per call would
+/// rebuild every callsite's interest).
+pub(super) fn without_short_buffer_error<T>(f: impl FnOnce() -> T) -> T {
     thread_local! {
-        static QUIET: tracing::Dispatch = tracing::Dispatch::new(ErrorsDropped {
+        static QUIET: tracing::Dispatch = tracing::Dispatch::new(ShortBufferDropped {
             inner: tracing::dispatcher::get_default(Clone::clone),
             max_level: tracing::level_filters::LevelFilter::current(),
         });
@@ -114,15 +121,31 @@ pub(super) fn without_llama_errors<T>(f: impl FnOnce() -> T) -> T {
     QUIET.with(|quiet| tracing::dispatcher::with_default(quiet, f))
 }
 
-/// A subscriber that passes everything to `inner` but ERROR events.
-struct ErrorsDropped {
+/// A subscriber that passes everything to `inner` but llama.cpp's short-buffer ERROR line.
+struct ShortBufferDropped {
     inner: tracing::Dispatch,
     /// The most verbose level enabled when it was made (no hint would let every level past
     /// the macros' static check).
     max_level: tracing::level_filters::LevelFilter,
 }
 
-impl tracing::Subscriber for ErrorsDropped {
+/// An event's `message` field (llama-cpp-2 puts llama.cpp's text there).
+struct MessageText(String);
+
+impl tracing::field::Visit for MessageText {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            self.0 = value.to_string();
+        }
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" && self.0.is_empty() {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl tracing::Subscriber for ShortBufferDropped {
     fn register_callsite(
         &self,
         metadata: &'static tracing::Metadata<'static>,
@@ -145,9 +168,14 @@ impl tracing::Subscriber for ErrorsDropped {
         self.inner.record_follows_from(span, follows);
     }
     fn event(&self, event: &tracing::Event<'_>) {
-        if *event.metadata().level() != tracing::Level::ERROR {
-            self.inner.event(event);
+        if *event.metadata().level() == tracing::Level::ERROR {
+            let mut message = MessageText(String::new());
+            event.record(&mut message);
+            if message.0.contains(SHORT_BUFFER) {
+                return;
+            }
         }
+        self.inner.event(event);
     }
     fn enter(&self, span: &tracing::span::Id) {
         self.inner.enter(span);
@@ -160,5 +188,64 @@ impl tracing::Subscriber for ErrorsDropped {
     }
     fn try_close(&self, id: tracing::span::Id) -> bool {
         self.inner.try_close(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::without_short_buffer_error;
+
+    /// A subscriber that keeps every event's level and message.
+    struct Kept(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+
+    impl tracing::Subscriber for Kept {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut message = super::MessageText(String::new());
+            event.record(&mut message);
+            if let Ok(mut kept) = self.0.lock() {
+                kept.push((*event.metadata().level(), message.0));
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn only_the_short_buffer_error_is_kept_out_of_the_log() {
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        // On a thread of its own: the filter takes the thread's subscriber at its first use.
+        let sink = kept.clone();
+        std::thread::spawn(move || {
+            tracing::subscriber::with_default(Kept(sink), || {
+                without_short_buffer_error(|| {
+                    tracing::error!("state_seq_get_data: error saving state: unexpectedly reached end of buffer");
+                    tracing::error!("CUDA error: an illegal memory access was encountered");
+                    tracing::warn!("a warning");
+                });
+                tracing::error!("after: unexpectedly reached end of buffer");
+            });
+        })
+        .join()
+        .ok();
+        let kept = kept.lock().map(|k| k.clone()).unwrap_or_default();
+        let messages: Vec<&str> = kept.iter().map(|(_, m)| m.as_str()).collect();
+        assert_eq!(
+            messages,
+            [
+                "CUDA error: an illegal memory access was encountered",
+                "a warning",
+                "after: unexpectedly reached end of buffer"
+            ]
+        );
     }
 }

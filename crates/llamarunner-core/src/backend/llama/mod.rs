@@ -141,9 +141,13 @@ impl<'m> LlamaEngine<'m> {
         let window_checkpoints = std::cell::Cell::new(
             swa_window.is_some() && !matches!(arch.as_str(), "llama4" | "deepseek4"),
         );
-        let raw_ctx = crate::backend::llama::lora::context_pointer(model, &ctx)
-            .map_err(|e| tracing::debug!(error = %e, "states are sized before each read"))
-            .ok();
+        let raw_ctx = if model.is_recurrent() || model.is_hybrid() {
+            None
+        } else {
+            crate::backend::llama::lora::context_pointer(model, &ctx)
+                .map_err(|e| tracing::debug!(error = %e, "states are sized before each read"))
+                .ok()
+        };
         Self {
             model,
             ctx,

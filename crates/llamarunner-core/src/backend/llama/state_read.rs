@@ -70,7 +70,8 @@ impl SizeGuess {
     pub(super) fn bound(self, cells: usize) -> Option<usize> {
         if cells == 0 {
             return (self.empty > 0 || self.per_cell > 0)
-                .then(|| self.empty.max(self.per_cell) + HEADER_ROOM);
+                .then(|| self.empty.max(self.per_cell).checked_add(HEADER_ROOM))
+                .flatten();
         }
         if self.per_cell == 0 {
             return None;
@@ -98,7 +99,9 @@ impl SizeGuess {
 }
 
 /// The engine's state reads: the raw context pointer the bounded read goes through (none where
-/// it could not be had: then every read is sized first) and a guess per part.
+/// it could not be had, or for a recurrent or hybrid model, whose fixed-size recurrent state
+/// would read as bytes per cell and swell every guess: then every read is sized first) and a
+/// guess per part.
 pub(super) struct StateReads {
     raw: Option<*mut llama_cpp_sys_2::llama_context>,
     whole: Cell<SizeGuess>,
@@ -129,6 +132,7 @@ impl StateReads {
 
     /// The state read in one walk into a buffer of the guessed size; none where there is no
     /// guess yet or the state did not fit (llama.cpp's ERROR line for that is not shown).
+    /// Another llama.cpp failure returns 0 as well, and the exact read after it reports it.
     fn read_guessed(&self, seq: i32, part: StatePart, cells: usize) -> Option<Vec<u8>> {
         let raw = self.raw?;
         let bound = self.guess(part).get().bound(cells)?;
@@ -138,7 +142,7 @@ impl StateReads {
         // the engine was made, and alive as long as the engine), used on the engine thread
         // that owns it; `state` has room for `bound` bytes and llama.cpp's writer checks every
         // write against `bound`, returning the bytes written, or 0 when they would not fit.
-        let written = super::logs::without_llama_errors(|| unsafe {
+        let written = super::logs::without_short_buffer_error(|| unsafe {
             llama_cpp_sys_2::llama_state_seq_get_data_ext(
                 raw,
                 state.as_mut_ptr(),
