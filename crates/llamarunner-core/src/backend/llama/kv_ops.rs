@@ -100,8 +100,7 @@ impl KvOps for LlamaEngine<'_> {
             .ctx
             .state_seq_get_size_ext(seq, LlamaStateSeqFlags::empty());
         // Both sizes teach the state reads' guesses (`state_read.rs`).
-        let cells =
-            usize::try_from(self.ctx.kv_cache_seq_pos_max(seq).saturating_add(1)).unwrap_or(0);
+        let cells = self.seq_cells(seq);
         if partial > 0 && whole > 0 {
             self.state_reads.learn(StatePart::Window, cells, partial);
             self.state_reads.learn(StatePart::Whole, cells, whole);

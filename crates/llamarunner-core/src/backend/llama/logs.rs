@@ -21,7 +21,6 @@ pub(super) fn llama_result<T, E: std::fmt::Display>(
 /// process's subscriber as usual.
 fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
     use std::sync::{Arc, Mutex};
-    use tracing::field::{Field, Visit};
     use tracing::span::{Attributes, Id, Record};
     use tracing::subscriber::Interest;
     use tracing::{Event, Level, Metadata};
@@ -29,19 +28,6 @@ fn with_llama_errors<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
     struct Tee {
         inner: tracing::Dispatch,
         errors: Arc<Mutex<Vec<String>>>,
-    }
-    struct Message(String);
-    impl Visit for Message {
-        fn record_str(&mut self, field: &Field, value: &str) {
-            if field.name() == "message" {
-                self.0 = value.trim().to_string();
-            }
-        }
-        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" && self.0.is_empty() {
-                self.0 = format!("{value:?}").trim().to_string();
-            }
-        }
     }
     impl tracing::Subscriber for Tee {
         fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
@@ -129,18 +115,19 @@ struct ShortBufferDropped {
     max_level: tracing::level_filters::LevelFilter,
 }
 
-/// An event's `message` field (llama-cpp-2 puts llama.cpp's text there).
-struct MessageText(String);
+/// An event's `message` field, trimmed (llama-cpp-2 puts llama.cpp's text there, with its
+/// newline).
+struct Message(String);
 
-impl tracing::field::Visit for MessageText {
+impl tracing::field::Visit for Message {
     fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
         if field.name() == "message" {
-            self.0 = value.to_string();
+            self.0 = value.trim().to_string();
         }
     }
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" && self.0.is_empty() {
-            self.0 = format!("{value:?}");
+            self.0 = format!("{value:?}").trim().to_string();
         }
     }
 }
@@ -169,7 +156,7 @@ impl tracing::Subscriber for ShortBufferDropped {
     }
     fn event(&self, event: &tracing::Event<'_>) {
         if *event.metadata().level() == tracing::Level::ERROR {
-            let mut message = MessageText(String::new());
+            let mut message = Message(String::new());
             event.record(&mut message);
             if message.0.contains(SHORT_BUFFER) {
                 return;
@@ -210,7 +197,7 @@ mod tests {
         fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
         fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
         fn event(&self, event: &tracing::Event<'_>) {
-            let mut message = super::MessageText(String::new());
+            let mut message = super::Message(String::new());
             event.record(&mut message);
             if let Ok(mut kept) = self.0.lock() {
                 kept.push((*event.metadata().level(), message.0));

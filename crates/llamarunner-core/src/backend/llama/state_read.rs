@@ -163,13 +163,17 @@ impl StateReads {
 }
 
 impl LlamaEngine<'_> {
+    /// The cells sequence `seq` holds, as a state's size counts them: positions 0..=max, a
+    /// cell each for a text sequence (an image's tokens may share positions: then a guess
+    /// falls short once and learns).
+    pub(super) fn seq_cells(&self, seq: i32) -> usize {
+        usize::try_from(self.ctx.kv_cache_seq_pos_max(seq).saturating_add(1)).unwrap_or(0)
+    }
+
     /// Sequence `seq`'s state (all of it, or the sliding-window part): read in one walk where
     /// the guess holds, else sized and read.
     pub(super) fn state_with(&self, seq: i32, part: StatePart) -> Result<Vec<u8>, BackendError> {
-        // Positions 0..=max: a cell each for a text sequence (an image's tokens may share
-        // positions: then the guess falls short once and learns).
-        let cells =
-            usize::try_from(self.ctx.kv_cache_seq_pos_max(seq).saturating_add(1)).unwrap_or(0);
+        let cells = self.seq_cells(seq);
         if let Some(state) = self.state_reads.read_guessed(seq, part, cells) {
             return Ok(state);
         }
