@@ -687,7 +687,8 @@ def serving(
         with ours(plan.model, 1, ctx, plan.threads, dialect=args.dialect) as srv:
             yield srv
     elif kind == "llama-server":
-        with llama_server(args.llama_server, plan.model, parallel, ctx, plan.threads) as srv:
+        peer = tuple(args.peer_flags.split())
+        with llama_server(args.llama_server, plan.model, parallel, ctx, plan.threads, peer) as srv:
             yield srv
     else:
         with llama_cpp_python_server(plan.model, ctx, plan.threads) as srv:
@@ -798,6 +799,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra `serve` flags for ours only (not for --base-python's build), e.g. "
         "'--deterministic' with --base-python of this same Python: what a mode costs, paired "
         "by round (the rows keep their names: the note above the tables says which is which)",
+    )
+    ap.add_argument(
+        "--peer-flags",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for llama-server, named in its rows, e.g. '--backend-sampling' "
+        "(its sampling on the device, on the same GPU: benches/gpu/run.sh)",
     )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)

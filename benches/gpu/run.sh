@@ -9,6 +9,8 @@
 #   $OUT/load-gemma.md        ours vs llama-server, the default model's shape (262k vocabulary)
 #   $OUT/ceiling.md           the server's own ceiling (--null-decode), 1 and 16 sampling threads
 #   $OUT/batched-bench.txt    llama-batched-bench at the same widths (the kernels' ceiling)
+#   $OUT/load-gemma-device-sampling.md  ours vs llama-server --backend-sampling (llama.cpp's
+#                             sampling on the device) at 8 and 64 clients
 #   $OUT/load-llama8b.md      ours vs llama-server, a llama 8B shape in Q4_K
 #
 # A GPU module in the carry (prepare.sh's GPU_MODULE) is given to both servers, and llama.cpp is
@@ -16,8 +18,9 @@
 # machine (with no carried module: the CPU only); GPU_WORK (build and
 # models, default /tmp/gpu-work; a second run reuses the build); CLIENTS (default
 # single,parallel8,parallel32,parallel64); LLAMA_LAYERS (fewer layers for a dry run);
-# CEILING_STREAMS (default 64,256) and CEILING_SECONDS (default 8);
-# STEPS (default build,install,models,load,ceiling,batched,llama8b).
+# CEILING_STREAMS (default 64,256) and CEILING_SECONDS (default 8); DEVSAMPLING_CLIENTS (default
+# parallel8,parallel64);
+# STEPS (default build,install,models,load,ceiling,batched,devsampling,llama8b).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,7 +29,7 @@ out=${OUT:-/tmp/gpu-out}
 work=${GPU_WORK:-/tmp/gpu-work}
 cuda=${GGML_CUDA:-ON}
 clients=${CLIENTS:-single,parallel8,parallel32,parallel64}
-steps=${STEPS:-build,install,models,load,ceiling,batched,llama8b}
+steps=${STEPS:-build,install,models,load,ceiling,batched,devsampling,llama8b}
 mkdir -p "$out" "$work"
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/run.log"; }
 want() { [[ ",$steps," == *",$1,"* ]]; }
@@ -113,11 +116,12 @@ fi
 cd "$repo"
 server="$build/bin/llama-server"
 threads=$(($(nproc) < 8 ? $(nproc) : 8))
-load() { # MODEL NAME
-  log "load: $2 at $clients clients, ours vs llama-server"
+load() { # MODEL NAME [SCENARIOS [LLAMA-SERVER FLAGS]]
+  log "load: $2 at ${3:-$clients} clients, ours vs llama-server ${4:-}"
   "$py" -m benches.load --model "$1" --dialect openai --llama-server "$server" \
-    --scenarios "$clients" --requests 2 --no-baseline --threads "$threads" \
-    --json "$out/load-$2.json" >"$out/load-$2.md" 2>"$out/load-$2.err" || log "load: $2 failed"
+    --peer-flags="${4:-}" --scenarios "${3:-$clients}" --requests 2 --no-baseline \
+    --threads "$threads" --json "$out/load-$2.json" >"$out/load-$2.md" 2>"$out/load-$2.err" ||
+    log "load: $2 failed"
   log "load: $2 done"
 }
 want load && load "$gemma" gemma
@@ -139,6 +143,12 @@ if want batched; then
     log "batched-bench: failed"
   log "batched-bench: done"
 fi
+
+# llama.cpp's own sampling on the device (#42: measure it, take whichever is faster): the
+# sampler chain runs in the decode's graph and only the token comes back, where ours reads
+# every sequence's 262,144 logits to the host and samples them on the CPU cores.
+want devsampling &&
+  load "$gemma" gemma-device-sampling "${DEVSAMPLING_CLIENTS:-parallel8,parallel64}" --backend-sampling
 
 want llama8b && load "$llama8b" llama8b
 log "all done"
