@@ -21,7 +21,8 @@ from llamarunner import Server
 
 # Requests of every kind of sampler chain: OpenAI's defaults (top-k 40 shortlist), the whole
 # vocabulary, Ollama's penalties, presence/frequency penalties, greedy (which drafts by
-# prompt lookup), a logit bias, min-p with a typical cut, and a JSON-schema constraint.
+# prompt lookup), a logit bias, min-p with a typical cut, a JSON-schema constraint, and stop
+# strings (found by the text the sampling thread assembles).
 BODIES: list[dict[str, Any]] = [
     {"seed": 1},
     {"seed": 2, "top_k": 0},
@@ -31,6 +32,7 @@ BODIES: list[dict[str, Any]] = [
     {"seed": 6, "logit_bias": {"5": 3.0, "7": -100}},
     {"seed": 7, "min_p": 0.05, "typical_p": 0.9},
     {"seed": 8, "json_schema": {"type": "array", "items": {"type": "integer"}}},
+    {"seed": 9, "stop": ["e", "\n"], "ignore_eos": True},
 ]
 
 

@@ -121,7 +121,16 @@ pub struct Pick<'a, S> {
     /// What was sampled: at `at`, then at each next position while the previous token equals
     /// the draft's; a `None` (the grammar allows nothing more) is last.
     pub tokens: Vec<Option<Token>>,
+    /// What the sequence does with the text of the token picked at `at`, on the thread that
+    /// picked it (`give_text`), so that its text is assembled in parallel with the step's other
+    /// sequences; None: all of it is left to the engine thread.
+    pub text: Option<PickedText<'a>>,
 }
+
+/// A sequence's use of the text of the first token a pick gives (`Pick::text`): given the
+/// token, the bytes it renders to (`Text::token_bytes`) and whether it ends generation
+/// (`Text::is_eog`).
+pub type PickedText<'a> = Box<dyn FnMut(Token, &[u8], bool) + Send + 'a>;
 
 impl<S> Pick<'_, S> {
     /// Samples with `sample` (a sampler and a batch position to a token) as `tokens` says.
@@ -135,6 +144,17 @@ impl<S> Pick<'_, S> {
                 (Some(t), Some(&d)) if t == d => {}
                 _ => break,
             }
+        }
+    }
+
+    /// Hands the token picked at `at` to `text`, with what `render` says of it: its bytes (as
+    /// `Text::token_bytes` gives them) and whether it ends generation (`Text::is_eog`), when
+    /// there is such a token and the pick has a `text`. Called by a backend on the thread that
+    /// ran the pick, after `run`.
+    pub fn give_text(&mut self, render: impl Fn(Token) -> (Vec<u8>, bool)) {
+        if let (Some(text), Some(&Some(token))) = (self.text.as_mut(), self.tokens.first()) {
+            let (bytes, eog) = render(token);
+            text(token, &bytes, eog);
         }
     }
 }

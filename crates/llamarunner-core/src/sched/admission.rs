@@ -215,6 +215,7 @@ impl<B: Backend> Scheduler<B> {
             image_queued: 0,
             logits_at: None,
             presampled: std::collections::VecDeque::new(),
+            prepushed: None,
             n_generated: 0,
             keep,
             truncated,

@@ -278,6 +278,7 @@ impl<B: Backend> Scheduler<B> {
                 if let Some(seq) = self.slots[index].seq.as_mut() {
                     // Picks past the first rejected draft or the end (none, by construction).
                     seq.presampled.clear();
+                    debug_assert!(seq.prepushed.is_none(), "a pushed token's text not taken");
                 }
                 self.flush_outbox(index);
             }

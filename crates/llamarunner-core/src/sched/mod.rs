@@ -94,6 +94,10 @@ struct Sequence<S> {
     /// Tokens sampled this step with every other sequence's (`presample`), taken in order by
     /// `sample_one` at its next positions; what is left when the step is done goes.
     presampled: std::collections::VecDeque<Option<Token>>,
+    /// The text of the first of those tokens, assembled by the thread that sampled it
+    /// (`presample`): the token and what pushing it gave; `sample_one` takes it instead of
+    /// pushing the token itself.
+    prepushed: Option<(Token, text::Pushed)>,
     n_prompt: usize,
     n_cached: usize,
     n_generated: usize,

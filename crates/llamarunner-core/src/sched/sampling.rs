@@ -1,13 +1,15 @@
 //! Sampling a sequence's next token, and what it decides: stop (end of generation, a stop
 //! string, the grammar's end), length, or a context shift when the slot is full. Every
-//! sequence of a step is sampled at once first (`presample`, parallel in the backend); what
-//! the tokens decide is then worked out sequence by sequence, in slot order.
+//! sequence of a step is sampled at once first (`presample`, parallel in the backend), and the
+//! text of each one's next token assembled there too; what the tokens decide is then worked
+//! out sequence by sequence, in slot order.
 
 use std::time::Instant;
 
 use super::{Phase, Scheduler};
-use crate::backend::{Backend, Pick};
+use crate::backend::{Backend, Pick, PickedText};
 use crate::kv;
+use crate::protocol::params::SamplingParams;
 use crate::protocol::{DoneReason, Token};
 
 impl<B: Backend> Scheduler<B> {
@@ -39,6 +41,16 @@ impl<B: Backend> Scheduler<B> {
             // draft; the bound keeps it so should placement change).
             let base = slot.cached.len() + seq.queued;
             let checked = seq.spec.draft.len().min(ctx.saturating_sub(base));
+            // The first token's text is assembled where it was sampled, as `sample_one` would
+            // (a token that ends the sequence before its text is pushed is not).
+            let ends_on_eog = eog_ends(&seq.params);
+            let (text, prepushed) = (&mut seq.text, &mut seq.prepushed);
+            *prepushed = None;
+            let text: PickedText<'_> = Box::new(move |token, bytes: &[u8], eog: bool| {
+                if !(eog && ends_on_eog) {
+                    *prepushed = Some((token, text.push(bytes)));
+                }
+            });
             owners.push(index);
             picks.push(Pick {
                 sampler: &mut seq.sampler,
@@ -46,6 +58,7 @@ impl<B: Backend> Scheduler<B> {
                 draft: &seq.spec.draft[..checked],
                 span: &seq.span,
                 tokens: Vec::new(),
+                text: Some(text),
             });
         }
         if picks.is_empty() {
@@ -97,7 +110,7 @@ impl<B: Backend> Scheduler<B> {
         seq.last_token = Some(now);
         // With a grammar, EOG also means the grammar allows nothing more (the backend's signal),
         // so it ends the sequence even under `ignore_eos`.
-        if self.backend.is_eog(token) && (!seq.params.ignore_eos || seq.params.grammar.is_some()) {
+        if self.backend.is_eog(token) && eog_ends(&seq.params) {
             return Some(DoneReason::Stop);
         }
         if let Some(top) = seq.params.logprobs {
@@ -113,7 +126,17 @@ impl<B: Backend> Scheduler<B> {
             });
             seq.outbox_logprobs.push(logprob);
         }
-        let pushed = seq.text.push(&self.backend.token_bytes(token));
+        // Pushed on the sampling thread (`presample`) for a step's first token, else here.
+        let pushed = match seq.prepushed.take() {
+            Some((pushed_token, pushed)) => {
+                debug_assert_eq!(
+                    pushed_token, token,
+                    "a pushed token's text taken for another"
+                );
+                pushed
+            }
+            None => seq.text.push(&self.backend.token_bytes(token)),
+        };
         seq.outbox.push_str(&pushed.text);
         if pushed.stopped {
             // Keep in the cache only what the client really got, so that a follow-up prompt
@@ -172,4 +195,10 @@ impl<B: Backend> Scheduler<B> {
         seq.pending.push(token);
         None
     }
+}
+
+/// Whether an end-of-generation token ends a request with `params`: unless it ignores EOS,
+/// and always with a grammar (the backend's signal that the grammar allows nothing more).
+fn eog_ends(params: &SamplingParams) -> bool {
+    !params.ignore_eos || params.grammar.is_some()
 }

@@ -785,6 +785,7 @@ mod embeddings;
 mod images;
 mod lora;
 mod observer;
+mod pool_text;
 mod prefix_reuse;
 mod prompt_cache;
 mod shared_cache;

@@ -13,14 +13,13 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{BatchToken, Decoder, Drafting, Embeddings, Fork, KvOps, Sampling, Text};
-use crate::protocol::params::SamplingParams;
+use crate::backend::{BatchToken, Decoder, Drafting, Embeddings, Fork, KvOps, Text};
 use crate::protocol::vision::is_image_continuation;
-use crate::protocol::{
-    BackendError, LoraScales, ModelInfo, TextModel, Token, TokenLogprob, TopLogprob,
-};
+use crate::protocol::{BackendError, LoraScales, ModelInfo, TextModel, Token};
 
+mod sampling;
 mod vision;
+pub use sampling::FakeSampler;
 pub use vision::FakeVision;
 
 /// End of sequence.
@@ -69,6 +68,9 @@ pub struct FakeConfig {
     pub draft_p: f32,
     /// Fail this draft decode call (1-based).
     pub fail_draft_decode: Option<usize>,
+    /// Leave the text of every pick to the engine thread (`Pick::give_text` not called), as a
+    /// backend without it does; by default the fake gives it, as the llama backend's pool does.
+    pub text_on_engine: bool,
 }
 
 impl Default for FakeConfig {
@@ -88,6 +90,7 @@ impl Default for FakeConfig {
             draft: None,
             draft_p: 0.9,
             fail_draft_decode: None,
+            text_on_engine: false,
         }
     }
 }
@@ -161,23 +164,6 @@ pub struct FakeBackend {
     window_lost: HashMap<i32, usize>,
     /// Sequences whose window a cut or fork lost (`window`).
     broken: std::collections::HashSet<i32>,
-}
-
-/// The fake's sampler: the seed, which shifts the output, and the request's grammar. Under a
-/// grammar the fake's own pick is kept when the grammar allows it; otherwise the first allowed
-/// token in an order that the same pick decides.
-pub struct FakeSampler {
-    offset: u64,
-    guide: Option<crate::constrain::Guide>,
-}
-
-impl std::fmt::Debug for FakeSampler {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FakeSampler")
-            .field("offset", &self.offset)
-            .field("guide", &self.guide.is_some())
-            .finish()
-    }
 }
 
 impl FakeBackend {
@@ -382,145 +368,6 @@ impl Text for FakeBackend {
 
     fn bos(&self) -> Option<Token> {
         Some(BOS)
-    }
-}
-
-impl Sampling for FakeBackend {
-    type Sampler = FakeSampler;
-
-    fn new_sampler(
-        &self,
-        params: &SamplingParams,
-        _history: &[Token],
-    ) -> Result<FakeSampler, BackendError> {
-        if let Some((token, _)) = params
-            .logit_bias
-            .iter()
-            .find(|(t, _)| !(0..=BOS).contains(t))
-        {
-            return Err(BackendError::Sampler(format!(
-                "logit_bias: token {token} is not in the vocabulary (0..{})",
-                BOS + 1
-            )));
-        }
-        let offset = if params.greedy() {
-            0
-        } else {
-            u64::from(params.effective_seed())
-        };
-        let guide = crate::constrain::Guide::for_request(params.grammar.as_ref())
-            .map_err(BackendError::Sampler)?;
-        Ok(FakeSampler { offset, guide })
-    }
-
-    fn sample(&mut self, sampler: &mut FakeSampler, index: usize) -> Option<Token> {
-        let (seq, pos) = *self
-            .outputs
-            .get(&index)
-            .expect("sampled a batch index without logits (scheduler bug)");
-        let history = &self.kv[&seq][..=pos];
-        let own = if self.config.eos_at.is_some_and(|n| history.len() >= n) {
-            EOS
-        } else {
-            let context = match self.config.markov {
-                Some(n) => &history[history.len().saturating_sub(n)..],
-                None => history,
-            };
-            Self::next_token(context, sampler.offset)
-        };
-        let Some(guide) = sampler.guide.as_mut() else {
-            return Some(own);
-        };
-        // The logits' order, in the fake: its own pick, then EOS, then the bytes from the pick
-        // on (printable ones first).
-        let order = |mask: &llguidance::toktrie::SimpleVob| {
-            let start = own.clamp(0, 255) as usize;
-            std::iter::once(own)
-                .chain(std::iter::once(EOS))
-                .chain((0..256).map(|i| ((start + i) % 256) as Token))
-                .filter(|&t| (32..127).contains(&t) || t == EOS || t == own)
-                .chain((0..256).map(|i| ((start + i) % 256) as Token))
-                .find(|&t| mask.is_allowed(t as u32))
-        };
-        let token = guide.choose(|mask| match mask {
-            None => Some(own as u32),
-            Some(m) => order(m).map(|t| t as u32),
-        })?;
-        guide.accept(token, &FakeText.piece(token as Token));
-        Some(token as Token)
-    }
-
-    /// The step's picks in reverse order: the scheduler must not depend on the order a
-    /// backend samples its sequences in (a pool samples them all at once).
-    fn sample_many(&mut self, picks: &mut [crate::backend::Pick<'_, FakeSampler>]) {
-        for pick in picks.iter_mut().rev() {
-            pick.run(|sampler, index| self.sample(sampler, index));
-        }
-    }
-
-    fn logprobs(&self, index: usize, token: Token, top: usize, asked: &[Token]) -> TokenLogprob {
-        assert!(
-            self.outputs.contains_key(&index),
-            "log-probabilities of batch index {index}, which has no logits (scheduler bug)"
-        );
-        // The sampled token is the likeliest (-0.1); then the other letters in order.
-        let entry = |token: Token, logprob: f32| TopLogprob {
-            token,
-            bytes: self.token_bytes(token),
-            logprob,
-        };
-        let mut alternatives = vec![entry(token, -0.1)];
-        alternatives.extend(
-            (b'a' as Token..=b'z' as Token)
-                .filter(|&t| t != token)
-                .enumerate()
-                .map(|(i, t)| entry(t, -1.0 - i as f32)),
-        );
-        alternatives.truncate(top);
-        // An asked token's: the sampled one's, else the letters' by their place, else -20.
-        let asked = asked
-            .iter()
-            .map(|&t| {
-                let logprob = if t == token {
-                    -0.1
-                } else {
-                    (b'a' as Token..=b'z' as Token)
-                        .filter(|&l| l != token)
-                        .position(|l| l == t)
-                        .map_or(-20.0, |i| -1.0 - i as f32)
-                };
-                entry(t, logprob)
-            })
-            .collect();
-        TokenLogprob {
-            sampled: entry(token, -0.1),
-            top: alternatives,
-            asked,
-        }
-    }
-
-    /// The fake's picks are certain: the sampled token holds all the probability.
-    fn post_sampling_logprobs(
-        &self,
-        _sampler: &mut FakeSampler,
-        token: Token,
-        top: usize,
-    ) -> Option<TokenLogprob> {
-        let sampled = TopLogprob {
-            token,
-            bytes: self.token_bytes(token),
-            logprob: 0.0,
-        };
-        let top = if top > 0 {
-            vec![sampled.clone()]
-        } else {
-            Vec::new()
-        };
-        Some(TokenLogprob {
-            sampled,
-            top,
-            asked: Vec::new(),
-        })
     }
 }
 

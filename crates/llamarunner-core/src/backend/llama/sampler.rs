@@ -272,9 +272,19 @@ impl Sampling for LlamaEngine<'_> {
             })
             .collect();
         let model = self.model;
-        sample_rows(self.sampling_pool.as_ref(), picks, &rows, &|t| {
-            piece_bytes(model, t, true)
-        });
+        sample_rows(
+            self.sampling_pool.as_ref(),
+            picks,
+            &rows,
+            &|t| piece_bytes(model, t, true),
+            &|t| {
+                let token = LlamaToken(t);
+                (
+                    piece_bytes(model, token, false),
+                    model.vocab().is_eog(token),
+                )
+            },
+        );
     }
 
     fn logprobs(&self, index: usize, token: Token, top: usize, asked: &[Token]) -> TokenLogprob {
@@ -341,6 +351,9 @@ impl Sampling for LlamaEngine<'_> {
 
 /// A token's bytes, for a grammar's guide (any thread may ask).
 type PieceBytes<'a> = &'a (dyn Fn(LlamaToken) -> Vec<u8> + Sync);
+/// A token's text as `Text::token_bytes` and `Text::is_eog` give it, for `Pick::give_text`
+/// (any thread may ask).
+type TokenText<'a> = &'a (dyn Fn(Token) -> (Vec<u8>, bool) + Sync);
 
 /// Runs each pick on its rows of logits (`rows[i][j]`: pick `i`'s position `at + j`), on the
 /// pool when there is one and more than one pick, else in turn on this thread: the same
@@ -350,6 +363,7 @@ fn sample_rows(
     picks: &mut [Pick<'_, ChainSampler>],
     rows: &[Vec<&[f32]>],
     bytes: PieceBytes<'_>,
+    text: TokenText<'_>,
 ) {
     let one = |(p, rows): (&mut Pick<'_, ChainSampler>, &Vec<&[f32]>)| {
         let at = p.at;
@@ -357,6 +371,7 @@ fn sample_rows(
             let row = rows.get(index - at).copied().unwrap_or_default();
             pick(sampler, row, bytes)
         });
+        p.give_text(text);
     };
     match pool {
         Some(pool) if picks.len() > 1 => {
@@ -631,19 +646,33 @@ mod tests {
                 let views: Vec<Vec<&[f32]>> =
                     rows.iter().map(|r| r.iter().map(Vec::as_slice).collect()).collect();
                 let run = |samplers: &mut [ChainSampler], pool: Option<&rayon::ThreadPool>| {
+                    // What each pick handed its text (`give_text`), on whichever thread.
+                    let mut given: Vec<Vec<(Token, Vec<u8>, bool)>> = vec![Vec::new(); samplers.len()];
                     let mut picks: Vec<Pick<'_, ChainSampler>> = samplers
                         .iter_mut()
                         .zip(&drafts)
-                        .map(|(sampler, draft)| Pick { sampler, at: 0, draft, span: &span, tokens: Vec::new() })
+                        .zip(given.iter_mut())
+                        .map(|((sampler, draft), seen)| {
+                            let text: crate::backend::PickedText<'_> =
+                                Box::new(move |t, b: &[u8], eog| seen.push((t, b.to_vec(), eog)));
+                            Pick { sampler, at: 0, draft, span: &span, tokens: Vec::new(), text: Some(text) }
+                        })
                         .collect();
-                    sample_rows(pool, &mut picks, &views, &bytes);
-                    picks.into_iter().map(|p| p.tokens).collect::<Vec<_>>()
+                    sample_rows(pool, &mut picks, &views, &bytes, &|t| (t.to_le_bytes().to_vec(), t % 7 == 0));
+                    let tokens = picks.into_iter().map(|p| p.tokens).collect::<Vec<_>>();
+                    (tokens, given)
                 };
-                let one = run(&mut alone, None);
-                let many = run(&mut pooled, Some(&pool));
+                let (one, one_given) = run(&mut alone, None);
+                let (many, many_given) = run(&mut pooled, Some(&pool));
                 prop_assert_eq!(&one, &many);
-                // Every pick sampled at least its next token.
+                // Every pick sampled at least its next token, and handed that one alone to its
+                // text, with the bytes and end of generation the backend says.
                 prop_assert!(one.iter().all(|t| !t.is_empty() && t[0].is_some()));
+                prop_assert_eq!(&one_given, &many_given);
+                for (tokens, given) in one.iter().zip(&one_given) {
+                    let t = tokens[0].unwrap_or(-1);
+                    prop_assert_eq!(given, &vec![(t, t.to_le_bytes().to_vec(), t % 7 == 0)]);
+                }
             }
         }
     }
