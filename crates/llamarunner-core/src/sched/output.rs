@@ -66,6 +66,9 @@ impl<B: Backend> Scheduler<B> {
         let Some(mut seq) = self.slots[index].seq.take() else {
             return;
         };
+        // A token whose text the sampling thread assembled ends its sequence only in
+        // `sample_one`, which takes that text: none is left to reach the output unprocessed.
+        debug_assert!(seq.prepushed.is_none(), "a pushed token's text not taken");
         let now = Instant::now();
         let prompt_done = seq.prompt_done.unwrap_or(now);
         seq.outbox.push_str(&seq.text.finish());

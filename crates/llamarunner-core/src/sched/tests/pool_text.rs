@@ -1,7 +1,10 @@
 //! The text of a step's first token assembled on the thread that sampled it (`Pick::give_text`,
 //! `presample`) or on the engine thread (`sample_one`): the same output, token for token,
 //! whatever ends the request (a stop string, EOG, `ignore_eos`, `num_predict`, a context
-//! shift) and with drafts, log-probabilities and characters split between tokens.
+//! shift, a grammar's end) and with drafts, log-probabilities and characters split between
+//! tokens (a grammar makes the fake write "é", two byte tokens). A token the sampling thread
+//! pushed that `sample_one` never took (an EOG the hook should have left alone) trips the
+//! scheduler's debug assertion when its sequence finishes.
 
 use proptest::prelude::*;
 
@@ -46,8 +49,20 @@ proptest! {
         logprobs in any::<bool>(),
         seeded in any::<bool>(),
         slot_ctx in 24usize..96,
+        constrained in any::<bool>(),
     ) {
         let config = FakeConfig { eos_at, markov, slot_ctx, ..FakeConfig::default() };
+        let grammar = constrained.then(|| {
+            let compiler = crate::constrain::Compiler::new(|| {
+                use crate::protocol::TextModel;
+                crate::backend::fake::FakeText.vocabulary()
+            });
+            let mut grammar = crate::constrain::Grammar::new(crate::constrain::GrammarSource::Gbnf(
+                r#"root ::= [a-e]+ "é" [a-c]*"#.into(),
+            ));
+            compiler.compile_into(&mut grammar).expect("compiles");
+            grammar
+        });
         let params = |i: usize, stop: Vec<String>| SamplingParams {
             num_predict: n,
             ignore_eos,
@@ -55,6 +70,7 @@ proptest! {
             logprobs: logprobs.then_some(2),
             seed: 5 + i as i64,
             temperature: if seeded { 0.8 } else { 0.0 },
+            grammar: grammar.clone(),
             ..SamplingParams::default()
         };
         // A stop string from the output itself (so that it is met), else one never met.
