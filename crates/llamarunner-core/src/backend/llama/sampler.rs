@@ -16,7 +16,7 @@ use crate::backend::{Pick, Sampling, Text};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{BackendError, Token, TokenLogprob, TopLogprob};
 
-use super::text::piece_bytes;
+use super::text::{ends_generation, piece_bytes, text_bytes};
 use super::LlamaEngine;
 
 /// A request's samplers: the chain (penalties, truncation, temperature, selection) and the
@@ -277,13 +277,7 @@ impl Sampling for LlamaEngine<'_> {
             picks,
             &rows,
             &|t| piece_bytes(model, t, true),
-            &|t| {
-                let token = LlamaToken(t);
-                (
-                    piece_bytes(model, token, false),
-                    model.vocab().is_eog(token),
-                )
-            },
+            &|t| (text_bytes(model, t), ends_generation(model, t)),
         );
     }
 

@@ -178,6 +178,18 @@ pub(super) fn truncate_at_nul(piece: &mut Vec<u8>) {
     }
 }
 
+/// The bytes a generated token's text adds (control tokens add none), from any thread:
+/// `Text::token_bytes` on the engine thread and the sampling pool's `Pick::give_text` both read
+/// it here, so that a token's text is the same wherever it is assembled.
+pub(super) fn text_bytes(model: &LlamaModel, token: Token) -> Vec<u8> {
+    piece_bytes(model, LlamaToken(token), false)
+}
+
+/// Whether a token ends generation, from any thread (`Text::is_eog`, `Pick::give_text`).
+pub(super) fn ends_generation(model: &LlamaModel, token: Token) -> bool {
+    model.vocab().is_eog(LlamaToken(token))
+}
+
 /// Most bytes of BOS's or EOS's text the chat template is given.
 pub(super) const SPECIAL_TEXT_MAX: usize = 64;
 
@@ -187,11 +199,11 @@ impl Text for LlamaEngine<'_> {
     }
 
     fn token_bytes(&self, token: Token) -> Vec<u8> {
-        piece_bytes(self.model, LlamaToken(token), false)
+        text_bytes(self.model, token)
     }
 
     fn is_eog(&self, token: Token) -> bool {
-        self.model.vocab().is_eog(LlamaToken(token))
+        ends_generation(self.model, token)
     }
 
     fn bos(&self) -> Option<Token> {
