@@ -14,7 +14,8 @@ clients busy (closed loop, non-streaming ``/v1/completions`` of ``--tokens`` tok
 average with ``ignore_eos``, so the clients' own work stays small; the lengths are spread so
 that the streams do not all end in the same step) and prints, over a window once every
 stream is busy, the tokens/s sustained (the server's own count, ``/metrics``), the server's CPU
-time per token (from /proc, every thread) and the speed-up over the first thread count. The
+time per token (from /proc, every thread), the engine thread's alone (the serial work between two
+decodes, which a GPU waits for) and the speed-up over the first thread count. The
 server is pinned (``taskset``) to as many cores as it has sampling threads, so that a row says
 what a machine of that many cores sustains (``--no-pin``: anywhere). The presets:
 
@@ -25,6 +26,12 @@ what a machine of that many cores sustains (``--no-pin``: anywhere). The presets
   over the last 64 tokens)
 - ``penalties``: presence and frequency penalties with top-p 0.95 and no top-k
 - ``grammar``: a JSON-schema constraint (a JSON string), checked token by token
+- ``lookup``: prompt-lookup drafting asked for (``speculative``) on text that seldom repeats
+  (temperature 2 over the top 40 tokens): every step, each sequence's last tokens (up to
+  4,096) are searched for its tail on the engine thread, and most searches find nothing and
+  run the whole history, the lookup's worst case. Long prompts make the history long, and
+  ``--draft-always`` keeps the lookups on where drafts would not pay:
+  ``--prompt-words 1500 --ctx 4096 --tokens 1024 --server-args=--draft-always``
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -60,6 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "frequency_penalty": 0.5,
     },
     "grammar": {"json_schema": {"type": "string"}},
+    "lookup": {"speculative": True, "temperature": 2.0},
 }
 
 
@@ -71,6 +80,8 @@ class Result:
     tokens: int
     seconds: float
     cpu_seconds: float
+    engine_cpu_seconds: float
+    """The engine thread's CPU time (its name: ``llamarunner-engine``)."""
     failed: int
     rss_mb: float
     client_cores: float
@@ -84,12 +95,32 @@ class Result:
     def cpu_us_per_token(self) -> float:
         return 1e6 * self.cpu_seconds / self.tokens if self.tokens else 0.0
 
+    @property
+    def engine_us_per_token(self) -> float:
+        return 1e6 * self.engine_cpu_seconds / self.tokens if self.tokens else 0.0
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of every thread of process `pid`."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def engine_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`'s engine threads (``llamarunner-engine``, which
+    /proc shortens to 15 characters)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if not (task / "comm").read_text().startswith("llamarunner-eng"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def generated(url: str) -> float:
@@ -105,9 +136,11 @@ def generated(url: str) -> float:
     return sum(values)
 
 
-async def drive(url: str, streams: int, body: dict[str, Any], seconds: float) -> int:
-    """`streams` clients sending requests back to back until `seconds` have passed; the
-    requests that failed."""
+async def drive(
+    url: str, streams: int, body: dict[str, Any], seconds: float, words: int = 8
+) -> int:
+    """`streams` clients sending requests back to back until `seconds` have passed, each
+    prompt `words` words long; the requests that failed."""
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
     failed = 0
     end = time.perf_counter() + seconds
@@ -117,7 +150,7 @@ async def drive(url: str, streams: int, body: dict[str, Any], seconds: float) ->
             nonlocal failed
             n = 0
             while time.perf_counter() < end:
-                words = " ".join(WORDS[(i * 7 + n * 3 + k) % len(WORDS)] for k in range(8))
+                prompt = " ".join(WORDS[(i * 7 + n * 3 + k) % len(WORDS)] for k in range(words))
                 n += 1
                 # Lengths from half to one and a half times the mean, so that the streams
                 # do not end (and the clients send again) all in the same step.
@@ -126,7 +159,7 @@ async def drive(url: str, streams: int, body: dict[str, Any], seconds: float) ->
                 try:
                     r = await client.post(
                         "/v1/completions",
-                        json={**request, "prompt": words, "seed": 1000 * i + n},
+                        json={**request, "prompt": prompt, "seed": 1000 * i + n},
                     )
                     r.raise_for_status()
                 except httpx.HTTPError:
@@ -162,6 +195,7 @@ def measure(args: argparse.Namespace, preset: str, streams: int, threads: int) -
         str(threads),
         "--threads",
         "1",
+        *shlex.split(args.server_args),
     ]
     body = {"max_tokens": args.tokens, "ignore_eos": True, **PRESETS[preset]}
     name = f"llamarunner --null-decode (sampling threads {threads})"
@@ -172,14 +206,20 @@ def measure(args: argparse.Namespace, preset: str, streams: int, threads: int) -
         loop = asyncio.new_event_loop()
         try:
             task = loop.create_task(
-                drive(server.url, streams, body, args.warmup + args.seconds + 60)
+                drive(
+                    server.url,
+                    streams,
+                    body,
+                    args.warmup + args.seconds + 60,
+                    args.prompt_words,
+                )
             )
             loop.run_until_complete(asyncio.sleep(args.warmup))
             tokens0, cpu0, t0 = generated(server.url), cpu_seconds(pid), time.perf_counter()
-            client0 = cpu_seconds(os.getpid())
+            client0, engine0 = cpu_seconds(os.getpid()), engine_cpu_seconds(pid)
             loop.run_until_complete(asyncio.sleep(args.seconds))
             tokens1, cpu1, t1 = generated(server.url), cpu_seconds(pid), time.perf_counter()
-            client1 = cpu_seconds(os.getpid())
+            client1, engine1 = cpu_seconds(os.getpid()), engine_cpu_seconds(pid)
             rss = peak_rss_mb(pid)
             task.cancel()
             try:
@@ -190,7 +230,18 @@ def measure(args: argparse.Namespace, preset: str, streams: int, threads: int) -
             loop.close()
     tokens = int(tokens1 - tokens0)
     client = (client1 - client0) / (t1 - t0)
-    return Result(preset, streams, threads, tokens, t1 - t0, cpu1 - cpu0, failed, rss, client)
+    return Result(
+        preset,
+        streams,
+        threads,
+        tokens,
+        t1 - t0,
+        cpu1 - cpu0,
+        engine1 - engine0,
+        failed,
+        rss,
+        client,
+    )
 
 
 def table(results: list[Result], machine: str) -> str:
@@ -199,15 +250,17 @@ def table(results: list[Result], machine: str) -> str:
         f"machine: {machine}",
         "",
         "| preset | streams | sampling threads (= cores) | tokens/s | server CPU µs/token | "
-        "speed-up | server cores busy | clients' cores busy | peak RSS MB | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "engine thread µs/token | speed-up | server cores busy | clients' cores busy | "
+        "peak RSS MB | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         first = base.setdefault((r.preset, r.streams), r.tps)
         speedup = r.tps / first if first else 0.0
         lines.append(
             f"| {r.preset} | {r.streams} | {r.threads} | {r.tps:,.0f} | "
-            f"{r.cpu_us_per_token:,.0f} | {speedup:.2f}x | {r.cpu_seconds / r.seconds:.2f} | "
+            f"{r.cpu_us_per_token:,.0f} | {r.engine_us_per_token:,.2f} | {speedup:.2f}x | "
+            f"{r.cpu_seconds / r.seconds:.2f} | "
             f"{r.client_cores:.2f} | {r.rss_mb:,.0f} | {r.failed} |"
         )
     return "\n".join(lines)
@@ -239,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="--sampling-threads values, comma-separated")
     p.add_argument("--tokens", type=int, default=512, help="tokens per request")
     p.add_argument("--ctx", type=int, default=768, help="context per slot")
+    p.add_argument("--prompt-words", type=int, default=8, help="words per prompt")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for the server, one string (e.g. '--draft-always')",
+    )
     p.add_argument(
         "--no-pin",
         dest="pin",
@@ -261,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(args, preset, streams, threads)
                 print(
                     f"{preset} streams={streams} threads={threads}: {r.tps:,.0f} tokens/s, "
-                    f"{r.cpu_us_per_token:,.0f} CPU µs/token",
+                    f"{r.cpu_us_per_token:,.0f} CPU µs/token, "
+                    f"engine thread {r.engine_us_per_token:,.2f} µs/token",
                     file=sys.stderr,
                     flush=True,
                 )

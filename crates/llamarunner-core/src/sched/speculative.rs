@@ -109,6 +109,14 @@ pub const MATCH_CAP: usize = 16;
 /// before the proposal the occurrence shares with the end of the history (`n`, extended back as
 /// far as they agree, up to `MATCH_CAP`): a long shared context (copied text) is a surer draft
 /// than a common pair of tokens. 0 when nothing is proposed.
+///
+/// One backward pass over the history finds every length at once: each earlier `last` is an
+/// occurrence of as many tail tokens as agree before it, and the first (latest) position to
+/// reach a length is the one that length proposes. The pass looks for `last` eight tokens at a
+/// time: a full window with no match costs well under a microsecond, some thirty times less
+/// than a search per length did (benches/RESULTS.md, session 33), and the lookups run on the
+/// engine thread between two decodes, for every drafting sequence.
+/// `proposes_what_a_search_per_length_does` checks it against that search.
 pub fn propose(
     history: &[Token],
     last: Token,
@@ -116,52 +124,83 @@ pub fn propose(
     max: usize,
     out: &mut Vec<Token>,
 ) -> usize {
-    // Only the latest LOOKBACK tokens are searched: the scan runs every step for every drafting
-    // sequence on the engine thread, and must not grow with the context.
+    // Only the latest LOOKBACK tokens are searched, so that the scan does not grow with the
+    // context.
     let history = &history[history.len().saturating_sub(LOOKBACK)..];
-    let len = history.len() + 1;
+    if max == 0 || ngram == 0 || history.is_empty() {
+        return 0;
+    }
+    let shortest = if ngram == 1 { 1 } else { 2 };
+    let longest = ngram.min(history.len());
+    // The tail is `history[h - (n - 1)..] ++ [last]`, with `h` the history's length; an
+    // occurrence of it ends at `end <= h - 1` (it may overlap the tail).
+    let h = history.len();
+    // (length, end) of the longest occurrence, the latest among equally long ones.
+    let mut best = (0, 0);
+    let mut before = h;
+    while let Some(end) = rfind(&history[..before], last) {
+        before = end;
+        let mut n = 1;
+        while n < longest && n <= end && history[end - n] == history[h - n] {
+            n += 1;
+        }
+        if n > best.0 {
+            best = (n, end);
+            if n == longest {
+                break;
+            }
+        }
+    }
+    let (n, end) = best;
+    if n < shortest {
+        return 0;
+    }
+    // The sequence `history ++ [last]`, `len` long; the proposal copies what followed the
+    // occurrence, then itself where that runs past the end.
+    let len = h + 1;
     let at = |i: usize| -> Token {
-        if i < history.len() {
+        if i < h {
             history[i]
         } else {
             last
         }
     };
-    if max == 0 || ngram == 0 {
-        return 0;
-    }
-    let shortest = if ngram == 1 { 1 } else { 2 };
-    for n in (shortest..=ngram.min(len - 1)).rev() {
-        let tail = len - n;
-        // Latest start `s` before the tail whose n tokens equal the tail's.
-        let Some(s) = (0..tail)
-            .rev()
-            .find(|&s| (0..n).all(|k| at(s + k) == at(tail + k)))
-        else {
-            continue;
+    let s = end + 1 - n;
+    let start = out.len();
+    for i in 0..max {
+        let src = s + n + i;
+        let token = if src < len {
+            at(src)
+        } else {
+            out[start + src - len]
         };
-        let start = out.len();
-        for i in 0..max {
-            let src = s + n + i;
-            let token = if src < len {
-                at(src)
-            } else {
-                out[start + src - len]
-            };
-            out.push(token);
-        }
-        // The occurrence ends at `s + n - 1`, the history at `len - 1`: extend back while the
-        // tokens before them agree.
-        let mut shared = n;
-        while shared < MATCH_CAP.max(n)
-            && shared < s + n
-            && at(s + n - 1 - shared) == at(len - 1 - shared)
-        {
-            shared += 1;
-        }
-        return shared;
+        out.push(token);
     }
-    0
+    // The occurrence ends at `s + n - 1`, the history at `len - 1`: extend back while the
+    // tokens before them agree.
+    let mut shared = n;
+    while shared < MATCH_CAP.max(n)
+        && shared < s + n
+        && at(s + n - 1 - shared) == at(len - 1 - shared)
+    {
+        shared += 1;
+    }
+    shared
+}
+
+/// The index of the last `token` in `tokens`. Eight tokens are compared at a time without an
+/// early exit, which the compiler turns into vector compares (a plain `rposition` compares one
+/// token per iteration).
+fn rfind(tokens: &[Token], token: Token) -> Option<usize> {
+    let mut end = tokens.len();
+    while end >= 8 {
+        let chunk = &tokens[end - 8..end];
+        if chunk.iter().fold(false, |any, &t| any | (t == token)) {
+            return chunk.iter().rposition(|&t| t == token).map(|k| end - 8 + k);
+        }
+        end -= 8;
+    }
+    tokens[..end].iter().rposition(|&t| t == token)
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -363,6 +402,90 @@ mod tests {
         // Single tokens are matched only when asked for (`ngram` 1).
         assert!(lookup(&[7, 1, 8], 7, 3, 2).is_empty());
         assert_eq!(lookup(&[7, 1, 8], 7, 1, 2), vec![1, 8]);
+    }
+
+    /// The search this module did before `propose`'s single pass: for each length from the
+    /// longest, the latest start whose tokens equal the tail's.
+    fn propose_per_length(
+        history: &[Token],
+        last: Token,
+        ngram: usize,
+        max: usize,
+        out: &mut Vec<Token>,
+    ) -> usize {
+        let history = &history[history.len().saturating_sub(LOOKBACK)..];
+        let len = history.len() + 1;
+        let at = |i: usize| if i < history.len() { history[i] } else { last };
+        if max == 0 || ngram == 0 {
+            return 0;
+        }
+        let shortest = if ngram == 1 { 1 } else { 2 };
+        for n in (shortest..=ngram.min(len - 1)).rev() {
+            let tail = len - n;
+            let Some(s) = (0..tail)
+                .rev()
+                .find(|&s| (0..n).all(|k| at(s + k) == at(tail + k)))
+            else {
+                continue;
+            };
+            let start = out.len();
+            for i in 0..max {
+                let src = s + n + i;
+                out.push(if src < len {
+                    at(src)
+                } else {
+                    out[start + src - len]
+                });
+            }
+            let mut shared = n;
+            while shared < MATCH_CAP.max(n)
+                && shared < s + n
+                && at(s + n - 1 - shared) == at(len - 1 - shared)
+            {
+                shared += 1;
+            }
+            return shared;
+        }
+        0
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(4000))]
+        /// Small vocabularies repeat n-grams often, and long histories cross LOOKBACK.
+        #[test]
+        fn proposes_what_a_search_per_length_does(
+            vocab in 1i32..8,
+            seed in proptest::collection::vec(0i32..1000, 0..60),
+            long in proptest::bool::weighted(0.05),
+            last in 0i32..8,
+            ngram in 0usize..6,
+            max in 0usize..10,
+        ) {
+            let mut history: Vec<Token> = seed.iter().map(|t| t % vocab).collect();
+            if long {
+                // Past LOOKBACK: a match only before the window must not be found.
+                let mut far = history.clone();
+                far.extend(std::iter::repeat_n(vocab + 1, LOOKBACK));
+                far.extend_from_slice(&history);
+                history = far;
+            }
+            let last = last % vocab;
+            let (mut fast, mut slow) = (vec![-1], vec![-1]);
+            let a = propose(&history, last, ngram, max, &mut fast);
+            let b = propose_per_length(&history, last, ngram, max, &mut slow);
+            proptest::prop_assert_eq!((a, fast), (b, slow));
+        }
+
+        #[test]
+        fn rfind_finds_the_last_occurrence(
+            tokens in proptest::collection::vec(0i32..4, 0..40),
+            token in 0i32..5,
+        ) {
+            proptest::prop_assert_eq!(
+                rfind(&tokens, token),
+                tokens.iter().rposition(|&t| t == token)
+            );
+        }
     }
 
     #[test]
