@@ -105,6 +105,33 @@ def test_text_completions_stream_and_not(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
+def test_a_long_answer_not_streamed_is_the_streamed_one(client: openai.OpenAI) -> None:
+    """The engine sends a response that is not streamed in large pieces (here a piece once 256
+    log-probability entries have gathered, then the rest at the end), not a token at a time:
+    the same text and entries as a stream."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "once upon",
+        "max_tokens": 400,
+        "temperature": 0,
+        "logprobs": 1,
+        "extra_body": EXACT,
+    }
+    whole = client.completions.create(**kwargs)
+    assert whole.usage is not None and whole.usage.completion_tokens == 400
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    tokens = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert whole.choices[0].logprobs is not None
+    assert tokens == whole.choices[0].logprobs.tokens
+    assert len(tokens) == 400
+
+
 def test_stop_ends_before_the_stop_string(client: openai.OpenAI) -> None:
     full = chat(client, max_tokens=16, extra_body=EXACT).choices[0].message.content
     stop = full[5:7]

@@ -1,6 +1,8 @@
 //! What travels between the HTTP side and the engine thread: requests, the events streamed back,
 //! final statistics and errors. Wire-neutral: each dialect in `dialects/` renders these its own way.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::protocol::params::SamplingParams;
@@ -170,7 +172,26 @@ pub const EVENT_CHANNEL_CAPACITY: usize = 64;
 /// only offers events and reads the answer, so it decides what a full client means (its
 /// sequence pauses) without knowing how events travel.
 #[derive(Clone, Debug)]
-pub struct EventSink(tokio::sync::mpsc::Sender<Event>);
+pub struct EventSink {
+    tx: tokio::sync::mpsc::Sender<Event>,
+    /// The reader takes the text only at the end ([`TextHold`]).
+    whole: Arc<AtomicBool>,
+}
+
+/// The reader's side of a request's text delivery: a reader that takes the whole text at the
+/// end (a response that is not streamed) says so, and the engine then offers the text in large
+/// pieces instead of one event per step, which spares it a wake of the reader's task per token
+/// (on a GPU that is engine-thread time between two decodes). llama-server likewise sends a
+/// request that does not stream its text only at the end.
+#[derive(Clone, Debug)]
+pub struct TextHold(Arc<AtomicBool>);
+
+impl TextHold {
+    /// From now on the text may be held and sent in large pieces.
+    pub fn whole(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
 
 /// What became of an event offered to an [`EventSink`].
 #[derive(Debug)]
@@ -188,13 +209,24 @@ impl EventSink {
     /// [`EVENT_CHANNEL_CAPACITY`] events.
     pub fn channel() -> (Self, tokio::sync::mpsc::Receiver<Event>) {
         let (tx, rx) = tokio::sync::mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        (Self(tx), rx)
+        let whole = Arc::new(AtomicBool::new(false));
+        (Self { tx, whole }, rx)
+    }
+
+    /// The switch by which the reader says it takes the text only at the end.
+    pub fn text_hold(&self) -> TextHold {
+        TextHold(self.whole.clone())
+    }
+
+    /// The reader takes the text only at the end (`TextHold::whole`).
+    pub fn wants_whole_text(&self) -> bool {
+        self.whole.load(Ordering::Relaxed)
     }
 
     /// Offers `event` without waiting.
     pub fn offer(&self, event: Event) -> Offer {
         use tokio::sync::mpsc::error::TrySendError;
-        match self.0.try_send(event) {
+        match self.tx.try_send(event) {
             Ok(()) => Offer::Taken,
             Err(TrySendError::Full(event)) => Offer::Full(event),
             Err(TrySendError::Closed(_)) => Offer::Gone,
@@ -203,7 +235,7 @@ impl EventSink {
 
     /// The client left.
     pub fn is_gone(&self) -> bool {
-        self.0.is_closed()
+        self.tx.is_closed()
     }
 }
 

@@ -17,7 +17,7 @@ use crate::http::AppState;
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{
     Completion, EmbedRequest, Embedding, Event, EventSink, Input, LoadState, ModelInfo, Request,
-    TokenLogprob,
+    TextHold, TokenLogprob,
 };
 use crate::requests::embed_input;
 pub use crate::requests::embed_input::EmbedInput;
@@ -388,6 +388,8 @@ pub fn split_prefill(
 #[derive(Debug)]
 pub struct Generation {
     rx: Receiver<Event>,
+    /// Tells the engine when the text is read only at the end (`collect`).
+    hold: TextHold,
     record: Option<Arc<Record>>,
     /// An event read ahead (`wait_first`), given out next.
     pending: Option<Event>,
@@ -398,13 +400,19 @@ pub struct Generation {
 }
 
 impl Generation {
-    fn new(rx: Receiver<Event>, prompt_tokens: usize, cached_tokens: usize) -> Self {
+    fn new(
+        rx: Receiver<Event>,
+        hold: TextHold,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    ) -> Self {
         let record = access::current();
         if let Some(r) = &record {
             r.generation_started();
         }
         Self {
             rx,
+            hold,
             record,
             pending: None,
             prompt_tokens,
@@ -541,6 +549,7 @@ async fn submit(
     valid: validate::Generation,
 ) -> Result<Generation, ApiError> {
     let (tx, mut rx) = EventSink::channel();
+    let hold = tx.text_hold();
     let prompt_tokens = valid.tokens.len();
     state.engine.submit(Request {
         id: access::current_id(),
@@ -553,7 +562,7 @@ async fn submit(
         images: valid.images,
     })?;
     match rx.recv().await {
-        Some(Event::Started { cached }) => Ok(Generation::new(rx, prompt_tokens, cached)),
+        Some(Event::Started { cached }) => Ok(Generation::new(rx, hold, prompt_tokens, cached)),
         Some(Event::Error(e)) => Err(e.into()),
         Some(other) => Err(ApiError::Internal(format!(
             "unexpected first event {other:?}"
@@ -573,8 +582,10 @@ pub struct Collected {
     pub done: Completion,
 }
 
-/// Reads a generation to its end.
+/// Reads a generation to its end. The engine is told that the text is read only at the end, so
+/// it sends it in large pieces rather than one event per token.
 pub async fn collect(mut rx: Generation) -> Result<Collected, ApiError> {
+    rx.hold.whole();
     let mut text = String::new();
     let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {

@@ -1,23 +1,39 @@
 //! Output and back-pressure as policy: a sequence's text is offered to its client's sink when
-//! there is some; a client that has no room pauses its sequence (its text gathers in the
+//! there is some (for a client that takes the whole text at the end, once a large piece of it
+//! has gathered); a client that has no room pauses its sequence (its text gathers in the
 //! outbox); a client that left frees the slot. A finished sequence's last events become an
 //! `Ending`, which the engine delivers (`engine/delivery.rs`).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::Scheduler;
+use super::{Scheduler, OUTBOX_CAP_BYTES, OUTBOX_CAP_LOGPROBS};
 use crate::backend::Backend;
 use crate::protocol::{nanos, Completion, DoneReason, Ending, Event, Offer, PromptProgress};
 
+/// How much text (bytes, log-probability entries) a sequence whose client takes the whole text
+/// at the end gathers before offering it: a quarter of what a paused sequence may hold, so that
+/// such a sequence never pauses for text it held on purpose.
+pub const WHOLE_TEXT_PIECE: (usize, usize) = (OUTBOX_CAP_BYTES / 4, OUTBOX_CAP_LOGPROBS / 4);
+
 impl<B: Backend> Scheduler<B> {
     /// Sends what the sequence produced, if its channel has room; a closed channel frees the slot.
+    /// For a client that takes the whole text at the end (`TextHold`), the text gathers until a
+    /// quarter of what may be held (`WHOLE_TEXT_PIECE`), so that its task is woken once per
+    /// thousands of tokens instead of once per step; `finish` sends the rest.
     pub(super) fn flush_outbox(&mut self, index: usize) {
         let slot = &mut self.slots[index];
         let Some(seq) = slot.seq.as_mut() else {
             return;
         };
         if seq.outbox.is_empty() {
+            return;
+        }
+        // A client that left is noticed without an offer, every turn (`drop_cancelled`).
+        if seq.events.wants_whole_text()
+            && seq.outbox.len() < WHOLE_TEXT_PIECE.0
+            && seq.outbox_logprobs.len() < WHOLE_TEXT_PIECE.1
+        {
             return;
         }
         // Entries go with the text that completes their tokens; a token still held back (a

@@ -792,3 +792,4 @@ mod shared_cache;
 mod slot_files;
 mod speculative;
 mod step_outcome;
+mod whole_text;
