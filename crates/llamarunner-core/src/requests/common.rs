@@ -429,6 +429,14 @@ impl Generation {
         }
     }
 
+    /// Tells the engine that the text is read only at the end (`collect`), so that it sends it
+    /// in large pieces rather than an event per token (`TextHold`). Said as soon as a handler
+    /// knows, so that a generation started before others and read after them (`n` choices,
+    /// several prompts) does not fill its channel meanwhile.
+    pub fn read_whole(&self) {
+        self.hold.whole();
+    }
+
     /// The next event; None once the engine has sent the last.
     pub async fn recv(&mut self) -> Option<Event> {
         if let Some(event) = self.pending.take() {
@@ -585,7 +593,7 @@ pub struct Collected {
 /// Reads a generation to its end. The engine is told that the text is read only at the end, so
 /// it sends it in large pieces rather than one event per token.
 pub async fn collect(mut rx: Generation) -> Result<Collected, ApiError> {
-    rx.hold.whole();
+    rx.read_whole();
     let mut text = String::new();
     let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {

@@ -403,10 +403,9 @@ pub async fn completion(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         }
         let mut generations = Vec::with_capacity(sources.len());
         for (meta, source) in sources {
-            generations.push((
-                meta,
-                start_generation(&state, source, params.clone()).await?,
-            ));
+            let generation = start_generation(&state, source, params.clone()).await?;
+            generation.read_whole();
+            generations.push((meta, generation));
         }
         let finished = generations
             .into_iter()

@@ -228,8 +228,14 @@ async fn respond_many(
 ) -> Result<Response, OpenAiError> {
     let want_logprobs = params.logprobs.is_some();
     let mut generations = Vec::with_capacity(n);
+    let whole = req.stream != Some(true);
     let mut first = start_generation(&state, prompt.clone(), params.clone()).await?;
     first.wait_first().await;
+    // Read only at the end, after the others start: held meanwhile (the first once its first
+    // token, which starts the others, is out).
+    if whole {
+        first.read_whole();
+    }
     generations.push(first);
     for i in 1..n {
         let mut p = params.clone();
@@ -239,10 +245,14 @@ async fn respond_many(
         if p.seed >= 0 {
             p.seed = (p.seed % (1 << 32) + i as i64) % (1 << 32);
         }
-        generations.push(start_generation(&state, prompt.clone(), p).await?);
+        let generation = start_generation(&state, prompt.clone(), p).await?;
+        if whole {
+            generation.read_whole();
+        }
+        generations.push(generation);
     }
     let metas: Vec<Meta> = (0..n).map(|i| meta.for_choice(i)).collect();
-    if req.stream != Some(true) {
+    if whole {
         let all = futures_util::future::join_all(generations.into_iter().map(collect)).await;
         let all = all.into_iter().collect::<Result<Vec<_>, _>>()?;
         let answers: Vec<Option<Answer>> = all
