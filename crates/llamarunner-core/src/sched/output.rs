@@ -89,10 +89,12 @@ impl<B: Backend> Scheduler<B> {
         let prompt_done = seq.prompt_done.unwrap_or(now);
         seq.outbox.push_str(&seq.text.finish());
         let mut events = VecDeque::new();
-        if !seq.outbox.is_empty() {
-            // Tokens of a stop string were not returned: their entries go too.
-            let returned = seq.text.tokens_returned().saturating_sub(seq.logprobs_sent);
-            seq.outbox_logprobs.truncate(returned);
+        // Tokens of a stop string were not returned: their entries go too.
+        let returned = seq.text.tokens_returned().saturating_sub(seq.logprobs_sent);
+        seq.outbox_logprobs.truncate(returned);
+        // Last tokens that render to nothing (an end of generation under `ignore_eos`) leave
+        // no text but still have their entries.
+        if !seq.outbox.is_empty() || !seq.outbox_logprobs.is_empty() {
             events.push_back(Event::Text {
                 text: std::mem::take(&mut seq.outbox),
                 logprobs: std::mem::take(&mut seq.outbox_logprobs),

@@ -110,3 +110,28 @@ fn a_client_that_left_while_its_text_was_held_frees_its_slot_at_once() {
     let (text, _) = collect(&mut h.submit("next", greedy(3)));
     assert_eq!(text, expected("next", 3));
 }
+
+#[test]
+fn tokens_that_render_to_nothing_at_the_end_keep_their_log_probabilities() {
+    // The fake's EOS renders to no bytes; under ignore_eos it is generated from the 6th
+    // position of the history on: "ab" gives three letters, then EOS to the end.
+    let h = Harness::new(
+        FakeConfig {
+            eos_at: Some(6),
+            ..FakeConfig::default()
+        },
+        1,
+    );
+    let params = params_with(|p| {
+        p.num_predict = 8;
+        p.ignore_eos = true;
+        p.logprobs = Some(1);
+    });
+    let (streamed, done) = read_all(&mut h.submit("ab", params.clone()));
+    let (whole, _) = read_all(&mut h.submit_whole("ab", params));
+    assert_eq!(done.eval_count, 8);
+    for pieces in [&streamed, &whole] {
+        let entries: usize = pieces.iter().map(|p| p.1).sum();
+        assert_eq!(entries, 8, "one entry per generated token: {pieces:?}");
+    }
+}
