@@ -113,7 +113,7 @@ pub const MATCH_CAP: usize = 16;
 /// One backward pass over the history finds every length at once: each earlier `last` is an
 /// occurrence of as many tail tokens as agree before it, and the first (latest) position to
 /// reach a length is the one that length proposes. The pass looks for `last` eight tokens at a
-/// time: a full window with no match costs well under a microsecond, some thirty times less
+/// time: a full window with no match costs well under a microsecond, forty times less or more
 /// than a search per length did (benches/RESULTS.md, session 33), and the lookups run on the
 /// engine thread between two decodes, for every drafting sequence.
 /// `proposes_what_a_search_per_length_does` checks it against that search.
