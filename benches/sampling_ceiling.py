@@ -100,27 +100,28 @@ class Result:
         return 1e6 * self.engine_cpu_seconds / self.tokens if self.tokens else 0.0
 
 
+def stat_seconds(stat: Path) -> float:
+    """User + system CPU time in a /proc `stat` file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of every thread of process `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    return stat_seconds(Path(f"/proc/{pid}/stat"))
 
 
 def engine_cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid`'s engine threads (``llamarunner-engine``, which
     /proc shortens to 15 characters)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            if not (task / "comm").read_text().startswith("llamarunner-eng"):
-                continue
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            if (task / "comm").read_text().startswith("llamarunner-eng"):
+                total += stat_seconds(task / "stat")
         except OSError:
             continue  # the thread ended
-        total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    return total
 
 
 def generated(url: str) -> float:

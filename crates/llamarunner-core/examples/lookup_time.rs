@@ -40,10 +40,11 @@ fn main() {
         let history: Vec<Token> = (0..len).map(|_| next(262_144)).collect();
         let us = time(&history, 262_144);
         println!("| no match (262,144-token vocabulary) | {len} | {us:.2} |");
-        // 50 distinct tokens: `last` occurs every 50 tokens or so, the pair before it seldom.
+        // 50 distinct tokens, and a `last` outside them: no match.
         let history: Vec<Token> = (0..len).map(|_| next(50)).collect();
         let us = time(&history, 50);
         println!("| no match, `last` absent (50-token vocabulary) | {len} | {us:.2} |");
+        // A `last` among them: it occurs every 50 tokens or so, the pair before it seldom.
         let us = time(&history, 7);
         println!("| 50-token vocabulary, `last` common | {len} | {us:.2} |");
         // A text repeating every 100 tokens: the 3-gram matches 100 tokens back.

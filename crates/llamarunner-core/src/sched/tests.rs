@@ -106,17 +106,28 @@ impl Harness {
         deadline: Option<Instant>,
     ) -> Result<Receiver<Event>, crate::protocol::SubmitError> {
         let (tx, rx) = crate::protocol::EventSink::channel();
+        self.submit_to(tx, prompt, params, deadline)?;
+        Ok(rx)
+    }
+
+    /// Submits a request whose events go to `events`.
+    fn submit_to(
+        &self,
+        events: crate::protocol::EventSink,
+        prompt: &str,
+        params: SamplingParams,
+        deadline: Option<Instant>,
+    ) -> Result<(), crate::protocol::SubmitError> {
         self.handle.submit(Request {
             id: format!("test-{prompt}"),
             prompt: prompt.into(),
             params,
             truncated: false,
-            events: tx,
+            events,
             received: Instant::now(),
             deadline,
             images: Vec::new(),
-        })?;
-        Ok(rx)
+        })
     }
 
     /// Waits until the slot table shows every slot free; returns it.

@@ -13,17 +13,7 @@ impl Harness {
         let (tx, rx) = crate::protocol::EventSink::channel();
         let hold: TextHold = tx.text_hold();
         hold.whole();
-        self.handle
-            .submit(Request {
-                id: format!("whole-{prompt}"),
-                prompt: prompt.into(),
-                params,
-                truncated: false,
-                events: tx,
-                received: Instant::now(),
-                deadline: None,
-                images: Vec::new(),
-            })
+        self.submit_to(tx, prompt, params, None)
             .expect("queue has room");
         rx
     }
