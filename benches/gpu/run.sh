@@ -9,8 +9,11 @@
 #   $OUT/load-gemma.md        ours vs llama-server, the default model's shape (262k vocabulary)
 #   $OUT/ceiling.md           the server's own ceiling (--null-decode), 1 and 16 sampling threads
 #   $OUT/batched-bench.txt    llama-batched-bench at the same widths (the kernels' ceiling)
-#   $OUT/load-gemma-device-sampling.md  ours vs llama-server --backend-sampling (llama.cpp's
-#                             sampling on the device) at 8 and 64 clients
+#   $OUT/load-gemma-device-sampling.md  both with --backend-sampling (llama-server's chain on
+#                             the device; ours: the top-k cut there, the rest on the host) at 8
+#                             and 64 clients
+#   $OUT/load-gemma-ours-device-sampling.md  ours with --backend-sampling against ours
+#                             without, paired, at 64 clients (which is faster: the default)
 #   $OUT/load-llama8b.md      ours vs llama-server, a llama 8B shape in Q4_K
 #
 # A GPU module in the carry (prepare.sh's GPU_MODULE) is given to both servers, and llama.cpp is
@@ -116,10 +119,11 @@ fi
 cd "$repo"
 server="$build/bin/llama-server"
 threads=$(($(nproc) < 8 ? $(nproc) : 8))
-load() { # MODEL NAME [SCENARIOS [LLAMA-SERVER FLAGS]]
-  log "load: $2 at ${3:-$clients} clients, ours vs llama-server ${4:-}"
+load() { # MODEL NAME [SCENARIOS [LLAMA-SERVER FLAGS [OUR FLAGS]]]
+  log "load: $2 at ${3:-$clients} clients, ours ${5:-} vs llama-server ${4:-}"
   "$py" -m benches.load --model "$1" --dialect openai --llama-server "$server" \
-    --peer-flags="${4:-}" --scenarios "${3:-$clients}" --requests 2 --no-baseline \
+    --peer-flags="${4:-}" --ours-flags="${5:-}" --scenarios "${3:-$clients}" --requests 2 \
+    --no-baseline \
     --threads "$threads" --json "$out/load-$2.json" >"$out/load-$2.md" 2>"$out/load-$2.err" ||
     log "load: $2 failed"
   log "load: $2 done"
@@ -144,11 +148,21 @@ if want batched; then
   log "batched-bench: done"
 fi
 
-# llama.cpp's own sampling on the device (#42: measure it, take whichever is faster): the
-# sampler chain runs in the decode's graph and only the token comes back, where ours reads
-# every sequence's 262,144 logits to the host and samples them on the CPU cores.
-want devsampling &&
-  load "$gemma" gemma-device-sampling "${DEVSAMPLING_CLIENTS:-parallel8,parallel64}" --backend-sampling
+# Sampling on the device (#42: measure it, take whichever is faster). llama-server's
+# --backend-sampling runs its sampler chain in the decode's graph and only the token comes back;
+# ours cuts each position's top-k there and brings back k candidates (the rest of the chain on
+# the host), where without it every sequence's 262,144 logits come back to the host.
+if want devsampling; then
+  load "$gemma" gemma-device-sampling "${DEVSAMPLING_CLIENTS:-parallel8,parallel64}" \
+    --backend-sampling --backend-sampling
+  log "load: ours with --backend-sampling against ours without, paired"
+  "$py" -m benches.load --model "$gemma" --dialect openai --base-python "$py" \
+    --ours-flags=--backend-sampling --scenarios parallel64 --requests 2 --repeat 2 --together \
+    --no-baseline --threads "$threads" --json "$out/load-gemma-ours-device-sampling.json" \
+    >"$out/load-gemma-ours-device-sampling.md" 2>"$out/load-gemma-ours-device-sampling.err" ||
+    log "load: ours-device-sampling failed"
+  log "load: ours-device-sampling done"
+fi
 
 want llama8b && load "$llama8b" llama8b
 log "all done"

@@ -83,6 +83,7 @@ class ServerConfig:
     mlock: bool = _D["mlock"]
     deterministic: bool = _D["deterministic"]
     null_decode: bool = _D["null_decode"]
+    backend_sampling: bool = _D["backend_sampling"]
     tensor_split: str | None = _D["tensor_split"]
     lora: list[str] = _D["lora"]
     mmproj: str | None = _D["mmproj"]

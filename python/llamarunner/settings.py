@@ -225,6 +225,16 @@ SERVER_SETTINGS = _table(
         "vocabulary, to measure the server's own work per token (sampling, text, streaming)",
     ),
     Setting(
+        "backend_sampling",
+        bool,
+        False,
+        "llama-server's flag: a request whose sampling needs only its top-k logits (top-k or "
+        "greedy first, no logit bias but bans, no repetition penalties, grammar or logprobs) "
+        "gets that top-k computed on the device of the model's output layer, so that k "
+        "candidates per token come back instead of the whole vocabulary's logits (for GPUs; "
+        "the tokens are those sampled without it)",
+    ),
+    Setting(
         "tensor_split",
         str,
         None,

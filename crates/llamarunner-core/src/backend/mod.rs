@@ -195,6 +195,14 @@ pub trait Sampling {
         token: Token,
         top: usize,
     ) -> Option<TokenLogprob>;
+
+    /// Before each decode, for every slot: the sampler of the sequence it holds (None when it
+    /// holds none). A backend that cuts a position's logits on the device for samplers that
+    /// need only the best few (`--backend-sampling`) attaches or detaches that cut here;
+    /// others do nothing.
+    fn bind_sampler(&mut self, seq: i32, sampler: Option<&Self::Sampler>) {
+        let _ = (seq, sampler);
+    }
 }
 
 /// The KV cache's sequences: cut, shift, fork, sliding-window checkpoints, whole states.

@@ -55,6 +55,13 @@ impl Shortlist {
         })
     }
 
+    /// How many tokens `candidates` lists at most, when that is the `k + m` best by raw logit
+    /// alone (no penalty window, whose tokens could be anywhere): what the device can cut
+    /// (`--backend-sampling`). None with a penalty window.
+    pub fn len_without_window(&self) -> Option<usize> {
+        (self.window_len == 0).then_some(self.k + self.biased.len())
+    }
+
     /// Records a token the chain accepted (the penalty window moves on).
     pub fn accept(&mut self, token: i32) {
         let Ok(token) = u32::try_from(token) else {

@@ -137,6 +137,12 @@ pub struct RunnerConfig {
     /// For benchmarks: decodes compute nothing and give synthetic logits of the model's
     /// vocabulary, so that the server's own work per token is measured alone.
     pub null_decode: bool,
+    /// llama-server's `--backend-sampling`: a request whose sampler chain needs only the best
+    /// `k` logits of a position (its first cut a top-k or greedy, nothing changed before it, no
+    /// log-probabilities asked for) has that top-k computed in the decode's graph, on the device
+    /// of the model's output layer, so that `k` candidates per position come back instead of
+    /// the whole vocabulary's logits (`backend/llama/device_cut.rs`).
+    pub backend_sampling: bool,
     /// Deterministic mode (`--deterministic`): a request's output depends only on the request,
     /// not on what else shares its batch, how its prompt was chunked or whether it came from a
     /// cache. The model runs on the CPU with kernels whose rows compute the same for every
@@ -325,6 +331,7 @@ impl Default for RunnerConfig {
             threads: 0,
             sampling_threads: 0,
             null_decode: false,
+            backend_sampling: false,
             deterministic: false,
             n_gpu_layers: -1,
             main_gpu: 0,
@@ -699,6 +706,8 @@ impl RunnerConfig {
             Some("--batch-size below 4 (each sequence's rows are padded to a multiple of four)")
         } else if self.null_decode {
             Some("--null-decode")
+        } else if self.backend_sampling {
+            Some("--backend-sampling (its top-k runs in the decode's own graph)")
         } else if self.kv_cache_type != "f16" {
             Some("a quantized --kv-cache-type (it needs flash attention)")
         } else if self.kv_unified {

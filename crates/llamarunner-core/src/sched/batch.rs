@@ -213,6 +213,18 @@ impl<B: Backend> Scheduler<B> {
         if self.batch.is_empty() {
             return outcome;
         }
+        // A sampler that needs only a position's best few logits may have them cut on the
+        // device (`--backend-sampling`); a slot without a request drops its cut, and so does a
+        // sequence that drafts (llama.cpp cuts one position per sequence and decode, where a
+        // draft's verification reads several).
+        for slot in &self.slots {
+            let sampler = slot
+                .seq
+                .as_ref()
+                .filter(|q| !q.spec.enabled)
+                .map(|q| &q.sampler);
+            self.backend.bind_sampler(slot.id, sampler);
+        }
         let started = Instant::now();
         let lora = self.batch_lora.take().unwrap_or_default();
         if let Err(e) = self

@@ -312,6 +312,7 @@ pub fn load<R>(
     .with_draft(draft)
     .with_sampling_threads(sampling_threads as usize)
     .with_null_decode(config.null_decode)
+    .with_backend_sampling(config.backend_sampling)
     .with_deterministic(config.deterministic)
     .with_shared_cells(shared_cells, embed_cells);
     if let Some(cells) = shared_cells {

@@ -7,6 +7,7 @@
 //! metadata, without loading it) and `null_decode.rs` (decodes that compute nothing, for
 //! benchmarks); decoding is here, with the engine itself.
 
+mod device_cut;
 mod devices;
 mod draft;
 #[cfg(feature = "portable")]
@@ -112,6 +113,10 @@ pub struct LlamaEngine<'m> {
     /// `--deterministic`: batches decoded on the same kernel paths whatever their shape
     /// (`invariant_decode.rs`), with the logits the scheduler asked for kept here.
     invariant: Option<invariant_decode::KeptLogits>,
+    /// `--backend-sampling`: the top-k cuts attached to the sequences (`device_cut.rs`).
+    /// Declared after `ctx`, so dropped after it: the context never reads an attached chain
+    /// once its decodes are over.
+    cuts: Option<device_cut::DeviceCuts>,
 }
 
 impl<'m> LlamaEngine<'m> {
@@ -174,6 +179,7 @@ impl<'m> LlamaEngine<'m> {
             sampling_pool: None,
             null: None,
             invariant: None,
+            cuts: None,
         }
     }
 
@@ -246,6 +252,31 @@ impl<'m> LlamaEngine<'m> {
             null_decode::NullLogits::new(n_vocab, &eog)
         });
         self
+    }
+
+    /// The same engine with the top-k of samplers that need only that cut on the device
+    /// (`--backend-sampling`), where it has the context's pointer (not with `--null-decode`,
+    /// whose decodes compute nothing).
+    fn with_backend_sampling(mut self, on: bool) -> Self {
+        if !on || self.null.is_some() {
+            return self;
+        }
+        match crate::backend::llama::lora::context_pointer(self.model, &self.ctx) {
+            Ok(raw) => self.cuts = Some(device_cut::DeviceCuts::new(raw)),
+            Err(e) => {
+                tracing::warn!(error = %e, "--backend-sampling: off, the context is out of reach");
+            }
+        }
+        self
+    }
+
+    /// What the sampler of batch position `index` of the last decode reads: the candidates
+    /// the device cut there, or every token's logit.
+    fn row(&self, index: i32) -> sampler::Row<'_> {
+        match self.cuts.as_ref().and_then(|c| c.row(index)) {
+            Some((ids, logits)) => sampler::Row::Cut(ids, logits),
+            None => sampler::Row::Whole(self.logits_ith(index)),
+        }
     }
 
     /// The same engine decoding on the same kernel paths whatever a batch's shape
@@ -336,6 +367,10 @@ impl Decoder for LlamaEngine<'_> {
             .as_ref()
             .ok_or_else(|| BackendError::Decode("no vision projector is loaded".into()))?;
         self.raw_logits = None;
+        // The image's last position's logits are read whole (`logits_ith`): no cut.
+        if let Some(cuts) = self.cuts.as_mut() {
+            cuts.bind(seq, None);
+        }
         projector.decode_image(*raw_ctx, seq, pos, image, logits)?;
         if logits {
             self.raw_logits = i32::try_from(image.n_tokens - 1).ok();

@@ -31,6 +31,10 @@ pub struct ChainSampler {
     /// With `post_sampling_probs`: how many survivors of the chain each pick keeps, and the
     /// picks' distributions not yet reported, oldest first.
     kept: Option<(usize, VecDeque<Survivors>)>,
+    /// How many of a position's best raw logits the chain needs, when that is all it needs (a
+    /// shortlist without a penalty window, no bias but bans, no log-probabilities): what
+    /// `--backend-sampling` has the device cut (`device_cut.rs`).
+    device_k: Option<u32>,
 }
 
 /// What the chain left at one pick: the selected token's probability and the most probable
@@ -241,6 +245,18 @@ impl Sampling for LlamaEngine<'_> {
                 seed.iter().for_each(|&t| list.accept(t));
             }
         }
+        // Only the chain's shortlist, with nothing but bans before its cut and no
+        // log-probability (which reads every logit) asked for: then the shortlist's tokens are
+        // the best by raw logit, which the device can cut (the bans among them are dropped by
+        // the chain, leaving at least `k`).
+        let device_k = shortlist
+            .as_ref()
+            .filter(|_| !penalize && p.logprobs.is_none())
+            .filter(|_| biases.iter().all(|b| b.bias() == f32::NEG_INFINITY))
+            .and_then(crate::backend::shortlist::Shortlist::len_without_window)
+            .and_then(|k| u32::try_from(k).ok())
+            .map(|k| k.min(u32::try_from(n_vocab).unwrap_or(0)))
+            .filter(|&k| k > 0);
         // Kept only where each pick's are reported (and so taken off the queue).
         let kept = p
             .logprobs
@@ -251,23 +267,30 @@ impl Sampling for LlamaEngine<'_> {
             guide,
             shortlist,
             kept,
+            device_k,
         })
     }
 
+    fn bind_sampler(&mut self, seq: i32, sampler: Option<&ChainSampler>) {
+        if let Some(cuts) = self.cuts.as_mut() {
+            cuts.bind(seq, sampler.and_then(|s| s.device_k));
+        }
+    }
+
     fn sample(&mut self, sampler: &mut ChainSampler, index: usize) -> Option<Token> {
-        let logits = self.logits_ith(i32::try_from(index).unwrap_or(i32::MAX));
+        let row = self.row(i32::try_from(index).unwrap_or(i32::MAX));
         let model = self.model;
-        pick(sampler, logits, &|t| piece_bytes(model, t, true))
+        pick(sampler, row, &|t| piece_bytes(model, t, true))
     }
 
     fn sample_many(&mut self, picks: &mut [Pick<'_, ChainSampler>]) {
         // The logits are read here, on the engine thread (llama.cpp waits for the decode on
         // the first read); the pool's threads get plain rows and the (thread-safe) model.
-        let rows: Vec<Vec<&[f32]>> = picks
+        let rows: Vec<Vec<Row<'_>>> = picks
             .iter()
             .map(|one| {
                 (0..=one.draft.len())
-                    .map(|j| self.logits_ith(i32::try_from(one.at + j).unwrap_or(i32::MAX)))
+                    .map(|j| self.row(i32::try_from(one.at + j).unwrap_or(i32::MAX)))
                     .collect()
             })
             .collect();
@@ -349,17 +372,50 @@ type PieceBytes<'a> = &'a (dyn Fn(LlamaToken) -> Vec<u8> + Sync);
 /// (any thread may ask).
 type TokenText<'a> = &'a (dyn Fn(Token) -> (Vec<u8>, bool) + Sync);
 
+/// What a position's sampler reads: every token's logit, in id order, or the candidates the
+/// device cut (`--backend-sampling`: ids and raw logits, in the device's order).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Row<'a> {
+    Whole(&'a [f32]),
+    Cut(&'a [i32], &'a [f32]),
+}
+
+impl Default for Row<'_> {
+    fn default() -> Self {
+        Self::Whole(&[])
+    }
+}
+
+impl Row<'_> {
+    /// (token, logit) of every token the row holds, in id order.
+    fn candidates(self) -> Vec<(u32, f32)> {
+        match self {
+            Self::Whole(logits) => (0u32..).zip(logits.iter().copied()).collect(),
+            Self::Cut(ids, logits) => {
+                let mut listed: Vec<(u32, f32)> = ids
+                    .iter()
+                    .zip(logits)
+                    .filter_map(|(&t, &l)| Some((u32::try_from(t).ok()?, l)))
+                    .collect();
+                listed.sort_unstable_by_key(|&(t, _)| t);
+                listed.dedup_by_key(|c| c.0);
+                listed
+            }
+        }
+    }
+}
+
 /// Runs each pick on its rows of logits (`rows[i][j]`: pick `i`'s position `at + j`), on the
 /// pool when there is one and more than one pick, else in turn on this thread: the same
 /// tokens either way, each sampler reading only its own rows.
 fn sample_rows(
     pool: Option<&rayon::ThreadPool>,
     picks: &mut [Pick<'_, ChainSampler>],
-    rows: &[Vec<&[f32]>],
+    rows: &[Vec<Row<'_>>],
     bytes: PieceBytes<'_>,
     text: TokenText<'_>,
 ) {
-    let one = |(p, rows): (&mut Pick<'_, ChainSampler>, &Vec<&[f32]>)| {
+    let one = |(p, rows): (&mut Pick<'_, ChainSampler>, &Vec<Row<'_>>)| {
         let at = p.at;
         p.run(|sampler, index| {
             let row = rows.get(index - at).copied().unwrap_or_default();
@@ -375,15 +431,43 @@ fn sample_rows(
     }
 }
 
-/// Samples (and accepts) a request's next token from one row of logits (`n_vocab` of them):
-/// what `Sampling::sample` does, on any thread (it reads nothing of the context). `None` when
-/// the grammar allows nothing more, or the chain selected nothing.
-fn pick(sampler: &mut ChainSampler, logits: &[f32], bytes: PieceBytes<'_>) -> Option<Token> {
+/// Samples (and accepts) a request's next token from one row of logits (`n_vocab` of them, or
+/// the candidates the device cut for a sampler that wants that): what `Sampling::sample` does,
+/// on any thread (it reads nothing of the context). `None` when the grammar allows nothing
+/// more, or the chain selected nothing.
+fn pick(sampler: &mut ChainSampler, row: Row<'_>, bytes: PieceBytes<'_>) -> Option<Token> {
+    let logits = match row {
+        Row::Whole(logits) => logits,
+        // The device's top-k holds the shortlist's tokens but the bans, which the chain would
+        // drop: the chain runs on them as on the shortlist (in id order), and so picks the
+        // same token.
+        Row::Cut(..) => {
+            let ChainSampler {
+                chain,
+                shortlist,
+                kept,
+                ..
+            } = sampler;
+            let mut survivors = None;
+            let keep = kept.as_ref().map(|k| k.0);
+            let token =
+                apply_chain(chain, row.candidates().into_iter(), keep, &mut survivors)?.id();
+            if let Some(list) = shortlist.as_mut() {
+                list.accept(token.0);
+            }
+            chain.accept(token);
+            if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
+                queue.push_back(s);
+            }
+            return Some(token.0);
+        }
+    };
     let ChainSampler {
         chain,
         guide,
         shortlist,
         kept,
+        ..
     } = sampler;
     let keep = kept.as_ref().map(|k| k.0);
     let mut survivors = None;
@@ -532,7 +616,59 @@ mod tests {
             guide: None,
             shortlist,
             kept: None,
+            device_k: None,
         }
+    }
+
+    /// Tokens kind 5's chain bans (as `ignore_eos` bans the end-of-generation tokens).
+    const BANS: [i32; 3] = [5, 17, 99];
+
+    /// A chain whose first cut the device may make (`device_k`): 0 OpenAI's defaults,
+    /// 3 greedy, 5 bans then top-k 40, top-p 0.9, temperature 0.8.
+    fn cut_chain(kind: u8, n_vocab: i32, seed: u32) -> ChainSampler {
+        use crate::backend::shortlist::Shortlist;
+        let mut sampler = if kind == 5 {
+            let bans: Vec<LlamaLogitBias> = BANS
+                .iter()
+                .map(|&t| LlamaLogitBias::new(LlamaToken(t), f32::NEG_INFINITY))
+                .collect();
+            ChainSampler {
+                chain: LlamaSampler::chain_simple([
+                    LlamaSampler::logit_bias(n_vocab, &bans),
+                    LlamaSampler::top_k(40),
+                    LlamaSampler::top_p(0.9, 1),
+                    LlamaSampler::temp(0.8),
+                    LlamaSampler::dist(seed),
+                ]),
+                guide: None,
+                shortlist: Shortlist::new(40, &BANS, None),
+                kept: None,
+                device_k: None,
+            }
+        } else {
+            chain(kind, n_vocab, seed)
+        };
+        sampler.device_k = sampler
+            .shortlist
+            .as_ref()
+            .and_then(Shortlist::len_without_window)
+            .and_then(|k| u32::try_from(k).ok());
+        sampler
+    }
+
+    /// The device's cut of `row` for a sampler that wants its `k` best: their ids and logits,
+    /// in an order of the device's (here shuffled).
+    fn device_cut(rng: &mut rand::rngs::StdRng, row: &[f32], k: usize) -> (Vec<i32>, Vec<f32>) {
+        let mut ids: Vec<usize> = (0..row.len()).collect();
+        ids.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        ids.truncate(k);
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.random_range(0..=i));
+        }
+        (
+            ids.iter().map(|&i| i32::try_from(i).unwrap()).collect(),
+            ids.iter().map(|&i| row[i]).collect(),
+        )
     }
 
     /// Logits with a few likely tokens and a long tail.
@@ -565,7 +701,7 @@ mod tests {
             let mut picked = Vec::new();
             for _ in 0..3 {
                 let logits = row(&mut rng, 500);
-                picked.push(pick(&mut sampler, &logits, &bytes).unwrap());
+                picked.push(pick(&mut sampler, Row::Whole(&logits), &bytes).unwrap());
             }
             let queue = &sampler.kept.as_ref().unwrap().1;
             assert_eq!(queue.len(), 3);
@@ -637,8 +773,10 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                let views: Vec<Vec<&[f32]>> =
-                    rows.iter().map(|r| r.iter().map(Vec::as_slice).collect()).collect();
+                let views: Vec<Vec<Row<'_>>> = rows
+                    .iter()
+                    .map(|r| r.iter().map(|l| Row::Whole(l)).collect())
+                    .collect();
                 let run = |samplers: &mut [ChainSampler], pool: Option<&rayon::ThreadPool>| {
                     // What each pick handed its text (`give_text`), on whichever thread.
                     let mut given: Vec<Vec<(Token, Vec<u8>, bool)>> = vec![Vec::new(); samplers.len()];
@@ -668,6 +806,51 @@ mod tests {
                     prop_assert_eq!(given, &vec![(t, t.to_le_bytes().to_vec(), t % 7 == 0)]);
                 }
             }
+        }
+
+        /// A sampler that wants its first cut made on the device (`--backend-sampling`) picks
+        /// from the device's candidates, in whatever order they come, what it picks from the
+        /// whole row: the same tokens over several steps, and the same survivors reported.
+        #[test]
+        fn a_device_cut_picks_what_the_whole_row_does(
+            seed in any::<u64>(),
+            kind in prop::sample::select(vec![0u8, 3, 5]),
+            n_vocab in 200usize..3000,
+            steps in 1usize..8,
+            banned_high in any::<bool>(),
+        ) {
+            let vocab = i32::try_from(n_vocab).unwrap();
+            let (mut whole, mut cut) = (cut_chain(kind, vocab, 9), cut_chain(kind, vocab, 9));
+            whole.kept = Some((20, VecDeque::new()));
+            cut.kept = Some((20, VecDeque::new()));
+            let k = usize::try_from(cut.device_k.unwrap()).unwrap();
+            prop_assert_eq!(k, if kind == 5 { 43 } else if kind == 3 { 1 } else { 40 });
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let bytes = |_: LlamaToken| Vec::new();
+            for _ in 0..steps {
+                let mut logits = row(&mut rng, n_vocab);
+                if banned_high {
+                    // The banned tokens among the best: the device's cut holds them, and the
+                    // chain drops them.
+                    for &t in &BANS {
+                        logits[usize::try_from(t).unwrap()] = 20.0;
+                    }
+                }
+                let (ids, cut_logits) = device_cut(&mut rng, &logits, k);
+                let a = pick(&mut whole, Row::Whole(&logits), &bytes);
+                let b = pick(&mut cut, Row::Cut(&ids, &cut_logits), &bytes);
+                prop_assert!(a.is_some());
+                prop_assert_eq!(a, b);
+                if kind == 5 {
+                    prop_assert!(!BANS.contains(&a.unwrap()));
+                }
+            }
+            let survivors = |s: &ChainSampler| -> Vec<(f32, Vec<(i32, f32)>)> {
+                s.kept.as_ref().unwrap().1.iter()
+                    .map(|v| (v.selected, v.top.iter().map(|&(t, p)| (t.0, p)).collect()))
+                    .collect()
+            };
+            prop_assert_eq!(survivors(&whole), survivors(&cut));
         }
     }
 }

@@ -1,0 +1,104 @@
+"""``--backend-sampling``: a request whose sampling needs only its best ``k`` logits per token
+has that top-k cut in the decode's own graph (on the device of the model's output layer; the
+CPU here), and its sampler runs on those ``k`` candidates. The tokens must be those sampled
+from the whole vocabulary's logits: the same requests, one at a time (so that each decode's
+batch is the same), give the same texts with the flag and without it, for the requests it
+cuts (OpenAI's defaults, top-p and min-p after the top-k, bans of ``ignore_eos``, greedy when
+it does not draft) and for those it leaves whole (log-probabilities, penalties, a grammar, a
+logit bias, no top-k, greedy drafting by prompt lookup: llama.cpp cuts one position per
+sequence and decode, and a draft's verification reads several). The log says when the first
+cut was attached, so that a flag that never cut anything fails."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers import ServeProcess
+
+# Cut on the device: their chains' first cut is a top-k (or greedy) with nothing before it
+# but bans (greedy only with --draft-max 0: a sequence that drafts is left whole).
+CUT: list[dict[str, Any]] = [
+    {"seed": 1},
+    {"seed": 2, "temperature": 0.8, "top_k": 40, "top_p": 0.9},
+    {"temperature": 0},
+    {"temperature": 0, "ignore_eos": True},
+    {"seed": 5, "ignore_eos": True, "min_p": 0.05},
+    {"seed": 6, "top_k": 3, "n_probs": 0},
+]
+# Left whole: something in the chain reads more than the best few logits.
+WHOLE: list[dict[str, Any]] = [
+    {"seed": 11, "n_probs": 3},
+    {"seed": 12, "repeat_penalty": 1.2, "top_k": 40},
+    {"seed": 13, "top_k": 0},
+    {"seed": 14, "logit_bias": [[5, 3.0]]},
+    {"seed": 15, "json_schema": {"type": "array", "items": {"type": "integer"}}},
+]
+
+FIRST_CUT = r"--backend-sampling: the first top-k cut is attached"
+
+
+def complete(url: str, i: int, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(
+        url + "/completion",
+        json={"prompt": f"request {i}: " + "a b " * i, "n_predict": 24, **body},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, dict)
+    return out
+
+
+def serve(model: Path, *flags: str) -> ServeProcess:
+    return ServeProcess(str(model), "--port", "0", "--threads", "2", "--ctx-size", "512", *flags)
+
+
+def texts(url: str, bodies: list[dict[str, Any]]) -> list[str]:
+    return [str(complete(url, i, body)["content"]) for i, body in enumerate(bodies)]
+
+
+@pytest.mark.parametrize("drafts", ["--draft-max=16", "--draft-max=0"])
+def test_the_device_cut_samples_what_the_whole_vocabulary_does(
+    tiny_model: Path, drafts: str
+) -> None:
+    bodies = CUT + WHOLE
+    with serve(tiny_model, "--parallel", "1", drafts) as plain:
+        want = texts(plain.wait_ready(), bodies)
+    assert len(set(want)) > 5, want  # the requests differ, so a mix-up would show
+    with serve(tiny_model, "--parallel", "1", drafts, "--backend-sampling") as cut:
+        url = cut.wait_ready()
+        got = texts(url, bodies)
+        assert got == want
+        cut.wait_for(FIRST_CUT, timeout=5)
+        # The log-probabilities of a request left whole are whole-vocabulary ones.
+        probs = complete(url, 0, {"seed": 11, "n_probs": 3})["completion_probabilities"]
+        assert all(len(p["top_logprobs"]) == 3 for p in probs)
+        assert "refused" not in cut.log and "panicked" not in cut.log
+
+
+def test_sequences_cut_and_whole_share_batches(tiny_model: Path) -> None:
+    """Requests of both kinds at once: every answer complete, in batches where some
+    positions come back cut and others whole, slots going from one kind to the other."""
+    bodies = (CUT + WHOLE) * 2
+    with serve(tiny_model, "--parallel", "4", "--backend-sampling") as srv:
+        url = srv.wait_ready()
+        for _ in range(2):
+            with ThreadPoolExecutor(6) as pool:
+                outs = list(pool.map(lambda ib: complete(url, *ib), enumerate(bodies)))
+            for out in outs:
+                assert out["stop_type"] in ("limit", "eos"), out
+                assert 0 < out["tokens_predicted"] <= 24, out
+        srv.wait_for(FIRST_CUT, timeout=5)
+        r = httpx.get(url + "/health", timeout=10)
+        assert r.status_code == 200
+
+
+def test_deterministic_mode_refuses_the_flag(tiny_model: Path) -> None:
+    with serve(tiny_model, "--deterministic", "--backend-sampling") as srv:
+        assert srv.wait(timeout=60) != 0
+        assert "--backend-sampling" in srv.log
