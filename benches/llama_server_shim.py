@@ -43,6 +43,7 @@ FLAG_MAP: dict[str, tuple[str | None, bool]] = {
     "--slot-save-path": ("--slot-save-path", True),
     "--lora": ("--lora", True),
     "--swa-full": ("--swa-full", False),
+    "--backend-sampling": ("--backend-sampling", False),
     "--chat-template-file": ("--chat-template", True),
     "--model-draft": ("--draft-model", True),
     "-md": ("--draft-model", True),

@@ -11,6 +11,7 @@ cut was attached, so that a flag that never cut anything fails."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import ServeProcess
+from llamarunner import Server
+
+from helpers import ServeProcess, complete
+from tinyvision import b64, image_bytes, write_tiny_projector
 
 # Cut on the device: their chains' first cut is a top-k (or greedy) with nothing before it
 # but bans (greedy only with --draft-max 0: a sequence that drafts is left whole).
@@ -42,7 +46,7 @@ WHOLE: list[dict[str, Any]] = [
 FIRST_CUT = r"--backend-sampling: the first top-k cut is attached"
 
 
-def complete(url: str, i: int, body: dict[str, Any]) -> dict[str, Any]:
+def complete_native(url: str, i: int, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(
         url + "/completion",
         json={"prompt": f"request {i}: " + "a b " * i, "n_predict": 24, **body},
@@ -59,7 +63,7 @@ def serve(model: Path, *flags: str) -> ServeProcess:
 
 
 def texts(url: str, bodies: list[dict[str, Any]]) -> list[str]:
-    return [str(complete(url, i, body)["content"]) for i, body in enumerate(bodies)]
+    return [str(complete_native(url, i, body)["content"]) for i, body in enumerate(bodies)]
 
 
 @pytest.mark.parametrize("drafts", ["--draft-max=16", "--draft-max=0"])
@@ -76,7 +80,7 @@ def test_the_device_cut_samples_what_the_whole_vocabulary_does(
         assert got == want
         cut.wait_for(FIRST_CUT, timeout=5)
         # The log-probabilities of a request left whole are whole-vocabulary ones.
-        probs = complete(url, 0, {"seed": 11, "n_probs": 3})["completion_probabilities"]
+        probs = complete_native(url, 0, {"seed": 11, "n_probs": 3})["completion_probabilities"]
         assert all(len(p["top_logprobs"]) == 3 for p in probs)
         assert "refused" not in cut.log and "panicked" not in cut.log
 
@@ -89,7 +93,7 @@ def test_sequences_cut_and_whole_share_batches(tiny_model: Path) -> None:
         url = srv.wait_ready()
         for _ in range(2):
             with ThreadPoolExecutor(6) as pool:
-                outs = list(pool.map(lambda ib: complete(url, *ib), enumerate(bodies)))
+                outs = list(pool.map(lambda ib: complete_native(url, *ib), enumerate(bodies)))
             for out in outs:
                 assert out["stop_type"] in ("limit", "eos"), out
                 assert 0 < out["tokens_predicted"] <= 24, out
@@ -102,3 +106,24 @@ def test_deterministic_mode_refuses_the_flag(tiny_model: Path) -> None:
     with serve(tiny_model, "--deterministic", "--backend-sampling") as srv:
         assert srv.wait(timeout=60) != 0
         assert "--backend-sampling" in srv.log
+
+
+def test_a_prompt_that_ends_with_an_image_samples_as_without_the_flag(
+    start_server: Callable[..., Server], tiny_model: Path, tmp_path: Path
+) -> None:
+    """A prompt that ends with an image samples its first token from the image's last
+    position, decoded by the projector's own batches on the same context: the sequence's cut
+    (attached when its text before the image was decoded) cuts that position too, and the
+    token sampled from it is the one sampled from the whole row."""
+    projector = write_tiny_projector(tmp_path / "tiny-mmproj.gguf")
+    # Without the repetition penalty of Ollama's defaults (which `options` gets), which would
+    # keep the whole logits.
+    options = {"temperature": 1.0, "seed": 4, "num_predict": 8, "repeat_penalty": 1.0}
+    prompts = ["[img-0]", "hello [img-0]", "hello [img-0] world"]
+    images = {"images": [{"id": 0, "data": b64(image_bytes(colour=(220, 20, 40)))}]}
+
+    def answers(**flags: Any) -> list[str]:
+        srv = start_server(tiny_model, parallel=1, ctx_size=512, mmproj=str(projector), **flags)
+        return [complete(srv.url, p, images, **options)[0] for p in prompts]
+
+    assert answers(backend_sampling=True) == answers()

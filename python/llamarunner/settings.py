@@ -230,9 +230,9 @@ SERVER_SETTINGS = _table(
         False,
         "llama-server's flag: a request whose sampling needs only its top-k logits (top-k or "
         "greedy first, no logit bias but bans, no repetition penalties, grammar or logprobs) "
-        "gets that top-k computed on the device of the model's output layer, so that k "
-        "candidates per token come back instead of the whole vocabulary's logits (for GPUs; "
-        "the tokens are those sampled without it)",
+        "gets each token's best 64 logits (up to 320 for a larger top-k) cut on the device of "
+        "the model's output layer, so that they come back instead of the whole vocabulary's "
+        "(for GPUs; the tokens are those sampled without it)",
     ),
     Setting(
         "tensor_split",

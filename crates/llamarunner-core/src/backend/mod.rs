@@ -159,6 +159,17 @@ impl<S> Pick<'_, S> {
     }
 }
 
+/// What a slot's next decode needs of its positions' logits (`Sampling::bind_sampler`).
+#[derive(Debug)]
+pub enum SlotSampling<'a, S> {
+    /// No request holds the slot.
+    Idle,
+    /// Its sequence reads every position's whole logits whatever its sampler (it drafts).
+    Whole,
+    /// Its sequence samples with this sampler.
+    Sampler(&'a S),
+}
+
 /// Per-request samplers over the last decode's logits.
 pub trait Sampling {
     /// Per-request sampler state (moved to a pool's thread to sample in parallel).
@@ -196,12 +207,12 @@ pub trait Sampling {
         top: usize,
     ) -> Option<TokenLogprob>;
 
-    /// Before each decode, for every slot: the sampler of the sequence it holds (None when it
-    /// holds none). A backend that cuts a position's logits on the device for samplers that
-    /// need only the best few (`--backend-sampling`) attaches or detaches that cut here;
-    /// others do nothing.
-    fn bind_sampler(&mut self, seq: i32, sampler: Option<&Self::Sampler>) {
-        let _ = (seq, sampler);
+    /// Before each decode, for every slot: what its sequence's positions need (`SlotSampling`).
+    /// A backend that cuts a position's logits on the device for samplers that need only the
+    /// best few (`--backend-sampling`) attaches, keeps or detaches that cut here; others do
+    /// nothing.
+    fn bind_sampler(&mut self, seq: i32, use_: SlotSampling<'_, Self::Sampler>) {
+        let _ = (seq, use_);
     }
 }
 

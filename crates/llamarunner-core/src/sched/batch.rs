@@ -204,6 +204,7 @@ impl<B: Backend> Scheduler<B> {
     /// Decodes the batch built (images first) and samples every sequence whose logits came
     /// out.
     fn decode_step(&mut self, step_started: Instant) -> StepOutcome {
+        self.bind_samplers();
         let images = self.decode_images();
         let mut outcome = StepOutcome {
             images,
@@ -212,18 +213,6 @@ impl<B: Backend> Scheduler<B> {
         };
         if self.batch.is_empty() {
             return outcome;
-        }
-        // A sampler that needs only a position's best few logits may have them cut on the
-        // device (`--backend-sampling`); a slot without a request drops its cut, and so does a
-        // sequence that drafts (llama.cpp cuts one position per sequence and decode, where a
-        // draft's verification reads several).
-        for slot in &self.slots {
-            let sampler = slot
-                .seq
-                .as_ref()
-                .filter(|q| !q.spec.enabled)
-                .map(|q| &q.sampler);
-            self.backend.bind_sampler(slot.id, sampler);
         }
         let started = Instant::now();
         let lora = self.batch_lora.take().unwrap_or_default();
@@ -313,6 +302,22 @@ impl<B: Backend> Scheduler<B> {
         outcome.outputs = self.batch.iter().filter(|t| t.logits).count();
         outcome.drafted = drafted;
         outcome
+    }
+
+    /// Tells the backend, for every slot, what its next decode needs of its positions'
+    /// logits: a sampler that needs only a position's best few may have them cut on the device
+    /// (`--backend-sampling`), except while its sequence drafts (llama.cpp cuts one position
+    /// per sequence and decode, where a draft's verification reads several).
+    fn bind_samplers(&mut self) {
+        use crate::backend::SlotSampling;
+        for slot in &self.slots {
+            let need = match slot.seq.as_ref() {
+                None => SlotSampling::Idle,
+                Some(q) if q.spec.enabled => SlotSampling::Whole,
+                Some(q) => SlotSampling::Sampler(&q.sampler),
+            };
+            self.backend.bind_sampler(slot.id, need);
+        }
     }
 
     /// Decodes the images `build_batch` queued, each in a decode of its own, before the batch

@@ -262,7 +262,7 @@ impl<'m> LlamaEngine<'m> {
             return self;
         }
         match crate::backend::llama::lora::context_pointer(self.model, &self.ctx) {
-            Ok(raw) => self.cuts = Some(device_cut::DeviceCuts::new(raw)),
+            Ok(raw) => self.cuts = Some(device_cut::DeviceCuts::new(raw, self.model.n_vocab())),
             Err(e) => {
                 tracing::warn!(error = %e, "--backend-sampling: off, the context is out of reach");
             }
@@ -342,6 +342,9 @@ impl Decoder for LlamaEngine<'_> {
         if self.invariant.is_some() {
             return self.decode_invariant(batch);
         }
+        if let Some(cuts) = self.cuts.as_mut() {
+            cuts.decoding();
+        }
         self.batch.clear();
         for t in batch {
             let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
@@ -367,9 +370,10 @@ impl Decoder for LlamaEngine<'_> {
             .as_ref()
             .ok_or_else(|| BackendError::Decode("no vision projector is loaded".into()))?;
         self.raw_logits = None;
-        // The image's last position's logits are read whole (`logits_ith`): no cut.
+        // The projector's decodes go through this context: an attached cut cuts the image's
+        // last position too, and `row` reads it there.
         if let Some(cuts) = self.cuts.as_mut() {
-            cuts.bind(seq, None);
+            cuts.decoding();
         }
         projector.decode_image(*raw_ctx, seq, pos, image, logits)?;
         if logits {

@@ -12,7 +12,7 @@ use llama_cpp_2::token::LlamaToken;
 use rayon::prelude::*;
 use std::collections::VecDeque;
 
-use crate::backend::{Pick, Sampling, Text};
+use crate::backend::{Pick, Sampling, SlotSampling, Text};
 use crate::protocol::params::SamplingParams;
 use crate::protocol::{BackendError, Token, TokenLogprob, TopLogprob};
 
@@ -31,10 +31,11 @@ pub struct ChainSampler {
     /// With `post_sampling_probs`: how many survivors of the chain each pick keeps, and the
     /// picks' distributions not yet reported, oldest first.
     kept: Option<(usize, VecDeque<Survivors>)>,
-    /// How many of a position's best raw logits the chain needs, when that is all it needs (a
-    /// shortlist without a penalty window, no bias but bans, no log-probabilities): what
-    /// `--backend-sampling` has the device cut (`device_cut.rs`).
-    device_k: Option<u32>,
+    /// How many of a position's best raw logits the chain needs (its shortlist's `k + m`),
+    /// when that is all it needs, so that the device can cut them (`--backend-sampling`,
+    /// `device_cut.rs`): a shortlist without a penalty window, no bias but bans, no
+    /// log-probabilities.
+    device_cut: Option<usize>,
 }
 
 /// What the chain left at one pick: the selected token's probability and the most probable
@@ -247,16 +248,13 @@ impl Sampling for LlamaEngine<'_> {
         }
         // Only the chain's shortlist, with nothing but bans before its cut and no
         // log-probability (which reads every logit) asked for: then the shortlist's tokens are
-        // the best by raw logit, which the device can cut (the bans among them are dropped by
-        // the chain, leaving at least `k`).
-        let device_k = shortlist
+        // the `k + m` best by raw logit, which the device cuts (at least as many; the bans
+        // among them are dropped by the chain, leaving at least `k`).
+        let device_cut = shortlist
             .as_ref()
-            .filter(|_| !penalize && p.logprobs.is_none())
-            .filter(|_| biases.iter().all(|b| b.bias() == f32::NEG_INFINITY))
             .and_then(crate::backend::shortlist::Shortlist::len_without_window)
-            .and_then(|k| u32::try_from(k).ok())
-            .map(|k| k.min(u32::try_from(n_vocab).unwrap_or(0)))
-            .filter(|&k| k > 0);
+            .filter(|_| !penalize && p.logprobs.is_none())
+            .filter(|_| biases.iter().all(|b| b.bias() == f32::NEG_INFINITY));
         // Kept only where each pick's are reported (and so taken off the queue).
         let kept = p
             .logprobs
@@ -267,13 +265,19 @@ impl Sampling for LlamaEngine<'_> {
             guide,
             shortlist,
             kept,
-            device_k,
+            device_cut,
         })
     }
 
-    fn bind_sampler(&mut self, seq: i32, sampler: Option<&ChainSampler>) {
+    fn bind_sampler(&mut self, seq: i32, use_: SlotSampling<'_, ChainSampler>) {
+        use super::device_cut::Need;
         if let Some(cuts) = self.cuts.as_mut() {
-            cuts.bind(seq, sampler.and_then(|s| s.device_k));
+            let need = match use_ {
+                SlotSampling::Idle => Need::Idle,
+                SlotSampling::Whole => Need::Whole,
+                SlotSampling::Sampler(s) => s.device_cut.map_or(Need::Whole, Need::Cut),
+            };
+            cuts.bind(seq, need);
         }
     }
 
@@ -438,9 +442,9 @@ fn sample_rows(
 fn pick(sampler: &mut ChainSampler, row: Row<'_>, bytes: PieceBytes<'_>) -> Option<Token> {
     let logits = match row {
         Row::Whole(logits) => logits,
-        // The device's top-k holds the shortlist's tokens but the bans, which the chain would
-        // drop: the chain runs on them as on the shortlist (in id order), and so picks the
-        // same token.
+        // The device's cut holds the shortlist's best tokens and more (not the bans it
+        // lacks, which the chain would drop): the chain's own top-k keeps the same `k` of
+        // them, in id order as on the shortlist, and so picks the same token.
         Row::Cut(..) => {
             let ChainSampler {
                 chain,
@@ -616,14 +620,14 @@ mod tests {
             guide: None,
             shortlist,
             kept: None,
-            device_k: None,
+            device_cut: None,
         }
     }
 
     /// Tokens kind 5's chain bans (as `ignore_eos` bans the end-of-generation tokens).
     const BANS: [i32; 3] = [5, 17, 99];
 
-    /// A chain whose first cut the device may make (`device_k`): 0 OpenAI's defaults,
+    /// A chain whose first cut the device may make (`device_cut`): 0 OpenAI's defaults,
     /// 3 greedy, 5 bans then top-k 40, top-p 0.9, temperature 0.8.
     fn cut_chain(kind: u8, n_vocab: i32, seed: u32) -> ChainSampler {
         use crate::backend::shortlist::Shortlist;
@@ -643,21 +647,20 @@ mod tests {
                 guide: None,
                 shortlist: Shortlist::new(40, &BANS, None),
                 kept: None,
-                device_k: None,
+                device_cut: None,
             }
         } else {
             chain(kind, n_vocab, seed)
         };
-        sampler.device_k = sampler
+        sampler.device_cut = sampler
             .shortlist
             .as_ref()
-            .and_then(Shortlist::len_without_window)
-            .and_then(|k| u32::try_from(k).ok());
+            .and_then(Shortlist::len_without_window);
         sampler
     }
 
-    /// The device's cut of `row` for a sampler that wants its `k` best: their ids and logits,
-    /// in an order of the device's (here shuffled).
+    /// The device's cut of `row`, its `k` best: their ids and logits, in an order of the
+    /// device's (here shuffled).
     fn device_cut(rng: &mut rand::rngs::StdRng, row: &[f32], k: usize) -> (Vec<i32>, Vec<f32>) {
         let mut ids: Vec<usize> = (0..row.len()).collect();
         ids.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
@@ -809,8 +812,9 @@ mod tests {
         }
 
         /// A sampler that wants its first cut made on the device (`--backend-sampling`) picks
-        /// from the device's candidates, in whatever order they come, what it picks from the
-        /// whole row: the same tokens over several steps, and the same survivors reported.
+        /// from the device's candidates (as many as the shortlist holds, or the wider cut every
+        /// chain gets, in whatever order they come) what it picks from the whole row: the same
+        /// tokens over several steps, and the same survivors reported.
         #[test]
         fn a_device_cut_picks_what_the_whole_row_does(
             seed in any::<u64>(),
@@ -818,13 +822,16 @@ mod tests {
             n_vocab in 200usize..3000,
             steps in 1usize..8,
             banned_high in any::<bool>(),
+            wide in any::<bool>(),
         ) {
             let vocab = i32::try_from(n_vocab).unwrap();
             let (mut whole, mut cut) = (cut_chain(kind, vocab, 9), cut_chain(kind, vocab, 9));
             whole.kept = Some((20, VecDeque::new()));
             cut.kept = Some((20, VecDeque::new()));
-            let k = usize::try_from(cut.device_k.unwrap()).unwrap();
-            prop_assert_eq!(k, if kind == 5 { 43 } else if kind == 3 { 1 } else { 40 });
+            // The shortlist's size (k and the bans), or a wider cut (a slot's chain may be).
+            let listed = cut.device_cut.unwrap();
+            prop_assert_eq!(listed, if kind == 5 { 43 } else if kind == 3 { 1 } else { 40 });
+            let k = if wide { crate::backend::shortlist::MAX_SHORTLIST } else { listed };
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let bytes = |_: LlamaToken| Vec::new();
             for _ in 0..steps {
@@ -832,8 +839,10 @@ mod tests {
                 if banned_high {
                     // The banned tokens among the best: the device's cut holds them, and the
                     // chain drops them.
+                    // Apart, not equal: equal logits may come out of two sorts in either
+                    // order, on the host as between the host and the device.
                     for &t in &BANS {
-                        logits[usize::try_from(t).unwrap()] = 20.0;
+                        logits[usize::try_from(t).unwrap()] = 20.0 + t as f32 / 100.0;
                     }
                 }
                 let (ids, cut_logits) = device_cut(&mut rng, &logits, k);
