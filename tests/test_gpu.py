@@ -193,6 +193,26 @@ def test_the_gpu_gives_the_cpu_runs_opening_tokens(
 
 
 @pytest.mark.gpu
+def test_the_device_cuts_the_top_k_and_samples_as_the_whole_rows(
+    offloaded: str, model: Path, gpu: dict[str, Any]
+) -> None:
+    """``--backend-sampling`` with the output layer on the GPU: the top-k is cut there (the
+    first cut is attached and the device does not hand back whole rows instead), and the same
+    requests, one at a time, give the texts the GPU gives with its whole rows."""
+    from test_backend_sampling import CUT, WHOLE, texts
+
+    with serve(model, "--backend-sampling", "--parallel", "1") as srv:
+        url = srv.wait_ready(timeout=600)
+        assert props(url)["devices"]["layers_offloaded"] > 0
+        got = texts(url, CUT + WHOLE)
+        srv.wait_for("the first top-k cut is attached", timeout=5)
+        assert "does not cut a top-k" not in srv.log
+    with serve(model, "--parallel", "1") as srv:
+        want = texts(srv.wait_ready(timeout=600), CUT + WHOLE)
+    assert got == want
+
+
+@pytest.mark.gpu
 def test_a_partial_offload_serves(model: Path, gpu: dict[str, Any]) -> None:
     with serve(model, "--n-gpu-layers", "1") as srv:
         url = srv.wait_ready(timeout=600)
