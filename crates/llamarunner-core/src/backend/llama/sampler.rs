@@ -390,23 +390,17 @@ impl Default for Row<'_> {
     }
 }
 
-impl Row<'_> {
-    /// (token, logit) of every token the row holds, in id order.
-    fn candidates(self) -> Vec<(u32, f32)> {
-        match self {
-            Self::Whole(logits) => (0u32..).zip(logits.iter().copied()).collect(),
-            Self::Cut(ids, logits) => {
-                let mut listed: Vec<(u32, f32)> = ids
-                    .iter()
-                    .zip(logits)
-                    .filter_map(|(&t, &l)| Some((u32::try_from(t).ok()?, l)))
-                    .collect();
-                listed.sort_unstable_by_key(|&(t, _)| t);
-                listed.dedup_by_key(|c| c.0);
-                listed
-            }
-        }
-    }
+/// The (token, logit) pairs of a device's cut (`ids`, `logits`, in the device's order), in id
+/// order as the shortlist lists them.
+fn cut_candidates(ids: &[i32], logits: &[f32]) -> Vec<(u32, f32)> {
+    let mut listed: Vec<(u32, f32)> = ids
+        .iter()
+        .zip(logits)
+        .filter_map(|(&t, &l)| Some((u32::try_from(t).ok()?, l)))
+        .collect();
+    listed.sort_unstable_by_key(|&(t, _)| t);
+    listed.dedup_by_key(|c| c.0);
+    listed
 }
 
 /// Runs each pick on its rows of logits (`rows[i][j]`: pick `i`'s position `at + j`), on the
@@ -440,32 +434,6 @@ fn sample_rows(
 /// on any thread (it reads nothing of the context). `None` when the grammar allows nothing
 /// more, or the chain selected nothing.
 fn pick(sampler: &mut ChainSampler, row: Row<'_>, bytes: PieceBytes<'_>) -> Option<Token> {
-    let logits = match row {
-        Row::Whole(logits) => logits,
-        // The device's cut holds the shortlist's best tokens and more (not the bans it
-        // lacks, which the chain would drop): the chain's own top-k keeps the same `k` of
-        // them, in id order as on the shortlist, and so picks the same token.
-        Row::Cut(..) => {
-            let ChainSampler {
-                chain,
-                shortlist,
-                kept,
-                ..
-            } = sampler;
-            let mut survivors = None;
-            let keep = kept.as_ref().map(|k| k.0);
-            let token =
-                apply_chain(chain, row.candidates().into_iter(), keep, &mut survivors)?.id();
-            if let Some(list) = shortlist.as_mut() {
-                list.accept(token.0);
-            }
-            chain.accept(token);
-            if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
-                queue.push_back(s);
-            }
-            return Some(token.0);
-        }
-    };
     let ChainSampler {
         chain,
         guide,
@@ -475,32 +443,47 @@ fn pick(sampler: &mut ChainSampler, row: Row<'_>, bytes: PieceBytes<'_>) -> Opti
     } = sampler;
     let keep = kept.as_ref().map(|k| k.0);
     let mut survivors = None;
-    let Some(guide) = guide.as_mut() else {
-        let token = match shortlist.as_mut() {
-            // What llama_sampler_sample does, on the shortlist instead of every token.
-            Some(list) => {
-                let listed = list
-                    .candidates(logits)
-                    .into_iter()
-                    .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
-                let token = apply_chain(chain, listed, keep, &mut survivors)?.id();
-                list.accept(token.0);
-                token
+    // A cut row's sampler has no guide (a cut needs a shortlist, which a guide rules out).
+    let (guide, logits) = match (guide.as_mut(), row) {
+        (Some(guide), Row::Whole(logits)) => (guide, logits),
+        (_, row) => {
+            let token = match (row, shortlist.as_mut()) {
+                // The device's cut holds the shortlist's best tokens and more (not the bans
+                // it lacks, which the chain would drop): the chain's own top-k keeps the same
+                // `k` of them, in id order as on the shortlist, and so picks the same token.
+                (Row::Cut(ids, cut), list) => {
+                    let listed = cut_candidates(ids, cut).into_iter();
+                    let token = apply_chain(chain, listed, keep, &mut survivors)?.id();
+                    if let Some(list) = list {
+                        list.accept(token.0);
+                    }
+                    token
+                }
+                // What llama_sampler_sample does, on the shortlist instead of every token.
+                (Row::Whole(logits), Some(list)) => {
+                    let listed = list
+                        .candidates(logits)
+                        .into_iter()
+                        .filter_map(|t| Some((t, *logits.get(usize::try_from(t).ok()?)?)));
+                    let token = apply_chain(chain, listed, keep, &mut survivors)?.id();
+                    list.accept(token.0);
+                    token
+                }
+                // llama_sampler_sample itself: every token's logit, in id order.
+                (Row::Whole(logits), None) => apply_chain(
+                    chain,
+                    (0u32..).zip(logits.iter().copied()),
+                    keep,
+                    &mut survivors,
+                )?
+                .id(),
+            };
+            chain.accept(token);
+            if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
+                queue.push_back(s);
             }
-            // llama_sampler_sample itself: every token's logit, in id order.
-            None => apply_chain(
-                chain,
-                (0u32..).zip(logits.iter().copied()),
-                keep,
-                &mut survivors,
-            )?
-            .id(),
-        };
-        chain.accept(token);
-        if let (Some((_, queue)), Some(s)) = (kept.as_mut(), survivors) {
-            queue.push_back(s);
+            return Some(token.0);
         }
-        return Some(token.0);
     };
     // The chain picks from all logits; only when the guide refuses that pick does it pick
     // again among the tokens the grammar allows (the distribution is the masked one's:
