@@ -275,28 +275,45 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"no llamarunner:{name} in /metrics")
 
 
-class _SlotHolder:
-    """A streamed generation that holds a slot until `release` (it cannot end by itself for
-    a long while); on return from the constructor it holds one (its first token arrived)."""
+# Most slots one holder takes: OpenAI's `n` choices of one request (the server's MAX_CHOICES).
+HOLD_MAX = 8
 
-    def __init__(self, url: str) -> None:
+
+class _SlotHolder:
+    """Streamed generations that hold ``count`` slots (at most `HOLD_MAX`) until `release`
+    (they cannot end by themselves for a long while): ``n`` choices of one OpenAI
+    ``/v1/completions`` stream, so that one closed connection frees them all in the same
+    engine turn. On return from the constructor each choice has its first token out."""
+
+    def __init__(self, url: str, count: int = 1) -> None:
+        assert 1 <= count <= HOLD_MAX, count
         body = {
             "prompt": "hold",
-            "options": {"num_predict": 1_000_000, "ignore_eos": True, "temperature": 0},
+            "n": count,
+            "stream": True,
+            "max_tokens": 1_000_000,
+            "ignore_eos": True,
+            "temperature": 0,
         }
-        self._cm = httpx.stream("POST", f"{url}/completion", json=body, timeout=60)
+        self._cm = httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60)
         r = self._cm.__enter__()
         try:
             assert r.status_code == 200, r.read()
-            self._lines = ndjson(r)  # kept: a dropped iterator closes the connection
-            first = next(self._lines)
-            assert first["done"] is False, first
+            self._lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            begun: set[int] = set()
+            while len(begun) < count:
+                line = next(self._lines)
+                if line.startswith("data: "):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    for choice in chunk["choices"]:
+                        assert choice["finish_reason"] is None, chunk
+                        begun.add(choice["index"])
         except BaseException:
             self.release()
             raise
 
     def release(self) -> None:
-        """Closes the connection: the server cancels the generation and frees its slot."""
+        """Closes the connection: the server cancels the generations and frees their slots."""
         self._cm.__exit__(None, None, None)
 
 
@@ -309,9 +326,10 @@ def run_together(
     """Runs streamed requests side by side (native NDJSON, or another dialect's stream read
     as native messages by `messages`, e.g. `openai_stream`), each with an ``X-Request-Id`` of
     its own, on an idle server. So that they start together however slow the machine (or
-    late a thread), every slot is first held by a generation of its own; the requests are
-    sent, and once the metrics show all of them waiting in the queue, the holders leave at
-    once: the requests take the slots in the same step or the next few. Each thread waits for
+    late a thread), every slot is first held by a generation (`_SlotHolder`: one stream of
+    several choices); the requests are sent, and once the metrics show all of them waiting in
+    the queue, the holders leave at once: the slots free in one engine turn and the requests
+    take them in the same step. Each thread waits for
     its first token; with every request started, the slot table is read; then the streams
     are read to the end. A `SlotWatch` polls the slot table all the while. Returns (text,
     final message) per body and a slot table to prove the overlap from (`assert_all_busy`):
@@ -362,8 +380,11 @@ def run_together(
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     slots: list[dict[str, Any]] = []
     try:
-        for _ in range(total):
-            holders.append(_SlotHolder(url))
+        # As few holders as can take every slot: one connection's close frees its slots at
+        # once, so that the requests waiting take them in one step (a holder per slot, closed
+        # one by one, let a fast request finish before the last had started).
+        for first in range(0, total, HOLD_MAX):
+            holders.append(_SlotHolder(url, min(HOLD_MAX, total - first)))
         watch.start()
         for t in threads:
             t.start()

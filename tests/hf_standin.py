@@ -30,6 +30,9 @@ class Repo:
     """Files served with a flipped byte (their SHA-256 in the listing is the true one's)."""
     slow: dict[str, float] = field(default_factory=dict)
     """Files served at this many seconds per 64 KiB."""
+    hold: dict[str, tuple[int, threading.Event]] = field(default_factory=dict)
+    """Files whose GET, once it has sent this many bytes, waits for the event (60 s at most)
+    before the rest: a test sees the download in progress for as long as it needs."""
 
 
 @dataclass
@@ -192,12 +195,18 @@ class HubStandIn:
                     self.close_connection = True
                     return
                 delay = repo.slow.get(fname)
-                if delay is None:
+                held = repo.hold.get(fname)
+                if delay is None and held is None:
                     self.wfile.write(served[start:])
                     return
                 for at in range(start, len(served), 1 << 16):
+                    if held is not None and at >= held[0]:
+                        self.wfile.flush()
+                        held[1].wait(60)
+                        held = None
                     self.wfile.write(served[at : at + (1 << 16)])
                     self.wfile.flush()
-                    time.sleep(delay)
+                    if delay is not None:
+                        time.sleep(delay)
 
         return Handler

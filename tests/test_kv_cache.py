@@ -87,6 +87,7 @@ def test_multiuser_cache_forks_a_shared_system_prompt(
             "prompt": system + "User: When do you open?\nAssistant:",
             "options": {"num_predict": 300, "ignore_eos": True},
         },
+        timeout=300,
     ) as a:
         a_lines = ndjson(a)  # kept: a dropped iterator closes the connection
         next(a_lines)

@@ -43,11 +43,16 @@ def test_one_sequence_takes_more_than_a_slot_s_share(
 def test_sequences_that_overflow_the_cache_all_finish(
     tiny_model: Path, start_server: Callable[..., Server]
 ) -> None:
-    # 4 x ~305 cells into 1024: at least one sequence waits swapped out for room.
     srv = start_server(tiny_model, parallel=4, ctx_size=256, kv_unified=True)
+    # 4 x ~305 cells into 1024: at least one sequence waits swapped out for room. The four
+    # come as one llama-server-format request of four prompts, each queued as soon as the one
+    # before has its slot: they overlap whatever the machine's speed (four requests from four
+    # threads did not always: on a loaded machine the first could finish before the last came).
     prompts = [f"request number {i}" for i in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda p: generate(srv.url, p, 300), prompts))
+    body = {"prompt": prompts, "n_predict": 300, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{srv.url}/completion", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    answers = [a["tokens_predicted"] for a in r.json()]
     assert answers == [300] * 4
     # The swap-outs are counted.
     metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text

@@ -46,6 +46,10 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         max_queue=1,
         api_key=KEY,
         alias="tiny",
+        # A request that asks for endless tokens lasts until its client leaves (the default
+        # cap, ten slot contexts, ends it in a second or two: a test thread starved that long
+        # saw its 429 probe queued and answered instead).
+        max_tokens=10**9,
     ) as s:
         yield s
 

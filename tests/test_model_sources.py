@@ -637,10 +637,17 @@ def test_api_pull_on_a_router_that_allows_it(
 def test_a_pull_running_is_listed_with_its_progress(hub: HubStandIn) -> None:
     import threading
 
-    # huggingface_hub writes 10 MiB at a time: a 12 MiB file at 64 KiB per 20 ms (~4 s)
-    # shows its first 10 MiB for the last ~0.6 s.
+    # huggingface_hub writes 10 MiB at a time: a 12 MiB file (at 64 KiB per 20 ms) shows
+    # progress once its first 10 MiB are written. The stand-in holds the rest back until the
+    # listing has shown that progress (a poll that only had the last ~0.6 s of the download
+    # to see it in could miss it on a loaded machine).
     data = os.urandom(12 << 20)
-    hub.repos["tester/big"] = Repo({"big-Q4_K_M.gguf": data}, slow={"big-Q4_K_M.gguf": 0.02})
+    progressed = threading.Event()
+    hub.repos["tester/big"] = Repo(
+        {"big-Q4_K_M.gguf": data},
+        slow={"big-Q4_K_M.gguf": 0.02},
+        hold={"big-Q4_K_M.gguf": (11 << 20, progressed)},
+    )
     with Server(allow_pull=True, port=0, threads=2) as srv:
         done: list[Any] = []
         t = threading.Thread(
@@ -648,10 +655,16 @@ def test_a_pull_running_is_listed_with_its_progress(hub: HubStandIn) -> None:
         )
         t.start()
         seen: list[dict[str, Any]] = []
-        while t.is_alive():
-            listed = httpx.get(f"{srv.url}/models", timeout=10).json()["data"]
-            seen += [m["status"] for m in listed if m["id"] == "tester/big"]
-            time.sleep(0.05)
+        try:
+            while t.is_alive():
+                listed = httpx.get(f"{srv.url}/models", timeout=10).json()["data"]
+                status = [m["status"] for m in listed if m["id"] == "tester/big"]
+                seen += status
+                if any(st.get("progress", 0) > 0 for st in status):
+                    progressed.set()
+                time.sleep(0.05)
+        finally:
+            progressed.set()
         t.join()
         assert done[0].status == "success"
         pulling = [st for st in seen if st["value"] == "pulling"]

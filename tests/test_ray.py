@@ -118,14 +118,17 @@ def gauges(url: str, replica: str) -> dict[str, float]:
     return out
 
 
-def replicas_of(url: str, n: int = 40) -> set[str]:
-    """The replica names GET /health reaches in ``n`` tries (keyless: power of two choices).
+def replicas_of(url: str, want: int = 2, timeout: float = 120) -> set[str]:
+    """The replica names GET /health reaches (keyless: power of two choices), polled until
+    ``want`` have answered or ``timeout`` s have passed.
 
-    Spread over two seconds: the router weighs each replica's load by its gauges, which are up
-    to a stats period (1 s) old, so a replica that was busy a moment ago may get none of a
-    quick burst."""
-    seen = set()
-    for _ in range(n):
+    Polled, not counted over a fixed number of tries: the router weighs each replica's load
+    by its gauges, which are up to a stats period (1 s) old, and Ray moves a request to the
+    next rank when its queue-length probe of the first misses its deadline (a loaded machine
+    can), so a replica may get none of a quick burst."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < want and time.monotonic() < deadline:
         r = httpx.get(f"{url}/health", timeout=30)
         assert r.status_code == 200
         seen.add(r.headers[REPLICA_HEADER])
@@ -133,10 +136,14 @@ def replicas_of(url: str, n: int = 40) -> set[str]:
     return seen
 
 
-def native_chat(url: str, messages: list[dict[str, str]], **options: Any) -> tuple[str, Any, str]:
-    """One native /completion over ``messages``: (text, final line, replica)."""
+def native_chat(
+    url: str, messages: list[dict[str, str]], replica: str | None = None, **options: Any
+) -> tuple[str, Any, str]:
+    """One native /completion over ``messages`` (pinned to ``replica`` if given): (text,
+    final line, replica)."""
     body = {"messages": messages, "options": {"temperature": 0, **options}}
-    r = httpx.post(f"{url}/completion", json=body, timeout=120)
+    headers = {REPLICA_HEADER: replica} if replica else {}
+    r = httpx.post(f"{url}/completion", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     *chunks, final = parse_ndjson(r.text)
     assert final["done"] is True and "error" not in final, final
@@ -331,10 +338,14 @@ def test_client_disconnect_reaches_the_replica_and_frees_its_slot(app: str) -> N
 TOPICS = ["apples", "bridges", "comets", "deserts", "engines", "forests", "glaciers", "harbors"]
 
 
-def conversations(url: str, n: int = 8, turns: int = 3) -> list[tuple[int, int, int, str]]:
+def conversations(
+    url: str, n: int = 8, turns: int = 3, homes: list[str] | None = None
+) -> list[tuple[int, int, int, str]]:
     """``n`` conversations of ``turns`` turns, interleaved turn by turn (each conversation's
     next turn comes after every other's: the replicas' slots must keep them all); returns
-    (turn, prompt_cached_count, previous turn's prompt_eval_count, replica) per follow-up."""
+    (turn, prompt_cached_count, previous turn's prompt_eval_count, replica) per follow-up.
+    With ``homes``, conversation ``i``'s first turn is pinned to ``homes[i % len(homes)]``
+    (its follow-ups are not: the router sends them)."""
     history: list[list[dict[str, str]]] = [[] for _ in range(n)]
     last: list[tuple[int, str]] = [(0, "")] * n
     out = []
@@ -342,7 +353,8 @@ def conversations(url: str, n: int = 8, turns: int = 3) -> list[tuple[int, int, 
         for i in range(n):
             question = f"{TOPICS[i % len(TOPICS)]}: question {turn}, why?"
             history[i].append({"role": "user", "content": question})
-            text, final, replica = native_chat(url, history[i], num_predict=8, ignore_eos=True)
+            pin = homes[i % len(homes)] if homes and turn == 0 else None
+            text, final, replica = native_chat(url, history[i], pin, num_predict=8, ignore_eos=True)
             history[i].append({"role": "assistant", "content": text})
             if turn > 0:
                 out.append((turn, final["prompt_cached_count"], last[i][0], replica))
@@ -351,13 +363,18 @@ def conversations(url: str, n: int = 8, turns: int = 3) -> list[tuple[int, int, 
 
 
 def test_affinity_sends_every_follow_up_turn_to_the_replica_holding_it(fresh_app: str) -> None:
-    follow_ups = conversations(fresh_app)
+    # The conversations open on both replicas, alternately, pinned: where the router would
+    # open them (load, then fewer prefixes) hangs on gauges up to a second old and on Ray's
+    # queue-length probes, so a loaded machine could have one replica open them all. Every
+    # follow-up is the router's, and must go where its conversation opened.
+    homes = sorted(replicas_of(fresh_app))
+    assert len(homes) == 2
+    follow_ups = conversations(fresh_app, homes=homes)
     assert len(follow_ups) == 16
-    for turn, cached, previous_prompt, _ in follow_ups:
+    for i, (turn, cached, previous_prompt, replica) in enumerate(follow_ups):
+        assert replica == homes[i % 8 % 2], (turn, i % 8, replica, homes)
         assert previous_prompt > 0
         assert cached >= previous_prompt, (turn, cached, previous_prompt)
-    # And both replicas took conversations.
-    assert len({replica for *_, replica in follow_ups}) == 2
 
 
 def test_the_default_router_misses_about_half(pow2_app: str) -> None:
@@ -534,7 +551,7 @@ def test_a_models_directory_behind_the_ingress_serves_each_model_by_name(models_
         oa.completions.create(model="nope", prompt="x", max_tokens=2)
     assert "alpha" in str(e.value) and "bravo" in str(e.value)
     # Each replica's gauges reach the router summed over its models (labelled by model).
-    for replica in replicas_of(models_app, 20):
+    for replica in replicas_of(models_app):
         r = httpx.get(f"{models_app}/metrics", headers={REPLICA_HEADER: replica}, timeout=30)
         assert r.status_code == 200 and 'model_name="' in r.text
 
@@ -578,7 +595,7 @@ def test_a_killed_replica_is_replaced_while_the_other_serves(app: str) -> None:
             served.append(replica)
         except (AssertionError, httpx.HTTPError):
             failures += 1
-        new = {r for r in replicas_of(app, 10)} - names
+        new = replicas_of(app, timeout=2) - names
         if new and len(served) >= 10:
             break
         time.sleep(0.2)

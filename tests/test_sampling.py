@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -67,11 +68,16 @@ def test_every_explicit_seed_is_repeatable(tiny_server: Server, seed: int) -> No
     assert sampled(tiny_server, seed=seed) == sampled(tiny_server, seed=seed)
 
 
-def test_same_seed_same_text_with_neighbours(tiny_server: Server) -> None:
-    alone = sampled(tiny_server, "a dog and", seed=99)
+def test_same_seed_same_text_with_neighbours(
+    tiny_model: Path, start_server: Callable[..., Server]
+) -> None:
+    # No cap on a request's tokens: the neighbour lasts until it is left (the default cap, ten
+    # slot contexts, ends it in a second or two, which a starved test thread can outlast).
+    srv = start_server(tiny_model, parallel=2, ctx_size=512, max_tokens=10**9)
+    alone = sampled(srv, "a dog and", seed=99)
     # A second sequence generates in the same batches for the whole request.
-    with Neighbour(tiny_server.url, "the world of", seed=5, temperature=1.0) as neighbour:
-        together = sampled(tiny_server, "a dog and", seed=99)
+    with Neighbour(srv.url, "the world of", seed=5, temperature=1.0) as neighbour:
+        together = sampled(srv, "a dog and", seed=99)
         neighbour.still_running()
     assert together == alone
 

@@ -218,7 +218,7 @@ def test_ctrl_c_stops_the_answer_and_frees_the_slot(
     wait_until(lambda: busy_slots(srv.url) == 1, "the answer to be generating", timeout=10)
     c.type("\x03")
     c.prompt(timeout=10)
-    wait_until(lambda: busy_slots(srv.url) == 0, "the slot to be freed", timeout=5)
+    wait_until(lambda: busy_slots(srv.url) == 0, "the slot to be freed", timeout=30)
     # The chat goes on, the part of the answer that was printed kept in the conversation.
     assert "messages:   2 in the conversation" in c.say("/show")
     c.say("/set max_tokens 3")
@@ -232,8 +232,13 @@ def test_bye_ctrl_d_and_ctrl_c_at_the_prompt(
 ) -> None:
     c = chat("--host", tiny_server.url)
     # The prompt is written before readline has the terminal: a Ctrl-C typed in that moment
-    # can be lost. A person never types that fast; give readline a moment.
-    time.sleep(0.5)
+    # can be lost. A person never types that fast; wait until readline has taken it (its
+    # line editing turns the terminal's own, ICANON, off; the master reads the pty's modes).
+    wait_until(
+        lambda: not termios.tcgetattr(c.fd)[3] & termios.ICANON,
+        "readline to take the terminal",
+        timeout=30,
+    )
     c.type("\x03")  # at an empty prompt: a hint, and the chat goes on
     assert "Use /bye or Ctrl-D to leave." in c.prompt()
     assert "unknown command '/nope'" in c.say("/nope")

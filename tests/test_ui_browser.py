@@ -211,12 +211,12 @@ def test_stop_ends_the_stream_and_frees_the_slot(driver: WebDriver, server: Serv
     assert busy_slots(server.url), "the answer holds no slot"
     assert driver.find_element(By.ID, "stop").is_displayed()
     driver.find_element(By.ID, "stop").click()
-    wait(driver, lambda d: answer(d)["state"] != "streaming", timeout=5)
+    wait(driver, lambda d: answer(d)["state"] != "streaming", timeout=30)
     stopped = answer(driver)
     assert stopped["state"] == "stopped", stopped
     assert stopped["text"].startswith(TEXT), stopped
     # Aborting the fetch closed the connection: the server cancelled it and freed the slot.
-    wait_until(lambda: not busy_slots(server.url), "the stopped answer's slot to be free", 5)
+    wait_until(lambda: not busy_slots(server.url), "the stopped answer's slot to be free", 30)
     assert driver.find_element(By.ID, "send").is_displayed()
     assert not driver.find_element(By.ID, "stop").is_displayed()
     assert severe(driver) == []
