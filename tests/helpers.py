@@ -330,10 +330,10 @@ def run_together(
     several choices); the requests are sent, and once the metrics show all of them waiting in
     the queue, the holders leave at once: the slots free in one engine turn and the requests
     take them in the same step. Each thread waits for its first token; with every request
-    started, the slot table is read; then the streams are read to the end. A `SlotWatch` polls the slot table all the while. Returns (text,
-    final message) per body and a slot table to prove the overlap from (`assert_all_busy`):
-    the first the watch saw with every request generating, else (it never saw that) the one
-    read once all had started."""
+    started, the slot table is read; then the streams are read to the end. A `SlotWatch`
+    polls the slot table all the while. Returns (text, final message) per body and a slot
+    table to prove the overlap from (`assert_all_busy`): the first the watch saw with every
+    request generating, else (it never saw that) the one read once all had started."""
     n = len(bodies)
     run_id = next(_together_ids)
     ids = [f"together-{os.getpid()}-{run_id}-{i}" for i in range(n)]
