@@ -42,6 +42,26 @@ _ON_TTY = (
 PROMPT = ">>> "
 
 
+# The system calls a process waits for input in, on x86-64 and arm64 Linux: poll, select,
+# pselect6, ppoll (arm64 has only the last two, numbered 72 and 73 there).
+_WAIT_SYSCALLS = {"x86_64": {7, 23, 270, 271}, "aarch64": {72, 73}}
+
+
+def waiting_for_input(pid: int) -> bool:
+    """Whether the process is blocked in a wait for input (its ``/proc/PID/syscall``). Where
+    that cannot be read (another system, no permission), true after half a second."""
+    calls = _WAIT_SYSCALLS.get(os.uname().machine)
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            first = f.read().split(maxsplit=1)[0]
+    except (OSError, IndexError):
+        calls = None
+    if calls is None:
+        time.sleep(0.5)
+        return True
+    return first.isdigit() and int(first) in calls
+
+
 class Chat:
     """`llamarunner run ARGS` on a pty. `expect` reads its output until a pattern appears
     (within a deadline) and returns what came before; `line` types a line."""
@@ -231,14 +251,10 @@ def test_bye_ctrl_d_and_ctrl_c_at_the_prompt(
     tiny_server: Server, chat: Callable[..., Chat], tmp_path: Path
 ) -> None:
     c = chat("--host", tiny_server.url)
-    # The prompt is written before readline has the terminal: a Ctrl-C typed in that moment
-    # can be lost. A person never types that fast; wait until readline has taken it (its
-    # line editing turns the terminal's own, ICANON, off; the master reads the pty's modes).
-    wait_until(
-        lambda: not termios.tcgetattr(c.fd)[3] & termios.ICANON,
-        "readline to take the terminal",
-        timeout=30,
-    )
+    # The prompt is written before readline waits for input: a Ctrl-C typed in that moment
+    # is lost (its SIGINT lands before the select() that it would interrupt). A person never
+    # types that fast; wait until the chat is blocked waiting for input.
+    wait_until(lambda: waiting_for_input(c.proc.pid), "the chat to wait for input", 30)
     c.type("\x03")  # at an empty prompt: a hint, and the chat goes on
     assert "Use /bye or Ctrl-D to leave." in c.prompt()
     assert "unknown command '/nope'" in c.say("/nope")
