@@ -806,3 +806,23 @@ TINY_WEATHER_PARAMS: dict[str, Any] = {
     },
     "required": ["city", "unit"],
 }
+
+
+def replicas_of(url: str, want: int = 2, timeout: float = 120) -> set[str]:
+    """The replica names GET /health reaches (keyless: power of two choices), polled until
+    ``want`` have answered or ``timeout`` s have passed.
+
+    Polled, not counted over a fixed number of tries: the router weighs each replica's load
+    by its gauges, which are up to a stats period (1 s) old, and Ray moves a request to the
+    next rank when its queue-length probe of the first misses its deadline (a loaded machine
+    can), so a replica may get none of a quick burst."""
+    from llamarunner.ray import REPLICA_HEADER  # only Ray's tests call this
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < want and time.monotonic() < deadline:
+        r = httpx.get(f"{url}/health", timeout=30)
+        assert r.status_code == 200
+        seen.add(r.headers[REPLICA_HEADER])
+        time.sleep(0.05)
+    return seen

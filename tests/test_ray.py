@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import ndjson, parse_ndjson
+from helpers import ndjson, parse_ndjson, replicas_of
 from tinymodel import write_cycle_model, write_tiny_model
 
 try:
@@ -116,24 +116,6 @@ def gauges(url: str, replica: str) -> dict[str, float]:
                 name = name.replace(label + "}", "}").replace("{" + label, "{")
             out[name.replace("{}", "")] = float(value)
     return out
-
-
-def replicas_of(url: str, want: int = 2, timeout: float = 120) -> set[str]:
-    """The replica names GET /health reaches (keyless: power of two choices), polled until
-    ``want`` have answered or ``timeout`` s have passed.
-
-    Polled, not counted over a fixed number of tries: the router weighs each replica's load
-    by its gauges, which are up to a stats period (1 s) old, and Ray moves a request to the
-    next rank when its queue-length probe of the first misses its deadline (a loaded machine
-    can), so a replica may get none of a quick burst."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while len(seen) < want and time.monotonic() < deadline:
-        r = httpx.get(f"{url}/health", timeout=30)
-        assert r.status_code == 200
-        seen.add(r.headers[REPLICA_HEADER])
-        time.sleep(0.05)
-    return seen
 
 
 def native_chat(

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import parse_ndjson
+from helpers import parse_ndjson, replicas_of
 
 try:
     import ray  # noqa: F401
@@ -119,13 +119,7 @@ def test_cluster_serves_the_default_model_from_two_replicas(
         # deadline a loaded machine can miss, moves a request to the next rank): a CI run had
         # one replica take them all. So the replicas are counted by /health (keyless: power of
         # two choices) until both answered, and each is then asked, pinned, for the answer.
-        deadline = time.monotonic() + 120
-        while len(replicas) < 2:
-            assert time.monotonic() < deadline, replicas
-            r = httpx.get(f"{url}/health", timeout=30)
-            assert r.status_code == 200
-            replicas.add(r.headers[REPLICA_HEADER])
-            time.sleep(0.05)
+        replicas |= replicas_of(url)
         assert len(replicas) == 2, replicas
         for name in replicas:
             r = httpx.post(
