@@ -11,8 +11,10 @@ cut was attached, so that a flag that never cut anything fails."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import resource
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,85 @@ def test_a_prompt_that_ends_with_an_image_samples_as_without_the_flag(
         return [complete(srv.url, p, images, **options)[0] for p in prompts]
 
     assert answers(backend_sampling=True) == answers()
+
+
+def vm_size(pid: int) -> int:
+    """The address space process ``pid`` holds, in bytes (``VmSize``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for {pid}")
+
+
+@contextmanager
+def address_space_limit(pid: int, limit: int) -> Iterator[None]:
+    """Process ``pid`` may map no more than ``limit`` bytes (``RLIMIT_AS``) inside the block."""
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    resource.prlimit(pid, resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_AS, (soft, hard))
+
+
+THREW = "llama.cpp threw in a decode"
+GAVE_UP = "--backend-sampling: off"
+# The default model's compute buffer on this configuration: 523 MiB as reserved at load (no
+# chain attached), 1,036 MiB once one chain is (the graph's output rows take a second buffer).
+ROOM = 256 << 20
+
+
+@pytest.mark.real_model
+def test_a_graph_that_no_longer_fits_stops_the_cuts_not_the_server(default_model: Path) -> None:
+    """The first attached chain makes llama.cpp reserve a compute buffer twice the size of
+    load's; with no memory for it (on a GPU: the model and its cache fill the device; here an
+    address-space limit), llama_decode throws. Rust cannot catch a C++ exception, so the server
+    aborted with every request in it. Now the cuts stop and the batch is decoded again without
+    them: the request is answered, the next ones too."""
+    body = {"prompt": "Hello there", "max_tokens": 8, "seed": 3}
+    with serve(default_model, "--backend-sampling", "--parallel", "4", "--ctx-size", "2048") as p:
+        url = p.wait_ready()
+        pid = p.proc.pid
+        with address_space_limit(pid, vm_size(pid) + ROOM):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, (r.text, p.log)
+        p.wait_for(THREW)
+        p.wait_for(GAVE_UP)
+        assert FIRST_CUT in p.log
+        first = r.json()["choices"][0]["text"]
+        # The same request alone again: the same text, sampled from whole rows as the first
+        # was after the cuts stopped.
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == first
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda i: complete_native(url, i, {"seed": i}), range(4)))
+        assert all(a["content"] for a in again), again
+        assert p.proc.poll() is None
+        assert p.log.count(THREW) == 1, p.log
+
+
+@pytest.mark.real_model
+def test_a_graph_that_never_fits_fails_the_batch_not_the_server(default_model: Path) -> None:
+    """Where even load's graph no longer fits when it is reserved again, the requests of that
+    batch get a 500 that says why, and the server goes on: once there is memory, the next
+    request is answered (llama.cpp was told to reserve its graph again)."""
+    body = {"prompt": "Hello there", "max_tokens": 8, "seed": 3}
+    with serve(default_model, "--backend-sampling", "--parallel", "4", "--ctx-size", "2048") as p:
+        url = p.wait_ready()
+        pid = p.proc.pid
+        # A request left whole first (log-probabilities: no chain attached), so that the
+        # threads that serve a request are there before the limit (under it none can start).
+        warm = httpx.post(url + "/v1/completions", json={**body, "logprobs": 2}, timeout=120)
+        assert warm.status_code == 200, warm.text
+        assert FIRST_CUT not in p.log
+        # Below what it holds: the graph reserved again after the throw fails as well.
+        with address_space_limit(pid, vm_size(pid) - (64 << 20)):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 500, (r.text, p.log)
+        assert "compute" in r.json()["error"]["message"], r.text
+        assert p.log.count(THREW) == 2, p.log
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, (r.text, p.log)
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert health["slots_processing"] == 0, health

@@ -177,14 +177,34 @@ impl DeviceCuts {
 
     /// No cut again: every chain is detached.
     fn refuse(&mut self) {
+        self.stop();
+        tracing::warn!(
+            "--backend-sampling: the device of the model's output layer does not cut a top-k; every position's logits come back whole"
+        );
+    }
+
+    fn stop(&mut self) {
         self.refused = true;
         let seqs: Vec<i32> = self.attached.keys().copied().collect();
         for seq in seqs {
             self.detach(seq);
         }
+    }
+
+    /// A decode threw (`guarded_decode.rs`: llama.cpp could not reserve its compute graph,
+    /// `why`). If chains were attached, they made the graph larger than the one reserved at
+    /// load: the cuts stop (every chain detached, none attached again) and this says true (the
+    /// batch can be decoded again without them).
+    pub(super) fn give_up(&mut self, why: &str) -> bool {
+        if self.attached.is_empty() {
+            return false;
+        }
+        self.stop();
         tracing::warn!(
-            "--backend-sampling: the device of the model's output layer does not cut a top-k; every position's logits come back whole"
+            error = why,
+            "--backend-sampling: off; with the top-k cuts attached llama.cpp could not reserve its compute graph (device memory?), so every position's logits come back whole"
         );
+        true
     }
 
     /// The candidates the device cut for batch position `index` of the last decode: their ids

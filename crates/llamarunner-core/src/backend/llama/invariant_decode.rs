@@ -3,9 +3,6 @@
 //! logits the scheduler asked for copied from each call before the last (the last call's are
 //! read where llama.cpp keeps them), the pads' cells removed.
 
-use llama_cpp_2::token::LlamaToken;
-use llama_cpp_2::DecodeError;
-
 use crate::backend::invariant_batch::plan;
 use crate::backend::BatchToken;
 use crate::protocol::BackendError;
@@ -75,16 +72,11 @@ impl LlamaEngine<'_> {
         for (c, call) in calls.iter().enumerate() {
             self.batch.clear();
             for row in &call.rows {
-                let pos =
-                    i32::try_from(row.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
                 self.batch
-                    .add(LlamaToken(row.token), pos, &[row.seq], row.logits)
-                    .map_err(|e| BackendError::Decode(e.to_string()))?;
+                    .add(row.token, row.pos, row.seq, row.logits)
+                    .map_err(BackendError::Decode)?;
             }
-            let decoded = self.ctx.decode(&mut self.batch).map_err(|e| match e {
-                DecodeError::NoKvCacheSlot => BackendError::NoKvSlot,
-                other => BackendError::Decode(other.to_string()),
-            });
+            let decoded = self.decode_filled();
             if decoded.is_ok() {
                 let last = c + 1 == calls.len();
                 for (j, row) in call.rows.iter().enumerate() {

@@ -306,7 +306,7 @@ pub fn load<R>(
         backend,
         embed_params,
         config.effective_swa_full(),
-    )
+    )?
     .with_lora(lora)
     .with_vision(vision)
     .with_draft(draft)

@@ -148,7 +148,7 @@ pub(super) fn context_pointer(
     model: &LlamaModel,
     ctx: &LlamaContext<'_>,
 ) -> Result<*mut llama_cpp_sys_2::llama_context, String> {
-    let unavailable = || "cannot apply several LoRA adapters with this llama-cpp-2".to_string();
+    let unavailable = || "this llama-cpp-2 does not show its llama.cpp context".to_string();
     let ctx_ptr = debug_pointer(ctx, "context").ok_or_else(unavailable)?;
     let model_ptr = debug_pointer(model, "model").ok_or_else(unavailable)?;
     let raw = ctx_ptr as *mut llama_cpp_sys_2::llama_context;

@@ -14,6 +14,7 @@ mod draft;
 mod dynamic_backends;
 mod embeddings;
 mod gguf_metadata;
+mod guarded_decode;
 mod invariant_decode;
 mod kv_ops;
 mod load;
@@ -32,17 +33,16 @@ pub use sampler::ChainSampler;
 
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_backend::LlamaBackend;
-use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::{LlamaModel, RopeType};
 use llama_cpp_2::token::logit_bias::LlamaLogitBias;
 use llama_cpp_2::token::LlamaToken;
-use llama_cpp_2::DecodeError;
 
 use crate::backend::{BatchToken, Decoder};
 use crate::protocol::BackendError;
 
 use draft::DraftEngine;
 use embeddings::EmbedParams;
+use guarded_decode::TokenBatch;
 use load::sliding_window;
 use text::tokenize;
 
@@ -58,7 +58,9 @@ fn file_name(path: &std::path::Path) -> String {
 pub struct LlamaEngine<'m> {
     model: &'m LlamaModel,
     ctx: LlamaContext<'m>,
-    batch: LlamaBatch<'static>,
+    /// `ctx`'s llama.cpp pointer, which its decodes go through (`guarded_decode.rs`).
+    raw_ctx: *mut llama_cpp_sys_2::llama_context,
+    batch: TokenBatch,
     slot_ctx: usize,
     /// The cells of the cache the slots share (`--kv-unified`).
     shared_cells: Option<usize>,
@@ -128,7 +130,9 @@ impl<'m> LlamaEngine<'m> {
         backend: &'static LlamaBackend,
         embed_params: EmbedParams,
         swa_full: bool,
-    ) -> Self {
+    ) -> Result<Self, String> {
+        // Every decode goes through the raw context (`guarded_decode.rs`).
+        let raw = crate::backend::llama::lora::context_pointer(model, &ctx)?;
         let vocab = model.vocab();
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
@@ -146,17 +150,12 @@ impl<'m> LlamaEngine<'m> {
         let window_checkpoints = std::cell::Cell::new(
             swa_window.is_some() && !matches!(arch.as_str(), "llama4" | "deepseek4"),
         );
-        let raw_ctx = if model.is_recurrent() || model.is_hybrid() {
-            None
-        } else {
-            crate::backend::llama::lora::context_pointer(model, &ctx)
-                .map_err(|e| tracing::debug!(error = %e, "states are sized before each read"))
-                .ok()
-        };
-        Self {
+        let raw_ctx = (!(model.is_recurrent() || model.is_hybrid())).then_some(raw);
+        Ok(Self {
             model,
             ctx,
-            batch: LlamaBatch::new(batch, 1),
+            raw_ctx: raw,
+            batch: TokenBatch::new(batch),
             slot_ctx,
             shared_cells: None,
             embed_cells: slot_ctx,
@@ -180,7 +179,7 @@ impl<'m> LlamaEngine<'m> {
             null: None,
             invariant: None,
             cuts: None,
-        }
+        })
     }
 
     /// The logits of batch position `index` of the last decode: the crate's, or those an
@@ -261,12 +260,10 @@ impl<'m> LlamaEngine<'m> {
         if !on || self.null.is_some() {
             return self;
         }
-        match crate::backend::llama::lora::context_pointer(self.model, &self.ctx) {
-            Ok(raw) => self.cuts = Some(device_cut::DeviceCuts::new(raw, self.model.n_vocab())),
-            Err(e) => {
-                tracing::warn!(error = %e, "--backend-sampling: off, the context is out of reach");
-            }
-        }
+        self.cuts = Some(device_cut::DeviceCuts::new(
+            self.raw_ctx,
+            self.model.n_vocab(),
+        ));
         self
     }
 
@@ -347,15 +344,11 @@ impl Decoder for LlamaEngine<'_> {
         }
         self.batch.clear();
         for t in batch {
-            let pos = i32::try_from(t.pos).map_err(|e| BackendError::Decode(e.to_string()))?;
             self.batch
-                .add(LlamaToken(t.token), pos, &[t.seq], t.logits)
-                .map_err(|e| BackendError::Decode(e.to_string()))?;
+                .add(t.token, t.pos, t.seq, t.logits)
+                .map_err(BackendError::Decode)?;
         }
-        self.ctx.decode(&mut self.batch).map_err(|e| match e {
-            DecodeError::NoKvCacheSlot => BackendError::NoKvSlot,
-            other => BackendError::Decode(other.to_string()),
-        })
+        self.decode_filled()
     }
 
     fn decode_image(

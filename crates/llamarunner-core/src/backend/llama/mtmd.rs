@@ -29,6 +29,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::mtmd::{MtmdContext, MtmdContextParams};
 use llama_cpp_sys_2 as sys;
 
+use crate::backend::llama::guarded_decode::Failure;
 use crate::backend::llama::lora::{context_pointer, debug_pointer};
 use crate::backend::{BackendError, Token};
 use crate::protocol::vision::{ImageChunk, ImageInput, PromptImage, VisionError, VisionModel};
@@ -222,7 +223,7 @@ impl Projector {
                 sys::llama_set_causal_attn(raw_ctx, false);
             }
             let encoded = started.elapsed();
-            let rc = sys::llama_decode(raw_ctx, view);
+            let decoded = crate::backend::llama::guarded_decode::decode(raw_ctx, view);
             if non_causal {
                 sys::llama_set_causal_attn(raw_ctx, true);
             }
@@ -233,10 +234,17 @@ impl Projector {
                 non_causal,
                 "image encoded and decoded"
             );
-            match rc {
-                0 => Ok(()),
-                1 => Err(BackendError::NoKvSlot),
-                rc => Err(fail(format!("llama_decode of the image returned {rc}"))),
+            match decoded {
+                Ok(()) => Ok(()),
+                Err(Failure::NoKvSlot) => Err(BackendError::NoKvSlot),
+                Err(Failure::Threw(what)) => {
+                    // The next decode reserves the graph again (`guarded_decode.rs`).
+                    crate::backend::llama::guarded_decode::reserve_again(raw_ctx);
+                    Err(fail(format!(
+                        "llama.cpp threw in the image's decode: {what}"
+                    )))
+                }
+                Err(other) => Err(fail(format!("the image's decode: {other}"))),
             }
         }
     }
