@@ -152,9 +152,6 @@ def address_space_limit(pid: int, limit: int) -> Iterator[None]:
 
 THREW = "llama.cpp threw in a decode"
 GAVE_UP = "--backend-sampling: off"
-# The default model's compute buffer on this configuration: 523 MiB as reserved at load (no
-# chain attached), 1,036 MiB once one chain is (the graph's output rows take a second buffer).
-ROOM = 256 << 20
 
 
 @pytest.mark.real_model
@@ -165,10 +162,17 @@ def test_a_graph_that_no_longer_fits_stops_the_cuts_not_the_server(default_model
     aborted with every request in it. Now the cuts stop and the batch is decoded again without
     them: the request is answered, the next ones too."""
     body = {"prompt": "Hello there", "max_tokens": 8, "seed": 3}
-    with serve(default_model, "--backend-sampling", "--parallel", "4", "--ctx-size", "2048") as p:
+    # On the CPU, where the compute buffers are the process's memory (a GPU build's would be
+    # the device's, out of the limit's reach).
+    flags = ("--backend-sampling", "--parallel", "4", "--ctx-size", "2048", "--n-gpu-layers", "0")
+    with serve(default_model, *flags) as p:
         url = p.wait_ready()
         pid = p.proc.pid
-        with address_space_limit(pid, vm_size(pid) + ROOM):
+        # The graph with a chain holds a second row of logits per position of a micro-batch
+        # (512): 512 MiB more for Gemma 3 (523 to 1,036 MiB measured). Half of that is left.
+        n_vocab = httpx.get(url + "/props", timeout=30).json()["model"]["n_vocab"]
+        room = 512 * n_vocab * 4 // 2
+        with address_space_limit(pid, vm_size(pid) + room):
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, (r.text, p.log)
         p.wait_for(THREW)
@@ -185,29 +189,3 @@ def test_a_graph_that_no_longer_fits_stops_the_cuts_not_the_server(default_model
         assert all(a["content"] for a in again), again
         assert p.proc.poll() is None
         assert p.log.count(THREW) == 1, p.log
-
-
-@pytest.mark.real_model
-def test_a_graph_that_never_fits_fails_the_batch_not_the_server(default_model: Path) -> None:
-    """Where even load's graph no longer fits when it is reserved again, the requests of that
-    batch get a 500 that says why, and the server goes on: once there is memory, the next
-    request is answered (llama.cpp was told to reserve its graph again)."""
-    body = {"prompt": "Hello there", "max_tokens": 8, "seed": 3}
-    with serve(default_model, "--backend-sampling", "--parallel", "4", "--ctx-size", "2048") as p:
-        url = p.wait_ready()
-        pid = p.proc.pid
-        # A request left whole first (log-probabilities: no chain attached), so that the
-        # threads that serve a request are there before the limit (under it none can start).
-        warm = httpx.post(url + "/v1/completions", json={**body, "logprobs": 2}, timeout=120)
-        assert warm.status_code == 200, warm.text
-        assert FIRST_CUT not in p.log
-        # Below what it holds: the graph reserved again after the throw fails as well.
-        with address_space_limit(pid, vm_size(pid) - (64 << 20)):
-            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 500, (r.text, p.log)
-        assert "compute" in r.json()["error"]["message"], r.text
-        assert p.log.count(THREW) == 2, p.log
-        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, (r.text, p.log)
-        health = httpx.get(url + "/health", timeout=30).json()
-        assert health["slots_processing"] == 0, health

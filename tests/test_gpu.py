@@ -198,12 +198,17 @@ def test_the_device_cuts_the_top_k_and_samples_as_the_whole_rows(
 ) -> None:
     """``--backend-sampling`` with the output layer on the GPU: the top-k is cut there (the
     first cut is attached and the device does not hand back whole rows instead), and the same
-    requests, one at a time, give the texts the GPU gives with its whole rows."""
+    requests, one at a time, give the texts the GPU gives with its whole rows. The fit kept
+    room on the GPU for what the cut adds to the compute graph: a row of logits per position
+    of a micro-batch (512 here: the context's 512 cells)."""
     from test_backend_sampling import CUT, WHOLE, texts
 
     with serve(model, "--backend-sampling", "--parallel", "1") as srv:
         url = srv.wait_ready(timeout=600)
-        assert props(url)["devices"]["layers_offloaded"] > 0
+        info = props(url)
+        assert info["devices"]["layers_offloaded"] > 0
+        room = 512 * info["model"]["n_vocab"] * 4
+        assert info["devices"]["fit"]["reserved_mib"] == -(-room // MIB), info["devices"]
         got = texts(url, CUT + WHOLE)
         srv.wait_for("the first top-k cut is attached", timeout=5)
         assert "does not cut a top-k" not in srv.log

@@ -4,7 +4,8 @@
 // (a sampler chain attached with `llama_set_sampler`, another LoRA adapter set) reserves the
 // compute graph again first, and a failed allocation there throws std::runtime_error ("failed
 // to allocate compute pp buffers"). Rust cannot catch a foreign exception: the process aborts.
-// Here it is caught and its message handed back, before any cell of the cache was written.
+// Here it is caught and its message handed back (a throw from the reserve comes before the cache
+// took any cell of the batch; one from later in the decode may leave some).
 
 #include <cstdint>
 #include <cstring>

@@ -68,7 +68,7 @@ pub struct Fit {
     pub fits: bool,
     /// MiB of the main GPU it kept for what loads beside the model there: the draft model
     /// (`--draft-model`: weights, KV cache, compute buffers) and the vision projector
-    /// (`--mmproj`).
+    /// (`--mmproj`); and for what `--backend-sampling`'s cuts add to the compute buffer.
     #[serde(default)]
     pub reserved_mib: u64,
 }
@@ -84,7 +84,7 @@ impl Fit {
         }
     }
 
-    /// The same, having kept `reserved_mib` of the main GPU for the draft model and projector.
+    /// The same, having kept `reserved_mib` of the main GPU (`reserved_mib`).
     pub fn with_reserved(self, reserved_mib: u64) -> Self {
         Self {
             reserved_mib,

@@ -43,6 +43,9 @@ pub enum BackendError {
     /// Any other decode failure.
     #[error("llama_decode failed: {0}")]
     Decode(String),
+    /// llama.cpp threw a C++ exception out of a decode (caught: `backend/llama/guarded_decode.rs`).
+    #[error("llama.cpp threw in a decode: {0}")]
+    Threw(String),
     /// A sequence's state could not be copied out or in.
     #[error("{0}")]
     State(String),

@@ -7,8 +7,9 @@
 //! Gemma 3 the compute buffer grows from 527 MiB to 1,040 MiB at the first attach: on a GPU
 //! filled by the model and its cache that allocation fails. Rust cannot catch a foreign
 //! exception ("Rust cannot catch foreign exceptions, aborting"), so the whole server went down
-//! with every request in it. The exception now comes back as `Failure::Threw`, before any cell
-//! of the cache was written; the engine (`LlamaEngine::decode`) recovers from it.
+//! with every request in it. The exception now comes back as `Failure::Threw` (from the
+//! reserve: before the cache took any cell of the batch), and the engine recovers
+//! (`LlamaEngine::recover`).
 //!
 //! The batch is ours (`TokenBatch`): llama-cpp-2's `LlamaBatch` keeps its raw struct private,
 //! and the guarded call takes the raw struct.
@@ -69,27 +70,37 @@ impl LlamaEngine<'_> {
                 Err(Failure::Threw(what)) => what,
                 other => return other.map_err(Failure::into_backend),
             };
-            tracing::error!(
-                error = %what,
-                tokens = self.batch.len(),
-                "llama.cpp threw in a decode: its compute graph could not be reserved"
-            );
-            // SAFETY: as above.
-            unsafe { reserve_again(self.raw_ctx) };
-            if retried || !self.cuts.as_mut().is_some_and(|c| c.give_up(&what)) {
+            let starts = self.batch.starts();
+            if !self.recover(&what, &starts, retried) {
                 return Err(BackendError::Decode(format!(
                     "llama.cpp could not decode the batch: {what}"
                 )));
             }
             retried = true;
-            // A throw after the cache took the batch's cells would leave them there: they go
-            // before the batch is decoded again.
-            for (seq, pos) in self.batch.starts() {
-                if let Ok(pos) = u32::try_from(pos) {
-                    let _ = self.ctx.kv_cache_seq_rm(seq, Some(pos), None);
-                }
-            }
         }
+    }
+
+    /// After a decode threw `what`: llama.cpp is told to reserve its graph again at the next
+    /// decode, and true says to decode the same batch (whose sequences start at `starts`: id,
+    /// first position) once more: the first time only, when `--backend-sampling` chains were
+    /// attached (they are given up: without them the graph is load's, which fit), and when
+    /// every sequence's cells from its first position on could be removed (a throw from the
+    /// reserve comes before the cache took any; one from later in the decode may leave some,
+    /// and a recurrent model's cache cannot always cut them).
+    pub(super) fn recover(&mut self, what: &str, starts: &[(i32, i32)], retried: bool) -> bool {
+        tracing::error!(
+            error = %what,
+            "llama.cpp threw in a decode"
+        );
+        // SAFETY: `raw_ctx` is this engine's context, used by this thread only.
+        unsafe { reserve_again(self.raw_ctx) };
+        if retried || !self.cuts.as_mut().is_some_and(|c| c.give_up(what)) {
+            return false;
+        }
+        starts.iter().all(|&(seq, pos)| {
+            u32::try_from(pos)
+                .is_ok_and(|pos| self.ctx.kv_cache_seq_rm(seq, Some(pos), None).is_ok())
+        })
     }
 }
 

@@ -361,6 +361,7 @@ impl Decoder for LlamaEngine<'_> {
         let (projector, raw_ctx) = self
             .vision
             .as_ref()
+            .map(|(p, ctx)| (std::sync::Arc::clone(p), *ctx))
             .ok_or_else(|| BackendError::Decode("no vision projector is loaded".into()))?;
         self.raw_logits = None;
         // The projector's decodes go through this context: an attached cut cuts the image's
@@ -368,7 +369,21 @@ impl Decoder for LlamaEngine<'_> {
         if let Some(cuts) = self.cuts.as_mut() {
             cuts.decoding();
         }
-        projector.decode_image(*raw_ctx, seq, pos, image, logits)?;
+        let mut retried = false;
+        loop {
+            match projector.decode_image(raw_ctx, seq, pos, image, logits) {
+                Err(BackendError::Threw(what)) => {
+                    let start = i32::try_from(pos).unwrap_or(i32::MAX);
+                    if !self.recover(&what, &[(seq, start)], retried) {
+                        return Err(BackendError::Decode(format!(
+                            "llama.cpp could not decode the image: {what}"
+                        )));
+                    }
+                    retried = true;
+                }
+                other => break other?,
+            }
+        }
         if logits {
             self.raw_logits = i32::try_from(image.n_tokens - 1).ok();
         }

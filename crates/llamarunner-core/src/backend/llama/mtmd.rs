@@ -237,13 +237,8 @@ impl Projector {
             match decoded {
                 Ok(()) => Ok(()),
                 Err(Failure::NoKvSlot) => Err(BackendError::NoKvSlot),
-                Err(Failure::Threw(what)) => {
-                    // The next decode reserves the graph again (`guarded_decode.rs`).
-                    crate::backend::llama::guarded_decode::reserve_again(raw_ctx);
-                    Err(fail(format!(
-                        "llama.cpp threw in the image's decode: {what}"
-                    )))
-                }
+                // The engine recovers (`LlamaEngine::decode_image`).
+                Err(Failure::Threw(what)) => Err(BackendError::Threw(what)),
                 Err(other) => Err(fail(format!("the image's decode: {other}"))),
             }
         }

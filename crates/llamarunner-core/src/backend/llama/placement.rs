@@ -4,8 +4,9 @@
 //! as many layers as fit each GPU's free memory less `--fit-target` with the weights, the KV
 //! cache of every slot and the compute buffers; an explicit `n_gpu_layers` above that is a start
 //! error instead of an out-of-memory failure later. The draft model and the vision projector,
-//! which load after the model and go where its layers went, are kept room for on the main GPU
-//! (`reservation`). On a machine without a GPU nothing changes.
+//! which load after the model and go where its layers went, and the larger compute graph of
+//! `--backend-sampling`, are kept room for on the main GPU (`reservation`). On a machine
+//! without a GPU nothing changes.
 
 use std::pin::Pin;
 
@@ -164,7 +165,10 @@ fn params_and_fit(
     let most = if fits { probe.n_gpu_layers() } else { 0 };
     if most >= 0 && config.n_gpu_layers > most {
         let kept = if reserved_mib > 0 {
-            format!(" and {reserved_mib} MiB kept for the draft model and projector")
+            format!(
+                " and {reserved_mib} MiB kept for the draft model, the projector and \
+                 --backend-sampling"
+            )
         } else {
             String::new()
         };
@@ -183,11 +187,13 @@ fn params_and_fit(
     ))
 }
 
-/// What the draft model and the vision projector will take on the main GPU, in bytes: they
-/// load after the model, and go to the GPU when its layers do. The draft model with every layer
-/// offloaded (`Estimate::on_device`: its weights less the token embedding, its KV cache for
-/// every slot, its compute buffers), estimated from its header; the projector, its file. Only
-/// a fit reads this, so without a GPU the files are not read.
+/// What the draft model, the vision projector and `--backend-sampling`'s cuts will take on the
+/// main GPU, in bytes: the first two load after the model, and go to the GPU when its layers
+/// do; the cuts enlarge the compute graph at their first attach. The draft model with every
+/// layer offloaded (`Estimate::on_device`: its weights less the token embedding, its KV cache
+/// for every slot, its compute buffers), estimated from its header; the projector, its file;
+/// the cuts, `backend_sampling_room`. Only a fit reads this, so without a GPU the files are not
+/// read.
 fn reservation(config: &RunnerConfig) -> Result<u64, String> {
     let draft = match &config.draft_model {
         // `draft` keeps the context, slots, batch and cache type, and drops the rest.
@@ -202,7 +208,31 @@ fn reservation(config: &RunnerConfig) -> Result<u64, String> {
             .len(),
         None => 0,
     };
-    Ok(draft.saturating_add(projector))
+    let cuts = if config.backend_sampling {
+        match crate::protocol::memory_estimate::read_shape(&config.model) {
+            Ok(shape) => backend_sampling_room(config, shape.vocab),
+            Err(e) => {
+                tracing::warn!(error = %e, "--backend-sampling: no room kept for the cuts");
+                0
+            }
+        }
+    } else {
+        0
+    };
+    Ok(draft.saturating_add(projector).saturating_add(cuts))
+}
+
+/// What the compute buffer grows by once a `--backend-sampling` chain is attached, for a model
+/// of `n_vocab` tokens: llama.cpp's worst-case graph (a micro-batch whose every position is an
+/// output) then holds a second row of logits per position, `n_ubatch` x `n_vocab` floats, on
+/// the output layer's device. Measured on the CPU with Gemma 3 270M (262,144 tokens): 523 to
+/// 1,036 MiB with batches of 512, 130 to 259 MiB with batches of 128, whatever `--parallel`.
+/// Without that room on a GPU the first attach fails, and the cuts stop
+/// (`guarded_decode.rs`).
+fn backend_sampling_room(config: &RunnerConfig, n_vocab: u64) -> u64 {
+    let cells = u64::from(config.ctx_size).saturating_mul(u64::from(config.parallel.max(1)));
+    let positions = u64::from(config.batch_size).min(cells).max(1);
+    positions.saturating_mul(n_vocab).saturating_mul(4)
 }
 
 /// Runs llama.cpp's fit on `params` (which it changes): true when the layers it chose fit,
@@ -271,7 +301,8 @@ pub(super) fn tensor_split_device(shares: &[f32], gpus: usize) -> Result<usize, 
 
 #[cfg(test)]
 mod tests {
-    use super::tensor_split_device;
+    use super::{backend_sampling_room, tensor_split_device};
+    use crate::config::RunnerConfig;
 
     #[test]
     fn a_tensor_split_chooses_the_one_gpu_with_a_share() {
@@ -280,5 +311,30 @@ mod tests {
         assert!(tensor_split_device(&[1.0, 1.0], 1).is_err());
         assert!(tensor_split_device(&[3.0, 1.0], 2).is_err());
         assert!(tensor_split_device(&[0.0, 0.0], 2).is_err());
+    }
+
+    /// The room kept for `--backend-sampling`: a row of logits per position of a micro-batch
+    /// (the batch, or the whole context where that is smaller), as measured on the CPU for
+    /// Gemma 3 270M (523 to 1,036 MiB with batches of 512, 130 to 259 MiB with 128).
+    #[test]
+    fn the_cuts_room_is_a_row_of_logits_per_position_of_a_micro_batch() {
+        const MIB: u64 = 1 << 20;
+        let config = |batch_size: u32, ctx_size: u32, parallel: u32| RunnerConfig {
+            batch_size,
+            ctx_size,
+            parallel,
+            backend_sampling: true,
+            ..RunnerConfig::default()
+        };
+        assert_eq!(
+            backend_sampling_room(&config(512, 2048, 4), 262_144),
+            512 * MIB
+        );
+        assert_eq!(
+            backend_sampling_room(&config(128, 1024, 2), 262_144),
+            128 * MIB
+        );
+        assert_eq!(backend_sampling_room(&config(512, 64, 2), 1000), 128 * 4000);
+        assert_eq!(backend_sampling_room(&config(512, 2048, 0), 10), 512 * 40);
     }
 }
