@@ -615,12 +615,17 @@ def model_file_is_mapped(pid: int, model: Path) -> bool:
     return any(line.endswith(target) for line in maps.splitlines())
 
 
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmLck``, ``VmSize`` ...) of process ``pid``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/PID/status")
+
+
 def locked_kib(pid: int) -> int:
     """VmLck of process ``pid``: memory it holds locked (mlock), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmLck:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmLck in /proc/PID/status")
+    return status_kib(pid, "VmLck")
 
 
 LOG_ALARMS = re.compile(r"GGML_ASSERT|panicked|fatal|overflow|Segmentation|Aborted| ERROR ")

@@ -23,7 +23,7 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import ServeProcess, complete
+from helpers import ServeProcess, complete, status_kib
 from tinyvision import b64, image_bytes, write_tiny_projector
 
 # Cut on the device: their chains' first cut is a top-k (or greedy) with nothing before it
@@ -131,14 +131,6 @@ def test_a_prompt_that_ends_with_an_image_samples_as_without_the_flag(
     assert answers(backend_sampling=True) == answers()
 
 
-def vm_size(pid: int) -> int:
-    """The address space process ``pid`` holds, in bytes (``VmSize``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmSize for {pid}")
-
-
 @contextmanager
 def address_space_limit(pid: int, limit: int) -> Iterator[None]:
     """Process ``pid`` may map no more than ``limit`` bytes (``RLIMIT_AS``) inside the block."""
@@ -172,7 +164,8 @@ def test_a_graph_that_no_longer_fits_stops_the_cuts_not_the_server(default_model
         # (512): 512 MiB more for Gemma 3 (523 to 1,036 MiB measured). Half of that is left.
         n_vocab = httpx.get(url + "/props", timeout=30).json()["model"]["n_vocab"]
         room = 512 * n_vocab * 4 // 2
-        with address_space_limit(pid, vm_size(pid) + room):
+        # VmSize: the address space the process holds.
+        with address_space_limit(pid, status_kib(pid, "VmSize") * 1024 + room):
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, (r.text, p.log)
         p.wait_for(THREW)

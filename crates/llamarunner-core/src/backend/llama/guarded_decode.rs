@@ -9,7 +9,7 @@
 //! exception ("Rust cannot catch foreign exceptions, aborting"), so the whole server went down
 //! with every request in it. The exception now comes back as `Failure::Threw` (from the
 //! reserve: before the cache took any cell of the batch), and the engine recovers
-//! (`LlamaEngine::recover`).
+//! (`LlamaEngine::decode_recovering`).
 //!
 //! The batch is ours (`TokenBatch`): llama-cpp-2's `LlamaBatch` keeps its raw struct private,
 //! and the guarded call takes the raw struct.
@@ -56,51 +56,54 @@ impl std::fmt::Display for Failure {
 }
 
 impl LlamaEngine<'_> {
-    /// Decodes `self.batch` (filled) on the main context. When llama.cpp throws (its compute
-    /// graph could not be reserved again), llama.cpp is told to reserve it again at the next
-    /// decode; if `--backend-sampling` chains were attached, the cuts stop (the graph without
-    /// them fit: it was reserved at load) and the batch is decoded once more, else the batch
-    /// fails and the server goes on.
+    /// Decodes `self.batch` (filled) on the main context (`decode_recovering`).
     pub(super) fn decode_filled(&mut self) -> Result<(), BackendError> {
-        let mut retried = false;
-        loop {
+        self.decode_recovering(
+            "the batch",
             // SAFETY: `raw_ctx` is this engine's context, used by this thread only; the batch
             // lives through the call.
-            let what = match unsafe { decode(self.raw_ctx, self.batch.raw()) } {
-                Err(Failure::Threw(what)) => what,
-                other => return other.map_err(Failure::into_backend),
+            |engine| {
+                unsafe { decode(engine.raw_ctx, engine.batch.raw()) }.map_err(Failure::into_backend)
+            },
+            |engine| engine.batch.starts(),
+        )
+    }
+
+    /// Runs `attempt`, a decode of `what` on the main context. When llama.cpp throws in it,
+    /// llama.cpp is told to reserve its graph again at the next decode, and `attempt` runs once
+    /// more if `--backend-sampling` chains were attached (they are given up: without them the
+    /// graph is load's, which fit) and every sequence's cells from its first position on
+    /// (`starts`: id, first position) could be removed (a throw from the reserve comes before
+    /// the cache took any; one from later in the decode may leave some, and a recurrent
+    /// model's cache cannot always cut them). Otherwise `what` fails and the server goes on.
+    pub(super) fn decode_recovering(
+        &mut self,
+        what: &str,
+        mut attempt: impl FnMut(&mut Self) -> Result<(), BackendError>,
+        starts: impl Fn(&Self) -> Vec<(i32, i32)>,
+    ) -> Result<(), BackendError> {
+        let mut retried = false;
+        loop {
+            let why = match attempt(self) {
+                Err(BackendError::Threw(why)) => why,
+                other => return other,
             };
-            let starts = self.batch.starts();
-            if !self.recover(&what, &starts, retried) {
+            tracing::error!(error = %why, "llama.cpp threw in a decode");
+            // SAFETY: `raw_ctx` is this engine's context, used by this thread only.
+            unsafe { reserve_again(self.raw_ctx) };
+            let again = !retried
+                && self.cuts.as_mut().is_some_and(|c| c.give_up(&why))
+                && starts(self).into_iter().all(|(seq, pos)| {
+                    u32::try_from(pos)
+                        .is_ok_and(|pos| self.ctx.kv_cache_seq_rm(seq, Some(pos), None).is_ok())
+                });
+            if !again {
                 return Err(BackendError::Decode(format!(
-                    "llama.cpp could not decode the batch: {what}"
+                    "llama.cpp could not decode {what}: {why}"
                 )));
             }
             retried = true;
         }
-    }
-
-    /// After a decode threw `what`: llama.cpp is told to reserve its graph again at the next
-    /// decode, and true says to decode the same batch (whose sequences start at `starts`: id,
-    /// first position) once more: the first time only, when `--backend-sampling` chains were
-    /// attached (they are given up: without them the graph is load's, which fit), and when
-    /// every sequence's cells from its first position on could be removed (a throw from the
-    /// reserve comes before the cache took any; one from later in the decode may leave some,
-    /// and a recurrent model's cache cannot always cut them).
-    pub(super) fn recover(&mut self, what: &str, starts: &[(i32, i32)], retried: bool) -> bool {
-        tracing::error!(
-            error = %what,
-            "llama.cpp threw in a decode"
-        );
-        // SAFETY: `raw_ctx` is this engine's context, used by this thread only.
-        unsafe { reserve_again(self.raw_ctx) };
-        if retried || !self.cuts.as_mut().is_some_and(|c| c.give_up(what)) {
-            return false;
-        }
-        starts.iter().all(|&(seq, pos)| {
-            u32::try_from(pos)
-                .is_ok_and(|pos| self.ctx.kv_cache_seq_rm(seq, Some(pos), None).is_ok())
-        })
     }
 }
 
@@ -108,6 +111,7 @@ impl Failure {
     fn into_backend(self) -> BackendError {
         match self {
             Self::NoKvSlot => BackendError::NoKvSlot,
+            Self::Threw(what) => BackendError::Threw(what),
             other => BackendError::Decode(other.to_string()),
         }
     }
@@ -231,9 +235,6 @@ impl Drop for TokenBatch {
         unsafe { sys::llama_batch_free(self.raw) };
     }
 }
-
-// SAFETY: the batch owns its arrays; `&mut self` guards every write.
-unsafe impl Send for TokenBatch {}
 
 #[cfg(test)]
 mod tests {

@@ -203,9 +203,8 @@ pub fn load<R>(
                 placement.n_gpu_layers != 0,
                 |init| llama_result(init),
             )?;
-            let raw_ctx = crate::backend::llama::lora::context_pointer(&model, &ctx)?;
             tracing::info!(mmproj = %path.display(), "vision projector loaded");
-            Some((std::sync::Arc::new(projector), raw_ctx))
+            Some(std::sync::Arc::new(projector))
         }
         None => None,
     };
@@ -267,7 +266,7 @@ pub fn load<R>(
         slot_ctx
     };
     info.embed_ctx = embed_cells;
-    info.vision = vision.as_ref().map(|(projector, _)| {
+    info.vision = vision.as_ref().map(|projector| {
         std::sync::Arc::new(crate::backend::llama::mtmd::LlamaVision(projector.clone()))
             as std::sync::Arc<dyn crate::protocol::VisionModel>
     });

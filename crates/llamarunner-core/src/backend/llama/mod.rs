@@ -101,11 +101,8 @@ pub struct LlamaEngine<'m> {
     /// The batch index whose logits an image decode kept (`decode_image` with logits); the
     /// crate does not know of that decode, so they are read through the raw context.
     raw_logits: Option<i32>,
-    /// The `--mmproj` projector, with `ctx`'s raw pointer its decodes go through.
-    vision: Option<(
-        std::sync::Arc<crate::backend::llama::mtmd::Projector>,
-        *mut llama_cpp_sys_2::llama_context,
-    )>,
+    /// The `--mmproj` projector; its decodes go through `raw_ctx`.
+    vision: Option<std::sync::Arc<crate::backend::llama::mtmd::Projector>>,
     /// The draft model's context (`--draft-model`).
     draft: Option<DraftEngine<'m>>,
     /// The threads a step's sequences are sampled on (`--sampling-threads`); none with one.
@@ -194,14 +191,14 @@ impl<'m> LlamaEngine<'m> {
                 Err(j) => return self.ctx.get_logits_ith(j),
             }
         }
-        if let (Some(at), Some((_, raw_ctx))) = (self.raw_logits, self.vision.as_ref()) {
+        if let Some(at) = self.raw_logits {
             if at == index {
                 let n = usize::try_from(self.model.n_vocab()).unwrap_or(0);
                 // SAFETY: the last decode on this context was the image's, with logits at
                 // `index`; llama.cpp keeps n_vocab floats there until the next decode, and
                 // `&self` keeps this engine (and so its decodes) from running meanwhile.
                 unsafe {
-                    let p = llama_cpp_sys_2::llama_get_logits_ith(*raw_ctx, index);
+                    let p = llama_cpp_sys_2::llama_get_logits_ith(self.raw_ctx, index);
                     if !p.is_null() {
                         return std::slice::from_raw_parts(p, n);
                     }
@@ -214,10 +211,7 @@ impl<'m> LlamaEngine<'m> {
     /// The same engine with this projector (loaded for its context).
     fn with_vision(
         mut self,
-        vision: Option<(
-            std::sync::Arc<crate::backend::llama::mtmd::Projector>,
-            *mut llama_cpp_sys_2::llama_context,
-        )>,
+        vision: Option<std::sync::Arc<crate::backend::llama::mtmd::Projector>>,
     ) -> Self {
         self.vision = vision;
         self
@@ -358,10 +352,9 @@ impl Decoder for LlamaEngine<'_> {
         image: &crate::protocol::PromptImage,
         logits: bool,
     ) -> Result<(), BackendError> {
-        let (projector, raw_ctx) = self
+        let projector = self
             .vision
-            .as_ref()
-            .map(|(p, ctx)| (std::sync::Arc::clone(p), *ctx))
+            .clone()
             .ok_or_else(|| BackendError::Decode("no vision projector is loaded".into()))?;
         self.raw_logits = None;
         // The projector's decodes go through this context: an attached cut cuts the image's
@@ -369,21 +362,12 @@ impl Decoder for LlamaEngine<'_> {
         if let Some(cuts) = self.cuts.as_mut() {
             cuts.decoding();
         }
-        let mut retried = false;
-        loop {
-            match projector.decode_image(raw_ctx, seq, pos, image, logits) {
-                Err(BackendError::Threw(what)) => {
-                    let start = i32::try_from(pos).unwrap_or(i32::MAX);
-                    if !self.recover(&what, &[(seq, start)], retried) {
-                        return Err(BackendError::Decode(format!(
-                            "llama.cpp could not decode the image: {what}"
-                        )));
-                    }
-                    retried = true;
-                }
-                other => break other?,
-            }
-        }
+        let start = i32::try_from(pos).unwrap_or(i32::MAX);
+        self.decode_recovering(
+            "the image",
+            |engine| projector.decode_image(engine.raw_ctx, seq, pos, image, logits),
+            |_| vec![(seq, start)],
+        )?;
         if logits {
             self.raw_logits = i32::try_from(image.n_tokens - 1).ok();
         }
