@@ -6,7 +6,8 @@ adapter generated from its tensor shapes (``tests/tinylora.py``).
 
 Scenarios, each on its own ``llamarunner serve --parallel 4``: no adapter loaded; the adapter
 loaded, every client at scale 1 (one set); clients alternating between scale 1 and 0 (two
-sets: llamarunner decodes one set per batch, the sets taking turns); four clients at four
+sets: llamarunner decodes one set per batch, the sets taking turns as long as a change of set
+is worth: ``crates/llamarunner-core/src/sched/lora.rs``); four clients at four
 scales (four sets). Every request generates exactly ``--tokens`` tokens (``ignore_eos``,
 greedy) after a ~200-token prompt. Prints a table (aggregate generated tokens/s, TTFT and
 inter-token latency from the client); with ``--repeat``, the median row of each scenario.
@@ -73,7 +74,7 @@ def scenario(
     server: Running, name: str, scales: list[float] | None, args: argparse.Namespace
 ) -> Row:
     rng = random.Random(7)
-    prompts = [[text(rng, 178) for _ in range(args.requests)] for _ in range(4)]
+    prompts = [[text(rng, args.prompt_words) for _ in range(args.requests)] for _ in range(4)]
     ttft: list[float] = []
     itl: list[float] = []
 
@@ -103,10 +104,10 @@ def scenario(
     )
 
 
-def serve(model: Path, adapter: Path | None, threads: int) -> Any:
+def serve(model: Path, adapter: Path | None, threads: int, ctx_size: int) -> Any:
     port = free_port()
     cmd = [sys.executable, "-m", "llamarunner", "serve", str(model), "--port", str(port)]
-    cmd += ["--parallel", "4", "--ctx-size", "1024", "--threads", str(threads)]
+    cmd += ["--parallel", "4", "--ctx-size", str(ctx_size), "--threads", str(threads)]
     name = "llamarunner (parallel 4)"
     if adapter is not None:
         cmd += ["--lora", f"{adapter}:0"]
@@ -121,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--repeat", type=int, default=1, help="runs of every scenario (medians)")
+    ap.add_argument("--prompt-words", type=int, default=178, help="words in each prompt")
+    ap.add_argument("--ctx-size", type=int, default=1024, help="the server's --ctx-size")
+    ap.add_argument(
+        "--scenarios",
+        default="no,one,two,four",
+        help="the scenarios to run, by their first word (default: all)",
+    )
     args = ap.parse_args(argv)
     if args.model:
         model = Path(args.model)
@@ -128,18 +136,24 @@ def main(argv: list[str] | None = None) -> int:
         from llamarunner import default_model_path
 
         model = default_model_path()
-    runs: dict[str, list[Row]] = {name: [] for name, _ in SCENARIOS}
+    wanted = set(args.scenarios.split(","))
+    chosen = [(name, scales) for name, scales in SCENARIOS if name.split()[0] in wanted]
+    if not chosen:
+        ap.error(f"no scenario named {args.scenarios!r}: no, one, two or four")
+    runs: dict[str, list[Row]] = {name: [] for name, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         adapter = make_adapter(model, Path(tmp))
         for _ in range(args.repeat):
-            for name, scales in SCENARIOS:
-                with serve(model, None if scales is None else adapter, args.threads) as server:
+            for name, scales in chosen:
+                with serve(
+                    model, None if scales is None else adapter, args.threads, args.ctx_size
+                ) as server:
                     # Warm up (and apply each set once) before timing.
                     for s in sorted(set(scales or [0.0])):
                         stream(server.url, "warm up", 4, None if scales is None else s)
                     runs[name].append(scenario(server, name, scales, args))
     rows = []
-    for name, _ in SCENARIOS:
+    for name, _ in chosen:
         ordered = sorted(runs[name], key=lambda r: r.tokens / r.seconds)
         rows.append(ordered[len(ordered) // 2])
     print(table(rows))

@@ -4,14 +4,14 @@
 
 use std::time::Instant;
 
-use super::{leading_image, lora, pos_of, Phase, Scheduler, StepOutcome};
+use super::{leading_image, pos_of, Phase, Scheduler, StepOutcome};
 use crate::backend::{Backend, BatchToken};
 use crate::protocol::vision::is_image_token;
 use crate::protocol::{BackendError, Ending, EngineError, EngineErrorKind, LoraScales};
 
 impl<B: Backend> Scheduler<B> {
-    /// The LoRA scale set whose sequences decode this step (`lora.rs`); remembered as the last
-    /// one that ran.
+    /// The LoRA scale set whose sequences decode this step (`lora.rs`: the sets take turns,
+    /// each as long as changing set is worth).
     pub(super) fn lora_turn(&mut self) -> LoraScales {
         let ready = self.slots.iter().filter_map(|s| {
             s.seq
@@ -27,9 +27,9 @@ impl<B: Backend> Scheduler<B> {
                 })
                 .map(|q| &q.lora)
         });
-        let turn = lora::next_turn(ready, self.last_lora.as_ref()).unwrap_or_default();
-        self.last_lora = Some(turn.clone());
-        turn
+        self.lora_turns
+            .turn(ready, Instant::now())
+            .unwrap_or_default()
     }
 
     /// Builds the batch: generating sequences' next tokens first, then prompt chunks round
@@ -247,6 +247,15 @@ impl<B: Backend> Scheduler<B> {
         // Only steps of generating sequences (every position with logits) say what a width
         // costs, and whether drafts paid: a prompt chunk's positions cost less.
         let all_logits = self.batch.iter().all(|t| t.logits);
+        // A decode that changed the LoRA set also reserved llama.cpp's graph again: what that
+        // costs decides how long the sets' turns last. It still counts for drafting: where
+        // the sets alternate, every step pays it.
+        let lora_changed = self.lora_turns.decoded(
+            &lora,
+            self.batch.len(),
+            all_logits,
+            decoded.as_secs_f64() * 1e6,
+        );
         if self.speculation.measure && all_logits {
             let us = u64::try_from(decoded.as_micros()).unwrap_or(u64::MAX);
             self.step_cost.observe(self.batch.len(), us);
@@ -296,6 +305,8 @@ impl<B: Backend> Scheduler<B> {
             decode_us = decoded.as_micros(),
             expected_us = expected_us.round() as u64,
             sample_us = now.elapsed().as_micros(),
+            lora_changed,
+            lora_change_us = self.lora_turns.switch_us().map(|us| us.round() as i64),
             "step"
         );
         outcome.batch_tokens = self.batch.len();

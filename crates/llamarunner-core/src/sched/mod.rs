@@ -228,8 +228,8 @@ pub struct Scheduler<B: Backend> {
     batch: Vec<BatchToken>,
     /// The LoRA scale set of `batch` (`lora.rs`: one set per batch, the sets take turns).
     batch_lora: Option<LoraScales>,
-    /// The LoRA scale set that had the last turn.
-    last_lora: Option<LoraScales>,
+    /// Whose turn it is among the LoRA scale sets, and what a change of set costs.
+    lora_turns: lora::Turns,
     /// What happened since the last turn's outcome (admissions, swap-outs, ends).
     turn_log: outcome::TurnLog,
 }
@@ -279,7 +279,7 @@ impl<B: Backend> Scheduler<B> {
             pause_limit: PAUSE_LIMIT,
             batch: Vec::new(),
             batch_lora: None,
-            last_lora: None,
+            lora_turns: lora::Turns::default(),
             turn_log: outcome::TurnLog::default(),
         }
     }

@@ -41,6 +41,9 @@ pub struct FakeConfig {
     pub eos_at: Option<usize>,
     /// Sleep this long in every decode (to make cancellation observable in HTTP tests).
     pub decode_delay: std::time::Duration,
+    /// Sleep this long more in `set_lora` when the scales change (as llama.cpp reserves its
+    /// graph again in the next decode).
+    pub lora_change_delay: std::time::Duration,
     /// Whether the cache supports shifting (recurrent models do not).
     pub can_shift: bool,
     /// Whether part of a sequence can be removed (recurrent models: only all of it).
@@ -81,6 +84,7 @@ impl Default for FakeConfig {
             batch_capacity: 32,
             eos_at: None,
             decode_delay: std::time::Duration::ZERO,
+            lora_change_delay: std::time::Duration::ZERO,
             can_shift: true,
             partial_remove: true,
             fail_decode: None,
@@ -233,6 +237,9 @@ impl Decoder for FakeBackend {
     }
 
     fn set_lora(&mut self, scales: &LoraScales) -> Result<(), BackendError> {
+        if self.lora != *scales && !self.config.lora_change_delay.is_zero() {
+            std::thread::sleep(self.config.lora_change_delay);
+        }
         self.lora = scales.clone();
         Ok(())
     }
