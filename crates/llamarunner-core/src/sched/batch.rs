@@ -212,15 +212,18 @@ impl<B: Backend> Scheduler<B> {
             ..StepOutcome::default()
         };
         if self.batch.is_empty() {
+            if !images {
+                // Nothing of the set whose turn it is could be placed: another set's turn.
+                self.lora_turns.end_turn();
+            }
             return outcome;
         }
         let started = Instant::now();
         let lora = self.batch_lora.take().unwrap_or_default();
-        if let Err(e) = self
-            .backend
-            .set_lora(&lora)
-            .and_then(|()| self.backend.decode(&self.batch))
-        {
+        let lora_changed = self.lora_turns.changes(&lora);
+        let applied = self.backend.set_lora(&lora);
+        self.lora_turns.applied(applied.is_ok().then_some(&lora));
+        if let Err(e) = applied.and_then(|()| self.backend.decode(&self.batch)) {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed");
             self.fail_batch(&e.to_string());
             outcome.failed = true;
@@ -250,8 +253,8 @@ impl<B: Backend> Scheduler<B> {
         // A decode that changed the LoRA set also reserved llama.cpp's graph again: what that
         // costs decides how long the sets' turns last. It still counts for drafting: where
         // the sets alternate, every step pays it.
-        let lora_changed = self.lora_turns.decoded(
-            &lora,
+        self.lora_turns.decoded(
+            lora_changed,
             self.batch.len(),
             all_logits,
             decoded.as_secs_f64() * 1e6,
@@ -305,7 +308,7 @@ impl<B: Backend> Scheduler<B> {
             decode_us = decoded.as_micros(),
             expected_us = expected_us.round() as u64,
             sample_us = now.elapsed().as_micros(),
-            lora_changed,
+            lora_changed = lora_changed.unwrap_or(false),
             lora_change_us = self.lora_turns.switch_us().map(|us| us.round() as i64),
             "step"
         );
@@ -359,10 +362,12 @@ impl<B: Backend> Scheduler<B> {
             let result = match image {
                 Some(image) => {
                     let backend = &mut self.backend;
+                    let turns = &mut self.lora_turns;
                     seq.span.in_scope(|| {
-                        backend
-                            .set_lora(&lora)
-                            .and_then(|()| backend.decode_image(id, pos, &image, logits))
+                        let applied = backend.set_lora(&lora);
+                        // The graph a change reserves again is reserved in the image's decode.
+                        turns.applied(applied.is_ok().then_some(&lora));
+                        applied.and_then(|()| backend.decode_image(id, pos, &image, logits))
                     })
                 }
                 None => Err(BackendError::Decode(

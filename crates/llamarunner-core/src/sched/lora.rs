@@ -16,9 +16,11 @@
 //! that did not), and a set keeps its turn while it has work and its turn (the change
 //! included) has lasted less than that cost over `SWITCH_SHARE`, and at most `MAX_TURN`:
 //! changes then take about `SWITCH_SHARE` of the time, or less. Where a change costs little
-//! against a step, turns are one step and the sets alternate step by step; until a change has
-//! been measured, a turn lasts `UNMEASURED_STEPS` steps (a decode that kept the set is the
-//! comparison a change needs).
+//! against a step, turns are one step and the sets alternate step by step; until
+//! `FIRST_SAMPLES` changes have been measured (their median is the first cost), a turn lasts
+//! `UNMEASURED_STEPS` steps (a decode that kept the set is the comparison a change needs). A
+//! step that places nothing of the set whose turn it is (its work cannot be placed yet) ends
+//! that turn.
 //!
 //! Cost: with k sets busy at once, each decode carries about 1/k of the generating sequences,
 //! so each stream runs about k times slower than with one set, and its tokens come in bursts
@@ -42,8 +44,13 @@ const MAX_TURN: Duration = Duration::from_millis(500);
 /// Steps a turn lasts until what a change of set costs has been measured.
 const UNMEASURED_STEPS: u32 = 2;
 
-/// Widths (positions in a batch) whose decode time without a change of set is kept.
-const PLAIN_WIDTHS: usize = 64;
+/// Changes measured before their median is taken as the cost (one slowed by something else on
+/// the machine does not set it alone).
+const FIRST_SAMPLES: usize = 3;
+
+/// Widths (positions in a batch) whose decode time without a change of set is kept (llama.cpp's
+/// largest batch is `--batch-size`, 2,048 by default).
+const PLAIN_WIDTHS: usize = 4096;
 
 /// Weight of the newest observation in the running means.
 const RATE: f64 = 0.25;
@@ -51,15 +58,20 @@ const RATE: f64 = 0.25;
 /// Whose turn it is, how long it has lasted, and what a change of set costs.
 #[derive(Debug, Default)]
 pub(super) struct Turns {
-    /// The set that has the turn, since when and for how many decoded steps.
+    /// The set that has the turn, since when and for how many decoded steps, and whether it
+    /// was ended early (a step that placed nothing of it).
     current: Option<LoraScales>,
     began: Option<Instant>,
     steps: u32,
-    /// The set llama.cpp decoded the last batch under (None before the first decode).
+    ended: bool,
+    /// The set llama.cpp has (the last `set_lora` that succeeded); None before the first, or
+    /// where a failure left it unknown.
     applied: Option<LoraScales>,
     /// What a change of set adds to a decode (microseconds), a running mean (below 0 where
-    /// noise made the changes look faster); None until measured.
+    /// noise made the changes look faster); None until `FIRST_SAMPLES` changes were measured.
     switch_us: Option<f64>,
+    /// The first changes measured.
+    first: Vec<f64>,
     /// Running mean decode time (microseconds) of steps of width `i + 1` (every position with
     /// logits) that kept the set; 0 where none was seen.
     plain_us: Vec<f64>,
@@ -85,12 +97,16 @@ impl Turns {
             self.current = Some(next.clone());
             self.began = Some(now);
             self.steps = 0;
+            self.ended = false;
         }
         Some(next)
     }
 
     /// Whether the current turn goes on at `now`.
     fn lasts(&self, now: Instant) -> bool {
+        if self.ended {
+            return false;
+        }
         match self.switch_us {
             None => self.steps < UNMEASURED_STEPS,
             Some(switch) => {
@@ -103,48 +119,78 @@ impl Turns {
         }
     }
 
-    /// A batch of `width` positions was decoded under `set` in `us` microseconds (`all_logits`:
-    /// every position had its logits, as steps of generating sequences do). Says whether the
-    /// set changed for it (that decode also reserved llama.cpp's graph again). A change is
-    /// measured against the steps of its width that kept the set; while the sets alternate
-    /// those grow stale as contexts lengthen, the change looks dearer, a turn lasts two steps
-    /// and its second step brings them up to date.
+    /// The step placed nothing of the current set (its ready work could not be placed: an
+    /// image or a prompt chunk without room): its turn ends, so that another set's work is
+    /// not held behind it.
+    pub(super) fn end_turn(&mut self) {
+        self.ended = true;
+    }
+
+    /// Whether decoding under `set` changes the set llama.cpp has (asked before `set_lora`);
+    /// None where that set is not known (before the first decode, whose graph llama.cpp
+    /// reserves anyway, and after a failure).
+    pub(super) fn changes(&self, set: &LoraScales) -> Option<bool> {
+        self.applied.as_ref().map(|a| a != set)
+    }
+
+    /// `set_lora(set)` succeeded (`Some`), or failed where llama.cpp's set is not known
+    /// (`None`; the next decode then measures nothing).
+    pub(super) fn applied(&mut self, set: Option<&LoraScales>) {
+        self.applied = set.cloned();
+    }
+
+    /// A batch of `width` positions was decoded in `us` microseconds (`changed`: what
+    /// `changes` said of its set: if it changed, that decode also reserved llama.cpp's graph
+    /// again; `all_logits`: every position had its logits, as steps of generating sequences
+    /// do). A change is measured against the steps of its width that kept the set; while the
+    /// sets alternate those grow stale as contexts lengthen, the change looks dearer, a turn
+    /// lasts two steps and its second step brings them up to date.
     pub(super) fn decoded(
         &mut self,
-        set: &LoraScales,
+        changed: Option<bool>,
         width: usize,
         all_logits: bool,
         us: f64,
-    ) -> bool {
-        let changed = self.applied.as_ref().is_some_and(|a| a != set);
-        let first = self.applied.is_none();
-        self.applied = Some(set.clone());
-        if self.current.as_ref() == Some(set) {
-            self.steps = self.steps.saturating_add(1);
-        }
-        if first || !all_logits || width == 0 || width > PLAIN_WIDTHS {
-            return changed;
+    ) {
+        self.steps = self.steps.saturating_add(1);
+        let Some(changed) = changed else {
+            return;
+        };
+        if !all_logits || width == 0 || width > PLAIN_WIDTHS {
+            return;
         }
         if self.plain_us.len() < width {
             self.plain_us.resize(width, 0.0);
         }
         let plain = &mut self.plain_us[width - 1];
-        if changed {
-            if *plain > 0.0 {
-                // Not clamped at 0: where a change costs nothing, the noise in decode times
-                // averages out instead of adding up.
-                let sample = us - *plain;
-                self.switch_us = Some(match self.switch_us {
-                    None => sample,
-                    Some(s) => s + RATE * (sample - s),
-                });
-            }
-        } else if *plain == 0.0 {
-            *plain = us;
-        } else {
-            *plain += RATE * (us - *plain);
+        if !changed {
+            *plain = if *plain == 0.0 {
+                us
+            } else {
+                *plain + RATE * (us - *plain)
+            };
+            return;
         }
-        changed
+        if *plain == 0.0 {
+            return;
+        }
+        // Not clamped at 0: where a change costs nothing, the noise in decode times averages
+        // out instead of adding up. Clamped above, so that one step slowed by something else
+        // moves a measured cost by at most about its own size.
+        let sample = us - *plain;
+        match self.switch_us {
+            Some(s) => {
+                let sample = sample.min(4.0 * s.max(0.0) + *plain);
+                self.switch_us = Some(s + RATE * (sample - s));
+            }
+            None => {
+                self.first.push(sample);
+                if self.first.len() == FIRST_SAMPLES {
+                    self.first.sort_by(f64::total_cmp);
+                    self.switch_us = Some(self.first[FIRST_SAMPLES / 2]);
+                }
+            }
+        }
     }
 
     /// What a change of set costs a decode, as measured (microseconds).
@@ -222,9 +268,10 @@ mod tests {
         let mut ran = Vec::new();
         for _ in 0..steps {
             let set = turns.turn(ready.iter(), now).unwrap();
-            let changed = turns.applied.as_ref().is_some_and(|l| *l != set);
-            let us = plain_us + if changed { switch_us } else { 0 };
-            assert_eq!(turns.decoded(&set, 1, true, us as f64), changed);
+            let changed = turns.changes(&set);
+            turns.applied(Some(&set));
+            let us = plain_us + if changed == Some(true) { switch_us } else { 0 };
+            turns.decoded(changed, 1, true, us as f64);
             now += Duration::from_micros(us);
             ran.push(set);
         }
@@ -250,10 +297,10 @@ mod tests {
         let mut turns = Turns::default();
         let (ran, _) = run(&mut turns, &[a, b], Instant::now(), 40, 20_000, 0);
         let lengths = runs(&ran);
-        // The first turn lasts two steps (a change cannot be measured yet); the first change
-        // measures one, and from then on each turn is one step.
-        assert_eq!(lengths[0], 2, "{lengths:?}");
-        assert!(lengths[1..].iter().all(|&n| n == 1), "{lengths:?}");
+        // Turns of two steps until three changes are measured (the third at the first step of
+        // the fourth turn); then one step each.
+        assert_eq!(&lengths[..3], &[2, 2, 2], "{lengths:?}");
+        assert!(lengths[3..].iter().all(|&n| n == 1), "{lengths:?}");
         assert_eq!(turns.switch_us(), Some(0.0));
     }
 
@@ -287,7 +334,7 @@ mod tests {
     fn no_turn_lasts_longer_than_max_turn_while_another_set_waits() {
         let (a, b) = (set(0.0), set(1.0));
         let mut turns = Turns::default();
-        // A change of 400 ms would ask for turns of 4 s: they stop at MAX_TURN.
+        // A change of 400 ms would ask for turns of 2 s: they stop at MAX_TURN.
         let (ran, _) = run(&mut turns, &[a, b], Instant::now(), 600, 10_000, 400_000);
         let lengths = runs(&ran);
         let most = ((MAX_TURN.as_micros() - 400_000) / 10_000) as usize + 2;
@@ -304,7 +351,7 @@ mod tests {
         let t0 = Instant::now();
         // A measured change of 1 ms (turns of 5 ms) ...
         let (_, now) = run(&mut turns, &[a.clone(), b.clone()], t0, 10, 1_000, 1_000);
-        assert!(turns.switch_us().is_some());
+        assert_eq!(turns.switch_us(), Some(1_000.0));
         // ... then A alone for 50 ms.
         let (ran, now) = run(&mut turns, std::slice::from_ref(&a), now, 50, 1_000, 1_000);
         assert!(ran.iter().all(|s| *s == a));
@@ -318,23 +365,68 @@ mod tests {
     }
 
     #[test]
-    fn steps_with_prompt_chunks_or_of_unseen_widths_do_not_measure_a_change() {
+    fn a_turn_that_places_nothing_ends() {
         let (a, b) = (set(0.0), set(1.0));
         let mut turns = Turns::default();
-        assert!(!turns.decoded(&a, 1, true, 1_000.0));
-        assert!(!turns.decoded(&a, 1, true, 1_000.0));
+        let t0 = Instant::now();
+        // Changes of 50 ms: turns of 250 ms.
+        let (ran, now) = run(&mut turns, &[a.clone(), b.clone()], t0, 12, 1_000, 50_000);
+        assert_eq!(turns.switch_us(), Some(50_000.0));
+        let held = turns.turn([a.clone(), b.clone()].iter(), now).unwrap();
+        assert_eq!(held, *ran.last().unwrap(), "the turn goes on");
+        turns.end_turn();
+        let other = if held == a { b.clone() } else { a.clone() };
+        assert_eq!(
+            turns.turn([a.clone(), b.clone()].iter(), now),
+            Some(other.clone())
+        );
+        // The new turn is whole.
+        assert_eq!(turns.turn([a, b].iter(), now), Some(other));
+    }
+
+    #[test]
+    fn changes_are_measured_against_steps_of_their_width_that_kept_the_set() {
+        let (a, b) = (set(0.0), set(1.0));
+        let mut turns = Turns::default();
+        // The first decode: llama.cpp's set is not known yet, nothing is measured.
+        assert_eq!(turns.changes(&a), None);
+        turns.applied(Some(&a));
+        turns.decoded(None, 1, true, 50_000.0);
+        assert_eq!(turns.changes(&a), Some(false));
+        turns.decoded(Some(false), 1, true, 1_000.0);
         // A change on a prompt chunk, and one of a width never seen without a change.
-        assert!(turns.decoded(&b, 1, false, 9_000.0));
-        assert!(turns.decoded(&a, 3, true, 9_000.0));
+        turns.decoded(Some(true), 1, false, 9_000.0);
+        turns.decoded(Some(true), 3, true, 9_000.0);
         assert_eq!(turns.switch_us(), None);
-        // A change at a seen width measures it; one that looked faster than a plain step
-        // counts as costing nothing.
-        assert!(turns.decoded(&b, 1, true, 500.0));
+        // Three changes at a seen width: their median is the cost (one that looked faster
+        // than a plain step counts as below 0; one slowed by something else is outvoted).
+        for us in [500.0, 1_500.0, 90_000.0] {
+            turns.decoded(Some(true), 1, true, us);
+        }
+        assert_eq!(turns.switch_us(), Some(500.0));
+        // Then a change slowed by something else moves the cost by a bounded step: the sample
+        // is clamped to 4 x 500 + 1,000 us.
+        turns.decoded(Some(true), 1, true, 100_000.0);
+        assert_eq!(turns.switch_us(), Some(500.0 + 0.25 * (3_000.0 - 500.0)));
+        // A failure leaves llama.cpp's set unknown.
+        turns.applied(None);
+        assert_eq!(turns.changes(&b), None);
+    }
+
+    #[test]
+    fn where_changes_look_faster_than_steps_turns_are_one_step() {
+        let (a, b) = (set(0.0), set(1.0));
+        let mut turns = Turns::default();
+        turns.applied(Some(&a));
+        turns.decoded(Some(false), 1, true, 1_000.0);
+        for _ in 0..3 {
+            turns.decoded(Some(true), 1, true, 500.0);
+        }
         assert_eq!(turns.switch_us(), Some(-500.0));
         let t0 = Instant::now();
         let ready = [a.clone(), b.clone()];
         assert_eq!(turns.turn(ready.iter(), t0), Some(a.clone()));
-        assert!(turns.decoded(&a, 1, true, 1_000.0));
+        turns.decoded(Some(false), 1, true, 1_000.0);
         assert_eq!(turns.turn(ready.iter(), t0), Some(b));
     }
 
