@@ -218,6 +218,20 @@ pub(super) fn next_turn<'a>(
     sets.get(after_last).map(|s| (*s).clone())
 }
 
+/// The lengths of the runs of one set in `log` (a log of the sets decoded, step by step): the
+/// turns' lengths.
+#[cfg(test)]
+pub(super) fn run_lengths(log: &[LoraScales]) -> Vec<usize> {
+    let mut lengths: Vec<usize> = vec![];
+    for (i, s) in log.iter().enumerate() {
+        match lengths.last_mut() {
+            Some(n) if log[i - 1] == *s => *n += 1,
+            _ => lengths.push(1),
+        }
+    }
+    lengths
+}
+
 /// What of a slot's cache a prompt of set `lora` may reuse: all of it when it was computed
 /// under that set, nothing otherwise.
 pub(super) fn reusable<'a>(
@@ -278,25 +292,12 @@ mod tests {
         (ran, now)
     }
 
-    /// The lengths of the runs of one set in `ran`.
-    fn runs(ran: &[LoraScales]) -> Vec<usize> {
-        let mut lengths = vec![];
-        for (i, s) in ran.iter().enumerate() {
-            if i > 0 && ran[i - 1] == *s {
-                *lengths.last_mut().unwrap() += 1;
-            } else {
-                lengths.push(1);
-            }
-        }
-        lengths
-    }
-
     #[test]
     fn where_a_change_costs_nothing_the_sets_alternate_after_the_first_turns() {
         let (a, b) = (set(0.0), set(1.0));
         let mut turns = Turns::default();
         let (ran, _) = run(&mut turns, &[a, b], Instant::now(), 40, 20_000, 0);
-        let lengths = runs(&ran);
+        let lengths = run_lengths(&ran);
         // Turns of two steps until three changes are measured (the third at the first step of
         // the fourth turn); then one step each.
         assert_eq!(&lengths[..3], &[2, 2, 2], "{lengths:?}");
@@ -312,7 +313,7 @@ mod tests {
         // 10 steps, so changes take about a fifth of the time.
         let t0 = Instant::now();
         let (ran, end) = run(&mut turns, &[a.clone(), b.clone()], t0, 400, 2_000, 5_000);
-        let lengths = runs(&ran);
+        let lengths = run_lengths(&ran);
         assert!(
             (5_000.0 - turns.switch_us().unwrap()).abs() < 1.0,
             "{:?}",
@@ -336,7 +337,7 @@ mod tests {
         let mut turns = Turns::default();
         // A change of 400 ms would ask for turns of 2 s: they stop at MAX_TURN.
         let (ran, _) = run(&mut turns, &[a, b], Instant::now(), 600, 10_000, 400_000);
-        let lengths = runs(&ran);
+        let lengths = run_lengths(&ran);
         let most = ((MAX_TURN.as_micros() - 400_000) / 10_000) as usize + 2;
         for &n in &lengths[3..] {
             assert!(n <= most, "{lengths:?}");

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::protocol::LoraScales;
+use crate::sched::lora::run_lengths;
 
 fn set(scales: &[f32]) -> LoraScales {
     LoraScales::new(scales.to_vec())
@@ -86,82 +87,63 @@ fn mixed_sets_never_share_a_batch_and_each_answers_as_alone() {
         .any(|b| b.iter().any(|t| t.seq == 0) && b.iter().any(|t| t.seq == 1)));
 }
 
-#[test]
-fn busy_sets_take_turns_so_none_starves() {
-    let h = Harness::new(
-        FakeConfig {
-            decode_delay: Duration::from_micros(500),
-            ..FakeConfig::default()
-        },
-        4,
-    );
+/// Two sets, A (the base) and B, two requests each of `n` greedy tokens on 4 slots of the fake
+/// with `config`: every text is its set's text decoded alone, and B started before A was done.
+/// The sets decoded from B's first batch to A's last (both busy).
+fn two_sets_busy(config: FakeConfig, n: usize) -> Vec<LoraScales> {
+    let h = Harness::new(config, 4);
     let (a, b) = (set(&[]), set(&[1.0]));
-    let rxs: Vec<_> = [&a, &b, &a, &b]
+    let sets = [&a, &b, &a, &b];
+    let steps = i64::try_from(n).unwrap();
+    let rxs: Vec<_> = sets
         .iter()
         .enumerate()
-        .map(|(i, s)| h.submit(&format!("turn {i}"), greedy_under(24, s)))
+        .map(|(i, s)| h.submit(&format!("turn {i}"), greedy_under(steps, s)))
         .collect();
-    for mut rx in rxs {
-        collect(&mut rx);
+    let texts: Vec<String> = rxs.into_iter().map(|mut rx| collect(&mut rx).0).collect();
+    for (i, s) in sets.iter().enumerate() {
+        assert_eq!(texts[i], expected_under(&format!("turn {i}"), n, s));
     }
     let lora_log = h.lora_log.lock().unwrap();
-    // From the first batch of B to the last batch of A (both busy), the sets take turns: a
-    // change costs nothing here, so turns are short (how short is `lora.rs`'s unit tests':
-    // here it follows the noise in the fake's decode times).
     let first_b = lora_log.iter().position(|s| *s == b).unwrap();
     let last_a = lora_log.iter().rposition(|s| *s == a).unwrap();
     assert!(
         first_b < last_a,
         "B only ran after A was done: {lora_log:?}"
     );
-    let runs = runs(&lora_log[first_b..=last_a]);
-    assert!(runs.len() >= 2, "the sets did not take turns: {lora_log:?}");
+    lora_log[first_b..=last_a].to_vec()
 }
 
-/// The lengths of the runs of one set in `log`.
-fn runs(log: &[LoraScales]) -> Vec<usize> {
-    let mut lengths: Vec<usize> = vec![];
-    for (i, s) in log.iter().enumerate() {
-        match lengths.last_mut() {
-            Some(n) if log[i - 1] == *s => *n += 1,
-            _ => lengths.push(1),
-        }
-    }
-    lengths
+#[test]
+fn busy_sets_take_turns_so_none_starves() {
+    // A change costs nothing here, so turns are short (how short is `lora.rs`'s unit tests':
+    // here it follows the noise in the fake's decode times).
+    let both = two_sets_busy(
+        FakeConfig {
+            decode_delay: Duration::from_micros(500),
+            ..FakeConfig::default()
+        },
+        24,
+    );
+    let runs = run_lengths(&both);
+    assert!(runs.len() >= 2, "the sets did not take turns: {both:?}");
 }
 
 #[test]
 fn where_a_change_of_set_is_slow_the_sets_take_longer_turns_and_none_starves() {
     // Steps of 1 ms, a change of set 4 ms more: turns of about 20 ms, some 15 steps (fewer
     // where the machine is busy and steps take longer).
-    let h = Harness::new(
+    let both = two_sets_busy(
         FakeConfig {
             decode_delay: Duration::from_millis(1),
             lora_change_delay: Duration::from_millis(4),
             ..FakeConfig::default()
         },
-        4,
-    );
-    let (a, b) = (set(&[]), set(&[1.0]));
-    let rxs: Vec<_> = [&a, &b, &a, &b]
-        .iter()
-        .enumerate()
-        .map(|(i, s)| h.submit(&format!("turn {i}"), greedy_under(120, s)))
-        .collect();
-    let texts: Vec<String> = rxs.into_iter().map(|mut rx| collect(&mut rx).0).collect();
-    for (i, s) in [&a, &b, &a, &b].iter().enumerate() {
-        assert_eq!(texts[i], expected_under(&format!("turn {i}"), 120, s));
-    }
-    let lora_log = h.lora_log.lock().unwrap();
-    let first_b = lora_log.iter().position(|s| *s == b).unwrap();
-    let last_a = lora_log.iter().rposition(|s| *s == a).unwrap();
-    assert!(
-        first_b < last_a,
-        "B only ran after A was done: {lora_log:?}"
+        120,
     );
     // While both were busy: fewer changes than steps (alternating would change at every
     // step).
-    let runs = runs(&lora_log[first_b..=last_a]);
+    let runs = run_lengths(&both);
     let steps: usize = runs.iter().sum();
     assert!(runs.len() >= 2, "{runs:?}");
     assert!(runs.len() * 2 <= steps, "turns too short: {runs:?}");
