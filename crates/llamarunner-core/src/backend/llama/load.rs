@@ -187,11 +187,8 @@ pub fn load<R>(
         ));
     }
 
-    let mut ctx = llama_result(|| model.new_context(backend, ctx_params))
+    let ctx = llama_result(|| model.new_context(backend, ctx_params))
         .map_err(|why| format!("llama.cpp could not create a context of {n_ctx} tokens: {why}"))?;
-
-    let lora =
-        crate::backend::llama::lora::LoraAdapters::load(&model, &mut ctx, &config.lora, adapters)?;
 
     let vision = match &config.mmproj {
         Some(path) => {
@@ -288,7 +285,6 @@ pub fn load<R>(
         vram_bytes = info.devices.vram_bytes,
         "model placement"
     );
-    health.set_model_info(info);
     let model: &LlamaModel = &model;
     let embed_params = EmbedParams {
         threads,
@@ -306,7 +302,7 @@ pub fn load<R>(
         embed_params,
         config.effective_swa_full(),
     )?
-    .with_lora(lora)
+    .with_lora(&config.lora, adapters)?
     .with_vision(vision)
     .with_draft(draft)
     .with_sampling_threads(sampling_threads as usize)
@@ -314,6 +310,8 @@ pub fn load<R>(
     .with_backend_sampling(config.backend_sampling)
     .with_deterministic(config.deterministic)
     .with_shared_cells(shared_cells, embed_cells);
+    // Only a model that loaded whole (its adapters applied) is shown.
+    health.set_model_info(info);
     if let Some(cells) = shared_cells {
         tracing::info!(
             cells,

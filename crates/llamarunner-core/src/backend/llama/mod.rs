@@ -23,6 +23,7 @@ mod lora;
 mod mtmd;
 mod null_decode;
 mod placement;
+mod private_pointers;
 mod sampler;
 mod state_read;
 mod text;
@@ -129,7 +130,7 @@ impl<'m> LlamaEngine<'m> {
         swa_full: bool,
     ) -> Result<Self, String> {
         // Every decode goes through the raw context (`guarded_decode.rs`).
-        let raw = crate::backend::llama::lora::context_pointer(model, &ctx)?;
+        let raw = crate::backend::llama::private_pointers::context_pointer(model, &ctx)?;
         let vocab = model.vocab();
         let eog_bans = (0..model.n_vocab())
             .map(LlamaToken)
@@ -296,10 +297,20 @@ impl<'m> LlamaEngine<'m> {
         self
     }
 
-    /// The same engine with these adapters on its context (loaded for it).
-    fn with_lora(mut self, lora: crate::backend::llama::lora::LoraAdapters) -> Self {
-        self.lora = lora;
-        self
+    /// The same engine with these adapters (`load_adapters` made them for `specs`, in order)
+    /// on its context, at the specs' scales.
+    fn with_lora(
+        mut self,
+        specs: &[crate::protocol::lora::LoraSpec],
+        adapters: Vec<llama_cpp_2::model::LlamaLoraAdapter>,
+    ) -> Result<Self, String> {
+        self.lora = crate::backend::llama::lora::LoraAdapters::load(
+            &mut self.ctx,
+            self.raw_ctx,
+            specs,
+            adapters,
+        )?;
+        Ok(self)
     }
 }
 
@@ -317,7 +328,7 @@ impl Decoder for LlamaEngine<'_> {
     }
 
     fn set_lora(&mut self, scales: &crate::protocol::LoraScales) -> Result<(), BackendError> {
-        self.lora.apply(&mut self.ctx, scales)
+        self.lora.apply(&mut self.ctx, self.raw_ctx, scales)
     }
 
     fn batch_invariant(&self) -> bool {

@@ -30,7 +30,7 @@ use llama_cpp_2::mtmd::{MtmdContext, MtmdContextParams};
 use llama_cpp_sys_2 as sys;
 
 use crate::backend::llama::guarded_decode::Failure;
-use crate::backend::llama::lora::{context_pointer, debug_pointer};
+use crate::backend::llama::private_pointers::debug_pointer;
 use crate::backend::{BackendError, Token};
 use crate::protocol::vision::{ImageChunk, ImageInput, PromptImage, VisionError, VisionModel};
 
@@ -148,9 +148,6 @@ impl Projector {
                  runner does not support"
             ));
         }
-        // The decode of an image goes through the context's raw pointer: check that it is
-        // there (the same check LoRA makes).
-        context_pointer(model, ctx)?;
         // SAFETY: `mtmd_default_marker` returns a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }
             .to_string_lossy()
