@@ -424,9 +424,18 @@ def llama_server(
 
 
 @contextmanager
-def _process(cmd: list[str], name: str, port: int, protocol: str) -> Iterator[Running]:
-    env = {**os.environ, "LLAMARUNNER_LOG": "warn"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+def _process(
+    cmd: list[str], name: str, port: int, protocol: str, trace: Path | None = None
+) -> Iterator[Running]:
+    """Runs the server ``cmd`` until the block ends; with ``trace``, our scheduler's step
+    trace (one line a decode: ``LLAMARUNNER_LOG``) is written there."""
+    log = "warn" if trace is None else "warn,llamarunner_core::sched=trace"
+    env = {**os.environ, "LLAMARUNNER_LOG": log}
+    if trace is None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    else:
+        with trace.open("wb") as stderr:  # the server has its own descriptor
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,11 @@ def test_lora_bench_runs(tiny_model: Path) -> None:
     out = run_bench("lora", tiny_model, "--requests", "1", "--tokens", "4")
     for scenario in ("no adapter loaded", "one set", "two sets", "four sets"):
         assert scenario in out, out
+    # The step trace of each run of several sets: every set had to be applied in turn.
+    traced = [line for line in out.splitlines() if line.startswith("- ")]
+    assert [line.split(":")[0] for line in traced] == ["- two sets", "- four sets"], out
+    for line in traced:
+        assert re.search(r": [1-9]\d* steps, [1-9]\d* changes of set", line), out
 
 
 def test_agent_loop_bench_runs(tiny_model: Path) -> None:

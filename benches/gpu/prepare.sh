@@ -7,7 +7,7 @@
 #   bash benches/gpu/run.sh           # writes its tables under $OUT
 #
 # It holds: this commit's portable wheel (CPU variants only), the wheels of httpx and its
-# dependencies for CPython 3.12, the peer's llama.cpp source (its ggml the vendored one; xz,
+# dependencies for CPython 3.12 and of gguf (the version installed here), the peer's llama.cpp source (its ggml the vendored one; xz,
 # without vocabulary files, docs, tests, media, the web UI's sources (llama-server builds without
 # its UI there: no npm) and the other GPU backends' sources), and the
 # default model's header (make_model.py). The 64 MiB is the whole working tree that travels:
@@ -42,6 +42,11 @@ py=${GPU_PYTHON_VERSION:-3.12}
 python -m pip download -q --only-binary=:all: --python-version "$py" \
   --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --platform any -d "$carry/wheelhouse" "httpx>=0.27"
+# And gguf, without its dependencies (numpy, PyYAML, requests and tqdm are on that machine):
+# benches.lora writes its random adapter with it (tests/tinylora.py).
+python -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
+  --implementation cp --platform any -d "$carry/wheelhouse" "gguf==$(python -c '
+from importlib.metadata import version; print(version("gguf"))')"
 
 # llama.cpp's source: the peer's (docs/upgrading-llama-cpp.md, step 5: a llama.cpp checkout
 # whose ggml/ is the one llama-cpp-sys-2 vendors; the vendored copy has no tools/ sources), so
@@ -98,7 +103,7 @@ if [ "$total" -ge 63 ]; then
   # Room for the tree to grow: the GPU machine's image has httpx (the device tool's KINDS.md),
   # so its wheels are the first thing left behind.
   echo "leaving httpx's wheels behind (the GPU machine has httpx)"
-  find "$carry/wheelhouse" -name '*.whl' ! -name 'llamarunner-*' -delete
+  find "$carry/wheelhouse" -name '*.whl' ! -name 'llamarunner-*' ! -name 'gguf-*' -delete
   carried=$(du -sb "$carry" | cut -f1)
   total=$(((tracked + carried) / 1048576))
 fi

@@ -14,6 +14,9 @@
 #                             and 64 clients
 #   $OUT/load-gemma-ours-device-sampling.md  ours with --backend-sampling against ours
 #                             without, paired, at 64 clients (which is faster: the default)
+#   $OUT/lora-gemma.md        ours with one random adapter (benches.lora): one, two and four
+#                             scale sets among 4 clients, and what the step trace says of the
+#                             turns and of what a change of set costs on the GPU
 #   $OUT/load-llama8b.md      ours vs llama-server, a llama 8B shape in Q4_K
 #
 # A GPU module in the carry (prepare.sh's GPU_MODULE) is given to both servers, and llama.cpp is
@@ -23,7 +26,7 @@
 # single,parallel8,parallel32,parallel64); LLAMA_LAYERS (fewer layers for a dry run);
 # CEILING_STREAMS (default 64,256) and CEILING_SECONDS (default 8); DEVSAMPLING_CLIENTS (default
 # parallel8,parallel64);
-# STEPS (default build,install,models,load,ceiling,batched,devsampling,llama8b).
+# STEPS (default build,install,models,load,ceiling,batched,devsampling,lora,llama8b).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,7 +35,7 @@ out=${OUT:-/tmp/gpu-out}
 work=${GPU_WORK:-/tmp/gpu-work}
 cuda=${GGML_CUDA:-ON}
 clients=${CLIENTS:-single,parallel8,parallel32,parallel64}
-steps=${STEPS:-build,install,models,load,ceiling,batched,devsampling,llama8b}
+steps=${STEPS:-build,install,models,load,ceiling,batched,devsampling,lora,llama8b}
 mkdir -p "$out" "$work"
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$out/run.log"; }
 want() { [[ ",$steps," == *",$1,"* ]]; }
@@ -95,6 +98,8 @@ if want install; then
   "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" --no-deps llamarunner
   "$py" -c 'import httpx' 2>/dev/null ||
     "$py" -m pip install -q --no-index --find-links "$carry/wheelhouse" httpx
+  "$py" -c 'import gguf' 2>/dev/null ||
+    "$py" -m pip install -q --no-index --no-deps --find-links "$carry/wheelhouse" gguf
   if [ "$gpu" = ON ]; then
     lib=$("$py" -c 'import llamarunner, os; print(os.path.join(os.path.dirname(llamarunner.__file__), "lib"))')
     if [ -n "$carried" ]; then cp "$module" "$lib/"; else cp "$build/bin/libggml-cuda.so" "$lib/"; fi
@@ -162,6 +167,16 @@ if want devsampling; then
     >"$out/load-gemma-ours-device-sampling.md" 2>"$out/load-gemma-ours-device-sampling.err" ||
     log "load: ours-device-sampling failed"
   log "load: ours-device-sampling done"
+fi
+
+# What a change of LoRA scale set costs where llama.cpp allocates its compute buffers again at
+# each (sched/lora.rs sizes the turns by it): one random adapter on the default model's shape.
+if want lora; then
+  log "lora: one, two and four scale sets among 4 clients"
+  "$py" -m benches.lora --model "$gemma" --threads "$threads" --scenarios one,two,four \
+    --tokens 128 --requests 2 >"$out/lora-gemma.md" 2>"$out/lora-gemma.err" ||
+    log "lora: failed"
+  log "lora: done"
 fi
 
 want llama8b && load "$llama8b" llama8b
