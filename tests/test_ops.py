@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pty
 import re
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -348,11 +350,58 @@ def test_restoring_a_garbage_file_is_a_clean_error_and_the_server_keeps_serving(
         assert error_type(r) == "invalid_slot_file", (name, r.text)
         assert name in r.json()["error"]["message"]
         assert str(slot_dir) not in r.json()["error"]["message"]  # no server paths
+    # Nor can a save replace a directory.
+    r = post(url, "/slots/0?action=save", {"filename": "a-directory"})
+    assert r.status_code == 400 and error_type(r) == "invalid_request", r.text
+    assert "not a file" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     _, again = complete(url, "hello world", num_predict=4, temperature=0)
     assert again["eval_count"] == 4
     r = post(url, "/slots/1?action=restore", {"filename": "good.bin"})
     assert r.status_code == 200, r.text
+
+
+def forge_first_cell(good: bytes, pos: int) -> bytes:
+    """The slot file ``good`` (``ops/slot_file.rs``'s layout) with the first KV cell of its
+    llama.cpp state moved to position ``pos``, its checksum made again: what anyone who can
+    write into the slot directory can make. The state: an 8-byte header, the stream count,
+    then stream 0's cell count and its cells (position, 1, sequence id: 12 bytes each)."""
+    o = 8 + 4 + 32
+    o += 2 + struct.unpack_from("<H", good, o)[0]
+    o += 4 + 4 * struct.unpack_from("<I", good, o)[0] + 8
+    body = bytearray(good[:-32])
+    assert struct.unpack_from("<iIi", body, o + 16) == (0, 1, 0)  # position 0 of sequence 0
+    struct.pack_into("<i", body, o + 16, pos)
+    return bytes(body) + hashlib.sha256(bytes(body)).digest()
+
+
+@pytest.mark.parametrize("pos", [2**31 - 1, -7])
+def test_a_forged_state_whose_cell_no_removal_reaches_leaves_every_slot_serving(
+    slot_server: str, slot_dir: Path, pos: int
+) -> None:
+    """llama.cpp removes cells by position range, from 0 to below 2**31 - 1: a state giving a
+    cell a position outside that range left the slot failing every decode until a restart.
+    Now the restore is refused and the whole cache emptied (no slot holds anything after)."""
+    url = slot_server
+    complete(url, "hello world", num_predict=4, temperature=0)
+    wait_idle(url)
+    assert post(url, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
+    good = (slot_dir / "good.bin").read_bytes()
+    (slot_dir / "forged.bin").write_bytes(forge_first_cell(good, pos))
+    r = post(url, "/slots/0?action=restore", {"filename": "forged.bin"})
+    assert r.status_code == 400 and error_type(r) == "invalid_slot_file", r.text
+    table = httpx.get(f"{url}/slots", timeout=10).json()
+    assert [s["cached_tokens"] for s in table] == [0, 0]
+    # Slot 0, the lowest free one, serves again; so does erase, and a good restore.
+    _, again = complete(url, "hello world", num_predict=4, temperature=0)
+    assert again["eval_count"] == 4 and again["prompt_cached_count"] == 0
+    wait_idle(url)
+    assert post(url, "/slots/0?action=erase").status_code == 200
+    r = post(url, "/slots/0?action=restore", {"filename": "good.bin"})
+    assert r.status_code == 200, r.text
+    _, cached = complete(url, "hello world", num_predict=4, temperature=0)
+    assert cached["prompt_cached_count"] > 0
+    assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ready"
 
 
 # --- the load progress bar -----------------------------------------------------------------

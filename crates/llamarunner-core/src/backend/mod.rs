@@ -221,6 +221,14 @@ pub trait KvOps {
     /// Removes positions `from..` of a sequence from the KV cache; false when the cache cannot
     /// remove part of a sequence (the caller then clears all of it).
     fn kv_truncate(&mut self, seq: i32, from: usize) -> bool;
+    /// Empties sequence `seq`; false when cells of it stay. llama.cpp removes cells by
+    /// position range, and a corrupt state (a slot file) can give a cell a position outside
+    /// every range (negative, or `i32::MAX`): only `kv_clear_all` removes that one.
+    fn kv_clear(&mut self, seq: i32) -> bool {
+        self.kv_truncate(seq, 0)
+    }
+    /// Empties every sequence.
+    fn kv_clear_all(&mut self);
     /// Whether `kv_truncate(seq, from)` would keep what is left usable (it removes part of a
     /// sequence, and no sliding window loses cells it needs): asked before a cut that is a
     /// choice, not a need.

@@ -216,12 +216,21 @@ fn unexpected(outcome: &SlotOutcome) -> ApiError {
 /// whole slot's state, and a client naming a new file on every save would fill the disk.
 pub const MAX_SLOT_FILES: usize = 256;
 
-/// Checks that saving `name` into `dir` keeps it within `MAX_SLOT_FILES` slot files (files
+/// Checks that saving `name` into `dir` can replace what has that name (not a directory) and
+/// keeps the directory within `MAX_SLOT_FILES` slot files (files
 /// whose names a request could give; hidden temporaries and others do not count). Runs under
 /// the one-at-a-time slot file lock, so two saves cannot both take the last place.
 fn check_quota(dir: &Path, name: &str) -> Result<(), String> {
-    if dir.join(name).is_file() {
+    let path = dir.join(name);
+    if path.is_file() {
         return Ok(());
+    }
+    // A directory (or FIFO, socket...) of that name cannot be replaced by a file; a link,
+    // dangling or not, can (the rename replaces the link).
+    if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.is_file() && !m.is_symlink()) {
+        return Err(format!(
+            "{name} in the slot save directory is not a file: save under another name"
+        ));
     }
     let entries =
         std::fs::read_dir(dir).map_err(|e| format!("cannot read the slot directory: {e}"))?;

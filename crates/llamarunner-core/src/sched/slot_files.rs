@@ -4,7 +4,7 @@
 use super::Scheduler;
 use crate::backend::Backend;
 use crate::protocol::vision::is_image_token;
-use crate::protocol::{EngineError, EngineErrorKind, SlotAction, SlotOutcome};
+use crate::protocol::{Ending, EngineError, EngineErrorKind, SlotAction, SlotOutcome};
 
 impl<B: Backend> Scheduler<B> {
     /// Saves, restores or erases the cache of slot `index` (`POST /slots/{id}`). Runs between
@@ -82,7 +82,10 @@ impl<B: Backend> Scheduler<B> {
                 };
                 slot.cached.clear();
                 if let Some(why) = why {
-                    self.backend.kv_truncate(slot.id, 0);
+                    let id = slot.id;
+                    if !self.backend.kv_clear(id) {
+                        self.clear_every_cache(index);
+                    }
                     return Err(EngineError::new(
                         EngineErrorKind::InvalidSlotState,
                         format!("llama.cpp could not restore the slot's cache: {why}"),
@@ -101,6 +104,32 @@ impl<B: Backend> Scheduler<B> {
                 slot.cached.clear();
                 Ok(SlotOutcome::Erased(n))
             }
+        }
+    }
+
+    /// A restore into slot `index` left cells that no removal by position reaches (a slot
+    /// file whose checksum holds but whose state gives a cell a position outside every range:
+    /// written by hand, or by another llama.cpp). Only emptying the whole cache removes them,
+    /// or the slot would fail every later decode. Every slot's cache goes, and a request
+    /// another slot is serving ends with an error (its cells go too).
+    fn clear_every_cache(&mut self, index: usize) {
+        tracing::warn!(
+            slot = index,
+            "a restored slot file left cells no removal by position reaches: the whole KV cache is cleared"
+        );
+        self.backend.kv_clear_all();
+        for slot in &mut self.slots {
+            if let Some(seq) = slot.seq.take() {
+                let err = EngineError::new(
+                    EngineErrorKind::Internal,
+                    format!(
+                        "the KV cache was cleared: a slot file restored into slot {index} held \
+                         cells llama.cpp cannot remove one by one"
+                    ),
+                );
+                self.endings.push(Ending::error(seq.events, err));
+            }
+            slot.cached.clear();
         }
     }
 }

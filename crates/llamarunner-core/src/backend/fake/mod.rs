@@ -168,7 +168,14 @@ pub struct FakeBackend {
     window_lost: HashMap<i32, usize>,
     /// Sequences whose window a cut or fork lost (`window`).
     broken: std::collections::HashSet<i32>,
+    /// Sequences holding a cell no position range removes (a restored state's `STUCK_CELL`):
+    /// only `kv_clear_all` empties them, as with llama.cpp.
+    stuck: std::collections::HashSet<i32>,
 }
+
+/// In a state given to the fake (`set_seq_state`), a cell at a position llama.cpp's range
+/// removals never reach (negative, or `i32::MAX`), as a corrupt slot file can hold.
+pub const STUCK_CELL: Token = Token::MIN;
 
 impl FakeBackend {
     /// The slots' cells are within the shared cache, when there is one: llama.cpp would have
@@ -267,6 +274,11 @@ impl Decoder for FakeBackend {
             assert!(
                 !self.broken.contains(&t.seq),
                 "seq {} decoded after its window was lost (scheduler bug)",
+                t.seq
+            );
+            assert!(
+                !self.stuck.contains(&t.seq),
+                "seq {} decoded while it holds a cell no range removes (scheduler bug)",
                 t.seq
             );
             let kv = self.kv.entry(t.seq).or_default();
@@ -399,6 +411,17 @@ impl KvOps for FakeBackend {
         }
         kv.truncate(from);
         self.window_check(seq, from)
+    }
+
+    fn kv_clear(&mut self, seq: i32) -> bool {
+        self.kv_truncate(seq, 0) && !self.stuck.contains(&seq)
+    }
+
+    fn kv_clear_all(&mut self) {
+        self.kv.clear();
+        self.window_lost.clear();
+        self.broken.clear();
+        self.stuck.clear();
     }
 
     fn kv_shift(&mut self, seq: i32, keep: usize, discard: usize) -> bool {
@@ -538,6 +561,9 @@ impl KvOps for FakeBackend {
                 kv.len(),
                 self.config.slot_ctx
             )));
+        }
+        if kv.contains(&STUCK_CELL) {
+            self.stuck.insert(seq);
         }
         let n = kv.len();
         if let Some(all) = self.config.shared_cells {

@@ -18,6 +18,17 @@ impl KvOps for LlamaEngine<'_> {
             && self.window_intact(seq, from as usize)
     }
 
+    fn kv_clear(&mut self, seq: i32) -> bool {
+        // An empty sequence has neither a first nor a last position (-1 for both).
+        self.ctx.kv_cache_seq_rm(seq, None, None).is_ok()
+            && self.ctx.kv_cache_seq_pos_max(seq) == -1
+            && self.ctx.kv_cache_seq_pos_min(seq) == -1
+    }
+
+    fn kv_clear_all(&mut self) {
+        self.ctx.clear_kv_cache();
+    }
+
     fn kv_can_cut(&self, seq: i32, from: usize) -> bool {
         !self.model.is_recurrent() && !self.model.is_hybrid() && self.window_intact(seq, from)
     }
@@ -164,7 +175,17 @@ impl KvOps for LlamaEngine<'_> {
                 "the state does not fit this model and context (llama.cpp logged why)".into(),
             ));
         }
-        let max = self.ctx.kv_cache_seq_pos_max(seq);
+        // Positions go from 0: a corrupt state's negative one would make a cell that no
+        // range removes, and whose sequence no decode continues (the caller clears it).
+        let (min, max) = (
+            self.ctx.kv_cache_seq_pos_min(seq),
+            self.ctx.kv_cache_seq_pos_max(seq),
+        );
+        if min < 0 && max >= 0 {
+            return Err(BackendError::State(format!(
+                "the state holds position {min}; positions start at 0"
+            )));
+        }
         Ok(usize::try_from(max.saturating_add(1)).unwrap_or(0))
     }
 }

@@ -162,6 +162,90 @@ fn a_state_the_backend_refuses_leaves_the_slot_empty_and_the_engine_serving() {
     assert_eq!(err.kind, EngineErrorKind::ContextLength);
 }
 
+/// The state `state` with a cell at a position no removal by range reaches (the fake's
+/// `STUCK_CELL`) after its cells: what a slot file whose checksum holds can carry.
+fn with_stuck_cell(state: &[u8]) -> Vec<u8> {
+    let mut state = state.to_vec();
+    state.extend(crate::backend::fake::STUCK_CELL.to_le_bytes());
+    state
+}
+
+#[test]
+fn a_restored_cell_no_range_removes_empties_the_whole_cache_and_every_slot_serves_again() {
+    let h = Harness::new(FakeConfig::default(), 2);
+    let (_, _) = collect(&mut h.submit("kept", greedy(3)));
+    let (tokens, state) = save(&h, 0);
+    // Slot 1 holds a copy of it.
+    let n = tokens.len();
+    let copy = SlotAction::Restore {
+        tokens: tokens.clone(),
+        state: state.clone(),
+        lora: LoraScales::base(),
+    };
+    assert_eq!(h.slot(1, copy), Ok(SlotOutcome::Restored(n)));
+    let err = h
+        .slot(
+            0,
+            SlotAction::Restore {
+                tokens,
+                state: with_stuck_cell(&state),
+                lora: LoraScales::base(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
+    // Only emptying the whole cache removed the stuck cell: no slot holds anything now, and
+    // both serve (the fake refuses to decode a sequence with a stuck cell).
+    for i in 0..2 {
+        assert_eq!(h.settled_slot(i).cached_tokens, 0);
+    }
+    let a = h.submit("kept", greedy(3));
+    let b = h.submit("a second conversation", greedy(3));
+    for (mut rx, prompt) in [(a, "kept"), (b, "a second conversation")] {
+        let (text, done) = collect(&mut rx);
+        assert_eq!(done.prompt_cached_count, 0);
+        assert_eq!(text, expected(prompt, 3));
+    }
+}
+
+#[test]
+fn a_request_served_while_the_whole_cache_is_emptied_ends_with_an_error() {
+    let h = Harness::new(
+        FakeConfig {
+            slot_ctx: 100_000,
+            decode_delay: Duration::from_millis(1),
+            ..FakeConfig::default()
+        },
+        2,
+    );
+    let (_, _) = collect(&mut h.submit("kept", greedy(3)));
+    let (tokens, state) = save(&h, 0);
+    // A long request on slot 0 (the restore goes to the idle slot 1).
+    let mut rx = h.submit("busy", greedy(5_000));
+    assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
+    let err = h
+        .slot(
+            1,
+            SlotAction::Restore {
+                tokens,
+                state: with_stuck_cell(&state),
+                lora: LoraScales::base(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
+    let ended = loop {
+        match rx.blocking_recv().expect("the stream ends") {
+            Event::Text { .. } => {}
+            Event::Error(e) => break e,
+            other => panic!("the request went on after its cells were cleared: {other:?}"),
+        }
+    };
+    assert!(ended.message.contains("KV cache was cleared"), "{ended}");
+    let (text, _) = collect(&mut h.submit("busy", greedy(3)));
+    assert_eq!(text, expected("busy", 3));
+}
+
 #[test]
 fn the_slot_table_shows_what_each_request_is_doing() {
     let h = Harness::new(
