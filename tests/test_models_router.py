@@ -254,6 +254,10 @@ def test_posts_to_unknown_routes_and_padded_names_load_nothing(
         for route in ("/no/such/route", "/api/delete", "/v1/chat/completions/x"):
             r = httpx.post(f"{url}{route}", json={"model": "bravo"}, timeout=TIMEOUT)
             assert r.status_code == 404, (route, r.text)
+        # Nor GETs, whatever model they name, or none.
+        for route in ("/no/such/route", "/v1/nope", "/no/such/route?model=bravo"):
+            r = httpx.get(f"{url}{route}", timeout=TIMEOUT)
+            assert r.status_code == 404 and "no route for GET" in r.text, r.text
         # Ollama's pull of a model served here: there already, nothing loaded.
         r = httpx.post(f"{url}/api/pull", json={"model": "bravo"}, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json() == {"status": "success"}
@@ -316,6 +320,10 @@ def test_a_request_just_after_its_idle_engine_is_killed_starts_it_again(
         r = httpx.post(f"{url}/slots/0?action=save", json=save, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
         size = (slots / "kept.bin").stat().st_size
+        # `?model=` names the model of a slot action whose body names none.
+        query = f"{url}/slots/0?action=save&model=alpha"
+        r = httpx.post(query, json={"filename": "query.bin"}, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
         os.kill(statuses(url)["alpha"]["pid"], signal.SIGKILL)
         r = httpx.post(f"{url}/slots/0?action=save", json=save, timeout=TIMEOUT)
         assert r.status_code == 503, r.text

@@ -262,6 +262,11 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
         }
         return not_found(parts.method, parts.uri).await;
     }
+    let path = parts.uri.path();
+    if !posted && !crate::routes::is_model_read(path) && !crate::routes::is_model_post(path) {
+        // No engine has the route: a 404, whatever model it would name.
+        return not_found(parts.method, parts.uri).await;
+    }
     let mut posted_json: Option<Value> = None;
     if posted && !body.is_empty() {
         let v: Value = match serde_json::from_slice(&body) {
@@ -282,8 +287,14 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
             }
         }
         posted_json = Some(v);
-    } else if let Ok(Query(q)) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri) {
-        name = q.get("model").cloned();
+    }
+    let named_in_body = name.is_some();
+    if name.is_none() {
+        // `?model=` names it on a GET, and on a POST whose body names none (llama-server's
+        // `POST /slots/{id}?action=…&model=…`).
+        if let Ok(Query(q)) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri) {
+            name = q.get("model").cloned();
+        }
     }
     let model = match registry.find(name.as_deref()) {
         Ok(m) => m,
@@ -308,7 +319,7 @@ async fn forward(State(registry): Shared, request: Request) -> Response {
     // A model found by another name (the name a pull was asked by) is named as its engine
     // serves it.
     let body = match posted_json {
-        Some(mut v) if name.as_deref().is_some_and(|n| registry.is_alias(n)) => {
+        Some(mut v) if named_in_body && name.as_deref().is_some_and(|n| registry.is_alias(n)) => {
             let key = if v.get("model").is_some() {
                 "model"
             } else {
