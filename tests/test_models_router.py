@@ -453,6 +453,7 @@ def test_a_model_that_fails_to_load_leaves_the_others_serving(
 ) -> None:
     d = make_models_dir(tmp_path)
     (d / "broken.gguf").write_bytes(b"GGUF" + os.urandom(4000))
+    (d / "notgguf.gguf").write_bytes(b"PK\x03\x04" + os.urandom(4000))
     srv = start(d, tmp_path)
     url = srv.url
     try:
@@ -464,6 +465,12 @@ def test_a_model_that_fails_to_load_leaves_the_others_serving(
         h = httpx.get(f"{url}/health").json()
         assert h["status"] == "ready"
         assert next(m for m in h["models"] if m["id"] == "broken")["status"] == "failed"
+        # A file that is not a GGUF model ends its engine before it serves: the reason it
+        # wrote on its way out is the one given.
+        r = completion(url, "notgguf")
+        assert r.status_code == 500, r.text
+        assert "is not a GGUF model file" in r.json()["error"]["message"], r.text
+        assert "is not a GGUF model file" in statuses(url)["notgguf"]["error"]
         assert completion(url, "alpha").status_code == 200
         assert srv.alive()
     finally:

@@ -19,6 +19,38 @@ pub const CONFIG_ENV: &str = "LLAMARUNNER_ENGINE_CONFIG";
 /// How often a loading engine's `/health` is asked.
 const HEALTH_POLL: Duration = Duration::from_millis(50);
 
+/// How long an engine's stderr may stay open after it exited (a process it started could
+/// hold it) before its exit is reported without what it said last.
+const STDERR_END: Duration = Duration::from_secs(1);
+
+/// Passes an engine's stderr on to the router's, line by line, and returns the reason the
+/// engine gave last (`llamarunner: model NAME: REASON`, which `_engine.py` writes before it
+/// exits on a failure): an engine that fails before it serves `/health`, for example on a
+/// file that is not a GGUF model, has no other way to say why.
+async fn pass_stderr(stderr: Option<tokio::process::ChildStderr>, name: String) -> Option<String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut lines = tokio::io::BufReader::new(stderr?);
+    let mut out = tokio::io::stderr();
+    let prefix = format!("llamarunner: model {name}: ");
+    let mut said = None;
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        // Bytes, not text: a line that is not UTF-8 must not stop the reading (the engine
+        // would block on a full pipe).
+        match lines.read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let _ = out.write_all(&line).await;
+        let text = String::from_utf8_lossy(&line);
+        if let Some(why) = text.trim_end().strip_prefix(&prefix) {
+            said = Some(why.to_string());
+        }
+    }
+    said
+}
+
 /// How an engine process ended.
 #[derive(Debug)]
 pub struct Exit {
@@ -75,11 +107,12 @@ impl EngineProcess {
             .env("LLAMARUNNER_ENGINE_NAME", name)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("cannot start the engine process ({program}): {e}"))?;
         let pid = child.id().unwrap_or(0);
+        let mut said = tokio::spawn(pass_stderr(child.stderr.take(), name.to_string()));
         let (tx, rx) = mpsc::channel(16);
         let (kill_tx, mut kill_rx) = oneshot::channel::<()>();
         tokio::spawn(async move {
@@ -93,7 +126,14 @@ impl EngineProcess {
                             Ok(s) => s.to_string(),
                             Err(e) => e.to_string(),
                         };
-                        let error = match last_error.take() {
+                        // What it said last, once its stderr has ended (it says it
+                        // before it exits: a second is more than enough).
+                        let said = tokio::time::timeout(STDERR_END, &mut said)
+                            .await
+                            .ok()
+                            .and_then(Result::ok)
+                            .flatten();
+                        let error = match last_error.take().or(said) {
                             Some(e) => format!("the model's engine failed: {e} ({how})"),
                             None if ready => format!("the model's engine process ended ({how})"),
                             None => format!("the model's engine process ended while loading ({how})"),

@@ -159,6 +159,30 @@ fn a_long_unknown_name_is_cut_in_the_message() {
 }
 
 #[tokio::test]
+async fn an_engine_that_fails_before_it_serves_gives_the_reason_it_wrote_last() {
+    // As `_engine.py` does when the file is not a model: one line on stderr, then exit 1.
+    // A line that is not UTF-8 (and another model's name) does not stop or replace it.
+    let script = "printf 'noise \\377\\n' >&2; \
+                  echo 'llamarunner: model bravo: not this one' >&2; \
+                  echo 'llamarunner: model alpha: /models/alpha.gguf is not a GGUF model file' >&2; \
+                  echo 'a last log line' >&2; exit 1";
+    let r = registry_running(
+        &["alpha", "bravo"],
+        &["sh", "-c", script],
+        Duration::from_secs(5),
+    );
+    let m = r.find(Some("alpha")).unwrap();
+    let e = r.lease(&m).await.unwrap_err();
+    let ApiError::LoadFailed(why) = e else {
+        panic!("{e}");
+    };
+    assert!(
+        why.contains("failed: /models/alpha.gguf is not a GGUF model file (exit status: 1)"),
+        "{why}"
+    );
+}
+
+#[tokio::test]
 async fn an_engine_that_exits_while_loading_fails_the_request_with_its_reason() {
     // `true` exits at once: the load fails, the request is told, the model says failed.
     let r = registry(&["alpha", "bravo"]);
