@@ -353,7 +353,7 @@ def test_restoring_a_garbage_file_is_a_clean_error_and_the_server_keeps_serving(
     # Nor can a save replace a directory.
     r = post(url, "/slots/0?action=save", {"filename": "a-directory"})
     assert r.status_code == 400 and error_type(r) == "invalid_request", r.text
-    assert "not a file" in r.json()["error"]["message"]
+    assert "is a directory" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     _, again = complete(url, "hello world", num_predict=4, temperature=0)
     assert again["eval_count"] == 4
@@ -375,13 +375,13 @@ def forge_first_cell(good: bytes, pos: int) -> bytes:
     return bytes(body) + hashlib.sha256(bytes(body)).digest()
 
 
-@pytest.mark.parametrize("pos", [2**31 - 1, -7])
+@pytest.mark.parametrize("pos", [2**31 - 1, -1, -7, -(2**31)])
 def test_a_forged_state_whose_cell_no_removal_reaches_leaves_every_slot_serving(
     slot_server: str, slot_dir: Path, pos: int
 ) -> None:
-    """llama.cpp removes cells by position range, from 0 to below 2**31 - 1: a state giving a
-    cell a position outside that range left the slot failing every decode until a restart.
-    Now the restore is refused and the whole cache emptied (no slot holds anything after)."""
+    """llama.cpp removes cells by position range, from 0 to below 2**31 - 1, and takes -1 for
+    a free cell: a state giving a cell a position outside that range left the slot failing
+    every decode until a restart. Now the state is refused before llama.cpp reads it."""
     url = slot_server
     complete(url, "hello world", num_predict=4, temperature=0)
     wait_idle(url)
@@ -390,6 +390,8 @@ def test_a_forged_state_whose_cell_no_removal_reaches_leaves_every_slot_serving(
     (slot_dir / "forged.bin").write_bytes(forge_first_cell(good, pos))
     r = post(url, "/slots/0?action=restore", {"filename": "forged.bin"})
     assert r.status_code == 400 and error_type(r) == "invalid_slot_file", r.text
+    # Refused by the walk of the state's bytes, before llama.cpp read it.
+    assert f"holds a cell at position {pos}," in r.text, r.text
     table = httpx.get(f"{url}/slots", timeout=10).json()
     assert [s["cached_tokens"] for s in table] == [0, 0]
     # Slot 0, the lowest free one, serves again; so does erase, and a good restore.
@@ -549,3 +551,13 @@ def test_a_real_model_slot_survives_a_restart(default_model: Path, slot_dir: Pat
         _, done = complete(url, other, num_predict=4, temperature=0)
         system_tokens = len(Client(url).tokenize(system, add_special=True))
         assert done["prompt_cached_count"] >= system_tokens - 2, (done, system_tokens)
+        # A forged cell in the full-attention cache, the first of this sliding-window model's
+        # two (llama.cpp's range checks see only the windowed one): the walk of the state's
+        # bytes refuses it, and the server serves on.
+        wait_idle(url)
+        good = (slot_dir / "system.bin").read_bytes()
+        (slot_dir / "forged.bin").write_bytes(forge_first_cell(good, -7))
+        r = post(url, "/slots/0?action=restore", {"filename": "forged.bin"})
+        assert r.status_code == 400 and "holds a cell at position -7" in r.text, r.text
+        _, done = complete(url, prompt, num_predict=4, temperature=0)
+        assert done["eval_count"] == 4

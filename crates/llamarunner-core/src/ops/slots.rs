@@ -225,11 +225,11 @@ fn check_quota(dir: &Path, name: &str) -> Result<(), String> {
     if path.is_file() {
         return Ok(());
     }
-    // A directory (or FIFO, socket...) of that name cannot be replaced by a file; a link,
-    // dangling or not, can (the rename replaces the link).
-    if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.is_file() && !m.is_symlink()) {
+    // A directory of that name cannot be replaced by a file (anything else can: the rename
+    // replaces a link itself, not what it points to).
+    if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
         return Err(format!(
-            "{name} in the slot save directory is not a file: save under another name"
+            "{name} in the slot save directory is a directory: save under another name"
         ));
     }
     let entries =

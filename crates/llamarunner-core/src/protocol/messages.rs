@@ -99,8 +99,9 @@ pub enum EngineErrorKind {
     SlotBusy,
     /// llama.cpp refused a saved slot state (400).
     InvalidSlotState,
-    /// The KV cache the slots share (`--kv-unified`) had no room for the sequence, and it
-    /// could not be swapped out to wait for room (503).
+    /// The KV cache had no room for the sequence (the slots share it: `--kv-unified`) and it
+    /// could not be swapped out to wait for room, or the whole cache was emptied under it
+    /// (a forged slot file's restore): sending it again may succeed (503).
     CacheFull,
 }
 

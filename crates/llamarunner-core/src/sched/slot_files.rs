@@ -111,7 +111,8 @@ impl<B: Backend> Scheduler<B> {
     /// file whose checksum holds but whose state gives a cell a position outside every range:
     /// written by hand, or by another llama.cpp). Only emptying the whole cache removes them,
     /// or the slot would fail every later decode. Every slot's cache goes, and a request
-    /// another slot is serving ends with an error (its cells go too).
+    /// another slot is serving ends with a 503 to send it again (its cells go too; one
+    /// swapped out of a shared cache keeps its cells in RAM and goes on).
     fn clear_every_cache(&mut self, index: usize) {
         tracing::warn!(
             slot = index,
@@ -119,12 +120,15 @@ impl<B: Backend> Scheduler<B> {
         );
         self.backend.kv_clear_all();
         for slot in &mut self.slots {
-            if let Some(seq) = slot.seq.take() {
+            if slot.seq.as_ref().is_some_and(|s| s.swapped.is_none()) {
+                let Some(seq) = slot.seq.take() else {
+                    continue;
+                };
                 let err = EngineError::new(
-                    EngineErrorKind::Internal,
+                    EngineErrorKind::CacheFull,
                     format!(
                         "the KV cache was cleared: a slot file restored into slot {index} held \
-                         cells llama.cpp cannot remove one by one"
+                         cells llama.cpp cannot remove one by one; send the request again"
                     ),
                 );
                 self.endings.push(Ending::error(seq.events, err));

@@ -161,6 +161,17 @@ impl KvOps for LlamaEngine<'_> {
     }
 
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
+        // Every cell's position in the cache, checked before llama.cpp takes it
+        // (`state_positions.rs`); a recurrent state's layout is another.
+        if !(self.model.is_recurrent() || self.model.is_hybrid()) {
+            let limit = i64::from(self.ctx.n_ctx());
+            let positions = super::state_positions::cell_positions(state).unwrap_or_default();
+            if let Some(p) = positions.iter().find(|&&p| p < 0 || i64::from(p) >= limit) {
+                return Err(BackendError::State(format!(
+                    "the state holds a cell at position {p}, outside the cache's 0..{limit}"
+                )));
+            }
+        }
         // SAFETY: llama.cpp reads `state` within its length (its reader checks every read
         // against the buffer's end) and checks the layer count, tensor types and row sizes
         // against this context; the HTTP side only passes states whose checksum and model

@@ -25,6 +25,7 @@ mod null_decode;
 mod placement;
 mod private_pointers;
 mod sampler;
+mod state_positions;
 mod state_read;
 mod text;
 
