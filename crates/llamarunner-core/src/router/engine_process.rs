@@ -23,12 +23,18 @@ const HEALTH_POLL: Duration = Duration::from_millis(50);
 /// hold it) before its exit is reported without what it said last.
 const STDERR_END: Duration = Duration::from_secs(1);
 
+/// The most bytes of an engine's stderr read as one line.
+const MAX_LINE: u64 = 64 * 1024;
+
+/// The most bytes of an engine's last reason kept (it goes into errors and `/models`).
+const MAX_REASON: usize = 1024;
+
 /// Passes an engine's stderr on to the router's, line by line, and returns the reason the
 /// engine gave last (`llamarunner: model NAME: REASON`, which `_engine.py` writes before it
 /// exits on a failure): an engine that fails before it serves `/health`, for example on a
 /// file that is not a GGUF model, has no other way to say why.
 async fn pass_stderr(stderr: Option<tokio::process::ChildStderr>, name: String) -> Option<String> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let mut lines = tokio::io::BufReader::new(stderr?);
     let mut out = tokio::io::stderr();
     let prefix = format!("llamarunner: model {name}: ");
@@ -37,15 +43,23 @@ async fn pass_stderr(stderr: Option<tokio::process::ChildStderr>, name: String) 
     loop {
         line.clear();
         // Bytes, not text: a line that is not UTF-8 must not stop the reading (the engine
-        // would block on a full pipe).
-        match lines.read_until(b'\n', &mut line).await {
+        // would block on a full pipe). A longer line than MAX_LINE passes in pieces.
+        match (&mut lines)
+            .take(MAX_LINE)
+            .read_until(b'\n', &mut line)
+            .await
+        {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
         let _ = out.write_all(&line).await;
         let text = String::from_utf8_lossy(&line);
         if let Some(why) = text.trim_end().strip_prefix(&prefix) {
-            said = Some(why.to_string());
+            let cut = (0..=why.len().min(MAX_REASON))
+                .rev()
+                .find(|&i| why.is_char_boundary(i))
+                .unwrap_or(0);
+            said = Some(why[..cut].to_string());
         }
     }
     said

@@ -183,6 +183,17 @@ async fn an_engine_that_fails_before_it_serves_gives_the_reason_it_wrote_last() 
 }
 
 #[tokio::test]
+async fn an_engines_reason_is_cut_to_a_kilobyte() {
+    let script = "printf 'llamarunner: model alpha: %0100000d\\n' 0 >&2; exit 1";
+    let r = registry_running(&["alpha"], &["sh", "-c", script], Duration::from_secs(5));
+    let m = r.find(Some("alpha")).unwrap();
+    let ApiError::LoadFailed(why) = r.lease(&m).await.unwrap_err() else {
+        panic!("not a load failure");
+    };
+    assert!(why.contains("000000") && why.len() < 1200, "{}", why.len());
+}
+
+#[tokio::test]
 async fn an_engine_that_exits_while_loading_fails_the_request_with_its_reason() {
     // `true` exits at once: the load fails, the request is told, the model says failed.
     let r = registry(&["alpha", "bravo"]);
