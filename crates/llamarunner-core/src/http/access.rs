@@ -185,14 +185,7 @@ pub fn layer(router: Router, metrics: Option<Arc<Metrics>>) -> Router {
 fn route_of(req: &Request) -> String {
     match req.extensions().get::<MatchedPath>() {
         Some(p) => p.as_str().to_string(),
-        None => {
-            let path = req.uri().path();
-            let mut end = path.len().min(MAX_LOGGED_PATH);
-            while !path.is_char_boundary(end) {
-                end -= 1;
-            }
-            path[..end].to_string()
-        }
+        None => super::text::truncated(req.uri().path(), MAX_LOGGED_PATH).to_string(),
     }
 }
 

@@ -188,7 +188,7 @@ pub fn write(
         hash: Sha256::new(),
         written: 0,
     };
-    let description = truncated(&model.description, MAX_DESCRIPTION);
+    let description = crate::http::text::truncated(&model.description, MAX_DESCRIPTION);
     let too_big = |what| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
     w.put(MAGIC)?;
     w.put(&VERSION.to_le_bytes())?;
@@ -206,15 +206,6 @@ pub fn write(
     let checksum: [u8; CHECKSUM_LEN] = w.hash.finalize().into();
     w.out.write_all(&checksum)?;
     Ok(w.written + CHECKSUM_LEN as u64)
-}
-
-/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
-fn truncated(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 /// A writer that hashes what it writes.

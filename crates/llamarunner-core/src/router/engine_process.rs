@@ -55,11 +55,7 @@ async fn pass_stderr(stderr: Option<tokio::process::ChildStderr>, name: String) 
         let _ = out.write_all(&line).await;
         let text = String::from_utf8_lossy(&line);
         if let Some(why) = text.trim_end().strip_prefix(&prefix) {
-            let cut = (0..=why.len().min(MAX_REASON))
-                .rev()
-                .find(|&i| why.is_char_boundary(i))
-                .unwrap_or(0);
-            said = Some(why[..cut].to_string());
+            said = Some(crate::http::text::truncated(why, MAX_REASON).to_string());
         }
     }
     said
