@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -831,3 +832,16 @@ def replicas_of(url: str, want: int = 2, timeout: float = 120) -> set[str]:
         seen.add(r.headers[REPLICA_HEADER])
         time.sleep(0.05)
     return seen
+
+
+def slot_file_state(data: bytes) -> tuple[int, int, int]:
+    """(tokens, where llama.cpp's state starts, its bytes) in a slot file (the layout of
+    ops/slot_file.rs: magic, version, fingerprint, description, tokens, state, checksum)."""
+    at = 8 + 4 + 32
+    (desc_len,) = struct.unpack_from("<H", data, at)
+    at += 2 + desc_len
+    (n_tokens,) = struct.unpack_from("<I", data, at)
+    at += 4 + 4 * n_tokens
+    (state_len,) = struct.unpack_from("<Q", data, at)
+    assert at + 8 + state_len + 32 == len(data)
+    return n_tokens, at + 8, state_len

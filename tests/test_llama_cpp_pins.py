@@ -18,7 +18,6 @@ runner depends on the behaviour. They run on tiny generated models (seconds each
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +26,7 @@ import pytest
 
 from llamarunner import Server
 
-from helpers import complete
+from helpers import complete, slot_file_state
 from tinymodel import (
     HEAD_DIM,
     N_HEAD_KV,
@@ -78,14 +77,7 @@ def test_sliding_window_layers_drop_cells_past_their_window(
 def state_length(file: Path) -> tuple[int, int]:
     """(tokens, llama.cpp state bytes) of a slot file (the layout of ops/slot_file.rs: magic,
     version, fingerprint, description, tokens, state, checksum)."""
-    data = file.read_bytes()
-    at = 8 + 4 + 32
-    (desc_len,) = struct.unpack_from("<H", data, at)
-    at += 2 + desc_len
-    (n_tokens,) = struct.unpack_from("<I", data, at)
-    at += 4 + 4 * n_tokens
-    (state_len,) = struct.unpack_from("<Q", data, at)
-    assert at + 8 + state_len + 32 == len(data)
+    n_tokens, _, state_len = slot_file_state(file.read_bytes())
     return n_tokens, state_len
 
 

@@ -24,7 +24,15 @@ from llamarunner import BadRequestError, Client, Server, TokenPiece
 from llamarunner._progress import progress_bar
 from llamarunner.config import ServerConfig, model_name
 
-from helpers import ServeProcess, complete, metric, stream_lines, wait_idle, wait_until
+from helpers import (
+    ServeProcess,
+    complete,
+    metric,
+    slot_file_state,
+    stream_lines,
+    wait_idle,
+    wait_until,
+)
 from tinymodel import byte_tokens, vocabulary
 
 TINY_VOCAB = len(vocabulary()[0])
@@ -366,9 +374,7 @@ def forge_first_cell(good: bytes, pos: int) -> bytes:
     llama.cpp state moved to position ``pos``, its checksum made again: what anyone who can
     write into the slot directory can make. The state: an 8-byte header, the stream count,
     then stream 0's cell count and its cells (position, 1, sequence id: 12 bytes each)."""
-    o = 8 + 4 + 32
-    o += 2 + struct.unpack_from("<H", good, o)[0]
-    o += 4 + 4 * struct.unpack_from("<I", good, o)[0] + 8
+    _, o, _ = slot_file_state(good)
     body = bytearray(good[:-32])
     assert struct.unpack_from("<iIi", body, o + 16) == (0, 1, 0)  # position 0 of sequence 0
     struct.pack_into("<i", body, o + 16, pos)

@@ -162,12 +162,23 @@ fn a_state_the_backend_refuses_leaves_the_slot_empty_and_the_engine_serving() {
     assert_eq!(err.kind, EngineErrorKind::ContextLength);
 }
 
-/// The state `state` with a cell at a position no removal by range reaches (the fake's
-/// `STUCK_CELL`) after its cells: what a slot file whose checksum holds can carry.
-fn with_stuck_cell(state: &[u8]) -> Vec<u8> {
+/// Restores into slot `slot` the state `state` with a cell at a position no removal by range
+/// reaches after its cells (the fake's `STUCK_CELL`: what a slot file whose checksum holds
+/// can carry); the restore is refused.
+fn restore_with_stuck_cell(h: &Harness, slot: usize, tokens: Vec<Token>, state: &[u8]) {
     let mut state = state.to_vec();
     state.extend(crate::backend::fake::STUCK_CELL.to_le_bytes());
-    state
+    let err = h
+        .slot(
+            slot,
+            SlotAction::Restore {
+                tokens,
+                state,
+                lora: LoraScales::base(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
 }
 
 #[test]
@@ -183,17 +194,7 @@ fn a_restored_cell_no_range_removes_empties_the_whole_cache_and_every_slot_serve
         lora: LoraScales::base(),
     };
     assert_eq!(h.slot(1, copy), Ok(SlotOutcome::Restored(n)));
-    let err = h
-        .slot(
-            0,
-            SlotAction::Restore {
-                tokens,
-                state: with_stuck_cell(&state),
-                lora: LoraScales::base(),
-            },
-        )
-        .unwrap_err();
-    assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
+    restore_with_stuck_cell(&h, 0, tokens, &state);
     // Only emptying the whole cache removed the stuck cell: no slot holds anything now, and
     // both serve (the fake refuses to decode a sequence with a stuck cell).
     for i in 0..2 {
@@ -223,17 +224,7 @@ fn a_request_served_while_the_whole_cache_is_emptied_ends_with_an_error() {
     // A long request on slot 0 (the restore goes to the idle slot 1).
     let mut rx = h.submit("busy", greedy(5_000));
     assert!(matches!(rx.blocking_recv(), Some(Event::Started { .. })));
-    let err = h
-        .slot(
-            1,
-            SlotAction::Restore {
-                tokens,
-                state: with_stuck_cell(&state),
-                lora: LoraScales::base(),
-            },
-        )
-        .unwrap_err();
-    assert_eq!(err.kind, EngineErrorKind::InvalidSlotState, "{err}");
+    restore_with_stuck_cell(&h, 1, tokens, &state);
     let ended = loop {
         match rx.blocking_recv().expect("the stream ends") {
             Event::Text { .. } => {}
@@ -242,6 +233,7 @@ fn a_request_served_while_the_whole_cache_is_emptied_ends_with_an_error() {
         }
     };
     assert!(ended.message.contains("KV cache was cleared"), "{ended}");
+    assert_eq!(ended.kind, EngineErrorKind::CacheFull, "{ended}");
     let (text, _) = collect(&mut h.submit("busy", greedy(3)));
     assert_eq!(text, expected("busy", 3));
 }
