@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from llamarunner import BadRequestError, Client, Server, TokenPiece
 from llamarunner._progress import progress_bar
@@ -36,6 +40,8 @@ from helpers import (
 from tinymodel import byte_tokens, vocabulary
 
 TINY_VOCAB = len(vocabulary()[0])
+
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "llamarunner-hypothesis")
 
 
 def post(url: str, path: str, body: Any = None) -> httpx.Response:
@@ -375,10 +381,71 @@ def forge_first_cell(good: bytes, pos: int) -> bytes:
     write into the slot directory can make. The state: an 8-byte header, the stream count,
     then stream 0's cell count and its cells (position, 1, sequence id: 12 bytes each)."""
     _, o, _ = slot_file_state(good)
+    assert struct.unpack_from("<iIi", good, o + 16) == (0, 1, 0)  # position 0 of sequence 0
+    return forge_cells(good, {0: pos})
+
+
+def forge_cells(good: bytes, positions: dict[int, int]) -> bytes:
+    """The slot file ``good`` with cell ``i`` of stream 0 (taken modulo its cell count) moved
+    to position ``positions[i]``, its checksum made again (see ``forge_first_cell``)."""
+    _, o, _ = slot_file_state(good)
     body = bytearray(good[:-32])
-    assert struct.unpack_from("<iIi", body, o + 16) == (0, 1, 0)  # position 0 of sequence 0
-    struct.pack_into("<i", body, o + 16, pos)
+    (cells,) = struct.unpack_from("<I", body, o + 12)
+    for i, pos in positions.items():
+        struct.pack_into("<i", body, o + 16 + 12 * (i % cells), pos)
     return bytes(body) + hashlib.sha256(bytes(body)).digest()
+
+
+def test_a_forged_state_with_a_position_twice_is_refused_and_the_slot_serves(
+    slot_server: str, slot_dir: Path
+) -> None:
+    """Found by the generator below: cell 1 moved to position 0 kept the last position (so the
+    token count matched), and llama.cpp refused the slot's every later decode."""
+    url = slot_server
+    complete(url, "hello world", num_predict=4, temperature=0)
+    wait_idle(url)
+    assert post(url, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
+    good = (slot_dir / "good.bin").read_bytes()
+    (slot_dir / "forged.bin").write_bytes(forge_cells(good, {1: 0}))
+    r = post(url, "/slots/0?action=restore", {"filename": "forged.bin"})
+    assert r.status_code == 400 and error_type(r) == "invalid_slot_file", r.text
+    assert "two cells at position 0" in r.text, r.text
+    _, done = complete(url, "hello world", num_predict=2, temperature=0)
+    assert done["eval_count"] == 2
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.dictionaries(
+        st.integers(0, 63),
+        st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([-1, 0, 2**31 - 1])),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_generated_cell_positions_are_restored_or_refused_and_the_slot_serves(
+    slot_server: str, slot_dir: Path, positions: dict[int, int]
+) -> None:
+    """Any positions a forged state gives its cells: the restore is a 200 or a 400, and the
+    slot serves the next request (the lowest free slot, 0, the one restored into)."""
+    url = slot_server
+    good_file = slot_dir / "good.bin"
+    if not good_file.exists():
+        complete(url, "hello world", num_predict=4, temperature=0)
+        wait_idle(url)
+        assert post(url, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
+    (slot_dir / "forged.bin").write_bytes(forge_cells(good_file.read_bytes(), positions))
+    wait_idle(url)
+    r = post(url, "/slots/0?action=restore", {"filename": "forged.bin"})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert error_type(r) == "invalid_slot_file", r.text
+    _, done = complete(url, "hello world", num_predict=2, temperature=0)
+    assert done["eval_count"] == 2
 
 
 @pytest.mark.parametrize("pos", [2**31 - 1, -1, -7, -(2**31)])

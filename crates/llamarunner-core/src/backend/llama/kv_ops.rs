@@ -161,15 +161,25 @@ impl KvOps for LlamaEngine<'_> {
     }
 
     fn set_seq_state(&mut self, seq: i32, state: &[u8]) -> Result<usize, BackendError> {
-        // Every cell's position in the cache, checked before llama.cpp takes it
-        // (`state_positions.rs`); a recurrent state's layout is another.
+        // Every cell's position, checked before llama.cpp takes it (`state_positions.rs`): in
+        // the cache, and once in each of its caches (a position twice makes llama.cpp refuse
+        // the sequence's next decode). A recurrent state's layout is another.
         if !(self.model.is_recurrent() || self.model.is_hybrid()) {
             let limit = i64::from(self.ctx.n_ctx());
-            let positions = super::state_positions::cell_positions(state).unwrap_or_default();
-            if let Some(p) = positions.iter().find(|&&p| p < 0 || i64::from(p) >= limit) {
-                return Err(BackendError::State(format!(
-                    "the state holds a cell at position {p}, outside the cache's 0..{limit}"
-                )));
+            let caches = super::state_positions::cell_positions(state).unwrap_or_default();
+            for mut positions in caches {
+                if let Some(p) = positions.iter().find(|&&p| p < 0 || i64::from(p) >= limit) {
+                    return Err(BackendError::State(format!(
+                        "the state holds a cell at position {p}, outside the cache's 0..{limit}"
+                    )));
+                }
+                positions.sort_unstable();
+                if let Some(w) = positions.windows(2).find(|w| w[0] == w[1]) {
+                    return Err(BackendError::State(format!(
+                        "the state holds two cells at position {}",
+                        w[0]
+                    )));
+                }
             }
         }
         // SAFETY: llama.cpp reads `state` within its length (its reader checks every read

@@ -26,9 +26,9 @@
 //! llama.cpp, a model whose layers do not all keep values) gives no positions, and the checks
 //! after the restore are all there is.
 
-/// The positions of every cell in `state`, cache after cache, or None when its bytes do not
+/// The positions of every cell in `state`, one list per cache, or None when its bytes do not
 /// walk as the layout above, with or without the cells' extension, exactly to their end.
-pub(super) fn cell_positions(state: &[u8]) -> Option<Vec<i32>> {
+pub(super) fn cell_positions(state: &[u8]) -> Option<Vec<Vec<i32>>> {
     [false, true].into_iter().find_map(|ext| {
         walk(
             &mut Reader {
@@ -46,13 +46,13 @@ const CELL_EXT: usize = 12;
 /// More streams than any context has (one per sequence at most).
 const MAX_STREAMS: u32 = 1 << 16;
 
-fn walk(r: &mut Reader<'_>, ext: bool) -> Option<Vec<i32>> {
+fn walk(r: &mut Reader<'_>, ext: bool) -> Option<Vec<Vec<i32>>> {
     r.skip(8)?; // magic, sequence id
-    let mut positions = Vec::new();
+    let mut caches = Vec::new();
     // At least one cache.
-    let mut caches = 0;
-    while caches == 0 || !r.done() {
-        caches += 1;
+    while caches.is_empty() || !r.done() {
+        caches.push(Vec::new());
+        let positions = caches.last_mut()?;
         let streams = r.u32()?;
         if streams == 0 || streams > MAX_STREAMS {
             return None;
@@ -92,7 +92,7 @@ fn walk(r: &mut Reader<'_>, ext: bool) -> Option<Vec<i32>> {
             }
         }
     }
-    Some(positions)
+    Some(caches)
 }
 
 /// A cursor over a state's bytes; every read fails past their end.
@@ -196,15 +196,16 @@ mod tests {
         ] {
             let positions = [0, 1, 2, -1, i32::MAX];
             let one = state(&[cache(&positions, streams, 3, v_trans, ext)]);
-            assert_eq!(cell_positions(&one), Some(positions.to_vec()));
+            assert_eq!(cell_positions(&one), Some(vec![positions.to_vec()]));
             // A sliding-window model: the full cache, then the windowed one.
             let two = state(&[
                 cache(&positions, streams, 3, v_trans, ext),
                 cache(&[-7, 2], streams, 2, v_trans, ext),
             ]);
-            let mut both = positions.to_vec();
-            both.extend([-7, 2]);
-            assert_eq!(cell_positions(&two), Some(both));
+            assert_eq!(
+                cell_positions(&two),
+                Some(vec![positions.to_vec(), vec![-7, 2]])
+            );
         }
         // A sequence without cells.
         assert_eq!(
@@ -213,7 +214,7 @@ mod tests {
                 .into_iter()
                 .chain(0u32.to_le_bytes())
                 .collect()])),
-            Some(vec![])
+            Some(vec![vec![]])
         );
     }
 
